@@ -1,0 +1,204 @@
+"""Typed, frozen configs and named presets.
+
+Every field is overridable from the command line (`python -m gendist train --help`), where
+the comment after each field becomes its help text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer (RoPE, RMSNorm, grouped-query attention, SwiGLU)."""
+
+    vocab_size: int = 256  # byte-level tokenizer: 256 symbols
+    d_model: int = 128  # residual stream width D
+    num_layers: int = 4  # transformer blocks L, stacked on a leading `layers` axis
+    num_heads: int = 4  # query heads N
+    num_kv_heads: int = 4  # key/value heads K (grouped-query when K < N)
+    head_dim: int = 32  # per-head width H
+    d_ff: int = 384  # MLP hidden width F
+    max_seq_len: int = 256  # longest sequence the model accepts (RoPE table, KV cache)
+    mlp: Literal["swiglu", "gelu"] = "swiglu"  # MLP kind
+    tie_embeddings: bool = True  # output layer reuses the token embedding
+    rope_theta: float = 10_000.0  # RoPE base frequency
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (params stay fp32)
+    attention: Literal["xla", "cudnn", "pallas"] = "xla"  # attention backend
+    remat: Literal["none", "full", "save_matmuls"] = "none"  # activation recomputation per block
+    init_std: float = 0.02  # std of the normal init of weight matrices
+
+    def __post_init__(self):
+        _check_positive(self, "vocab_size", "d_model", "num_layers", "num_heads",
+                        "num_kv_heads", "head_dim", "d_ff", "max_seq_len")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads="
+                f"{self.num_kv_heads}: grouped-query attention shares each kv head among "
+                "num_heads/num_kv_heads query heads; pick num_kv_heads dividing num_heads.")
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        d, f, v = self.d_model, self.d_ff, self.vocab_size
+        attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = d * f * (3 if self.mlp == "swiglu" else 2)
+        per_layer = attn + mlp + 2 * d
+        head = 0 if self.tie_embeddings else d * v
+        return v * d + self.num_layers * per_layer + d + head
+
+    @property
+    def num_nonembedding_params(self) -> int:
+        return self.num_params - self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per matmul parameter plus causal attention.
+
+        Matmul parameters exclude the embedding lookup but include the output layer (V·D,
+        tied or not). Attention scores and values cost 2·2·T·N·H FLOPs per token and layer
+        in the forward pass, halved by the causal mask, ×3 for forward + backward
+        (the PaLM paper's MFU accounting, appendix B).
+        """
+        matmul_params = self.num_nonembedding_params + self.vocab_size * self.d_model
+        attn = 3 * self.num_layers * 4 * seq_len * self.num_heads * self.head_dim * 0.5
+        return 6.0 * matmul_params + attn
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the four mesh axes; one size may be -1 to take the remaining devices."""
+
+    data: int = -1  # data parallelism (batch sharded; ZeRO shards optimizer state here)
+    pipeline: int = 1  # pipeline stages (contiguous slices of the layer stack)
+    expert: int = 1  # expert parallelism (also data parallel for non-MoE layers)
+    tensor: int = 1  # Megatron tensor parallelism (heads, MLP width, vocabulary)
+
+    def sizes(self) -> dict[str, int]:
+        return {"data": self.data, "pipeline": self.pipeline, "expert": self.expert,
+                "tensor": self.tensor}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the text comes from and how it is cut into windows."""
+
+    corpus: tuple[str, ...] = ()  # text files to train on; empty = bundled Shakespeare
+    val_fraction: float = 0.05  # last fraction of the corpus held out for validation
+    seed: int = 0  # batches are a pure function of (seed, step)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, schedule, logging and checkpointing."""
+
+    batch_size: int = 32  # global sequences per optimizer step
+    seq_len: int = 128  # tokens per sequence
+    steps: int = 600  # optimizer steps
+    grad_accum: int = 1  # microbatches accumulated per step (batch_size % grad_accum == 0)
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # final lr as a fraction of the peak (cosine decay)
+    warmup_steps: int = 50  # linear warm-up steps
+    weight_decay: float = 0.1  # AdamW decay (not applied to norms and biases)
+    b1: float = 0.9  # Adam beta1
+    b2: float = 0.95  # Adam beta2
+    grad_clip: float = 1.0  # global-norm gradient clipping
+    seed: int = 0  # parameter init seed
+    eval_every: int = 100  # steps between validation losses
+    eval_batches: int = 8  # batches per validation loss
+    log_every: int = 10  # steps between console/JSONL/TensorBoard metrics
+    checkpoint_every: int = 200  # steps between checkpoints (0 = only at the end)
+    keep_checkpoints: int = 2  # checkpoints kept on disk
+    out_dir: str = "runs/default"  # metrics, TensorBoard and checkpoints go here
+    resume: bool = True  # resume from the latest checkpoint in out_dir/checkpoints
+    nonfinite: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop the run or skip the step
+    zero_stage: Literal[0, 1, 2, 3] = 0  # ZeRO stage over `data` (0 = replicated state)
+    tensorboard: bool = True  # write TensorBoard event files
+    progress: bool = True  # show a progress bar
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Sampling from a trained model."""
+
+    prompt: str = "ROMEO:"  # text the sample continues
+    max_new_tokens: int = 200  # tokens to generate
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int = 0  # keep the k most likely tokens (0 = off)
+    top_p: float = 1.0  # nucleus sampling mass (1 = off)
+    seed: int = 0  # sampling seed
+    eos_id: int = -1  # stop a sequence at this token (-1 = never)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything one run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+
+
+def _check_positive(cfg, *names):
+    for n in names:
+        v = getattr(cfg, n)
+        if v <= 0:
+            raise ValueError(f"{type(cfg).__name__}.{n}={v} must be positive.")
+
+
+def _model(**kw) -> ModelConfig:
+    return ModelConfig(**kw)
+
+
+# Named presets. Widths follow GPT-2 / Pythia-style shapes with head_dim 64 or 128.
+PRESETS: dict[str, Config] = {
+    # CPU: 4 layers, width 128 (~0.8M params); trains to < 2.2 nats/byte in minutes on 2 cores.
+    "tiny": Config(),
+    # ~25M params.
+    "small": Config(
+        model=_model(d_model=512, num_layers=8, num_heads=8, num_kv_heads=8, head_dim=64,
+                     d_ff=1408, max_seq_len=1024, dtype="bfloat16", attention="cudnn"),
+        train=TrainConfig(batch_size=32, seq_len=512, lr=1e-3, steps=2000)),
+    # GPT-2 small shape (124M with its 50k vocabulary; bytes make it ~85M).
+    "gpt2": Config(
+        model=_model(d_model=768, num_layers=12, num_heads=12, num_kv_heads=12, head_dim=64,
+                     d_ff=2048, max_seq_len=2048, dtype="bfloat16", attention="cudnn"),
+        train=TrainConfig(batch_size=32, seq_len=1024, lr=6e-4, steps=2000)),
+    # GPT-2 medium shape.
+    "350m": Config(
+        model=_model(d_model=1024, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=64,
+                     d_ff=2816, max_seq_len=2048, dtype="bfloat16", attention="cudnn"),
+        train=TrainConfig(batch_size=16, seq_len=1024, lr=3e-4, steps=2000)),
+    # ~1.2B params, head_dim 128 (Llama-style).
+    "1b": Config(
+        model=_model(d_model=2048, num_layers=22, num_heads=16, num_kv_heads=16, head_dim=128,
+                     d_ff=5632, max_seq_len=2048, dtype="bfloat16", attention="cudnn"),
+        train=TrainConfig(batch_size=8, seq_len=2048, lr=2e-4, steps=2000)),
+}
+
+
+def preset(name: str) -> Config:
+    """A named preset; raises with the list of names on a typo."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def replace(cfg, **changes):
+    """dataclasses.replace that also accepts dotted paths: replace(cfg, **{"model.d_model": 64})."""
+    nested: dict[str, dict] = {}
+    flat = {}
+    for k, v in changes.items():
+        head, _, rest = k.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = v
+        else:
+            flat[k] = v
+    for head, sub in nested.items():
+        flat[head] = replace(getattr(cfg, head), **sub)
+    return dataclasses.replace(cfg, **flat)

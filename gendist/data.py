@@ -1,0 +1,117 @@
+"""Byte-level text data: the bundled Shakespeare corpus or any text files.
+
+Batches are a pure function of (seed, step, split), so a resumed run sees exactly the
+batches it would have seen, on any number of devices or processes. Each batch lands on
+the mesh sharded over the `batch` logical axis (mesh axes `data` and `expert`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from gendist.config import DataConfig
+from gendist.sharding import named_sharding
+
+BUNDLED = "shakespeare.txt.gz"
+
+
+def encode(text: str) -> np.ndarray:
+    """UTF-8 bytes as uint8 token ids (vocabulary of 256)."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+
+def decode(tokens) -> str:
+    return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def load_corpus(paths: tuple[str, ...] = ()) -> np.ndarray:
+    """All bytes of the given text files (.gz read transparently), or the bundled corpus."""
+    if not paths:
+        with resources.files("gendist.assets").joinpath(BUNDLED).open("rb") as f:
+            return np.frombuffer(gzip.decompress(f.read()), dtype=np.uint8)
+    chunks = []
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"data.corpus: {str(path)!r} is not a file; give existing text files, or "
+                "leave data.corpus empty to train on the bundled Shakespeare corpus.")
+        raw = path.read_bytes()
+        chunks.append(np.frombuffer(gzip.decompress(raw) if p.endswith(".gz") else raw,
+                                    dtype=np.uint8))
+    return np.concatenate(chunks)
+
+
+@dataclass
+class TextData:
+    """Train/validation split of a byte corpus with deterministic random windows."""
+
+    train: np.ndarray
+    val: np.ndarray
+    seed: int
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig) -> TextData:
+        tokens = load_corpus(cfg.corpus)
+        if not 0.0 < cfg.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction={cfg.val_fraction} must be in (0, 1).")
+        n_val = int(len(tokens) * cfg.val_fraction)
+        return cls(tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:], cfg.seed)
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.train[:1 << 20].tobytes()).hexdigest()[:16]
+
+    def batch_indices(self, step: int, batch_size: int, seq_len: int, split: str) -> np.ndarray:
+        """Start offsets of the windows of one global batch: a function of (seed, step)."""
+        data = self.train if split == "train" else self.val
+        if len(data) <= seq_len + 1:
+            raise ValueError(f"train.seq_len={seq_len} is longer than the {split} split "
+                             f"({len(data)} tokens); use a shorter seq_len or more text.")
+        salt = 0 if split == "train" else 1
+        rng = np.random.default_rng([self.seed, salt, step])
+        return rng.integers(0, len(data) - seq_len - 1, size=batch_size)
+
+    def global_batch(self, step: int, batch_size: int, seq_len: int, split: str = "train",
+                     rows: slice | None = None) -> dict[str, np.ndarray]:
+        """inputs/targets [B, T] int32 for rows `rows` of the global batch (all by default)."""
+        data = self.train if split == "train" else self.val
+        starts = self.batch_indices(step, batch_size, seq_len, split)
+        if rows is not None:
+            starts = starts[rows]
+        win = np.stack([data[s: s + seq_len + 1] for s in starts]).astype(np.int32)
+        return {"inputs": win[:, :-1], "targets": win[:, 1:]}
+
+
+def shard_batch(batch: dict[str, np.ndarray], mesh, global_batch_size: int | None = None):
+    """Place a batch on the mesh, rows split over the `batch` logical axis.
+
+    Single process: `batch` is the whole global batch. Several processes: each passes
+    only its rows (see `process_rows`) and the global array is assembled without copies.
+    """
+    sharding = named_sharding(mesh, ("batch", "seq"))
+    if jax.process_count() == 1:
+        return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+    out = {}
+    for k, v in batch.items():
+        shape = (global_batch_size, *v.shape[1:])
+        out[k] = jax.make_array_from_process_local_data(sharding, v, shape)
+    return out
+
+
+def process_rows(mesh, global_batch_size: int) -> slice:
+    """The rows of the global batch that this process's devices hold."""
+    if jax.process_count() == 1:
+        return slice(0, global_batch_size)
+    sharding = named_sharding(mesh, ("batch", "seq"))
+    idx = sharding.addressable_devices_indices_map((global_batch_size, 1))
+    starts = sorted({(i[0].start or 0) for i in idx.values()})
+    stops = sorted({(i[0].stop or global_batch_size) for i in idx.values()})
+    return slice(starts[0], stops[-1])

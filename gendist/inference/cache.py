@@ -1,0 +1,83 @@
+"""The KV-cache interface the model decodes through, and its contiguous implementation.
+
+A cache is a pytree with two parts: per-layer arrays stacked on a leading `layers` axis
+(scanned together with the layer weights) and shared bookkeeping (lengths, block tables).
+The transformer calls, inside its layer scan, `cache.attend(layer_state, q, k, v, q_pos)`,
+which writes the new K/V and attends over everything cached for that sequence. A paged
+cache implements the same three methods.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gendist.models.attention import xla_attention
+
+
+class KVCache(abc.ABC):
+    """What the transformer needs from a cache."""
+
+    lengths: jax.Array  # [B] int32: tokens already cached per sequence
+
+    @abc.abstractmethod
+    def layer_state(self):
+        """Per-layer arrays, each with a leading `layers` axis (scanned by the model)."""
+
+    @abc.abstractmethod
+    def with_layer_state(self, state) -> KVCache:
+        """This cache with new per-layer arrays."""
+
+    @abc.abstractmethod
+    def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
+        """Write k, v at positions q_pos and attend; returns (out_BTNH, new_layer_state)."""
+
+    def advance(self, num_new_B: jax.Array) -> KVCache:
+        """Count `num_new_B` more tokens as cached (per sequence: they may differ)."""
+        return dataclasses.replace(self, lengths=self.lengths + num_new_B.astype(jnp.int32))
+
+    def rollback(self, lengths_B: jax.Array) -> KVCache:
+        """Forget everything past `lengths_B` (speculative decoding rejects drafts)."""
+        return dataclasses.replace(self, lengths=lengths_B.astype(jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ContiguousKVCache(KVCache):
+    """max_len slots reserved per sequence: k, v [L, B, S, K, H]."""
+
+    k_LBSKH: jax.Array
+    v_LBSKH: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def create(cls, num_layers, batch, max_len, num_kv_heads, head_dim, dtype=jnp.float32):
+        shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k_LBSKH.shape[2]
+
+    def layer_state(self):
+        return (self.k_LBSKH, self.v_LBSKH)
+
+    def with_layer_state(self, state):
+        k, v = state
+        return dataclasses.replace(self, k_LBSKH=k, v_LBSKH=v)
+
+    def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
+        k_BSKH, v_BSKH = layer_state
+        # Rows are written at each sequence's own positions; positions past max_len are
+        # dropped by the scatter (callers check lengths against max_len on the host).
+        b_BT = jnp.broadcast_to(jnp.arange(q_BTNH.shape[0])[:, None], q_pos_BT.shape)
+        k_BSKH = k_BSKH.at[b_BT, q_pos_BT].set(k_BTKH.astype(k_BSKH.dtype), mode="drop")
+        v_BSKH = v_BSKH.at[b_BT, q_pos_BT].set(v_BTKH.astype(v_BSKH.dtype), mode="drop")
+        kv_len_B = jnp.max(q_pos_BT, axis=1) + 1
+        out = xla_attention(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
+                            q_pos_BT, kv_len_B, sm_scale)
+        return out, (k_BSKH, v_BSKH)

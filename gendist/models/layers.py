@@ -1,0 +1,46 @@
+"""Stateless pieces of a transformer block: RMSNorm, rotary embeddings, MLPs.
+
+Pure functions of arrays, so the same math serves the NNX module, the explicit
+tensor-parallel form, pipeline stages and the decode loop.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x_BTD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich 2019), computed in fp32 and cast back."""
+    x = x_BTD.astype(jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (y * scale_D.astype(jnp.float32)).astype(x_BTD.dtype)
+
+
+def rope_angles(positions_BT: jax.Array, head_dim: int, theta: float):
+    """cos, sin of the rotary angles (Su et al. 2021), shapes [B, T, H/2], fp32."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    ang_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(ang_BTh), jnp.sin(ang_BTh)
+
+
+def apply_rope(x_BTNH: jax.Array, cos_BTh: jax.Array, sin_BTh: jax.Array) -> jax.Array:
+    """Rotate pairs (x[:h], x[h:]) of each head by the position's angle (NeoX layout)."""
+    h = x_BTNH.shape[-1] // 2
+    x = x_BTNH.astype(jnp.float32)
+    x1, x2 = x[..., :h], x[..., h:]
+    c, s = cos_BTh[:, :, None, :], sin_BTh[:, :, None, :]
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+def mlp(x_BTD: jax.Array, p: dict, kind: str) -> jax.Array:
+    """SwiGLU (Shazeer 2020) or GELU MLP; weights w_gate/w_up [D, F], w_down [F, D]."""
+    dt = x_BTD.dtype
+    up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, p["w_up"].astype(dt))
+    if kind == "swiglu":
+        gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, p["w_gate"].astype(dt))
+        h_BTF = jax.nn.silu(gate_BTF) * up_BTF
+    else:
+        h_BTF = jax.nn.gelu(up_BTF)
+    return jnp.einsum("BTF,FD->BTD", h_BTF, p["w_down"].astype(dt))

@@ -1,0 +1,279 @@
+"""Static pipeline schedules: a table [steps, stages] of (action, microbatch).
+
+A schedule is data, not control flow: the executor (`pipeline.py`) runs any valid table
+inside one SPMD program, so a new schedule is a new table, not a new executor. Time is
+counted in units of one stage-action (forward and backward cost one unit each) and a
+message crosses one stage boundary per step, the model of GPipe (Huang et al. 2019) and of
+the 1F1B schedule of PipeDream-Flush (Narayanan et al. 2019) as used by Megatron-LM
+(Narayanan et al. 2021). Tables are built by running each stage's action order as soon as
+its dependencies allow (ASAP), so the timing follows from the order alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+IDLE, FORWARD, BACKWARD = 0, 1, 2
+_LETTER = {IDLE: ".", FORWARD: "F", BACKWARD: "B"}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Schedule:
+    """A static pipeline schedule.
+
+    `kind[t, s]` is IDLE, FORWARD or BACKWARD for stage s at step t; `microbatch[t, s]` is
+    the microbatch it acts on (-1 when idle). Both are numpy int32 arrays [steps, stages].
+    """
+
+    name: str
+    kind: np.ndarray
+    microbatch: np.ndarray
+    num_microbatches: int
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.kind.shape[0])
+
+    @property
+    def num_stages(self) -> int:
+        return int(self.kind.shape[1])
+
+
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    if not isinstance(num_stages, int | np.integer) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r} must be an int >= 1 (the pipeline mesh size)")
+    if not isinstance(num_microbatches, int | np.integer) or num_microbatches < 1:
+        raise ValueError(
+            f"num_microbatches={num_microbatches!r} must be an int >= 1; "
+            "use at least num_stages microbatches to keep the bubble small"
+        )
+
+
+def from_stage_orders(
+    orders: list[list[tuple[int, int]]], num_microbatches: int, name: str
+) -> Schedule:
+    """Times each stage's ordered list of (kind, microbatch) actions as early as possible.
+
+    Stage s may run F(i) one step after stage s-1 ran F(i); B(i) one step after stage s+1
+    ran B(i) (or, on the last stage, one step after its own F(i)). A stage runs its actions
+    strictly in the given order, idling while the next one waits for its input.
+    """
+    p = len(orders)
+    _check_sizes(p, num_microbatches)
+    done: dict[tuple[int, int, int], int] = {}  # (stage, kind, mb) -> step it ran
+    pos = [0] * p
+    rows_kind, rows_mb = [], []
+    total = sum(len(o) for o in orders)
+    t = 0
+    while len(done) < total:
+        row_k, row_m = [IDLE] * p, [-1] * p
+        for s in range(p):
+            if pos[s] == len(orders[s]):
+                continue
+            kind, mb = orders[s][pos[s]]
+            if kind == FORWARD:
+                dep = (s - 1, FORWARD, mb) if s > 0 else None
+            elif kind == BACKWARD:
+                dep = (s + 1, BACKWARD, mb) if s < p - 1 else (s, FORWARD, mb)
+            else:
+                raise ValueError(f"orders[{s}] holds kind={kind}; use FORWARD or BACKWARD")
+            if dep is None or done.get(dep, t) < t:
+                row_k[s], row_m[s] = kind, mb
+        for s in range(p):
+            if row_k[s] != IDLE:
+                done[(s, row_k[s], row_m[s])] = t
+                pos[s] += 1
+        if all(k == IDLE for k in row_k):
+            raise ValueError(f"stage orders of schedule {name!r} deadlock at step {t}")
+        rows_kind.append(row_k)
+        rows_mb.append(row_m)
+        t += 1
+    sched = Schedule(
+        name,
+        np.asarray(rows_kind, np.int32).reshape(-1, p),
+        np.asarray(rows_mb, np.int32).reshape(-1, p),
+        int(num_microbatches),
+    )
+    validate(sched)
+    return sched
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe (Huang et al. 2019): all forwards, then all backwards; stage holds m inputs."""
+    _check_sizes(num_stages, num_microbatches)
+    m = num_microbatches
+    order = [(FORWARD, i) for i in range(m)] + [(BACKWARD, i) for i in range(m)]
+    return from_stage_orders([list(order) for _ in range(num_stages)], m, "gpipe")
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B with a flush (PipeDream-Flush; Megatron-LM's default non-interleaved schedule).
+
+    Stage s runs min(p - s - 1, m) warm-up forwards, then alternates one forward and one
+    backward, then drains the remaining backwards. At most p - s microbatches are ever
+    in flight on stage s, so activation memory does not grow with m; the bubble equals
+    GPipe's (p-1)/(m+p-1).
+    """
+    _check_sizes(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    orders = []
+    for s in range(p):
+        warm = min(p - s - 1, m)
+        order = [(FORWARD, i) for i in range(warm)]
+        for i in range(m - warm):
+            order += [(FORWARD, warm + i), (BACKWARD, i)]
+        order += [(BACKWARD, i) for i in range(m - warm, m)]
+        orders.append(order)
+    return from_stage_orders(orders, m, "1f1b")
+
+
+def validate(schedule: Schedule) -> None:
+    """Raises ValueError unless every stage forwards then backwards each microbatch once,
+    after its neighbour did (F after stage s-1's F, B after stage s+1's B)."""
+    kind, mb = schedule.kind, schedule.microbatch
+    if kind.ndim != 2 or kind.shape != mb.shape:
+        raise ValueError(f"schedule {schedule.name!r}: kind and microbatch must be [steps, stages]")
+    p, m = schedule.num_stages, schedule.num_microbatches
+    times = np.full((2, p, m), -1)
+    for t, s in zip(*np.nonzero(kind != IDLE), strict=True):
+        k, i = int(kind[t, s]), int(mb[t, s])
+        if k not in (FORWARD, BACKWARD) or not 0 <= i < m:
+            raise ValueError(f"schedule {schedule.name!r}: bad action ({k}, {i}) at step {t}")
+        if times[k - 1, s, i] >= 0:
+            raise ValueError(f"schedule {schedule.name!r}: stage {s} repeats ({k}, {i})")
+        times[k - 1, s, i] = t
+    if (times < 0).any():
+        raise ValueError(f"schedule {schedule.name!r} misses some (stage, microbatch) action")
+    fwd, bwd = times
+    if (fwd[1:] <= fwd[:-1]).any() or (bwd[:-1] <= bwd[1:]).any() or (bwd[-1] <= fwd[-1]).any():
+        raise ValueError(f"schedule {schedule.name!r} breaks a cross-stage dependency")
+
+
+def action_times(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
+    """(forward_step, backward_step), each [stages, microbatches]."""
+    p, m = schedule.num_stages, schedule.num_microbatches
+    times = np.zeros((3, p, m), np.int64)
+    t, s = np.nonzero(schedule.kind != IDLE)
+    times[schedule.kind[t, s], s, schedule.microbatch[t, s]] = t
+    return times[FORWARD], times[BACKWARD]
+
+
+def bubble_fraction(schedule: Schedule) -> float:
+    """Fraction of (step, stage) slots that are idle, counted from the table."""
+    return float(np.mean(schedule.kind == IDLE))
+
+
+def analytic_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
+    """(p-1)/(m+p-1): the bubble of GPipe and of 1F1B with equal forward/backward cost."""
+    _check_sizes(num_stages, num_microbatches)
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def in_flight_per_stage(schedule: Schedule) -> np.ndarray:
+    """[stages] the most microbatches forwarded but not yet backwarded at any step."""
+    fwd, bwd = action_times(schedule)
+    steps = np.arange(schedule.num_steps)[:, None, None]
+    live = (fwd[None] <= steps) & (steps < bwd[None])  # [steps, stages, microbatches]
+    return live.sum(-1).max(0)
+
+
+def max_in_flight(schedule: Schedule) -> int:
+    """The most microbatches any stage holds: p for 1F1B, m for GPipe."""
+    return int(in_flight_per_stage(schedule).max())
+
+
+def to_text(schedule: Schedule) -> str:
+    """One row per stage, one column per step: F3 = forward of microbatch 3, '.' = idle."""
+    width = len(str(schedule.num_microbatches - 1)) + 1
+    lines = [f"{schedule.name}: {schedule.num_stages} stages, {schedule.num_microbatches} "
+             f"microbatches, {schedule.num_steps} steps, bubble {bubble_fraction(schedule):.3f}"]
+    for s in range(schedule.num_stages):
+        cells = []
+        for t in range(schedule.num_steps):
+            k = int(schedule.kind[t, s])
+            cell = _LETTER[k] + (str(schedule.microbatch[t, s]) if k != IDLE else "")
+            cells.append(cell.ljust(width))
+        lines.append(f"stage {s}: " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(schedule: Schedule, ax=None):
+    """Draws the table as a time x stage chart (forwards blue, backwards orange)."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(4.0, 0.32 * schedule.num_steps), 0.5 * schedule.num_stages + 1))
+    colors = {FORWARD: "#4c72b0", BACKWARD: "#dd8452"}
+    for t, s in zip(*np.nonzero(schedule.kind != IDLE), strict=True):
+        k = int(schedule.kind[t, s])
+        ax.add_patch(plt.Rectangle((t, s), 1, 1, facecolor=colors[k], edgecolor="white"))
+        if schedule.num_steps <= 80:
+            ax.text(t + 0.5, s + 0.5, str(schedule.microbatch[t, s]), ha="center", va="center",
+                    fontsize=7, color="white")
+    ax.set_xlim(0, schedule.num_steps)
+    ax.set_ylim(schedule.num_stages, 0)
+    ax.set_xlabel("time step")
+    ax.set_ylabel("stage")
+    ax.set_yticks(np.arange(schedule.num_stages) + 0.5, [str(s) for s in range(schedule.num_stages)])
+    ax.set_title(f"{schedule.name}: p={schedule.num_stages}, m={schedule.num_microbatches}, "
+                 f"bubble {bubble_fraction(schedule):.2f} (blue F, orange B)")
+    return ax
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BufferPlan:
+    """Where each stage keeps the microbatches it holds, for the executor.
+
+    A stage holds microbatch i from the step its input arrives (or, on stage 0, from its
+    forward) to its backward, where the input is recomputed through (the cotangent lands
+    in the same slot). Slots are reused greedily, so `num_slots` is the largest number of
+    inputs any stage holds at once. Index `num_slots` is a spare slot: idle stages read it
+    and messages nobody waits for are written to it.
+    """
+
+    num_slots: int
+    slot: np.ndarray  # [steps, stages] slot the action at (t, s) reads
+    recv_act_slot: np.ndarray  # [steps, stages] slot for the activation arriving at step t
+    recv_cot_slot: np.ndarray  # [steps, stages] slot for the cotangent arriving at step t
+
+
+def buffer_plan(schedule: Schedule) -> BufferPlan:
+    """Assigns buffer slots to a validated schedule by greedy interval colouring."""
+    validate(schedule)
+    p, m, n = schedule.num_stages, schedule.num_microbatches, schedule.num_steps
+    fwd, bwd = action_times(schedule)
+    start = np.concatenate([fwd[:1], fwd[:-1] + 1], axis=0)  # arrival step [stages, mbs]
+    slot_of = np.zeros((p, m), np.int64)
+    num_slots = 1
+    for s in range(p):
+        free_at: list[int] = []  # free_at[k]: first step slot k may take a new microbatch
+        for i in sorted(range(m), key=lambda i: start[s, i]):
+            k = next((k for k, f in enumerate(free_at) if f <= start[s, i]), len(free_at))
+            if k == len(free_at):
+                free_at.append(0)
+            free_at[k] = bwd[s, i] + 1
+            slot_of[s, i] = k
+        num_slots = max(num_slots, len(free_at))
+    spare = num_slots
+    slot = np.full((n, p), spare, np.int32)
+    t, s = np.nonzero(schedule.kind != IDLE)
+    slot[t, s] = slot_of[s, schedule.microbatch[t, s]]
+    recv_act = np.full((n + 1, p), spare, np.int32)
+    recv_cot = np.full((n + 1, p), spare, np.int32)
+    for s in range(1, p):
+        recv_act[fwd[s - 1] + 1, s] = slot_of[s]
+    for s in range(p - 1):
+        recv_cot[bwd[s + 1] + 1, s] = slot_of[s]
+    return BufferPlan(num_slots, slot, recv_act[:n], recv_cot[:n])
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def make(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """Builds a named schedule: 'gpipe' or '1f1b'."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} is unknown; use one of {sorted(SCHEDULES)}")
+    return SCHEDULES[name](num_stages, num_microbatches)

@@ -115,6 +115,7 @@ class TrainConfig:
     out_dir: str = "runs/default"  # metrics, TensorBoard and checkpoints go here
     resume: bool = True  # resume from the latest checkpoint in out_dir/checkpoints
     nonfinite: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop the run or skip the step
+    debug_nan_step: int = -1  # testing: make this step's loss NaN to exercise `nonfinite`
     zero_stage: Literal[0, 1, 2, 3] = 0  # ZeRO stage over `data` (0 = replicated state)
     tensorboard: bool = True  # write TensorBoard event files
     progress: bool = True  # show a progress bar
@@ -202,3 +203,17 @@ def replace(cfg, **changes):
     for head, sub in nested.items():
         flat[head] = replace(getattr(cfg, head), **sub)
     return dataclasses.replace(cfg, **flat)
+
+
+def config_from_dict(d: dict) -> Config:
+    """Inverse of dataclasses.asdict(Config) (as saved in checkpoint metadata)."""
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    kw = {}
+    for name, sub in d.items():
+        cls = {"model": ModelConfig, "mesh": MeshConfig, "data": DataConfig,
+               "train": TrainConfig, "generate": GenerateConfig}[name]
+        known = {f.name for f in dataclasses.fields(cls)}
+        kw[name] = cls(**{k: tuple(v) if isinstance(v, list) else v
+                          for k, v in sub.items() if k in known})
+    del sections
+    return Config(**kw)

@@ -1,0 +1,180 @@
+"""Train state, the jitted train step, and the training loop.
+
+One `jax.jit` with explicit in/out shardings and a donated state; the loop dispatches step
+N before pulling step N-1's metrics, so the device never waits for Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gendist import optim
+from gendist.config import Config
+from gendist.models import transformer
+from gendist.sharding import check_divisible, make_mesh, named_sharding, use_mesh
+
+
+class NonFiniteLoss(FloatingPointError):
+    """Raised (train.nonfinite='stop') when a step's loss or gradients are NaN/inf."""
+
+
+def cross_entropy(logits_BTV, targets_BT):
+    """Mean next-token cross-entropy in fp32 (nats)."""
+    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets_BT[..., None], axis=-1))
+
+
+def loss_fn(cfg: Config, params, batch):
+    logits = transformer.forward(cfg.model, params, batch["inputs"])
+    return cross_entropy(logits, batch["targets"])
+
+
+def validate_config(cfg: Config, mesh) -> None:
+    """Clear errors for shapes the mesh or the model cannot take."""
+    m, t = cfg.model, cfg.train
+    check_divisible(mesh, model__num_heads=(m.num_heads, "heads"),
+                    model__num_kv_heads=(m.num_kv_heads, "kv_heads"),
+                    model__d_ff=(m.d_ff, "mlp"), model__vocab_size=(m.vocab_size, "vocab"))
+    if t.batch_size % t.grad_accum:
+        raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
+                         f"train.grad_accum={t.grad_accum}; make batch_size a multiple of it.")
+    shards = mesh.shape["data"] * mesh.shape["expert"]
+    if (t.batch_size // t.grad_accum) % shards:
+        raise ValueError(
+            f"train.batch_size={t.batch_size} (per microbatch {t.batch_size // t.grad_accum}) "
+            f"is not divisible by the {shards} batch shards (mesh.data x mesh.expert); use a "
+            f"batch size that is a multiple of {shards * t.grad_accum}.")
+    if t.seq_len > m.max_seq_len:
+        raise ValueError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len="
+                         f"{m.max_seq_len}; raise model.max_seq_len or shorten train.seq_len.")
+
+
+def make_train_step(cfg: Config, optimizer):
+    """step(state, batch) -> (state, metrics); grads accumulated over train.grad_accum."""
+    accum = cfg.train.grad_accum
+
+    def grads_of(params, batch):
+        if accum == 1:
+            return jax.value_and_grad(loss_fn, argnums=1)(cfg, params, batch)
+        micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+
+        def body(carry, mb):
+            loss, g = jax.value_and_grad(loss_fn, argnums=1)(cfg, params, mb)
+            return jax.tree.map(jnp.add, carry, (loss, g)), None
+
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss, g), _ = jax.lax.scan(body, zero, micro)
+        return jax.tree.map(lambda x: x / accum, (loss, g))
+
+    def step(state, batch):
+        loss, grads = grads_of(state["params"], batch)
+        if cfg.train.debug_nan_step >= 0:  # fault injection for tests of the NaN guard
+            loss = jnp.where(state["step"] == cfg.train.debug_nan_step, jnp.nan, loss)
+        gnorm = optax_global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = jax.tree.map(lambda p, u: p + u, state["params"], updates)
+        # A non-finite step changes nothing: the state (and so every checkpoint) stays good.
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        new_state = {"step": state["step"] + 1,
+                     "params": keep(params, state["params"]),
+                     "opt_state": keep(opt_state, state["opt_state"])}
+        lr = optim.lr_schedule(cfg.train)(state["step"])
+        return new_state, {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": finite}
+
+    return step
+
+
+def optax_global_norm(tree):
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a training run compiles against: mesh, shardings, jitted functions."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    optimizer: object
+    state_sharding: dict
+    batch_sharding: NamedSharding
+    step_fn: object
+    eval_fn: object
+
+    def init_state(self, seed: int | None = None) -> dict:
+        seed = self.cfg.train.seed if seed is None else seed
+
+        def init():
+            params = transformer.init_params(self.cfg.model, seed)
+            return {"step": jnp.zeros((), jnp.int32), "params": params,
+                    "opt_state": self.optimizer.init(params)}
+
+        with use_mesh(self.mesh):
+            return jax.jit(init, out_shardings=self.state_sharding)()
+
+    def abstract_state(self):
+        shapes = jax.eval_shape(self.init_state)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.state_sharding)
+
+
+def build(cfg: Config, mesh=None) -> Setup:
+    """Mesh, shardings and the jitted train/eval steps for a config."""
+    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    validate_config(cfg, mesh)
+    optimizer = optim.make_optimizer(cfg.train)
+    axes = transformer.logical_axes(cfg.model)
+    params_shape = jax.eval_shape(lambda: transformer.init_params(cfg.model, 0))
+    p_sh, o_sh = optim.state_shardings(mesh, axes, optimizer, params_shape,
+                                       cfg.train.zero_stage)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    state_sh = {"step": replicated, "params": p_sh, "opt_state": o_sh}
+    batch_sh = named_sharding(mesh, ("batch", "seq"))
+    raw_step = make_train_step(cfg, optimizer)
+
+    def step(state, batch):
+        with use_mesh(mesh):
+            return raw_step(state, batch)
+
+    def evaluate(params, batch):
+        with use_mesh(mesh):
+            return loss_fn(cfg, params, batch)
+
+    step_fn = jax.jit(step, in_shardings=(state_sh, batch_sh),
+                      out_shardings=(state_sh, replicated), donate_argnums=(0,))
+    eval_fn = jax.jit(evaluate, in_shardings=(p_sh, batch_sh), out_shardings=replicated)
+    return Setup(cfg, mesh, optimizer, state_sh, batch_sh, step_fn, eval_fn)
+
+
+def peak_flops_per_device() -> float | None:
+    """Dense bf16 datasheet peak of the local accelerator (None where unknown, e.g. CPU)."""
+    kind = jax.devices()[0].device_kind.lower()
+    for name, peak in (("h200", 989e12), ("h100", 989e12), ("a100", 312e12)):
+        if name in kind:
+            return peak
+    return None
+
+
+def throughput(cfg: Config, tokens: int, seconds: float) -> dict:
+    tps = tokens / max(seconds, 1e-9)
+    out = {"tokens_per_s": tps}
+    peak = peak_flops_per_device()
+    if peak:
+        out["mfu"] = cfg.model.flops_per_token(cfg.train.seq_len) * tps / (peak * jax.device_count())
+    return out
+
+
+def host_metrics(metrics) -> dict:
+    return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+
+
+def timed(fn, *args):
+    t = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - t

@@ -1,0 +1,182 @@
+"""Split layers into pipeline stages from costs measured on the device.
+
+A pipeline runs at the pace of its slowest stage, so the split minimises the largest stage
+time (forward + backward of its layers, plus the embedding on the first stage and the head
+on the last) subject to each stage's memory fitting a cap. Contiguous splits of a chain
+are a classic dynamic programme (the "linear partition" problem), as in PipeDream's
+planner (Narayanan et al. 2019) and the layer balancing of GPipe (Huang et al. 2019);
+costs come from profiling, not from parameter counts, because attention, embedding and
+head costs do not scale with parameters alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Measured forward+backward cost of one piece of the model."""
+
+    time_s: float  # median wall time of the jitted forward + backward
+    memory_bytes: int  # arguments + outputs + temporaries of the compiled program
+
+
+def profile_fwd_bwd(fn: Callable, *args, repeats: int = 5) -> Cost:
+    """Times `fn`'s forward and backward (w.r.t. all `args`, all floating) on the device and
+    reads its memory from `compiled.memory_analysis()`."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+
+    def fwd_bwd(*a):
+        out, vjp = jax.vjp(fn, *a)
+        return out, vjp(jax.tree.map(jnp.ones_like, out))
+
+    compiled = jax.jit(fwd_bwd).lower(*args).compile()
+    jax.block_until_ready(compiled(*args))  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+    mem = compiled.memory_analysis()
+    nbytes = 0 if mem is None else (
+        mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
+    return Cost(statistics.median(times), int(nbytes))
+
+
+def profile_model(params, tokens_BT, targets_BT, *, embed_fn, layer_fn, head_loss_fn,
+                  repeats: int = 5) -> tuple[Cost, list[Cost], Cost]:
+    """(embedding, per-layer, head+loss) costs for one microbatch `tokens_BT`."""
+    x_BTD = embed_fn(params["embed"], tokens_BT)
+    embed = profile_fwd_bwd(lambda e: embed_fn(e, tokens_BT), params["embed"], repeats=repeats)
+    num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
+    layers = [profile_fwd_bwd(layer_fn, jax.tree.map(lambda a, i=i: a[i], params["layers"]),
+                              x_BTD, repeats=repeats) for i in range(num_layers)]
+    head = profile_fwd_bwd(lambda h, x: head_loss_fn(h, x, targets_BT)[0], params["head"],
+                           x_BTD, repeats=repeats)
+    return embed, layers, head
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """Layers per stage and the resulting per-stage cost."""
+
+    counts: tuple[int, ...]
+    stage_time: tuple[float, ...]
+    stage_memory: tuple[float, ...]
+
+    @property
+    def bottleneck(self) -> float:
+        return max(self.stage_time)
+
+
+class _Costs:
+    """Per-stage time and memory of layers [i, j) placed on stage k, from prefix sums."""
+
+    def __init__(self, layer_time, num_stages, layer_memory, memory_cap, first_time,
+                 last_time, first_memory, last_memory):
+        t = np.asarray(layer_time, np.float64)
+        if t.ndim != 1 or (t < 0).any():
+            raise ValueError("layer_time must be a 1-D sequence of non-negative times")
+        if not isinstance(num_stages, int | np.integer) or num_stages < 1:
+            raise ValueError(f"num_stages={num_stages!r} must be an int >= 1")
+        if len(t) < num_stages:
+            raise ValueError(f"layer_time: {len(t)} layers cannot fill {num_stages} stages; "
+                             "use at most as many stages as layers")
+        mem = np.zeros_like(t) if layer_memory is None else np.asarray(layer_memory, np.float64)
+        if mem.shape != t.shape:
+            raise ValueError(f"layer_memory has {mem.shape[0]} entries; give one per layer ({len(t)})")
+        self.p, self.num_layers = int(num_stages), len(t)
+        self.cap = np.inf if memory_cap is None else float(memory_cap)
+        self.t_cum = np.concatenate([[0.0], np.cumsum(t)])
+        self.m_cum = np.concatenate([[0.0], np.cumsum(mem)])
+        self.extra_t = np.zeros(self.p)
+        self.extra_m = np.zeros(self.p)
+        self.extra_t[0] += first_time
+        self.extra_t[-1] += last_time
+        self.extra_m[0] += first_memory
+        self.extra_m[-1] += last_memory
+
+    def time(self, k, i, j):
+        return self.t_cum[j] - self.t_cum[i] + self.extra_t[k]
+
+    def memory(self, k, i, j):
+        return self.m_cum[j] - self.m_cum[i] + self.extra_m[k]
+
+    def fits(self, k, i, j):
+        return self.memory(k, i, j) <= self.cap
+
+    def result(self, bounds) -> Partition:
+        if bounds is None:
+            raise ValueError(f"memory_cap={self.cap} is below what some stage needs in every "
+                             "split; raise the cap or use more pipeline stages")
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+        return Partition(tuple(j - i for i, j in spans),
+                         tuple(float(self.time(k, i, j)) for k, (i, j) in enumerate(spans)),
+                         tuple(float(self.memory(k, i, j)) for k, (i, j) in enumerate(spans)))
+
+
+def partition_layers(layer_time: Sequence[float], num_stages: int, *,
+                     layer_memory: Sequence[float] | None = None,
+                     memory_cap: float | None = None, first_time: float = 0.0,
+                     last_time: float = 0.0, first_memory: float = 0.0,
+                     last_memory: float = 0.0) -> Partition:
+    """Contiguous split of L layers into `num_stages` non-empty stages that minimises the
+    slowest stage, with every stage's memory <= `memory_cap`. O(p L^2) dynamic programme:
+    best[k, j] is the smallest bottleneck placing layers [0, j) on stages 0..k."""
+    c = _Costs(layer_time, num_stages, layer_memory, memory_cap, first_time, last_time,
+               first_memory, last_memory)
+    p, n = c.p, c.num_layers
+    best = np.full((p, n + 1), np.inf)
+    cut = np.zeros((p, n + 1), np.int64)
+    for j in range(1, n + 1):
+        if c.fits(0, 0, j):
+            best[0, j] = c.time(0, 0, j)
+    for k in range(1, p):
+        for j in range(k + 1, n + 1):
+            for i in range(k, j):  # stage k holds layers [i, j)
+                if best[k - 1, i] < np.inf and c.fits(k, i, j):
+                    cand = max(best[k - 1, i], c.time(k, i, j))
+                    if cand < best[k, j]:
+                        best[k, j], cut[k, j] = cand, i
+    if best[p - 1, n] == np.inf:
+        return c.result(None)
+    bounds = [n]
+    for k in range(p - 1, 0, -1):
+        bounds.append(int(cut[k, bounds[-1]]))
+    return c.result([0] + bounds[::-1])
+
+
+def brute_force_partition(layer_time: Sequence[float], num_stages: int, **kwargs) -> Partition:
+    """Reference for tests: tries every contiguous split (same arguments as partition_layers)."""
+    c = _Costs(layer_time, num_stages, kwargs.get("layer_memory"), kwargs.get("memory_cap"),
+               kwargs.get("first_time", 0.0), kwargs.get("last_time", 0.0),
+               kwargs.get("first_memory", 0.0), kwargs.get("last_memory", 0.0))
+    best, best_bounds = np.inf, None
+    for cuts in itertools.combinations(range(1, c.num_layers), c.p - 1):
+        bounds = [0, *cuts, c.num_layers]
+        spans = list(enumerate(zip(bounds[:-1], bounds[1:], strict=True)))
+        if all(c.fits(k, i, j) for k, (i, j) in spans):
+            value = max(c.time(k, i, j) for k, (i, j) in spans)
+            if value < best:
+                best, best_bounds = value, bounds
+    return c.result(best_bounds)
+
+
+def plan_stages(embed: Cost, layers: Sequence[Cost], head: Cost, num_stages: int,
+                memory_cap: float | None = None) -> Partition:
+    """`partition_layers` from `profile_model`'s costs."""
+    return partition_layers([c.time_s for c in layers], num_stages,
+                            layer_memory=[c.memory_bytes for c in layers],
+                            memory_cap=memory_cap, first_time=embed.time_s,
+                            last_time=head.time_s, first_memory=embed.memory_bytes,
+                            last_memory=head.memory_bytes)

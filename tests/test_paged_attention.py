@@ -1,0 +1,174 @@
+"""Paged attention kernel (interpret mode on CPU, compiled on a GPU) against the pure-jnp
+reference, and a cache built by the page allocator against dense attention.
+
+Every page slot that the query must not see (past a length, pages no sequence owns) holds NaN,
+and block-table entries past a length are garbage, so a read outside the contract shows."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gendist.inference import page_allocator as pa
+from pallas_kernels.paged_attention import (
+    paged_attention,
+    paged_attention_chunk,
+    paged_attention_chunk_reference,
+    paged_attention_reference,
+)
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}  # fixed per dtype, never loosened
+HEAD_DIM = 32
+
+
+def make_cache(rng, lengths, kv_heads, page_size, dtype, spare_pages=3):
+    """Random K/V pools with shuffled pages; everything outside the lengths is NaN/garbage."""
+    batch = len(lengths)
+    per_seq = max(-(-max(lengths) // page_size), 1) + 1  # one column past the longest sequence
+    num_pages = batch * per_seq + spare_pages
+    shape = (kv_heads, num_pages, page_size, HEAD_DIM)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    live = np.zeros((num_pages, page_size), bool)
+    perm = rng.permutation(num_pages)
+    tables = np.empty((batch, per_seq), np.int32)
+    for b, length in enumerate(lengths):
+        used = -(-length // page_size)
+        tables[b, :used] = perm[b * per_seq: b * per_seq + used]
+        tables[b, used:] = [-1, num_pages + 5][b % 2]  # garbage past the end
+        for pos in range(length):
+            live[tables[b, pos // page_size], pos % page_size] = True
+    k[:, ~live], v[:, ~live] = np.nan, np.nan
+    return (jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(tables),
+            jnp.asarray(lengths, jnp.int32))
+
+
+def assert_close(out, ref, dtype):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# (page size, GQA ratio, dtype, lengths, num_splits): odd lengths, an empty sequence, splits.
+DECODE = [
+    (8, 1, jnp.float32, [13, 1, 40], None),
+    (16, 4, jnp.bfloat16, [37, 0, 16, 5], 2),
+    (64, 8, jnp.float32, [150, 63], 3),
+    (16, 8, jnp.bfloat16, [129, 31], None),
+    (8, 4, jnp.float32, [77, 9], 4),
+    (64, 1, jnp.bfloat16, [65, 200], None),
+]
+
+
+@pytest.mark.parametrize("page_size,group,dtype,lengths,splits", DECODE)
+def test_decode_matches_reference(page_size, group, dtype, lengths, splits):
+    rng = np.random.default_rng(page_size * 10 + group)
+    kv_heads = 2
+    k, v, tables, lens = make_cache(rng, lengths, kv_heads, page_size, dtype)
+    q = jnp.asarray(rng.standard_normal((len(lengths), kv_heads * group, HEAD_DIM)), dtype)
+    out = paged_attention(q, k, v, tables, lens, num_splits=splits)
+    assert out.shape == q.shape and out.dtype == dtype
+    ref = paged_attention_reference(q, k, v, tables, lens)
+    assert_close(out, ref, dtype)
+    assert not np.asarray(out[np.asarray(lens) == 0], np.float32).any()  # nothing to see: zeros
+
+
+# (page size, GQA ratio, dtype, tokens, lengths, positions kind, num_splits)
+CHUNK = [
+    (8, 4, jnp.float32, 5, [19, 40], "start", None),
+    (16, 1, jnp.bfloat16, 7, [33, 60, 9], "scattered", None),
+    (64, 8, jnp.float32, 3, [130, 70], "start", 2),
+    (16, 4, jnp.bfloat16, 6, [50, 21], "scattered", 3),
+]
+
+
+@pytest.mark.parametrize("page_size,group,dtype,steps,lengths,kind,splits", CHUNK)
+def test_chunk_matches_reference(page_size, group, dtype, steps, lengths, kind, splits):
+    rng = np.random.default_rng(steps * 100 + page_size)
+    kv_heads = 2
+    k, v, tables, lens = make_cache(rng, lengths, kv_heads, page_size, dtype)
+    batch = len(lengths)
+    q = jnp.asarray(rng.standard_normal((batch, steps, kv_heads * group, HEAD_DIM)), dtype)
+    if kind == "start":  # chunked prefill: the chunk is the last `steps` cached tokens
+        where = dict(q_start_B=jnp.asarray([n - steps for n in lengths], jnp.int32))
+    else:  # arbitrary positions, including one that sees nothing (-1) and one past the length
+        pos = rng.integers(0, max(lengths) + 3, size=(batch, steps)).astype(np.int32)
+        pos[0, 0] = -1
+        where = dict(q_positions_BT=jnp.asarray(pos))
+    out = paged_attention_chunk(q, k, v, tables, lens, num_splits=splits, **where)
+    assert out.shape == q.shape
+    ref = paged_attention_chunk_reference(q, k, v, tables, lens, **where)
+    assert_close(out, ref, dtype)
+    if kind == "scattered":
+        assert not np.asarray(out[0, 0], np.float32).any()
+
+
+def test_decode_equals_chunk_of_one_token():
+    rng = np.random.default_rng(7)
+    k, v, tables, lens = make_cache(rng, [23, 8], 2, 8, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 4, HEAD_DIM)), jnp.float32)
+    one = paged_attention_chunk(q[:, None], k, v, tables, lens, q_start_B=lens - 1)[:, 0]
+    assert_close(paged_attention(q, k, v, tables, lens), one, jnp.float32)
+
+
+def test_allocator_cache_equals_dense_attention():
+    """Sequences grown, written and forked through the allocator, read by the kernel."""
+    rng = np.random.default_rng(3)
+    kv_heads, heads, z = 2, 4, 8
+    state = pa.init_allocator(num_pages=12, page_size=z, max_seqs=3, max_pages_per_seq=5)
+    k_pages = jnp.full((kv_heads, 12, z, HEAD_DIM), jnp.nan, jnp.float32)
+    v_pages = k_pages
+    dense = {}  # slot -> (k [S, K, H], v [S, K, H]) written so far
+
+    def append(slot, n):
+        nonlocal state, k_pages, v_pages
+        start = int(state.lengths[slot])
+        state = pa.checked(pa.grow)(state, slot, n)
+        kn, vn = (rng.standard_normal((n, kv_heads, HEAD_DIM)).astype(np.float32) for _ in "kv")
+        pos = jnp.arange(start, start + n, dtype=jnp.int32)
+        state, k_pages, v_pages = pa.checked(pa.write)(
+            state, k_pages, v_pages, jnp.full((n,), slot, jnp.int32), pos, kn, vn)
+        old_k, old_v = dense.get(slot, (np.zeros((0, kv_heads, HEAD_DIM)),) * 2)
+        dense[slot] = (np.concatenate([old_k, kn]), np.concatenate([old_v, vn]))
+
+    state, a = pa.checked(pa.allocate_slot)(state)
+    append(int(a), 13)  # a prompt ending mid-page
+    state, b = pa.checked(pa.fork)(state, a)  # parallel sample sharing the prompt's pages
+    dense[int(b)] = dense[int(a)]
+    append(int(a), 6)  # both continue into the shared page: copy-on-write
+    append(int(b), 2)
+    q = jnp.asarray(rng.standard_normal((2, heads, HEAD_DIM)), jnp.float32)
+    slots = jnp.asarray([a, b])
+    out = paged_attention(q, k_pages, v_pages, state.block_tables[slots], state.lengths[slots])
+    for i, s in enumerate([int(a), int(b)]):
+        kd, vd = dense[s]
+        qg = np.asarray(q[i]).reshape(kv_heads, heads // kv_heads, HEAD_DIM)
+        logits = np.einsum("kgh,skh->kgs", qg, kd) / math.sqrt(HEAD_DIM)
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        want = np.einsum("kgs,skh->kgh", w / w.sum(-1, keepdims=True), vd).reshape(heads, HEAD_DIM)
+        np.testing.assert_allclose(np.asarray(out[i]), want, atol=TOL[jnp.float32], rtol=TOL[jnp.float32])
+
+
+def test_bad_inputs_raise_clear_errors():
+    rng = np.random.default_rng(0)
+    k, v, tables, lens = make_cache(rng, [9, 4], 2, 8, jnp.float32)
+    q = jnp.zeros((2, 4, HEAD_DIM), jnp.float32)
+    with pytest.raises(ValueError, match="same shape"):
+        paged_attention(q, k, v[:, :-1], tables, lens)
+    with pytest.raises(ValueError, match="head_dim mismatch"):
+        paged_attention(jnp.zeros((2, 4, 2 * HEAD_DIM)), k, v, tables, lens)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        paged_attention(jnp.zeros((2, 3, HEAD_DIM)), k, v, tables, lens)
+    with pytest.raises(ValueError, match="block_tables dtype must be int32"):
+        paged_attention(q, k, v, tables.astype(jnp.float32), lens)
+    with pytest.raises(ValueError, match="lengths dtype must be int32"):
+        paged_attention(q, k, v, tables, lens.astype(jnp.int16))
+    with pytest.raises(ValueError, match="cast q"):
+        paged_attention(q.astype(jnp.bfloat16), k, v, tables, lens)
+    with pytest.raises(ValueError, match="page_size=12"):
+        paged_attention(q, k[:, :, :6].repeat(2, 2), v[:, :, :6].repeat(2, 2), tables, lens)
+    with pytest.raises(ValueError, match="exactly one"):
+        paged_attention_chunk(q[:, None], k, v, tables, lens)
+    with pytest.raises(ValueError, match="q_positions_BT must be int32"):
+        paged_attention_chunk(q[:, None], k, v, tables, lens, q_positions_BT=jnp.zeros((2, 2), jnp.int32))

@@ -1,0 +1,240 @@
+"""FlashAttention (Pallas) against the pure-jnp reference: outputs and dq, dk, dv.
+
+Interpret mode on CPU, compiled Triton when a GPU is present (same cases). Each case is one
+compile of forward + backward; on CPU the interpret-mode program is compiled at XLA
+optimisation level 0, which only shortens the compile.
+"""
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.flash_attention import (
+    BlockSizes,
+    SegmentIds,
+    flash_attention,
+    mha_reference,
+)
+
+ON_GPU = jax.default_backend() == "gpu"
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+F32, BF16 = jnp.float32, jnp.bfloat16
+SMALL = BlockSizes(16, 16, 16, 16, 16, 16)  # many tiles per sequence: every loop runs
+MIXED = BlockSizes(32, 16, 16, 32, 32, 16)
+MIXED_T = BlockSizes(16, 32, 32, 16, 16, 32)
+
+
+def rel_err(x, ref):
+    x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+    denom = np.linalg.norm(ref)
+    return float(np.linalg.norm(x - ref) / (denom if denom > 0 else 1.0))
+
+
+def normal(rng, shape, dtype):
+    # Host-side random numbers: no per-shape device compile, which dominates on CPU.
+    return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+
+
+def make_segments(kind, rng, b, t, s):
+    if kind is None:
+        return None
+    if kind == "random":  # sorted ids in [0, 3): some query segments may have no keys at all
+        return SegmentIds(jnp.asarray(np.sort(rng.integers(0, 3, (b, t)), axis=1)),
+                          jnp.asarray(np.sort(rng.integers(0, 3, (b, s)), axis=1)))
+    if kind == "padding":  # batch row r has its last 7 * (r + 1) tokens as padding (id 0)
+        ids = jnp.asarray(np.arange(t)[None] < t - 7 * (np.arange(b)[:, None] + 1), jnp.int32)
+        return SegmentIds(ids, ids)
+    if kind == "orphan":  # query segment 5 exists in no key: those rows must give exactly 0
+        q = np.where(np.arange(t) % 4 == 0, 5, 1)[None].repeat(b, 0)
+        return SegmentIds(jnp.asarray(q, jnp.int32), jnp.ones((b, s), jnp.int32))
+    raise ValueError(kind)
+
+
+# (batch, q_len, kv_len, q_heads, kv_heads, head_dim, causal, dtype, q_offset, segments, blocks)
+CASES = [
+    (1, 1, 1, 2, 2, 32, False, F32, 0, None, None),
+    (1, 1, 1, 2, 1, 64, True, F32, 0, None, None),
+    (1, 17, 17, 2, 2, 64, False, F32, 0, None, None),
+    (1, 17, 17, 4, 2, 64, True, F32, 0, None, None),
+    (1, 17, 17, 2, 2, 128, True, BF16, 0, None, None),
+    (1, 127, 127, 2, 2, 64, True, F32, 0, None, None),
+    (2, 127, 127, 2, 1, 64, False, BF16, 0, None, None),
+    (1, 129, 129, 2, 1, 64, False, F32, 0, None, None),
+    (1, 129, 129, 4, 1, 64, True, BF16, 0, None, None),
+    (1, 129, 127, 4, 2, 32, True, F32, 0, None, MIXED_T),
+    (2, 64, 64, 4, 4, 128, False, F32, 0, None, None),
+    (2, 64, 64, 4, 2, 128, True, BF16, 0, None, None),
+    (1, 32, 32, 2, 1, 256, True, F32, 0, None, BlockSizes(16, 16, 16, 16, 16, 16)),
+    (1, 48, 48, 2, 2, 256, False, BF16, 0, None, BlockSizes(16, 32, 16, 32, 16, 32)),
+    (1, 100, 100, 2, 1, 64, True, F32, 0, None, SMALL),
+    (1, 100, 130, 2, 2, 64, False, BF16, 0, None, MIXED),
+    # q_len != kv_len: chunks of queries against a longer cache (decoding), cross attention.
+    (1, 16, 128, 4, 4, 64, True, F32, 112, None, None),
+    (1, 1, 129, 4, 1, 64, True, F32, 128, None, None),
+    (1, 1, 77, 2, 2, 64, True, BF16, 50, None, None),
+    (1, 17, 45, 4, 2, 32, True, F32, 28, None, SMALL),
+    (1, 64, 256, 2, 2, 64, True, BF16, 192, None, None),
+    (2, 33, 80, 4, 2, 64, False, F32, 0, None, None),
+    (1, 80, 33, 2, 1, 64, False, BF16, 0, None, None),
+    (1, 80, 33, 2, 2, 64, True, F32, 0, None, MIXED),
+    (1, 17, 1000, 2, 1, 64, True, F32, 983, None, BlockSizes(16, 128, 16, 128, 16, 128)),
+    (1, 1000, 1000, 1, 1, 64, True, BF16, 0, None, BlockSizes(128, 128, 128, 128, 128, 128)),
+    # Segment ids: packed sequences, padding, and rows that see no key at all.
+    (1, 64, 64, 2, 2, 64, False, F32, 0, "random", None),
+    (1, 64, 64, 4, 2, 64, True, BF16, 0, "random", SMALL),
+    (1, 40, 70, 2, 1, 64, True, F32, 30, "random", None),
+    (2, 100, 100, 2, 2, 64, True, F32, 0, "padding", MIXED),
+    (1, 24, 40, 2, 2, 32, False, F32, 0, "orphan", None),
+]
+
+
+def case_id(case):
+    b, t, s, n, k, h, causal, dtype, off, seg, blocks = case
+    parts = [f"b{b}t{t}s{s}n{n}k{k}h{h}", "causal" if causal else "full", jnp.dtype(dtype).name]
+    parts += [f"off{off}"] if off else []
+    parts += [seg] if seg else []
+    parts += [f"blk{blocks.block_q}x{blocks.block_k}"] if blocks else []
+    return "-".join(parts)
+
+
+def compile_and_run(fn, *args):
+    lowered = jax.jit(fn).lower(*args)
+    options = None if ON_GPU else {"xla_backend_optimization_level": 0}
+    return lowered.compile(compiler_options=options)(*args)
+
+
+class TestFlashAttention:
+    INTERPRET = not ON_GPU
+
+    @pytest.mark.parametrize("case", CASES, ids=case_id)
+    def test_forward_and_gradients_match_reference(self, case):
+        b, t, s, n, kh, h, causal, dtype, q_offset, seg, blocks = case
+        rng = np.random.default_rng(t * 1009 + s * 13 + n + h)
+        q = normal(rng, (b, t, n, h), dtype)
+        k = normal(rng, (b, s, kh, h), dtype)
+        v = normal(rng, (b, s, kh, h), dtype)
+        do = normal(rng, (b, t, n, h), dtype)
+        segment_ids = make_segments(seg, rng, b, t, s)
+        kw = dict(causal=causal, q_offset=q_offset, segment_ids=segment_ids)
+
+        def ours(q, k, v, do):
+            out, vjp = jax.vjp(lambda q, k, v: flash_attention(
+                q, k, v, block_sizes=blocks, interpret=self.INTERPRET, **kw), q, k, v)
+            return (out, *vjp(do))
+
+        def reference(q, k, v, do):  # fp32 math on the same (already rounded) inputs
+            up = lambda x: x.astype(jnp.float32)
+            out, vjp = jax.vjp(lambda q, k, v: mha_reference(q, k, v, **kw), up(q), up(k), up(v))
+            return (out, *vjp(up(do)))
+
+        got = compile_and_run(ours, q, k, v, do)
+        want = compile_and_run(reference, q, k, v, do)
+        for name, x, ref, like in zip(("out", "dq", "dk", "dv"), got, want, (q, q, k, v),
+                                      strict=True):
+            assert x.shape == like.shape and x.dtype == dtype, name
+            assert np.all(np.isfinite(np.asarray(x, np.float32))), name
+            err = rel_err(x, ref)
+            assert err < TOL[dtype], f"{name}: relative error {err:.2e}"
+        if seg == "orphan":  # rows with no visible key: exactly zero output and dq
+            rows = np.asarray(segment_ids.q[0] == 5)
+            assert np.all(np.asarray(got[0])[:, rows] == 0) and np.all(np.asarray(got[1])[:, rows] == 0)
+
+    def test_traced_q_offset_compiles_once(self):
+        # A decode loop passes its position as a traced scalar; no recompile per position.
+        b, t, s, n, h = 1, 8, 64, 2, 64
+        rng = np.random.default_rng(3)
+        q = normal(rng, (b, t, n, h), F32)
+        k = normal(rng, (b, s, n, h), F32)
+        v = normal(rng, (b, s, n, h), F32)
+
+        @jax.jit
+        @chex.assert_max_traces(n=1)
+        def attend(q, k, v, offset):
+            return flash_attention(q, k, v, causal=True, q_offset=offset,
+                                   interpret=self.INTERPRET)
+
+        for offset in (40, 56):
+            out = attend(q, k, v, jnp.int32(offset))
+            ref = mha_reference(q, k, v, causal=True, q_offset=offset)
+            assert rel_err(out, ref) < TOL[F32]
+
+    def test_custom_sm_scale(self):
+        rng = np.random.default_rng(4)
+        q, k, v = (normal(rng, (1, 20, 2, 32), F32) for _ in range(3))
+        out = flash_attention(q, k, v, sm_scale=0.3, interpret=self.INTERPRET)
+        assert rel_err(out, mha_reference(q, k, v, sm_scale=0.3)) < TOL[F32]
+        # And the scale matters: the default 1/sqrt(32) gives a different answer.
+        assert rel_err(out, mha_reference(q, k, v)) > 1e-2
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """Largest array (elements) anywhere in a jaxpr, kernel bodies included."""
+    biggest = 0
+    for var in [*jaxpr.invars, *jaxpr.outvars, *(v for e in jaxpr.eqns for v in e.outvars)]:
+        shape = getattr(getattr(var, "aval", None), "shape", None)
+        if shape is not None:
+            biggest = max(biggest, math.prod(shape))
+    for eqn in jaxpr.eqns:
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    biggest = max(biggest, _largest_intermediate(inner))
+    return biggest
+
+
+class TestMemoryIsLinear:
+    """No seq x seq array exists in forward + backward (the residuals are O(seq))."""
+
+    @staticmethod
+    def grad_fn(attention):
+        def loss(q, k, v):
+            return jnp.sum(attention(q, k, v).astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2))
+
+    def test_no_seq_by_seq_intermediate_in_traced_fwd_bwd(self):
+        t = s = 512
+        q = k = v = jax.ShapeDtypeStruct((1, t, 1, 32), jnp.float32)
+        ours = self.grad_fn(lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=True))
+        ref = self.grad_fn(lambda q, k, v: mha_reference(q, k, v, causal=True))
+        assert _largest_intermediate(jax.make_jaxpr(ref)(q, k, v).jaxpr) >= t * s  # the check bites
+        assert _largest_intermediate(jax.make_jaxpr(ours)(q, k, v).jaxpr) < t * s // 8
+
+    @pytest.mark.skipif(not ON_GPU, reason="compiled temp memory is only meaningful for the "
+                        "Triton kernels; on CPU the traced-jaxpr check above stands in")
+    def test_compiled_temp_memory_grows_linearly_on_gpu(self):
+        def temp_bytes(attention, seq):
+            x = jax.ShapeDtypeStruct((1, seq, 8, 128), jnp.bfloat16)
+            compiled = jax.jit(self.grad_fn(attention)).lower(x, x, x).compile()
+            return compiled.memory_analysis().temp_size_in_bytes
+
+        ours = lambda q, k, v: flash_attention(q, k, v, causal=True)
+        naive = lambda q, k, v: mha_reference(q, k, v, causal=True)
+        small, big = 2048, 8192  # 4x longer: linear memory grows ~4x, quadratic ~16x
+        assert temp_bytes(naive, big) / temp_bytes(naive, small) > 10  # the check bites
+        assert temp_bytes(ours, big) / temp_bytes(ours, small) < 6
+
+
+class TestBadInput:
+    def test_errors_name_the_field(self):
+        q = jnp.ones((1, 8, 4, 64), jnp.float32)
+        kv = jnp.ones((1, 8, 2, 64), jnp.float32)
+        with pytest.raises(ValueError, match="head_dim=48"):
+            x = jnp.ones((1, 8, 4, 48))
+            flash_attention(x, x, x)
+        with pytest.raises(ValueError, match="kv heads"):
+            x = jnp.ones((1, 8, 3, 64))
+            flash_attention(q, x, x)
+        with pytest.raises(ValueError, match="dtypes differ"):
+            flash_attention(q, kv.astype(jnp.bfloat16), kv)
+        with pytest.raises(ValueError, match="segment_ids"):
+            flash_attention(q, kv, kv, segment_ids=SegmentIds(jnp.ones((1, 9)), jnp.ones((1, 8))))
+        with pytest.raises(ValueError, match="q_offset"):
+            flash_attention(q, kv, kv, q_offset=-1)
+        with pytest.raises(ValueError, match="block_k_dq"):
+            BlockSizes(block_k_dq=8)
+        with pytest.raises(ValueError, match="k.shape"):
+            flash_attention(q, kv, jnp.ones((1, 9, 2, 64)))

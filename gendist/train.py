@@ -106,6 +106,7 @@ class Setup:
     batch_sharding: NamedSharding
     step_fn: object
     eval_fn: object
+    traces: dict  # how many times each jitted function was traced (recompile guard)
 
     def init_state(self, seed: int | None = None) -> dict:
         seed = self.cfg.train.seed if seed is None else seed
@@ -137,19 +138,22 @@ def build(cfg: Config, mesh=None) -> Setup:
     state_sh = {"step": replicated, "params": p_sh, "opt_state": o_sh}
     batch_sh = named_sharding(mesh, ("batch", "seq"))
     raw_step = make_train_step(cfg, optimizer)
+    traces = {"step": 0, "eval": 0}
 
     def step(state, batch):
+        traces["step"] += 1
         with use_mesh(mesh):
             return raw_step(state, batch)
 
     def evaluate(params, batch):
+        traces["eval"] += 1
         with use_mesh(mesh):
             return loss_fn(cfg, params, batch)
 
     step_fn = jax.jit(step, in_shardings=(state_sh, batch_sh),
                       out_shardings=(state_sh, replicated), donate_argnums=(0,))
     eval_fn = jax.jit(evaluate, in_shardings=(p_sh, batch_sh), out_shardings=replicated)
-    return Setup(cfg, mesh, optimizer, state_sh, batch_sh, step_fn, eval_fn)
+    return Setup(cfg, mesh, optimizer, state_sh, batch_sh, step_fn, eval_fn, traces)
 
 
 def peak_flops_per_device() -> float | None:

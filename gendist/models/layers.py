@@ -14,13 +14,14 @@ def rms_norm(x_BTD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
     """RMSNorm (Zhang & Sennrich 2019), computed in fp32 and cast back."""
     x = x_BTD.astype(jnp.float32)
     y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return (y * scale_D.astype(jnp.float32)).astype(x_BTD.dtype)
+    scale = scale_D.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+    return (y * scale).astype(x_BTD.dtype)
 
 
 def rope_angles(positions_BT: jax.Array, head_dim: int, theta: float):
     """cos, sin of the rotary angles (Su et al. 2021), shapes [B, T, H/2], fp32."""
     inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    ang_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    ang_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
     return jnp.cos(ang_BTh), jnp.sin(ang_BTh)
 
 

@@ -59,7 +59,7 @@ class Blocks(nnx.Module):
             setattr(self, name, nnx.Param(value, axes=("layers", *axes)))
 
     def stacked(self) -> dict[str, jax.Array]:
-        return {n: getattr(self, n).value for n in block_param_shapes_names(self)}
+        return {n: getattr(self, n)[...] for n in block_param_shapes_names(self)}
 
 
 def block_param_shapes_names(blocks: Blocks) -> list[str]:
@@ -138,13 +138,13 @@ class Transformer(nnx.Module):
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         dt = DTYPES[cfg.dtype]
-        x_BTD = jnp.take(self.embed.value, tokens_BT, axis=0).astype(dt)
+        x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dt)
         x_BTD = constrain(x_BTD, ("batch", "act_seq", "embed"))
         x_BTD, cache = apply_blocks(self.blocks.stacked(), x_BTD, positions_BT, cfg, cache)
-        return rms_norm(x_BTD, self.final_norm.value, cfg.norm_eps), cache
+        return rms_norm(x_BTD, self.final_norm[...], cfg.norm_eps), cache
 
     def output_weights_DV(self) -> jax.Array:
-        return self.embed.value.T if self.cfg.tie_embeddings else self.head.value
+        return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
 
     def __call__(self, tokens_BT, positions_BT=None, cache=None):
         """Logits [B, T, V] in fp32 (and the updated cache when one is given)."""
@@ -164,10 +164,17 @@ def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
 def split_model(model: Transformer):
     """(graphdef, template state, params as a pure dict, logical axes as a pure dict)."""
     graphdef, state = nnx.split(model, nnx.Param)
-    params = state.to_pure_dict()
-    axes = jax.tree.map(lambda v: tuple(v.axes), state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    axes = axes.to_pure_dict() if hasattr(axes, "to_pure_dict") else axes
+    params = _pure(state)
+    axes = _pure(jax.tree.map(lambda v: tuple(v.axes), state,
+                              is_leaf=lambda v: isinstance(v, nnx.Variable)))
     return graphdef, state, params, axes
+
+
+def _pure(state) -> dict:
+    """nnx.State -> nested dict (the helper moved between flax versions)."""
+    if hasattr(nnx, "to_pure_dict"):
+        return nnx.to_pure_dict(state)
+    return state.to_pure_dict()
 
 
 def merge_model(graphdef, template_state, params: dict) -> Transformer:

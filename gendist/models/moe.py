@@ -170,13 +170,16 @@ def combine(y_ECD: jax.Array, r: Routing) -> jax.Array:
 
 
 def expert_ffn(params: dict[str, jax.Array], x_ECD: jax.Array, activation: str) -> jax.Array:
-    """Each expert's FFN on its own buffer; leading E of params matches x's E."""
-    up_ECF = jnp.einsum("ECD,EDF->ECF", x_ECD, params["w_up"])
+    """Each expert's FFN on its own buffer; leading E of params matches x's E. Weights
+    are cast to the activation dtype (mixed precision, like `layers.mlp`)."""
+    dt = x_ECD.dtype
+    up_ECF = jnp.einsum("ECD,EDF->ECF", x_ECD, params["w_up"].astype(dt))
     if activation == "swiglu":
-        h_ECF = jax.nn.silu(jnp.einsum("ECD,EDF->ECF", x_ECD, params["w_gate"])) * up_ECF
+        gate_ECF = jnp.einsum("ECD,EDF->ECF", x_ECD, params["w_gate"].astype(dt))
+        h_ECF = jax.nn.silu(gate_ECF) * up_ECF
     else:
         h_ECF = jax.nn.gelu(up_ECF)
-    return jnp.einsum("ECF,EFD->ECD", h_ECF, params["w_down"])
+    return jnp.einsum("ECF,EFD->ECD", h_ECF, params["w_down"].astype(dt))
 
 
 def split_groups(x_BTD: jax.Array, num_groups: int) -> jax.Array:

@@ -269,14 +269,17 @@ def _pipeline_body(embed, layers, head, tokens, targets, *, sched, counts, even,
         x, g = act_buf[slot], cot_buf[slot]
         mb = jnp.maximum(mb, 0)
         *deltas, send_act, send_cot = jax.lax.switch(branch, branch_fns, x, g, tokens_M[mb], targets_M[mb])
-        acc = jax.tree.map(jnp.add, acc, tuple(deltas))
+        acc = jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, tuple(deltas))
         if p > 1:
             send_act = jax.lax.ppermute(send_act, PIPELINE, fwd_perm)
             send_cot = jax.lax.ppermute(send_cot, PIPELINE, bwd_perm)
         return (act_buf, cot_buf, send_act, send_cot, acc), None
 
     buf = jnp.full((plan.num_slots + 1, *x_spec.shape), bubble_value, x_spec.dtype)
-    acc0 = (zeros(embed), zeros(layers), zeros(head), jnp.float32(0), jnp.float32(0))
+    # Accumulate in at least fp32 so bf16 params do not lose small microbatch contributions.
+    wide = lambda tree: jax.tree.map(
+        lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), tree)
+    acc0 = (wide(embed), wide(layers), wide(head), jnp.float32(0), jnp.float32(0))
     rows = tuple(jnp.asarray(a) for a in (table, sched.microbatch, plan.slot,
                                            plan.recv_act_slot, plan.recv_cot_slot))
     carry = (buf, buf, fill(), fill(), acc0)
@@ -287,8 +290,8 @@ def _pipeline_body(embed, layers, head, tokens, targets, *, sched, counts, even,
     d_embed, d_head = jax.lax.psum((d_embed, d_head), everywhere)
     if batch_axes:
         d_layers = jax.lax.psum(d_layers, batch_axes)
-    scale = lambda tree: jax.tree.map(lambda a: (a / count).astype(a.dtype), tree)
-    return loss / count, (scale(d_embed), scale(d_layers), scale(d_head))
+    scale = lambda g, like: jax.tree.map(lambda a, b: (a / count).astype(b.dtype), g, like)
+    return loss / count, (scale(d_embed, embed), scale(d_layers, layers), scale(d_head, head))
 
 
 def sequential_loss(params, tokens_BT, targets_BT, *, embed_fn, layer_fn, head_loss_fn):

@@ -121,9 +121,12 @@ def test_uneven_stage_split_with_nan_bubbles():
     assert_trees_close(grads, want_grads)
 
 
-def test_three_adam_steps_match():
+def test_three_sgd_momentum_steps_match():
+    """Params after three optax steps agree. SGD with momentum, not Adam: Adam's update
+    g / sqrt(v) amplifies fp32 reassociation error of small gradient entries by lr / |g|,
+    which says nothing about the pipeline."""
     mesh = make_mesh(2, 4)
-    opt = optax.adam(1e-2)
+    opt = optax.sgd(0.5, momentum=0.9)
     pipe_grad = functools.partial(pl.pipeline_loss_and_grads, mesh=mesh,
                                   schedule=S.one_f_one_b(4, 4), bubble_value=NAN, **MODEL)
 

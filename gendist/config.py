@@ -97,20 +97,20 @@ class TrainConfig:
 
     batch_size: int = 32  # global sequences per optimizer step
     seq_len: int = 128  # tokens per sequence
-    steps: int = 600  # optimizer steps
+    steps: int = 250  # optimizer steps
     grad_accum: int = 1  # microbatches accumulated per step (batch_size % grad_accum == 0)
     lr: float = 3e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # final lr as a fraction of the peak (cosine decay)
-    warmup_steps: int = 50  # linear warm-up steps
+    warmup_steps: int = 20  # linear warm-up steps
     weight_decay: float = 0.1  # AdamW decay (not applied to norms and biases)
     b1: float = 0.9  # Adam beta1
     b2: float = 0.95  # Adam beta2
     grad_clip: float = 1.0  # global-norm gradient clipping
     seed: int = 0  # parameter init seed
-    eval_every: int = 100  # steps between validation losses
+    eval_every: int = 50  # steps between validation losses
     eval_batches: int = 8  # batches per validation loss
     log_every: int = 10  # steps between console/JSONL/TensorBoard metrics
-    checkpoint_every: int = 200  # steps between checkpoints (0 = only at the end)
+    checkpoint_every: int = 100  # steps between checkpoints (0 = only at the end)
     keep_checkpoints: int = 2  # checkpoints kept on disk
     out_dir: str = "runs/default"  # metrics, TensorBoard and checkpoints go here
     resume: bool = True  # resume from the latest checkpoint in out_dir/checkpoints

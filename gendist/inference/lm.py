@@ -1,0 +1,74 @@
+"""A language model as decoding sees it: params, an apply function and a cache factory.
+
+Speculative decoding runs two of these (draft and target); tests plug in exact Markov
+tables behind the same interface, so the sampler can be checked against enumeration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gendist.config import ModelConfig
+from gendist.inference.cache import ContiguousKVCache, KVCache
+from gendist.models import transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class LM:
+    """apply(params, tokens_BT, positions_BT, cache) -> (fp32 logits_BTV, cache)."""
+
+    apply: Callable[..., tuple[jax.Array, Any]]
+    make_cache: Callable[[int, int], Any]  # (batch, max_len) -> empty cache
+    vocab_size: int
+    name: str = "lm"
+
+
+def transformer_lm(cfg: ModelConfig, name: str = "transformer", cache_factory=None) -> LM:
+    """A gendist transformer behind the LM interface (contiguous cache by default)."""
+    dt = transformer.DTYPES[cfg.dtype]
+
+    def make_cache(batch, max_len):
+        if cache_factory is not None:
+            return cache_factory(cfg, batch, max_len)
+        return ContiguousKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
+                                        cfg.head_dim, dt)
+
+    def apply(params, tokens_BT, pos_BT, cache):
+        logits, cache = transformer.forward(cfg, params, tokens_BT, pos_BT, cache)
+        return logits.astype(jnp.float32), cache
+
+    return LM(apply, make_cache, cfg.vocab_size, name)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NoCache(KVCache):
+    """Bookkeeping only, for models that need no keys and values (Markov tables)."""
+
+    lengths: jax.Array
+
+    def layer_state(self):
+        return ()
+
+    def with_layer_state(self, state):
+        return self
+
+    def attend(self, layer_state, q, k, v, q_pos, sm_scale):
+        raise TypeError("NoCache holds no keys or values")
+
+
+def markov_lm(name: str = "markov") -> LM:
+    """Next-token logits depend only on the current token: params is a [V, V] logit table."""
+
+    def apply(table_VV, tokens_BT, pos_BT, cache):
+        return jnp.take(table_VV, tokens_BT, axis=0).astype(jnp.float32), cache
+
+    def make_cache(batch, max_len):
+        return NoCache(jnp.zeros((batch,), jnp.int32))
+
+    return LM(apply, make_cache, vocab_size=-1, name=name)

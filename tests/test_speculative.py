@@ -1,0 +1,154 @@
+"""Speculative decoding: exact target distribution, greedy identity, per-sequence acceptance,
+one compile and no host transfers."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gendist.config import ModelConfig
+from gendist.inference import generate as G
+from gendist.inference.lm import markov_lm, transformer_lm
+from gendist.inference.sampling import SamplingParams, probs
+from gendist.inference.speculative import SpecConfig, speculative_generate
+from gendist.models import transformer
+
+V, N_SAMPLES, N_TOK = 5, 20_000, 3
+
+
+def chi_square_pvalue(counts, expected_p, n):
+    """Pearson chi-square p-value over cells with expected count >= 5 (rest pooled)."""
+    exp = expected_p.ravel() * n
+    obs = counts.ravel()
+    big = exp >= 5
+    o = np.append(obs[big], obs[~big].sum())
+    e = np.append(exp[big], exp[~big].sum())
+    keep = e > 0
+    stat = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(jax.scipy.special.gammaincc(dof / 2, stat / 2)), stat, dof
+
+
+def exact_first_tokens(table, sp, start):
+    P = np.asarray(probs(table, sp), np.float64)
+    ex = np.zeros((V,) * N_TOK)
+    for seq in itertools.product(range(V), repeat=N_TOK):
+        p, prev = 1.0, start
+        for x in seq:
+            p, prev = p * P[prev, x], x
+        ex[seq] = p
+    return ex
+
+
+def empirical(out):
+    counts = np.zeros((V,) * N_TOK)
+    np.add.at(counts, tuple(np.asarray(out)[:, i] for i in range(N_TOK)), 1)
+    return counts
+
+
+@pytest.mark.parametrize("draft_scale,sp", [
+    (1.0, SamplingParams(temperature=1.0)),
+    (1.0, SamplingParams(temperature=1.0, top_k=4, top_p=0.9)),
+    (0.2, SamplingParams(temperature=0.7, top_k=3)),  # draft close to the target
+])
+def test_distribution_is_exactly_the_targets(draft_scale, sp):
+    rng = np.random.default_rng(1)
+    target = jnp.asarray(rng.normal(size=(V, V)) * 1.5, jnp.float32)
+    draft = target + draft_scale * jnp.asarray(rng.normal(size=(V, V)) * 2.0, jnp.float32)
+    prompt = jnp.full((N_SAMPLES, 2), 1, jnp.int32)
+    plen = jnp.full((N_SAMPLES,), 2, jnp.int32)
+    out, count, stats = speculative_generate(
+        markov_lm("t"), target, markov_lm("d"), draft, prompt, plen, jax.random.key(7),
+        max_new_tokens=N_TOK, sp=sp, spec=SpecConfig(gamma=3))
+    assert (np.asarray(count) == N_TOK).all()
+    alpha = float(stats["accepted"]) / float(stats["proposed"])
+    expected = exact_first_tokens(target, sp, start=1)
+    p, stat, dof = chi_square_pvalue(empirical(out), expected, N_SAMPLES)
+    assert p > 1e-3, f"chi2={stat:.1f} dof={dof} p={p:.2e} (alpha={alpha:.2f})"
+    # The test has power: the draft's own distribution is rejected by the same check.
+    wrong = exact_first_tokens(draft, sp, start=1)
+    p_wrong, _, _ = chi_square_pvalue(empirical(out), wrong, N_SAMPLES)
+    assert p_wrong < 1e-6
+    if draft_scale == 1.0:
+        assert alpha < 0.5  # a draft far from the target
+    else:
+        assert alpha > 0.5
+
+
+CFG_T = ModelConfig(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,
+                    max_seq_len=96)
+CFG_D = ModelConfig(d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, d_ff=32,
+                    max_seq_len=96)
+
+
+@pytest.fixture(scope="module")
+def models():
+    tp = transformer.init_params(CFG_T, 0)
+    tp = jax.tree.map(lambda x: x * 3 if x.ndim > 1 else x, tp)
+    # A draft that agrees with the target often: the target's own embedding, small blocks.
+    dp = transformer.init_params(CFG_D, 1)
+    prompts = [np.array([5, 6, 7, 8, 9]), np.array([3, 4]), np.array([1, 2, 3, 4, 5, 6, 7, 8]),
+               np.array([10, 11, 12])]
+    pb, lb = G.pad_prompts(prompts)
+    return tp, dp, jnp.asarray(pb), jnp.asarray(lb)
+
+
+def plain_greedy(tp, pb, lb, n):
+    out, _ = G.generate_tokens(CFG_T, tp, pb, lb, jax.random.key(0), max_new_tokens=n,
+                               sp=SamplingParams(temperature=0.0))
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("draft_is_target", [False, True])
+def test_greedy_equals_plain_greedy(models, draft_is_target):
+    tp, dp, pb, lb = models
+    n = 12
+    target = transformer_lm(CFG_T, "target")
+    draft, dparams = (target, tp) if draft_is_target else (transformer_lm(CFG_D, "draft"), dp)
+    out, count, stats = speculative_generate(
+        target, tp, draft, dparams, pb, lb, jax.random.key(0), max_new_tokens=n,
+        sp=SamplingParams(temperature=0.0), spec=SpecConfig(gamma=3))
+    np.testing.assert_array_equal(np.asarray(out), plain_greedy(tp, pb, lb, n))
+    if draft_is_target:
+        assert int(stats["accepted"]) == int(stats["proposed"])  # a perfect draft
+
+
+def test_per_sequence_acceptance_equals_running_alone(models):
+    tp, dp, pb, lb = models
+    n = 10
+    target, draft = transformer_lm(CFG_T, "target"), transformer_lm(CFG_D, "draft")
+    kw = dict(max_new_tokens=n, sp=SamplingParams(temperature=0.0), spec=SpecConfig(gamma=4))
+    out, _, stats = speculative_generate(target, tp, draft, dp, pb, lb, jax.random.key(0), **kw)
+    acc = np.asarray(stats["accepted_B"])
+    assert len(set(acc.tolist())) > 1, "sequences should accept different numbers of tokens"
+    for b in range(pb.shape[0]):
+        L = int(lb[b])
+        alone, _, st = speculative_generate(target, tp, draft, dp, pb[b:b + 1, :L], lb[b:b + 1],
+                                            jax.random.key(0), **kw)
+        np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(out[b]))
+        assert int(st["accepted_B"][0]) == acc[b]
+
+
+def test_one_compile_and_no_host_transfers(models):
+    tp, dp, pb, lb = models
+    traces = []
+    base = transformer_lm(CFG_T, "counted")
+
+    def counted_apply(*a):
+        traces.append(1)
+        return base.apply(*a)
+
+    target = type(base)(counted_apply, base.make_cache, base.vocab_size, "counted")
+    draft = transformer_lm(CFG_D, "draft")
+    kw = dict(max_new_tokens=8, sp=SamplingParams(temperature=1.0, top_k=20),
+              spec=SpecConfig(gamma=3, adaptive=True))
+    key = jax.device_put(jax.random.key(3))
+    speculative_generate(target, tp, draft, dp, pb, lb, key, **kw)
+    n_traced = len(traces)
+    with jax.transfer_guard("disallow"):
+        out, count, _ = speculative_generate(target, tp, draft, dp, pb, lb, key, **kw)
+        jax.block_until_ready(out)
+    assert len(traces) == n_traced == 2  # prefill + the loop body, traced once
+    assert (np.asarray(count) == 8).all()

@@ -33,9 +33,22 @@ from pallas_kernels.paged_attention import (
 HEAD_DIM = 128
 # (batch, context, q heads, kv heads, page size), as in .anchors/README.md
 SHAPES = [(64, 4096, 32, 8, 16), (64, 4096, 32, 8, 64), (16, 16384, 32, 8, 64), (128, 2048, 32, 32, 64)]
-# Tuning variants tried with --sweep: (tokens per compute block, warps, stages, splits or None).
-SWEEP = [(128, 4, 3, None), (64, 8, 3, None), (64, 4, 2, None), (64, 4, 4, None), (64, 4, 3, 1),
-         (64, 4, 3, 4)]
+# --sweep: every (tokens per step, warps, stages) on the first shape, then splits for the best;
+# the other shapes try the first shape's top configurations.
+GRID = ([dict(block_k=bk, num_warps=w, num_stages=st) for bk in (32, 64, 128) for w in (2, 4)
+         for st in (2, 3, 4)]
+        + [dict(block_k=bk, num_warps=8, num_stages=3) for bk in (64, 128)]
+        + [dict(block_k=bk, num_warps=w, num_stages=st, prefetch=True)
+           for bk, w, st in ((32, 4, 1), (64, 4, 1), (64, 8, 1), (32, 2, 1), (64, 4, 2))])
+SPLITS = (1, 2, 4, 8, 16)
+
+
+def variant_name(kw):
+    if not kw:
+        return "default"
+    sp = kw.get("num_splits")
+    pf = "_pf" if kw.get("prefetch") else ""
+    return f"bk{kw['block_k']}_w{kw['num_warps']}_s{kw['num_stages']}{pf}_sp{sp or 'auto'}"
 
 
 def bench(f, *args, n=20, warm=3):
@@ -66,33 +79,43 @@ def make_inputs(batch, ctx, hq, hkv, page, seed=0):
     return q, kp, vp, bt, jnp.full((batch,), ctx, jnp.int32)
 
 
-def run_decode(shape, sweep: bool):
-    batch, ctx, hq, hkv, page = shape
+@functools.lru_cache(maxsize=1)
+def prepare(shape):
+    """Inputs of one shape and the reference output, made once for all variants."""
     q, kp, vp, bt, lengths = make_inputs(*shape)
+    return q, kp, vp, bt, lengths, jax.jit(paged_attention_reference)(q, kp, vp, bt, lengths)
+
+
+def run_decode(shape, variants, row=None):
+    """Times our kernel in each variant (and, on a new row, the two peers) on one shape."""
+    batch, ctx, hq, hkv, page = shape
+    q, kp, vp, bt, lengths, ref = prepare(shape)
     kv_bytes = 2 * batch * ctx * hkv * HEAD_DIM * 2
-    row = dict(B=batch, ctx=ctx, Hq=hq, Hkv=hkv, page=page, kv_GB=kv_bytes / 1e9, ours={})
-    ref = jax.jit(paged_attention_reference)(q, kp, vp, bt, lengths)
-    variants = [("default", {})]
-    if sweep:
-        variants += [(f"bk{bk}_w{w}_s{s}_sp{sp}",
-                      dict(pages_per_compute_block=max(1, bk // page), num_warps=w, num_stages=s,
-                           num_splits=sp)) for bk, w, s, sp in SWEEP if bk >= page]
-    for name, kw in variants:
+    new_row = row is None
+    if new_row:
+        row = dict(B=batch, ctx=ctx, Hq=hq, Hkv=hkv, page=page, kv_GB=kv_bytes / 1e9, ours={})
+    for kw in variants:
+        name = variant_name(kw)
+        if name in row["ours"]:
+            continue
         try:
             f = jax.jit(functools.partial(paged_attention, **kw))
             err = rel_err(f(q, kp, vp, bt, lengths), ref)
             t = bench(f, q, kp, vp, bt, lengths)
-            row["ours"][name] = dict(ms=t * 1e3, TBps=kv_bytes / t / 1e12, rel_err=err)
+            row["ours"][name] = dict(ms=t * 1e3, TBps=kv_bytes / t / 1e12, rel_err=err, config=kw)
         except Exception as e:  # a variant the compiler rejects is reported, not fatal
-            row["ours"][name] = dict(error=repr(e)[:300])
+            row["ours"][name] = dict(error=repr(e)[:300], config=kw)
         print(shape, name, row["ours"][name], flush=True)
+    if not new_row:
+        return row
+    q_scaled = (q.astype(jnp.float32) / np.sqrt(HEAD_DIM)).astype(q.dtype)  # JAX's op has no sm_scale
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
         f = jax.jit(lambda *a: jax_pa.paged_attention(*a, pages_per_compute_block=max(1, 128 // page)))
-        err = rel_err(f(q, kp, vp, bt, lengths), ref)
-        t = bench(f, q, kp, vp, bt, lengths)
+        err = rel_err(f(q_scaled, kp, vp, bt, lengths), ref)
+        t = bench(f, q_scaled, kp, vp, bt, lengths)
         row["jax_pallas_paged"] = dict(ms=t * 1e3, TBps=kv_bytes / t / 1e12, rel_err=err)
     except Exception as e:
         row["jax_pallas_paged"] = dict(error=repr(e)[:300])
@@ -149,8 +172,21 @@ def main():
         shapes, chunk = [(2, 256, 8, 2, 16)], dict(batch=2, ctx=256, steps=8, hq=8, hkv=2)
     res = dict(jax=jax.__version__, device=str(jax.devices()[0]), decode=[], chunk=None)
     path = os.path.join(args.out, "bench_paged_attention.json")
-    for shape in shapes:
-        res["decode"].append(run_decode(shape, args.sweep))
+
+    def best(row, n=1):
+        ok = sorted((v["TBps"], k) for k, v in row["ours"].items() if "TBps" in v and k != "default")
+        return [row["ours"][k]["config"] for _, k in ok[::-1][:n]]
+
+    for i, shape in enumerate(shapes):
+        row = run_decode(shape, [{}])
+        if args.sweep:
+            grid = GRID if i == 0 else [kw for kw in top if kw.get("num_splits") is None]
+            row = run_decode(shape, grid, row)
+            (b,) = best(row)
+            run_decode(shape, [dict(b, num_splits=sp) for sp in SPLITS], row)
+            if i == 0:
+                top = best(row, 4)
+        res["decode"].append(row)
         json.dump(res, open(path, "w"), indent=1)  # partial results survive a timeout
     res["chunk"] = run_chunk(**chunk)
     json.dump(res, open(path, "w"), indent=1)
@@ -158,14 +194,14 @@ def main():
     print(f"\njax {res['jax']} on {res['device']}; TB/s = K+V bytes read once / median time")
     print(f"{'B,ctx,q/kv,page':24s} {'ours':>6s} {'best':>6s} {'jaxPal':>6s} {'XLA':>6s} "
           f"{'ours/jax':>8s} {'best/jax':>8s}  best variant")
+    tb = lambda d: d.get("TBps", float("nan"))
     for r in res["decode"]:
         ok = {k: v for k, v in r["ours"].items() if "TBps" in v}
-        best = max(ok, key=lambda k: ok[k]["TBps"]) if ok else None
-        tb = lambda d: d.get("TBps", float("nan"))
+        top_name = max(ok, key=lambda k: ok[k]["TBps"]) if ok else None
         ours, jx = tb(r["ours"]["default"]), tb(r["jax_pallas_paged"])
-        bst = ok[best]["TBps"] if best else float("nan")
+        bst = ok[top_name]["TBps"] if top_name else float("nan")
         print(f"{r['B']},{r['ctx']},{r['Hq']}/{r['Hkv']},{r['page']:<10} {ours:6.2f} {bst:6.2f} "
-              f"{jx:6.2f} {tb(r['xla_contiguous']):6.2f} {ours / jx:8.2f} {bst / jx:8.2f}  {best}")
+              f"{jx:6.2f} {tb(r['xla_contiguous']):6.2f} {ours / jx:8.2f} {bst / jx:8.2f}  {top_name}")
     c = res["chunk"]
     print(f"chunk B={c['B']} ctx={c['ctx']} T={c['T']}: ours {c['ours']}  xla {c['xla_contiguous']}")
 

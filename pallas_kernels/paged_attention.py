@@ -32,6 +32,7 @@ _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 # Enough programs to fill an H200 (132 SMs) a few times over; fewer means split the pages.
 _TARGET_PROGRAMS = 1024
+_DEFAULT_BLOCK_K = 64  # tokens per inner step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +40,12 @@ class BlockSizes:
     """Tiling of the kernel; None picks a default from the shapes."""
 
     pages_per_compute_block: int | None = None  # pages gathered per inner step (block_k = this * Z)
+    block_k: int | None = None  # or tokens per inner step directly (may be less than a page)
     num_splits: int | None = None  # flash-decoding splits of the page range, merged by LSE
     block_rows: int | None = None  # query rows (tokens x group heads) per program, power of 2
     num_warps: int = 4  # Triton warps per program (GPU only)
     num_stages: int = 3  # Triton software-pipeline depth of the page loop (GPU only)
+    prefetch: bool = False  # load the next tile before computing on this one, in registers
 
 
 def _pow2(n: int) -> bool:
@@ -96,15 +99,15 @@ def _paged_kernel(
     o_ref,  # [block_r, H]
     *lse_refs,  # m, l: [block_r] each, only when the pages are split
     scale_log2: float,
-    pages_per_block: int,
-    pages_per_split: int,
+    block_k: int,
+    split_tokens: int,
     capacity: int,
     precision,
+    prefetch: bool,
 ):
     split = pl.program_id(3)
     block_r, head_dim = q_ref.shape
     num_pages, page_size, _ = k_ref.shape
-    block_k = pages_per_block * page_size
     causal = qpos_ref is not None
 
     length = jnp.clip(len_ref[0], 0, capacity)
@@ -113,31 +116,28 @@ def _paged_kernel(
         kv_end = jnp.minimum(length, jnp.max(qpos) + 1)
     else:
         kv_end = length
-    lo = split * (pages_per_split * page_size)
-    hi = jnp.minimum(lo + pages_per_split * page_size, kv_end)
+    lo = split * split_tokens
+    hi = jnp.minimum(lo + split_tokens, kv_end)
     num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
     q = q_ref[...]
     offsets = jnp.arange(block_k, dtype=jnp.int32)
+    dims = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
 
-    def load_pages(ref, page_ids, valid):
-        # Masked gather: positions >= length are never read, so stale or NaN page contents
-        # (a freed page's old owner) cannot leak into the result.
-        # Three broadcast index arrays (not `ref.at[page_ids]`): interpret mode can only
-        # discharge gathers whose indices are all arrays; Triton sees the same pointer tensor.
-        shape = (pages_per_block, page_size, head_dim)
-        mask = jnp.broadcast_to(valid.reshape(pages_per_block, page_size, 1), shape)
-        index = (page_ids[:, None, None], jnp.arange(page_size, dtype=jnp.int32)[None, :, None],
-                 jnp.arange(head_dim, dtype=jnp.int32)[None, None, :])
-        x = plgpu.load(ref.at[index], mask=mask, other=0)
-        return x.reshape(block_k, head_dim)
-
-    def body(i, carry):
-        acc, m, l = carry
-        first_page = split * pages_per_split + i * pages_per_block
-        page_ids = jnp.clip(bt_ref[pl.ds(first_page, pages_per_block)], 0, num_pages - 1)
+    def fetch(i):
+        # Gather straight into a [block_k, H] tile, one page id per token (repeats hit in
+        # cache): no reshape between load and dot, so Triton can pipeline the loads into shared
+        # memory. Masked: positions >= length are never read, so stale or NaN contents of a
+        # page (a freed page's old owner) cannot reach the result.
         pos = lo + i * block_k + offsets
         valid = pos < hi
-        k = load_pages(k_ref, page_ids, valid)
+        page_ids = plgpu.load(bt_ref.at[pos // page_size], mask=valid, other=0)
+        index = (jnp.clip(page_ids, 0, num_pages - 1)[:, None], (pos % page_size)[:, None], dims)
+        mask = jnp.broadcast_to(valid[:, None], (block_k, head_dim))
+        return plgpu.load(k_ref.at[index], mask=mask, other=0), plgpu.load(v_ref.at[index], mask=mask, other=0)
+
+    def attend(i, k, v, acc, m, l):
+        pos = lo + i * block_k + offsets
+        valid = pos < hi
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * scale_log2
         if causal:
@@ -151,7 +151,6 @@ def _paged_kernel(
         if causal:  # a row may see nothing in this block: then m_new == _NEG and p would be 1
             p = jnp.where(seen, p, 0.0)
         l = l * alpha + p.sum(axis=1)
-        v = load_pages(v_ref, page_ids, valid)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l
@@ -159,7 +158,15 @@ def _paged_kernel(
     init = (jnp.zeros((block_r, head_dim), jnp.float32),
             jnp.full((block_r,), _NEG, jnp.float32),
             jnp.zeros((block_r,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, num_blocks, body, init)
+    if prefetch:  # issue tile i + 1's loads before computing on tile i (register double buffer)
+        def body(i, carry):
+            *state, k, v = carry
+            nxt = fetch(i + 1)  # fully masked past the end: no memory traffic
+            return (*attend(i, k, v, *state), *nxt)
+
+        acc, m, l, _, _ = lax.fori_loop(0, num_blocks, body, (*init, *fetch(0)))
+    else:
+        acc, m, l = lax.fori_loop(0, num_blocks, lambda i, c: attend(i, *fetch(i), *c), init)
     if lse_refs:
         m_ref, l_ref = lse_refs
         o_ref[...] = acc
@@ -170,25 +177,26 @@ def _paged_kernel(
         o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
 
 
-def _plan(pages_per_seq: int, page_size: int, programs: int, sizes: BlockSizes):
-    """Static tiling: pages per compute block, pages per split, number of splits."""
-    min_ppb = max(1, 16 // page_size)  # block_k >= 16: the smallest tensor-core tile
-    ppb = sizes.pages_per_compute_block
-    if ppb is None:
-        ppb = max(min_ppb, min(max(1, 64 // page_size), _next_pow2(pages_per_seq)))
-    if not _pow2(ppb) or ppb < min_ppb:
-        raise ValueError(f"pages_per_compute_block={ppb} must be a power of two with "
-                         f"pages_per_compute_block * page_size >= 16; use >= {min_ppb}")
-    blocks = pl.cdiv(pages_per_seq, ppb)
+def _plan(capacity: int, page_size: int, programs: int, sizes: BlockSizes):
+    """Static tiling in tokens: (block_k, tokens per split, splits)."""
+    if sizes.pages_per_compute_block is not None and sizes.block_k is not None:
+        raise ValueError("pass pages_per_compute_block or block_k, not both")
+    block_k = sizes.block_k
+    if sizes.pages_per_compute_block is not None:
+        block_k = sizes.pages_per_compute_block * page_size
+    if block_k is None:
+        block_k = min(_DEFAULT_BLOCK_K, max(16, _next_pow2(capacity)))
+    if not _pow2(block_k) or block_k < 16:
+        raise ValueError(f"block_k = pages_per_compute_block * page_size = {block_k} must be a power "
+                         "of two >= 16 (tensor-core tile); pick pages_per_compute_block accordingly")
+    blocks = pl.cdiv(capacity, block_k)
     splits = sizes.num_splits
     if splits is None:
         splits = min(pl.cdiv(_TARGET_PROGRAMS, programs), max(1, blocks // 4))
     if splits < 1:
         raise ValueError(f"num_splits={splits} must be >= 1")
-    splits = min(splits, blocks)
-    pages_per_split = pl.cdiv(blocks, splits) * ppb
-    splits = pl.cdiv(pages_per_seq, pages_per_split)  # no split left without pages
-    return ppb, pages_per_split, splits
+    split_tokens = pl.cdiv(blocks, min(splits, blocks)) * block_k
+    return block_k, split_tokens, pl.cdiv(capacity, split_tokens)  # no split without tokens
 
 
 def _paged_call(q_BKRH, qpos_BR, k_pages, v_pages, block_tables, lengths, *, block_r, sm_scale,
@@ -198,15 +206,16 @@ def _paged_call(q_BKRH, qpos_BR, k_pages, v_pages, block_tables, lengths, *, blo
     _, num_pages, page_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
     row_blocks = rows // block_r
-    ppb, pages_per_split, splits = _plan(pages_per_seq, page_size, batch * kv_heads * row_blocks, sizes)
-    padded = splits * pages_per_split
-    if padded != pages_per_seq:  # every pl.ds over the table stays in bounds
+    capacity = pages_per_seq * page_size
+    block_k, split_tokens, splits = _plan(capacity, page_size, batch * kv_heads * row_blocks, sizes)
+    padded = pl.cdiv(splits * split_tokens, page_size)
+    if padded != pages_per_seq:  # every page index the kernel forms stays in bounds
         block_tables = jnp.pad(block_tables, ((0, 0), (0, padded - pages_per_seq)))
 
     precision = lax.Precision.HIGHEST if q_BKRH.dtype == jnp.float32 else lax.Precision.DEFAULT
     kernel = functools.partial(
-        _paged_kernel, scale_log2=sm_scale * _LOG2E, pages_per_block=ppb,
-        pages_per_split=pages_per_split, capacity=pages_per_seq * page_size, precision=precision)
+        _paged_kernel, scale_log2=sm_scale * _LOG2E, block_k=block_k,
+        split_tokens=split_tokens, capacity=capacity, precision=precision, prefetch=sizes.prefetch)
     causal = qpos_BR is not None
     if not causal:
         kernel = functools.partial(lambda q, *rest, _k: _k(q, None, *rest), _k=kernel)
@@ -234,7 +243,7 @@ def _paged_call(q_BKRH, qpos_BR, k_pages, v_pages, block_tables, lengths, *, blo
     args = [q_BKRH] + ([qpos_BR] if causal else []) + [k_pages, v_pages, block_tables, lengths]
     out = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        interpret=interpret, name=f"paged_attention_ppb{ppb}_splits{splits}",
+        interpret=interpret, name=f"paged_attention_bk{block_k}_splits{splits}",
         compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
     )(*args)
     if splits == 1:
@@ -260,10 +269,11 @@ def _resolve(sm_scale, head_dim, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "pages_per_compute_block", "num_splits", "interpret", "num_warps", "num_stages"))
+    "sm_scale", "pages_per_compute_block", "num_splits", "interpret", "block_k", "num_warps",
+    "num_stages", "prefetch"))
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
-                    pages_per_compute_block=None, num_splits=None, interpret=None,
-                    num_warps=4, num_stages=3):
+                    pages_per_compute_block=None, num_splits=None, interpret=None, block_k=None,
+                    num_warps=4, num_stages=3, prefetch=False):
     """Decode attention of one query token per sequence against a paged KV cache.
 
     q [B, N, H]; k_pages, v_pages [K, P, Z, H]; block_tables [B, pages_per_sequence] int32 (page
@@ -283,7 +293,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
     q_BKGH = q.reshape(batch, kv_heads, group, head_dim)
     if block_r != group:
         q_BKGH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, block_r - group), (0, 0)))
-    sizes = BlockSizes(pages_per_compute_block, num_splits, block_r, num_warps, num_stages)
+    sizes = BlockSizes(pages_per_compute_block, block_k, num_splits, block_r, num_warps, num_stages,
+                       prefetch)
     o = _paged_call(q_BKGH, None, k_pages, v_pages, block_tables, lengths, block_r=block_r,
                     sm_scale=scale, sizes=sizes, interpret=interpret)
     return o[:, :, :group].reshape(batch, heads, head_dim)
@@ -303,12 +314,12 @@ def _positions(batch, steps, q_positions_BT, q_start_B):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "pages_per_compute_block", "num_splits", "block_rows", "interpret", "num_warps",
-    "num_stages"))
+    "sm_scale", "pages_per_compute_block", "num_splits", "block_rows", "interpret", "block_k",
+    "num_warps", "num_stages", "prefetch"))
 def paged_attention_chunk(q_BTNH, k_pages, v_pages, block_tables, lengths, q_positions_BT=None,
                           q_start_B=None, *, sm_scale=None, pages_per_compute_block=None,
-                          num_splits=None, block_rows=None, interpret=None, num_warps=4,
-                          num_stages=3):
+                          num_splits=None, block_rows=None, interpret=None, block_k=None,
+                          num_warps=4, num_stages=3, prefetch=False):
     """Attention of T query tokens per sequence against a paged cache, causal by position.
 
     Query (b, t) at position p = q_positions_BT[b, t] (or q_start_B[b] + t) sees keys at
@@ -337,7 +348,8 @@ def paged_attention_chunk(q_BTNH, k_pages, v_pages, block_tables, lengths, q_pos
     if padded != rows:
         q_BKRH = jnp.pad(q_BKRH, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
         qpos_BR = jnp.pad(qpos_BR, ((0, 0), (0, padded - rows)), constant_values=-1)
-    sizes = BlockSizes(pages_per_compute_block, num_splits, block_r, num_warps, num_stages)
+    sizes = BlockSizes(pages_per_compute_block, block_k, num_splits, block_r, num_warps, num_stages,
+                       prefetch)
     o = _paged_call(q_BKRH, qpos_BR, k_pages, v_pages, block_tables, lengths, block_r=block_r,
                     sm_scale=scale, sizes=sizes, interpret=interpret)
     o = o[:, :, :rows].reshape(batch, kv_heads, steps, group, head_dim).transpose(0, 2, 1, 3, 4)

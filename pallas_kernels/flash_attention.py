@@ -137,7 +137,12 @@ def _visible(q_pos, k_pos, q_seg, kv_seg, *, causal: bool, kv_len: int | None):
 
 
 def _cdiv(a, b: int):
-    return lax.div(a + (b - 1), b)
+    return -(-a // b) if isinstance(a, int) else lax.div(a + (b - 1), b)
+
+
+def _min(a, b):
+    """min that stays a Python int when it can (static loop bounds for Triton)."""
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
 
 
 def _kv_tile_range(cfg: _Config, q_first, q_last, bk: int):
@@ -147,11 +152,11 @@ def _kv_tile_range(cfg: _Config, q_first, q_last, bk: int):
     n_end = _cdiv(cfg.kv_len, bk)
     n_full = cfg.kv_len // bk  # the ragged last tile needs the length mask
     if cfg.causal:
-        n_end = jnp.minimum(n_end, _cdiv(q_last + 1, bk))  # keys past the last query: skip
-        n_full = jnp.minimum(n_full, lax.div(q_first + 1, bk))  # keys <= the first query
+        n_end = _min(n_end, _cdiv(q_last + 1, bk))  # keys past the last query: skip
+        n_full = _min(n_full, lax.div(q_first + 1, bk))  # keys <= the first query
     if cfg.segments:
         n_full = 0
-    return jnp.minimum(n_full, n_end), n_end
+    return _min(n_full, n_end), n_end
 
 
 def _needs_mask(cfg: _Config, bk: int) -> bool:
@@ -163,7 +168,7 @@ def _length(cfg: _Config, bk: int):
 
 
 def _positions(start, size: int):
-    return start + lax.broadcasted_iota(jnp.int32, (size,), 0)
+    return start + jnp.arange(size, dtype=jnp.int32)
 
 
 # ---------------------------------------------------------------------------------------

@@ -23,11 +23,10 @@ from pallas_kernels.flash_attention import BlockSizes, flash_attention
 
 # (block_q, block_k, num_warps, num_stages)
 FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
-       (128, 32, 4, 4), (64, 128, 4, 2)]
+       (64, 128, 4, 2)]
 # (block_q_dkv, block_k_dkv, block_q_dq, block_k_dq, num_warps, num_stages)
 BWD = [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 4, 2), (32, 128, 128, 32, 4, 3),
-       (64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 8, 3),
-       (32, 128, 128, 32, 8, 2)]
+       (64, 64, 64, 64, 4, 2), (64, 128, 128, 64, 8, 3), (32, 128, 128, 32, 8, 2)]
 
 
 def bench(f, *args, n=10, warm=2):

@@ -31,15 +31,44 @@ class ModelConfig:
     attention: Literal["xla", "cudnn", "pallas"] = "xla"  # attention backend
     remat: Literal["none", "full", "save_matmuls"] = "none"  # activation recomputation per block
     init_std: float = 0.02  # std of the normal init of weight matrices
+    moe_experts: int = 0  # experts per MoE block (0 = dense model)
+    moe_every: int = 2  # every N-th block's MLP is an MoE layer
+    moe_top_k: int = 2  # experts per token: 1 = Switch, 2 = GShard
+    moe_capacity_factor: float = 1.25  # expert buffer slots = ceil(tokens*k/E * this)
+    moe_d_ff: int = 0  # hidden width of each expert (0 = d_ff)
+    moe_load_balance_weight: float = 0.01  # Switch load-balancing loss coefficient
+    moe_z_loss_weight: float = 1e-3  # router z-loss coefficient
 
     def __post_init__(self):
         _check_positive(self, "vocab_size", "d_model", "num_layers", "num_heads",
                         "num_kv_heads", "head_dim", "d_ff", "max_seq_len")
+        if self.moe_experts and self.num_layers % self.moe_every:
+            raise ValueError(
+                f"model.num_layers={self.num_layers} is not a multiple of model.moe_every="
+                f"{self.moe_every}: MoE blocks come in groups of moe_every layers (the last "
+                "of each is MoE); choose num_layers divisible by moe_every.")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads="
                 f"{self.num_kv_heads}: grouped-query attention shares each kv head among "
                 "num_heads/num_kv_heads query heads; pick num_kv_heads dividing num_heads.")
+
+    @property
+    def moe(self):
+        """The MoE layer's config, or None for a dense model."""
+        if not self.moe_experts:
+            return None
+        from gendist.models.moe import MoEConfig
+        return MoEConfig(num_experts=self.moe_experts, top_k=self.moe_top_k,
+                         capacity_factor=self.moe_capacity_factor,
+                         d_ff=self.moe_d_ff or self.d_ff,
+                         activation="swiglu" if self.mlp == "swiglu" else "gelu",
+                         load_balance_weight=self.moe_load_balance_weight,
+                         z_loss_weight=self.moe_z_loss_weight, every_n_layers=self.moe_every)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers // self.moe_every if self.moe_experts else 0
 
     @property
     def num_params(self) -> int:
@@ -76,6 +105,7 @@ class MeshConfig:
     pipeline: int = 1  # pipeline stages (contiguous slices of the layer stack)
     expert: int = 1  # expert parallelism (also data parallel for non-MoE layers)
     tensor: int = 1  # Megatron tensor parallelism (heads, MLP width, vocabulary)
+    sequence_parallel: bool = False  # Megatron-3: norms/residuals split over seq on `tensor`
 
     def sizes(self) -> dict[str, int]:
         return {"data": self.data, "pipeline": self.pipeline, "expert": self.expert,

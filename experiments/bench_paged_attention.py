@@ -37,9 +37,7 @@ SHAPES = [(64, 4096, 32, 8, 16), (64, 4096, 32, 8, 64), (16, 16384, 32, 8, 64), 
 # the other shapes try the first shape's top configurations.
 GRID = ([dict(block_k=bk, num_warps=w, num_stages=st) for bk in (32, 64, 128) for w in (2, 4)
          for st in (2, 3, 4)]
-        + [dict(block_k=bk, num_warps=8, num_stages=3) for bk in (64, 128)]
-        + [dict(block_k=bk, num_warps=w, num_stages=st, prefetch=True)
-           for bk, w, st in ((32, 4, 1), (64, 4, 1), (64, 8, 1), (32, 2, 1), (64, 4, 2))])
+        + [dict(block_k=bk, num_warps=8, num_stages=3) for bk in (64, 128)])
 SPLITS = (1, 2, 4, 8, 16)
 
 
@@ -47,8 +45,7 @@ def variant_name(kw):
     if not kw:
         return "default"
     sp = kw.get("num_splits")
-    pf = "_pf" if kw.get("prefetch") else ""
-    return f"bk{kw['block_k']}_w{kw['num_warps']}_s{kw['num_stages']}{pf}_sp{sp or 'auto'}"
+    return f"bk{kw['block_k']}_w{kw['num_warps']}_s{kw['num_stages']}_sp{sp or 'auto'}"
 
 
 def bench(f, *args, n=20, warm=3):

@@ -14,6 +14,11 @@ One program handles every query row (token x head) of one KV head, so the G = N/
 of a GQA group share each K/V load: the kernel is bandwidth bound and reads each page once per
 row block. Long contexts are split over pages (flash-decoding); every split keeps a running
 max and sum in base 2 and the splits are merged with a log-sum-exp rescaling.
+
+K/V tiles are gathered token by token straight into [block_k, H] (a page id per token), not
+as [pages, Z, H] reshaped: with the reshape between load and dot the same kernel read 1.4 TB/s
+on an H200, without it 2.4-2.7 TB/s at batch 64, context 4096, 32q/8kv heads, page 16, where
+JAX's own Pallas paged op reads 1.6 (experiments/bench_paged_attention.py, benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -45,7 +50,6 @@ class BlockSizes:
     block_rows: int | None = None  # query rows (tokens x group heads) per program, power of 2
     num_warps: int = 4  # Triton warps per program (GPU only)
     num_stages: int = 3  # Triton software-pipeline depth of the page loop (GPU only)
-    prefetch: bool = False  # load the next tile before computing on this one, in registers
 
 
 def _pow2(n: int) -> bool:
@@ -103,7 +107,6 @@ def _paged_kernel(
     split_tokens: int,
     capacity: int,
     precision,
-    prefetch: bool,
 ):
     split = pl.program_id(3)
     block_r, head_dim = q_ref.shape
@@ -125,9 +128,9 @@ def _paged_kernel(
 
     def fetch(i):
         # Gather straight into a [block_k, H] tile, one page id per token (repeats hit in
-        # cache): no reshape between load and dot, so Triton can pipeline the loads into shared
-        # memory. Masked: positions >= length are never read, so stale or NaN contents of a
-        # page (a freed page's old owner) cannot reach the result.
+        # cache): no reshape between load and dot (see the module docstring). Masked:
+        # positions >= length are never read, so stale or NaN contents of a page (a freed
+        # page's old owner) cannot reach the result.
         pos = lo + i * block_k + offsets
         valid = pos < hi
         page_ids = plgpu.load(bt_ref.at[pos // page_size], mask=valid, other=0)
@@ -158,15 +161,7 @@ def _paged_kernel(
     init = (jnp.zeros((block_r, head_dim), jnp.float32),
             jnp.full((block_r,), _NEG, jnp.float32),
             jnp.zeros((block_r,), jnp.float32))
-    if prefetch:  # issue tile i + 1's loads before computing on tile i (register double buffer)
-        def body(i, carry):
-            *state, k, v = carry
-            nxt = fetch(i + 1)  # fully masked past the end: no memory traffic
-            return (*attend(i, k, v, *state), *nxt)
-
-        acc, m, l, _, _ = lax.fori_loop(0, num_blocks, body, (*init, *fetch(0)))
-    else:
-        acc, m, l = lax.fori_loop(0, num_blocks, lambda i, c: attend(i, *fetch(i), *c), init)
+    acc, m, l = lax.fori_loop(0, num_blocks, lambda i, c: attend(i, *fetch(i), *c), init)
     if lse_refs:
         m_ref, l_ref = lse_refs
         o_ref[...] = acc
@@ -215,7 +210,7 @@ def _paged_call(q_BKRH, qpos_BR, k_pages, v_pages, block_tables, lengths, *, blo
     precision = lax.Precision.HIGHEST if q_BKRH.dtype == jnp.float32 else lax.Precision.DEFAULT
     kernel = functools.partial(
         _paged_kernel, scale_log2=sm_scale * _LOG2E, block_k=block_k,
-        split_tokens=split_tokens, capacity=capacity, precision=precision, prefetch=sizes.prefetch)
+        split_tokens=split_tokens, capacity=capacity, precision=precision)
     causal = qpos_BR is not None
     if not causal:
         kernel = functools.partial(lambda q, *rest, _k: _k(q, None, *rest), _k=kernel)
@@ -270,10 +265,10 @@ def _resolve(sm_scale, head_dim, interpret):
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "pages_per_compute_block", "num_splits", "interpret", "block_k", "num_warps",
-    "num_stages", "prefetch"))
+    "num_stages"))
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
                     pages_per_compute_block=None, num_splits=None, interpret=None, block_k=None,
-                    num_warps=4, num_stages=3, prefetch=False):
+                    num_warps=4, num_stages=3):
     """Decode attention of one query token per sequence against a paged KV cache.
 
     q [B, N, H]; k_pages, v_pages [K, P, Z, H]; block_tables [B, pages_per_sequence] int32 (page
@@ -293,8 +288,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
     q_BKGH = q.reshape(batch, kv_heads, group, head_dim)
     if block_r != group:
         q_BKGH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, block_r - group), (0, 0)))
-    sizes = BlockSizes(pages_per_compute_block, block_k, num_splits, block_r, num_warps, num_stages,
-                       prefetch)
+    sizes = BlockSizes(pages_per_compute_block, block_k, num_splits, block_r, num_warps, num_stages)
     o = _paged_call(q_BKGH, None, k_pages, v_pages, block_tables, lengths, block_r=block_r,
                     sm_scale=scale, sizes=sizes, interpret=interpret)
     return o[:, :, :group].reshape(batch, heads, head_dim)
@@ -315,11 +309,11 @@ def _positions(batch, steps, q_positions_BT, q_start_B):
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "pages_per_compute_block", "num_splits", "block_rows", "interpret", "block_k",
-    "num_warps", "num_stages", "prefetch"))
+    "num_warps", "num_stages"))
 def paged_attention_chunk(q_BTNH, k_pages, v_pages, block_tables, lengths, q_positions_BT=None,
                           q_start_B=None, *, sm_scale=None, pages_per_compute_block=None,
                           num_splits=None, block_rows=None, interpret=None, block_k=None,
-                          num_warps=4, num_stages=3, prefetch=False):
+                          num_warps=4, num_stages=3):
     """Attention of T query tokens per sequence against a paged cache, causal by position.
 
     Query (b, t) at position p = q_positions_BT[b, t] (or q_start_B[b] + t) sees keys at
@@ -348,8 +342,7 @@ def paged_attention_chunk(q_BTNH, k_pages, v_pages, block_tables, lengths, q_pos
     if padded != rows:
         q_BKRH = jnp.pad(q_BKRH, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
         qpos_BR = jnp.pad(qpos_BR, ((0, 0), (0, padded - rows)), constant_values=-1)
-    sizes = BlockSizes(pages_per_compute_block, block_k, num_splits, block_r, num_warps, num_stages,
-                       prefetch)
+    sizes = BlockSizes(pages_per_compute_block, block_k, num_splits, block_r, num_warps, num_stages)
     o = _paged_call(q_BKRH, qpos_BR, k_pages, v_pages, block_tables, lengths, block_r=block_r,
                     sm_scale=scale, sizes=sizes, interpret=interpret)
     o = o[:, :, :rows].reshape(batch, kv_heads, steps, group, head_dim).transpose(0, 2, 1, 3, 4)

@@ -50,43 +50,42 @@ def assert_close(out, ref, dtype):
     np.testing.assert_allclose(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-# (page size, GQA ratio, dtype, lengths, num_splits, block_k, prefetch): odd lengths, an empty
-# sequence, splits, tiles of several pages, tiles smaller than a page, both loop forms.
+# (page size, GQA ratio, dtype, lengths, num_splits, block_k): odd lengths, an empty sequence,
+# splits, tiles of several pages and tiles smaller than a page.
 DECODE = [
-    (8, 1, jnp.float32, [13, 1, 40], None, None, False),
-    (16, 4, jnp.bfloat16, [37, 0, 16, 5], 2, 32, True),
-    (64, 8, jnp.float32, [150, 63], 3, 32, False),
-    (16, 8, jnp.bfloat16, [129, 31], None, None, False),
-    (8, 4, jnp.float32, [77, 9], 4, 16, True),
-    (64, 1, jnp.bfloat16, [65, 200], None, 16, False),
+    (8, 1, jnp.float32, [13, 1, 40], None, None),
+    (16, 4, jnp.bfloat16, [37, 0, 16, 5], 2, 32),
+    (64, 8, jnp.float32, [150, 63], 3, 32),
+    (16, 8, jnp.bfloat16, [129, 31], None, None),
+    (8, 4, jnp.float32, [77, 9], 4, 16),
+    (64, 1, jnp.bfloat16, [65, 200], None, 16),
 ]
 
 
-@pytest.mark.parametrize("page_size,group,dtype,lengths,splits,block_k,prefetch", DECODE)
-def test_decode_matches_reference(page_size, group, dtype, lengths, splits, block_k, prefetch):
+@pytest.mark.parametrize("page_size,group,dtype,lengths,splits,block_k", DECODE)
+def test_decode_matches_reference(page_size, group, dtype, lengths, splits, block_k):
     rng = np.random.default_rng(page_size * 10 + group)
     kv_heads = 2
     k, v, tables, lens = make_cache(rng, lengths, kv_heads, page_size, dtype)
     q = jnp.asarray(rng.standard_normal((len(lengths), kv_heads * group, HEAD_DIM)), dtype)
-    out = paged_attention(q, k, v, tables, lens, num_splits=splits, block_k=block_k, prefetch=prefetch)
+    out = paged_attention(q, k, v, tables, lens, num_splits=splits, block_k=block_k)
     assert out.shape == q.shape and out.dtype == dtype
     ref = paged_attention_reference(q, k, v, tables, lens)
     assert_close(out, ref, dtype)
     assert not np.asarray(out[np.asarray(lens) == 0], np.float32).any()  # nothing to see: zeros
 
 
-# (page size, GQA ratio, dtype, tokens, lengths, positions kind, num_splits, block_k, prefetch)
+# (page size, GQA ratio, dtype, tokens, lengths, positions kind, num_splits, block_k)
 CHUNK = [
-    (8, 4, jnp.float32, 5, [19, 40], "start", None, None, False),
-    (16, 1, jnp.bfloat16, 7, [33, 60, 9], "scattered", None, None, True),
-    (64, 8, jnp.float32, 3, [130, 70], "start", 2, 16, False),
-    (16, 4, jnp.bfloat16, 6, [50, 21], "scattered", 3, 64, False),
+    (8, 4, jnp.float32, 5, [19, 40], "start", None, None),
+    (16, 1, jnp.bfloat16, 7, [33, 60, 9], "scattered", None, None),
+    (64, 8, jnp.float32, 3, [130, 70], "start", 2, 16),
+    (16, 4, jnp.bfloat16, 6, [50, 21], "scattered", 3, 64),
 ]
 
 
-@pytest.mark.parametrize("page_size,group,dtype,steps,lengths,kind,splits,block_k,prefetch", CHUNK)
-def test_chunk_matches_reference(page_size, group, dtype, steps, lengths, kind, splits, block_k,
-                                 prefetch):
+@pytest.mark.parametrize("page_size,group,dtype,steps,lengths,kind,splits,block_k", CHUNK)
+def test_chunk_matches_reference(page_size, group, dtype, steps, lengths, kind, splits, block_k):
     rng = np.random.default_rng(steps * 100 + page_size)
     kv_heads = 2
     k, v, tables, lens = make_cache(rng, lengths, kv_heads, page_size, dtype)
@@ -98,8 +97,7 @@ def test_chunk_matches_reference(page_size, group, dtype, steps, lengths, kind, 
         pos = rng.integers(0, max(lengths) + 3, size=(batch, steps)).astype(np.int32)
         pos[0, 0] = -1
         where = dict(q_positions_BT=jnp.asarray(pos))
-    out = paged_attention_chunk(q, k, v, tables, lens, num_splits=splits, block_k=block_k,
-                                prefetch=prefetch, **where)
+    out = paged_attention_chunk(q, k, v, tables, lens, num_splits=splits, block_k=block_k, **where)
     assert out.shape == q.shape
     ref = paged_attention_chunk_reference(q, k, v, tables, lens, **where)
     assert_close(out, ref, dtype)

@@ -174,6 +174,7 @@ def main():
         ok = sorted((v["TBps"], k) for k, v in row["ours"].items() if "TBps" in v and k != "default")
         return [row["ours"][k]["config"] for _, k in ok[::-1][:n]]
 
+    top = []  # the first shape's best configurations, tried on the others
     for i, shape in enumerate(shapes):
         row = run_decode(shape, [{}])
         if args.sweep:

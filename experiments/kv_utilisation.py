@@ -40,7 +40,7 @@ def make_workload(n: int, max_len: int, seed: int):
     rng = np.random.default_rng(seed)
     prompt = np.clip(rng.lognormal(np.log(160), 0.9, n), 4, max_len // 2).astype(int)
     output = np.clip(rng.lognormal(np.log(180), 0.9, n), 1, max_len - prompt).astype(int)
-    return list(zip(prompt.tolist(), output.tolist()))
+    return list(zip(prompt.tolist(), output.tolist(), strict=True))
 
 
 class Arena:
@@ -144,7 +144,8 @@ def simulate(policy, workload, budget: int):
             # Free memory is external fragmentation when it would hold the waiting request but
             # no single hole does; otherwise it is simply free.
             external = free if free >= policy.need(queue[0][1:]) else 0
-            for k, v in zip(CATEGORIES, (useful, reserved, internal, external, free - external)):
+            split = (useful, reserved, internal, external, free - external)
+            for k, v in zip(CATEGORIES, split, strict=True):
                 sums[k] += v / budget
             batch.append(len(running))
         for rid in policy.step(running):  # recompute-style preemption: back to the queue front
@@ -157,6 +158,9 @@ def simulate(policy, workload, budget: int):
             if running[rid]["len"] == running[rid]["final"]:
                 policy.release(rid)
                 del running[rid]
+    if not batch:
+        raise ValueError(f"no request ever waited for memory (budget={budget} tokens); "
+                         "raise --requests or lower --budget so that the policies are compared under load")
     frac = {k: v / len(batch) for k, v in sums.items()}
     held = frac["useful"] + frac["reserved"] + frac["internal"]
     return dict(budget_fraction=frac, utilisation=frac["useful"] / held, waste=1 - frac["useful"] / held,

@@ -72,7 +72,7 @@ class Model:
             if owners[self.slots[s]["pages"][j]] > 1:
                 self.slots[s]["pages"][j] = next(self.ids)
                 cows += 1
-        for (s, pos), val in zip(tokens, vals):
+        for (s, pos), val in zip(tokens, vals, strict=True):
             self.slots[s]["values"][pos] = val
         return cows
 
@@ -97,13 +97,13 @@ def _check(state, k_pages, v_pages, model):
         n = len(seq["pages"])
         assert lengths[s] == seq["length"] and n == -(-seq["length"] // Z)
         assert (bt[s, :n] >= 0).all() and (bt[s, n:] == pa.NO_PAGE).all()
-        for obj, page in zip(seq["pages"], bt[s, :n]):
+        for obj, page in zip(seq["pages"], bt[s, :n], strict=True):
             assert obj_to_page.setdefault(obj, page) == page, "one model page on two real pages"
             counts[page] += 1
         reads += [(bt[s, pos // Z], pos % Z, seq["values"][pos]) for pos in range(seq["length"])]
     assert len(set(obj_to_page.values())) == len(obj_to_page), "two model pages on one real page"
     if reads:  # reads through the block tables below each length see only the owner's writes
-        page, off, val = (np.array(x) for x in zip(*reads))
+        page, off, val = (np.array(x) for x in zip(*reads, strict=True))
         want = val[None, :, None] + 0.25 * np.arange(KH)[:, None, None] + 0.125 * np.arange(HD)
         np.testing.assert_array_equal(k[:, page, off], want)
         np.testing.assert_array_equal(v[:, page, off], -want)
@@ -222,3 +222,24 @@ def test_checked_errors_name_the_field():
         pa.checked(pa.grow)(state, 0, 17)
     with pytest.raises(ValueError, match="num_pages"):
         pa.init_allocator(0, 8, 1, 1)
+
+
+def test_layered_pools_copy_on_write_and_scatter():
+    """Pools with leading axes ([L, K, P, Z, H], a model's cache) copy and scatter per page."""
+    layers, z = 3, 4
+    state = pa.init_allocator(num_pages=6, page_size=z, max_seqs=2, max_pages_per_seq=3)
+    state, a = pa.checked(pa.allocate_slot)(state)
+    state = pa.checked(pa.grow)(state, a, 6)
+    pools = {"k": jnp.zeros((layers, KH, 6, z, HD)), "v": jnp.zeros((layers, KH, 6, z, HD))}
+    x = jnp.arange(6 * layers * KH * HD, dtype=jnp.float32).reshape(6, layers, KH, HD) + 1
+    slots, pos = jnp.full((6,), a), jnp.arange(6, dtype=jnp.int32)
+    pools = {n: pa.scatter_tokens(p, state.block_tables, slots, pos, x) for n, p in pools.items()}
+    state, b = pa.checked(pa.fork)(state, a)
+    state, pools = pa.checked(pa.copy_on_write)(state, pools, jnp.array([b, b]), jnp.array([5, 4]))
+    bt = np.asarray(state.block_tables)
+    assert bt[a, 0] == bt[b, 0] and bt[a, 1] != bt[b, 1]  # only the written page was copied
+    np.testing.assert_array_equal(np.asarray(state.refcounts)[[bt[a, 0], bt[a, 1], bt[b, 1]]], [2, 1, 1])
+    for p in pools.values():
+        for s in (a, b):  # both owners read the same tokens through their own tables
+            got = np.stack([np.asarray(p)[:, :, bt[s, t // z], t % z] for t in range(6)])
+            np.testing.assert_array_equal(got, np.asarray(x))

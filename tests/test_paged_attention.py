@@ -5,7 +5,6 @@ Every page slot that the query must not see (past a length, pages no sequence ow
 and block-table entries past a length are garbage, so a read outside the contract shows."""
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -32,7 +32,11 @@ HEADS = 16
 TOKENS = 16384
 
 
-def bench(f, *args, n=10, warm=2):
+ITERS = dict(n=10, warm=2)
+
+
+def bench(f, *args, n=None, warm=None):
+    n, warm = n or ITERS["n"], warm or ITERS["warm"]
     for _ in range(warm):
         jax.block_until_ready(f(*args))
     ts = []
@@ -80,11 +84,11 @@ def run_case(name, fn, q, k, v, do, causal, flops, ref):
         t = bench(fwd, q, k, v)
         row.update(fwd_ms=t * 1e3, fwd_tflops=flops / t / 1e12)
 
-        def loss(q, k, v):
+        def loss(q, k, v, do):  # do is an argument: a closed-over array would be constant-folded
             return jnp.sum(fn(q, k, v, causal).astype(jnp.float32) * do.astype(jnp.float32))
 
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        t = bench(grad, q, k, v)
+        t = bench(grad, q, k, v, do)
         row.update(fwdbwd_ms=t * 1e3, fwdbwd_tflops=3.5 * flops / t / 1e12)
         return row, out
     except Exception as e:  # noqa: BLE001 - record the failure and go on
@@ -107,17 +111,23 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpret)")
     parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    parser.add_argument("--seqs64", type=int, nargs="+", default=None,
+                        help="sequence lengths for head dim 64 (default: --seqs)")
+    parser.add_argument("--impls", nargs="+", default=None, help="subset of implementations")
     parser.add_argument("--mem-seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--mem-xla-max", type=int, default=16384, help="longest seq for XLA memory")
+    parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
+    ITERS["n"] = args.iters
     tokens = 256 if args.smoke else TOKENS
     seqs = [128] if args.smoke else args.seqs
     mem_seqs = [128, 256] if args.smoke else args.mem_seqs
-    impls = peers(args.smoke)
+    impls = {k: f for k, f in peers(args.smoke).items() if not args.impls or k in args.impls}
     res = dict(jax=jax.__version__, devices=str(jax.devices()), attention=[], memory=[])
     print(res["devices"], "jax", res["jax"], flush=True)
 
     for d in args.head_dims:
-        for s in seqs:
+        for s in (args.seqs64 or seqs) if d == 64 and not args.smoke else seqs:
             b = max(1, tokens // s)
             for causal in (False, True):
                 keys = jax.random.split(jax.random.key(s + d), 4)
@@ -137,6 +147,8 @@ def main():
     for s in mem_seqs:
         for name, fn in (("ours", lambda q, k, v: flash_attention(q, k, v, causal=True)),
                          ("xla", lambda q, k, v: mha_reference(q, k, v, causal=True))):
+            if name == "xla" and s > args.mem_xla_max:
+                continue
             try:
                 mb = temp_memory(fn, s, 128, jnp.bfloat16) / 2**20
                 res["memory"].append(dict(impl=name, S=s, temp_MiB=mb))

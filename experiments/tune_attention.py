@@ -78,11 +78,11 @@ def main():
                                              num_stages_bwd=st)
                 row = dict(kind="fwdbwd", d=d, causal=causal, cfg=(bqk, bkk, bqq, bkq, w, st))
                 try:
-                    def loss(q, k, v, bl=blocks):
+                    def loss(q, k, v, do, bl=blocks):
                         o = flash_attention(q, k, v, causal=causal, block_sizes=bl)
                         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
                     g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-                    t = bench(g, q, k, v)
+                    t = bench(g, q, k, v, do)
                     row["tflops"] = 3.5 * flops / t / 1e12
                 except Exception as e:
                     row["error"] = repr(e)[:200]

@@ -77,9 +77,9 @@ class BlockSizes:
             return cls()
         wide = jnp.dtype(dtype).itemsize >= 4
         if head_dim <= 64 and not wide:
-            return cls(128, 64, 64, 128, 128, 64, 4, 3, 4, 2)
-        if head_dim <= 128 and not wide:
-            return cls(128, 64, 64, 128, 128, 64, 8, 3, 8, 2)
+            return cls(128, 64, 64, 64, 64, 64, 4, 3, 4, 2)
+        if head_dim <= 128 and not wide:  # swept at seq 4096 (benchmarks/attention_tune_h200.json)
+            return cls(128, 128, 64, 64, 64, 64, 8, 3, 4, 2)
         if head_dim <= 128:
             return cls(64, 32, 32, 64, 64, 32, 4, 2, 4, 2)
         if not wide:

@@ -33,10 +33,12 @@ _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes of the output (block_m x block_n) and of the reduction (block_k)."""
+    """Tile sizes of the output (block_m x block_n) and of the reduction (block_k).
+
+    Defaults: the best of a small sweep on an H200, bf16 (benchmarks/kernels_h200.json)."""
 
     block_m: int = 128  # rows of A (and of C) per program
-    block_n: int = 128  # columns of B (and of C) per program
+    block_n: int = 256  # columns of B (and of C) per program
     block_k: int = 64  # slice of the shared axis loaded per loop step
     group_m: int = 8  # row tiles per group in the L2-friendly program order
     num_warps: int = 8  # Triton warps per program (GPU only)

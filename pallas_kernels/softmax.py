@@ -29,12 +29,14 @@ _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Rows per program and the slice of a row loaded per loop step."""
+    """Rows per program and the slice of a row loaded per loop step.
 
-    block_rows: int = 4  # rows handled by one program
-    block_cols: int = 1024  # columns loaded per step of each pass
-    num_warps: int = 4  # Triton warps per program (GPU only)
-    num_stages: int = 3  # Triton software-pipelining depth (GPU only)
+    Defaults: the best of a small sweep on an H200, bf16 (benchmarks/kernels_h200.json)."""
+
+    block_rows: int = 2  # rows handled by one program
+    block_cols: int = 2048  # columns loaded per step of each pass
+    num_warps: int = 8  # Triton warps per program (GPU only)
+    num_stages: int = 2  # Triton software-pipelining depth (GPU only)
 
     def __post_init__(self):
         for name in ("block_rows", "block_cols"):

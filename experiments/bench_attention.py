@@ -125,8 +125,15 @@ def main():
     impls = {k: f for k, f in peers(args.smoke).items() if not args.impls or k in args.impls}
     res = dict(jax=jax.__version__, devices=str(jax.devices()), attention=[], memory=[])
     print(res["devices"], "jax", res["jax"], flush=True)
+    out_dir = os.environ.get("OUT", "/tmp")
 
-    for d in args.head_dims:
+    def save():  # after every row, so a run cut short still leaves its figures
+        with open(os.path.join(out_dir, "attention.json"), "w") as fh:
+            json.dump(res, fh, indent=1)
+
+    for i, d in enumerate(args.head_dims):
+        if i == 1:
+            measure_memory(res, mem_seqs, args.mem_xla_max, save)
         for s in (args.seqs64 or seqs) if d == 64 and not args.smoke else seqs:
             b = max(1, tokens // s)
             for causal in (False, True):
@@ -141,13 +148,23 @@ def main():
                     if ref is None and out is not None and name == "ours":
                         ref = out  # peers are compared with ours (ours is tested vs a reference)
                     res["attention"].append(row)
+                    save()
                     print({kk: (round(vv, 3) if isinstance(vv, float) else vv)
                            for kk, vv in row.items()}, flush=True)
 
-    for s in mem_seqs:
+    if len(args.head_dims) < 2:
+        measure_memory(res, mem_seqs, args.mem_xla_max, save)
+    save()
+    summarize(res["attention"])
+    plot(res, os.path.join(out_dir, "attention.png"))
+
+
+def measure_memory(res, seqs, xla_max, save):
+    """Compiled temp memory of causal forward+backward, B=1, 16 heads, head dim 128."""
+    for s in seqs:
         for name, fn in (("ours", lambda q, k, v: flash_attention(q, k, v, causal=True)),
                          ("xla", lambda q, k, v: mha_reference(q, k, v, causal=True))):
-            if name == "xla" and s > args.mem_xla_max:
+            if name == "xla" and s > xla_max:
                 continue
             try:
                 mb = temp_memory(fn, s, 128, jnp.bfloat16) / 2**20
@@ -155,12 +172,7 @@ def main():
                 print(f"memory {name:5s} S={s:6d} temp {mb:10.1f} MiB", flush=True)
             except Exception as e:  # noqa: BLE001
                 res["memory"].append(dict(impl=name, S=s, error=repr(e)[:200]))
-
-    out_dir = os.environ.get("OUT", "/tmp")
-    with open(os.path.join(out_dir, "attention.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
-    summarize(res["attention"])
-    plot(res, os.path.join(out_dir, "attention.png"))
+            save()
 
 
 def summarize(rows):

@@ -35,6 +35,10 @@ class KVCache(abc.ABC):
     def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
         """Write k, v at positions q_pos and attend; returns (out_BTNH, new_layer_state)."""
 
+    def prepare(self, q_pos_BT: jax.Array) -> KVCache:
+        """Called once per forward before the layer scan (a paged cache reserves pages)."""
+        return self
+
     def advance(self, num_new_B: jax.Array) -> KVCache:
         """Count `num_new_B` more tokens as cached (per sequence: they may differ)."""
         return dataclasses.replace(self, lengths=self.lengths + num_new_B.astype(jnp.int32))

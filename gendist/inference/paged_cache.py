@@ -1,0 +1,115 @@
+"""The paged KV cache behind the model's cache interface (PagedAttention, Kwon et al. 2023).
+
+One pool of pages per layer, [L, K, P, Z, H]; batch row b is allocator slot b, whose block
+table maps its logical pages to physical ones. Before a forward, `prepare` reserves pages
+for the positions about to be written (on demand, shared pages copied on write); each
+layer scatters its new K/V into the pages and attends through the block table with the
+Pallas paged-attention kernel (`backend="pallas"`) or a gather-based jnp path ("xla").
+`rollback` returns pages past the new length to the free list, so speculative decoding's
+rejected tokens cost no memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gendist.inference import page_allocator as pa
+from gendist.inference.cache import KVCache
+from pallas_kernels.paged_attention import (
+    paged_attention,
+    paged_attention_chunk,
+    paged_attention_chunk_reference,
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache(KVCache):
+    k_LKPZH: jax.Array
+    v_LKPZH: jax.Array
+    alloc: pa.PageAllocatorState
+    lengths: jax.Array  # [B] tokens committed per slot (alloc.lengths may reserve more)
+    status: jax.Array  # [] int32 allocator status of the last prepare (pa.OK or an error)
+    backend: str = dataclasses.field(default="xla", metadata=dict(static=True))
+
+    @classmethod
+    def create(cls, num_layers, batch, max_len, num_kv_heads, head_dim, *, num_pages,
+               page_size=16, dtype=jnp.float32, backend="xla", active=True):
+        """A pool of `num_pages` pages per layer shared by `batch` slots of up to max_len."""
+        pages_per_seq = -(-max_len // page_size)
+        alloc = pa.init_allocator(num_pages, page_size, batch, pages_per_seq)
+        if active:
+            alloc = dataclasses.replace(alloc, active=jnp.ones((batch,), bool))
+        shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), alloc,
+                   jnp.zeros((batch,), jnp.int32), jnp.int32(pa.OK), backend)
+
+    @property
+    def page_size(self) -> int:
+        return self.alloc.page_size
+
+    def layer_state(self):
+        return (self.k_LKPZH, self.v_LKPZH)
+
+    def with_layer_state(self, state):
+        k, v = state
+        return dataclasses.replace(self, k_LKPZH=k, v_LKPZH=v)
+
+    def prepare(self, q_pos_BT):
+        """Reserve pages up to the largest position each slot writes; copy shared pages."""
+        need_B = jnp.maximum(jnp.max(q_pos_BT, axis=1) + 1 - self.alloc.lengths, 0)
+        need_B = jnp.where(self.alloc.active, need_B, 0)
+        alloc, status = pa.grow_batch(self.alloc, need_B)
+        B, T = q_pos_BT.shape
+        live = self.alloc.active[:, None] & (q_pos_BT >= 0) & (status == pa.OK)
+        slots = jnp.where(live, jnp.arange(B)[:, None], -1).reshape(-1)
+        alloc, (k, v), cow = pa.copy_on_write(alloc, (self.k_LKPZH, self.v_LKPZH), slots,
+                                              jnp.maximum(q_pos_BT, 0).reshape(-1))
+        status = jnp.where(status == pa.OK, cow, status)
+        return dataclasses.replace(self, alloc=alloc, k_LKPZH=k, v_LKPZH=v, status=status)
+
+    def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
+        k_KPZH, v_KPZH = layer_state
+        B, T = q_pos_BT.shape
+        # Rows not taking part in this call carry position -1 and write nothing.
+        ok = (self.status == pa.OK) & self.alloc.active[:, None] & (q_pos_BT >= 0)
+        slots = jnp.where(ok, jnp.arange(B)[:, None], -1).reshape(-1)
+        pos = jnp.maximum(q_pos_BT, 0).reshape(-1)
+        # scatter_tokens takes rows [N, K, H] into pools [K, P, Z, H].
+        k_KPZH = pa.scatter_tokens(k_KPZH, self.alloc.block_tables, slots, pos,
+                                   k_BTKH.reshape(B * T, *k_BTKH.shape[2:]))
+        v_KPZH = pa.scatter_tokens(v_KPZH, self.alloc.block_tables, slots, pos,
+                                   v_BTKH.reshape(B * T, *v_BTKH.shape[2:]))
+        kv_len_B = jnp.max(q_pos_BT, axis=1) + 1
+        tables = jnp.maximum(self.alloc.block_tables, 0)
+        kp, vp = k_KPZH.astype(q_BTNH.dtype), v_KPZH.astype(q_BTNH.dtype)
+        if self.backend == "pallas" and T == 1:
+            out = paged_attention(q_BTNH[:, 0], kp, vp, tables, kv_len_B,
+                                  sm_scale=sm_scale)[:, None]
+        elif self.backend == "pallas":
+            out = paged_attention_chunk(q_BTNH, kp, vp, tables, kv_len_B, q_pos_BT,
+                                        sm_scale=sm_scale)
+        else:
+            out = paged_attention_chunk_reference(q_BTNH, kp, vp, tables, kv_len_B, q_pos_BT,
+                                                  sm_scale=sm_scale)
+        return out.astype(q_BTNH.dtype), (k_KPZH, v_KPZH)
+
+    def rollback(self, lengths_B):
+        """Keep `lengths_B` tokens per slot; pages past them go back to the free list."""
+        lengths_B = lengths_B.astype(jnp.int32)
+
+        def body(s, alloc):
+            keep = jnp.maximum(lengths_B[s], 0)
+            new, st = pa.truncate(alloc, s, jnp.minimum(keep, alloc.lengths[s]))
+            return jax.tree.map(lambda a, b: jnp.where(alloc.active[s], a, b), new, alloc)
+
+        alloc = jax.lax.fori_loop(0, lengths_B.shape[0], body, self.alloc)
+        return dataclasses.replace(self, alloc=alloc, lengths=lengths_B)
+
+    def free_slot(self, slot):
+        """End a sequence: its pages return to the pool (shared ones lose one owner)."""
+        alloc, _ = pa.free(self.alloc, slot)
+        return dataclasses.replace(self, alloc=alloc, lengths=self.lengths.at[slot].set(0))

@@ -277,3 +277,29 @@ def make(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} is unknown; use one of {sorted(SCHEDULES)}")
     return SCHEDULES[name](num_stages, num_microbatches)
+
+
+def pipeline_plan_lines(num_stages: int, num_microbatches: int, schedule: str | Schedule) -> list[str]:
+    """Human-readable bubble and memory accounting of one schedule, for `python -m gendist plan`.
+
+    Counts idle slots in the table and compares with the analytic (p-1)/(m+p-1), and lists
+    the microbatches each stage holds at once (the activation memory GPipe grows with m and
+    1F1B caps at p - s).
+    """
+    sched = make(schedule, num_stages, num_microbatches) if isinstance(schedule, str) else schedule
+    if (sched.num_stages, sched.num_microbatches) != (num_stages, num_microbatches):
+        raise ValueError(f"schedule {sched.name!r} has p={sched.num_stages}, m="
+                         f"{sched.num_microbatches}; pass num_stages={sched.num_stages}, "
+                         f"num_microbatches={sched.num_microbatches}")
+    p, m = num_stages, num_microbatches
+    idle = int(np.sum(sched.kind == IDLE))
+    flight = in_flight_per_stage(sched)
+    return [
+        f"pipeline schedule {sched.name}: p={p} stages, m={m} microbatches, "
+        f"{sched.num_steps} steps of one forward or backward",
+        f"  bubble (table): {idle}/{sched.num_steps * p} idle stage-steps = "
+        f"{bubble_fraction(sched):.4f}",
+        f"  bubble (analytic (p-1)/(m+p-1)): {analytic_bubble_fraction(p, m):.4f}",
+        "  microbatches in flight per stage: " + " ".join(str(int(f)) for f in flight)
+        + f" (max {int(flight.max())}; buffer slots {buffer_plan(sched).num_slots})",
+    ]

@@ -1,0 +1,160 @@
+"""The gendist transformer pipelined equals the plain model: loss, grads, steps, ZeRO.
+
+Bubbles are filled with NaN so anything a stage holds or sends while idle poisons the result.
+"""
+
+import jax
+import numpy as np
+import pytest
+from helpers import mesh_of, small_config
+
+from gendist import train
+from gendist.config import replace
+from gendist.data import TextData, shard_batch
+from gendist.models import transformer
+from gendist.parallel import pipeline_model as pm
+
+RTOL = 1e-5  # fp32, fixed
+# Entries that cancel to ~0 are compared against their leaf's largest entry instead.
+LEAF_ATOL = 1e-6
+NAN = float("nan")
+
+
+def config(**kw):
+    cfg = replace(small_config(), **{"model.num_layers": 4, "model.vocab_size": 64,
+                                     "train.seq_len": 8})
+    return replace(cfg, **kw)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return TextData.from_config(small_config().data)
+
+
+def text_batch(corpus, step, size, seq=8, vocab=64):
+    b = corpus.global_batch(step, size, seq)
+    return {k: (v % vocab).astype(np.int32) for k, v in b.items()}
+
+
+def assert_trees_close(got, want):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                            strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=LEAF_ATOL * np.abs(b).max(),
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+# (data, pipeline, tensor, schedule, m, tied): m in {1, p, 2p, 3p+1} over p = 2 and 4, both
+# schedules on both p, one Megatron tensor-parallel case (heads, MLP and vocab over
+# `tensor`) and one untied output layer.
+CASES = [
+    (4, 2, 1, "1f1b", 1, True),
+    (2, 2, 2, "1f1b", 4, True),
+    (4, 2, 1, "gpipe", 7, True),
+    (2, 4, 1, "gpipe", 4, False),
+    (2, 4, 1, "1f1b", 13, True),
+]
+
+
+@pytest.mark.parametrize("data, pipe, tensor, name, m, tied", CASES)
+def test_loss_and_grads_match_plain_model(corpus, data, pipe, tensor, name, m, tied):
+    cfg = config(**{"model.tie_embeddings": tied})
+    mesh = mesh_of(8, data=data, pipeline=pipe, tensor=tensor)
+    params = transformer.init_params(cfg.model, 0)
+    batch = text_batch(corpus, m, data * m)
+    run = jax.jit(lambda p, b: pm.loss_and_grads(cfg, p, b, mesh=mesh, schedule=name,
+                                                 num_microbatches=m, bubble_value=NAN))
+    loss, grads = run(params, shard_batch(batch, mesh))
+    want_loss, want_grads = jax.jit(jax.value_and_grad(
+        lambda p, b: train.loss_fn(cfg, p, b)))(params, batch)
+    assert set(grads) == set(want_grads) == ({"embed", "blocks", "final_norm"}
+                                             | (set() if tied else {"head"}))
+    np.testing.assert_allclose(loss, want_loss, rtol=RTOL)
+    assert_trees_close(grads, want_grads)
+    if tensor > 1:  # the stage's weights stayed split over `tensor`
+        assert "tensor" in tuple(grads["blocks"]["wq"].sharding.spec)
+
+
+def run_steps(setup, corpus, n, size):
+    state = setup.init_state()
+    losses = []
+    for i in range(n):
+        state, metrics = setup.step_fn(state, shard_batch(text_batch(corpus, 100 + i, size),
+                                                          setup.mesh))
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+STEP_ATOL = 1e-6  # params after optimizer steps: test_data_parallel's fixed fp32 tolerance
+
+
+@pytest.fixture(scope="module")
+def plain_three_steps(corpus):
+    """Three AdamW steps of the plain gendist train step on one device."""
+    cfg = config(**{"train.batch_size": 16})
+    state, losses = run_steps(train.build(cfg, mesh_of(1)), corpus, 3, 16)
+    return jax.device_get(state["params"]), losses
+
+
+def assert_params_close(got, want):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                            strict=True):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=RTOL, atol=STEP_ATOL,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_three_adamw_steps_match_plain_train_step(corpus, plain_three_steps):
+    """gendist's own optimizer (clip + AdamW + schedule) and state layout, 1F1B over 4 stages."""
+    cfg = config(**{"train.batch_size": 16})
+    setup = pm.build_pipeline(cfg, mesh_of(8, data=2, pipeline=4), "1f1b", 4)
+    state, losses = run_steps(setup, corpus, 3, 16)
+    want_params, want_losses = plain_three_steps
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    assert_params_close(state["params"], want_params)
+    assert set(state) == {"step", "params", "opt_state"} and int(state["step"]) == 3
+    assert setup.traces["step"] == 1, "the pipelined step recompiled across steps"
+    # Each stage stores only its own layers.
+    assert state["params"]["blocks"]["wq"].sharding.spec[0] == "pipeline"
+
+
+def test_zero1_moments_sharded_over_data_and_stages(corpus, plain_three_steps):
+    """ZeRO-1 composes: moments split over `data` (optim.state_shardings) and over stages."""
+    cfg = config(**{"train.batch_size": 16, "train.zero_stage": 1})
+    mesh = mesh_of(8, data=4, pipeline=2)
+    setup = pm.build_pipeline(cfg, mesh, "gpipe", 2)
+    state, losses = run_steps(setup, corpus, 3, 16)
+    want_params, want_losses = plain_three_steps
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    assert_params_close(state["params"], want_params)
+    # The plain step's ZeRO-1 placement of every moment, with `layers` moved onto stages.
+    plain = train.build(cfg, mesh)
+    adam = lambda opt_state: opt_state[1][0]
+    for name in ("wq", "w_up", "attn_norm"):
+        plain_spec = tuple(adam(plain.state_sharding["opt_state"]).mu["blocks"][name].spec)
+        mu = adam(state["opt_state"]).mu["blocks"][name]
+        got_spec = tuple(mu.sharding.spec)
+        assert got_spec[0] == "pipeline" and got_spec[1:] == plain_spec[1:], (name, got_spec)
+    mu = adam(state["opt_state"]).mu["blocks"]["wq"]
+    assert mu.addressable_shards[0].data.size == mu.size // 8  # 1/(stages x data) per device
+    mu_embed = adam(state["opt_state"]).mu["embed"]
+    assert tuple(mu_embed.sharding.spec) == tuple(adam(plain.state_sharding["opt_state"]).mu["embed"].spec)
+    assert "data" in tuple(mu_embed.sharding.spec)
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"train.grad_accum": 2}, "train.grad_accum"),
+    ({"train.batch_size": 12}, "num_microbatches"),  # 12 rows / 2 data shards / 4 microbatches
+])
+def test_bad_input_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        pm.build_pipeline(config(**kw), mesh_of(8, data=2, pipeline=4), "1f1b", 4)
+
+
+def test_plan_lines_count_the_table():
+    from gendist.parallel import schedule as S
+    lines = S.pipeline_plan_lines(4, 8, "1f1b")
+    assert "24/88 idle" in lines[1] and "0.2727" in lines[1] and "0.2727" in lines[2]
+    assert "4 3 2 1 (max 4" in lines[3]
+    assert "8 8 8 8 (max 8" in S.pipeline_plan_lines(4, 8, "gpipe")[3]
+    with pytest.raises(ValueError, match="num_microbatches"):
+        S.pipeline_plan_lines(4, 8, S.gpipe(4, 6))

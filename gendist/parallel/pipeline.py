@@ -193,18 +193,65 @@ def pipeline_loss_and_grads(
     return loss, {"embed": g_embed, "layers": g_layers, "head": g_head}
 
 
-def _pipeline_body(embed, layers, head, tokens, targets, *, sched, counts, even, embed_fn,
-                   layer_fn, head_loss_fn, batch_axes, bubble_value):
-    """The per-device program: scan over schedule steps, one switch and two ppermutes each."""
-    p, m = sched.num_stages, sched.num_microbatches
-    stage = jax.lax.axis_index(PIPELINE)
-    tokens_M = tokens.reshape(m, tokens.shape[0] // m, *tokens.shape[1:])
-    targets_M = targets.reshape(m, targets.shape[0] // m, *targets.shape[1:])
-    x_spec = jax.eval_shape(embed_fn, embed, tokens_M[0])
-    fill = lambda: jnp.full(x_spec.shape, bubble_value, x_spec.dtype)
-    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
-    maxc = max(counts)
-    active_L = jnp.arange(maxc) < jnp.asarray(counts, jnp.int32)[stage]
+def stage_branches(embed_fn, run_layers, head_loss_fn, fill):
+    """{(kind, role): f(w, x, g, tok, tgt)} for stage weights w = (embed, layers, head).
+
+    Each returns (d_embed, d_layers, d_head, loss_sum, count, send_act, send_cot); a
+    backward recomputes the stage's forward from its stored input `x` under `jax.vjp`.
+    The last stage keeps its input and does all its work in the backward step. PipeDream
+    (pipedream.py) calls the same branches with a different weight version per action.
+    """
+    def out(w, d_embed=None, d_layers=None, d_head=None, loss=0.0, count=0.0, act=None,
+            cot=None):
+        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+        embed, layers, head = w
+        return (d_embed if d_embed is not None else zeros(embed),
+                d_layers if d_layers is not None else zeros(layers),
+                d_head if d_head is not None else zeros(head),
+                jnp.asarray(loss, jnp.float32), jnp.asarray(count, jnp.float32),
+                act if act is not None else fill(), cot if cot is not None else fill())
+
+    def idle(w, x, g, tok, tgt):
+        return out(w)
+
+    def fwd_first(w, x, g, tok, tgt):
+        return out(w, act=run_layers(w[1], embed_fn(w[0], tok)))
+
+    def fwd_mid(w, x, g, tok, tgt):
+        return out(w, act=run_layers(w[1], x))
+
+    def bwd_first(w, x, g, tok, tgt):
+        _, vjp = jax.vjp(lambda e, lp: run_layers(lp, embed_fn(e, tok)), w[0], w[1])
+        d_e, d_l = vjp(g)
+        return out(w, d_embed=d_e, d_layers=d_l)
+
+    def bwd_mid(w, x, g, tok, tgt):
+        _, vjp = jax.vjp(run_layers, w[1], x)
+        d_l, d_x = vjp(g)
+        return out(w, d_layers=d_l, cot=d_x)
+
+    def bwd_last(w, x, g, tok, tgt):
+        f = lambda lp, hp, x: head_loss_fn(hp, run_layers(lp, x), tgt)
+        loss, vjp, count = jax.vjp(f, w[1], w[2], x, has_aux=True)
+        d_l, d_h, d_x = vjp(jnp.ones_like(loss))
+        return out(w, d_layers=d_l, d_head=d_h, loss=loss, count=count, cot=d_x)
+
+    def bwd_only(w, x, g, tok, tgt):
+        f = lambda e, lp, hp: head_loss_fn(hp, run_layers(lp, embed_fn(e, tok)), tgt)
+        loss, vjp, count = jax.vjp(f, *w, has_aux=True)
+        d_e, d_l, d_h = vjp(jnp.ones_like(loss))
+        return out(w, d_embed=d_e, d_layers=d_l, d_head=d_h, loss=loss, count=count)
+
+    F, B = sched_lib.FORWARD, sched_lib.BACKWARD
+    return ({(sched_lib.IDLE, r): idle for r in _ROLES}
+            | {(F, "first"): fwd_first, (F, "mid"): fwd_mid, (F, "last"): idle,
+               (F, "only"): idle, (B, "first"): bwd_first, (B, "mid"): bwd_mid,
+               (B, "last"): bwd_last, (B, "only"): bwd_only})
+
+
+def layer_runner(layer_fn, counts, even, stage):
+    """run_layers(stage_layers, x): a scan over the stage's layers (padding masked off)."""
+    active_L = jnp.arange(max(counts)) < jnp.asarray(counts, jnp.int32)[stage]
 
     def run_layers(lp, x):
         def one(x, lp_on):
@@ -214,52 +261,26 @@ def _pipeline_body(embed, layers, head, tokens, targets, *, sched, counts, even,
             return jax.lax.cond(on, layer_fn, lambda _, y: y, lp_l, x), None
         return jax.lax.scan(one, x, (lp, active_L))[0]
 
-    def out(d_embed=None, d_layers=None, d_head=None, loss=0.0, count=0.0, act=None, cot=None):
-        return (d_embed if d_embed is not None else zeros(embed),
-                d_layers if d_layers is not None else zeros(layers),
-                d_head if d_head is not None else zeros(head),
-                jnp.asarray(loss, jnp.float32), jnp.asarray(count, jnp.float32),
-                act if act is not None else fill(), cot if cot is not None else fill())
+    return run_layers
 
-    branches = {
-        (sched_lib.IDLE, r): lambda x, g, tok, tgt: out() for r in _ROLES
-    } | {
-        (sched_lib.FORWARD, "first"): lambda x, g, tok, tgt: out(act=run_layers(layers, embed_fn(embed, tok))),
-        (sched_lib.FORWARD, "mid"): lambda x, g, tok, tgt: out(act=run_layers(layers, x)),
-        # The last stage keeps its input and does all its work in the backward step.
-        (sched_lib.FORWARD, "last"): lambda x, g, tok, tgt: out(),
-        (sched_lib.FORWARD, "only"): lambda x, g, tok, tgt: out(),
-    }
 
-    def bwd_first(x, g, tok, tgt):
-        _, vjp = jax.vjp(lambda e, lp: run_layers(lp, embed_fn(e, tok)), embed, layers)
-        d_e, d_l = vjp(g)
-        return out(d_embed=d_e, d_layers=d_l)
-
-    def bwd_mid(x, g, tok, tgt):
-        _, vjp = jax.vjp(run_layers, layers, x)
-        d_l, d_x = vjp(g)
-        return out(d_layers=d_l, cot=d_x)
-
-    def bwd_last(x, g, tok, tgt):
-        f = lambda lp, hp, x: head_loss_fn(hp, run_layers(lp, x), tgt)
-        loss, vjp, count = jax.vjp(f, layers, head, x, has_aux=True)
-        d_l, d_h, d_x = vjp(jnp.ones_like(loss))
-        return out(d_layers=d_l, d_head=d_h, loss=loss, count=count, cot=d_x)
-
-    def bwd_only(x, g, tok, tgt):
-        f = lambda e, lp, hp: head_loss_fn(hp, run_layers(lp, embed_fn(e, tok)), tgt)
-        loss, vjp, count = jax.vjp(f, embed, layers, head, has_aux=True)
-        d_e, d_l, d_h = vjp(jnp.ones_like(loss))
-        return out(d_embed=d_e, d_layers=d_l, d_head=d_h, loss=loss, count=count)
-
-    branches |= {(sched_lib.BACKWARD, "first"): bwd_first, (sched_lib.BACKWARD, "mid"): bwd_mid,
-                 (sched_lib.BACKWARD, "last"): bwd_last, (sched_lib.BACKWARD, "only"): bwd_only}
+def _pipeline_body(embed, layers, head, tokens, targets, *, sched, counts, even, embed_fn,
+                   layer_fn, head_loss_fn, batch_axes, bubble_value):
+    """The per-device program: scan over schedule steps, one switch and two ppermutes each."""
+    p, m = sched.num_stages, sched.num_microbatches
+    stage = jax.lax.axis_index(PIPELINE)
+    tokens_M = tokens.reshape(m, tokens.shape[0] // m, *tokens.shape[1:])
+    targets_M = targets.reshape(m, targets.shape[0] // m, *targets.shape[1:])
+    x_spec = jax.eval_shape(embed_fn, embed, tokens_M[0])
+    fill = lambda: jnp.full(x_spec.shape, bubble_value, x_spec.dtype)
+    run_layers = layer_runner(layer_fn, counts, even, stage)
+    branches = stage_branches(embed_fn, run_layers, head_loss_fn, fill)
     table, pairs = _branch_table(sched)
     branch_fns = [branches[kr] for kr in pairs]
     plan = sched_lib.buffer_plan(sched)
     fwd_perm = [(s, s + 1) for s in range(p - 1)]
     bwd_perm = [(s + 1, s) for s in range(p - 1)]
+    w = (embed, layers, head)
 
     def step(carry, row):
         act_buf, cot_buf, recv_act, recv_cot, acc = carry
@@ -268,7 +289,8 @@ def _pipeline_body(embed, layers, head, tokens, targets, *, sched, counts, even,
         cot_buf = jax.lax.dynamic_update_index_in_dim(cot_buf, recv_cot, cot_slot, 0)
         x, g = act_buf[slot], cot_buf[slot]
         mb = jnp.maximum(mb, 0)
-        *deltas, send_act, send_cot = jax.lax.switch(branch, branch_fns, x, g, tokens_M[mb], targets_M[mb])
+        *deltas, send_act, send_cot = jax.lax.switch(branch, branch_fns, w, x, g, tokens_M[mb],
+                                                     targets_M[mb])
         acc = jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, tuple(deltas))
         if p > 1:
             send_act = jax.lax.ppermute(send_act, PIPELINE, fwd_perm)

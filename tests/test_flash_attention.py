@@ -25,6 +25,9 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 SMALL = BlockSizes(16, 16, 16, 16, 16, 16)  # many tiles per sequence: every loop runs
 MIXED = BlockSizes(32, 16, 16, 32, 32, 16)
 MIXED_T = BlockSizes(16, 32, 32, 16, 16, 32)
+# Long cases: big tiles keep interpret mode fast on CPU; on a GPU the tuned defaults apply.
+LONG = None if ON_GPU else BlockSizes(128, 128, 128, 128, 128, 128)
+LONG_KV = None if ON_GPU else BlockSizes(16, 128, 16, 128, 16, 128)
 
 
 def rel_err(x, ref):
@@ -80,8 +83,8 @@ CASES = [
     (2, 33, 80, 4, 2, 64, False, F32, 0, None, None),
     (1, 80, 33, 2, 1, 64, False, BF16, 0, None, None),
     (1, 80, 33, 2, 2, 64, True, F32, 0, None, MIXED),
-    (1, 17, 1000, 2, 1, 64, True, F32, 983, None, BlockSizes(16, 128, 16, 128, 16, 128)),
-    (1, 1000, 1000, 1, 1, 64, True, BF16, 0, None, BlockSizes(128, 128, 128, 128, 128, 128)),
+    (1, 17, 1000, 2, 1, 64, True, F32, 983, None, LONG_KV),
+    (1, 1000, 1000, 1, 1, 64, True, BF16, 0, None, LONG),
     # Segment ids: packed sequences, padding, and rows that see no key at all.
     (1, 64, 64, 2, 2, 64, False, F32, 0, "random", None),
     (1, 64, 64, 4, 2, 64, True, BF16, 0, "random", SMALL),
@@ -213,8 +216,8 @@ class TestMemoryIsLinear:
 
         ours = lambda q, k, v: flash_attention(q, k, v, causal=True)
         naive = lambda q, k, v: mha_reference(q, k, v, causal=True)
-        small, big = 2048, 8192  # 4x longer: linear memory grows ~4x, quadratic ~16x
-        assert temp_bytes(naive, big) / temp_bytes(naive, small) > 10  # the check bites
+        small, big = 1024, 4096  # 4x longer: linear memory grows ~4x, quadratic ~16x
+        assert temp_bytes(naive, big) / temp_bytes(naive, small) > 8  # the check bites
         assert temp_bytes(ours, big) / temp_bytes(ours, small) < 6
 
 

@@ -210,7 +210,7 @@ def plot(res, path):
                 pts = sorted((r["S"], r[key]) for r in rows
                              if r["impl"] == name and r["causal"] == causal)
                 if pts:
-                    ax.plot(*zip(*pts), style, marker="o", label=f"{name}{' causal' if causal else ''}")
+                    ax.plot(*zip(*pts, strict=True), style, marker="o", label=f"{name}{' causal' if causal else ''}")
         ax.set(xscale="log", xlabel="sequence length", ylabel="TFLOP/s",
                title=f"{title}, bf16, head dim 128")
         ax.legend(fontsize=7)
@@ -218,7 +218,7 @@ def plot(res, path):
         pts = sorted((m["S"], m["temp_MiB"]) for m in res["memory"]
                      if m["impl"] == name and "temp_MiB" in m)
         if pts:
-            axes[2].plot(*zip(*pts), marker="o", label=name)
+            axes[2].plot(*zip(*pts, strict=True), marker="o", label=name)
     axes[2].set(xscale="log", yscale="log", xlabel="sequence length",
                 ylabel="compiled temp memory (MiB)", title="fwd+bwd temp memory, B=1, 16 heads")
     axes[2].legend()

@@ -62,8 +62,8 @@ def main():
                                              num_stages_fwd=st)
                 row = dict(kind="fwd", d=d, causal=causal, cfg=(bq, bk, w, st))
                 try:
-                    f = jax.jit(lambda q, k, v, bl=blocks: flash_attention(q, k, v, causal=causal,
-                                                                          block_sizes=bl))
+                    f = jax.jit(lambda q, k, v, bl=blocks, c=causal: flash_attention(
+                        q, k, v, causal=c, block_sizes=bl))
                     t = bench(f, q, k, v)
                     row["tflops"] = flops / t / 1e12
                     if t < best_t:
@@ -78,8 +78,8 @@ def main():
                                              num_stages_bwd=st)
                 row = dict(kind="fwdbwd", d=d, causal=causal, cfg=(bqk, bkk, bqq, bkq, w, st))
                 try:
-                    def loss(q, k, v, do, bl=blocks):
-                        o = flash_attention(q, k, v, causal=causal, block_sizes=bl)
+                    def loss(q, k, v, do, bl=blocks, c=causal):
+                        o = flash_attention(q, k, v, causal=c, block_sizes=bl)
                         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
                     g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
                     t = bench(g, q, k, v, do)

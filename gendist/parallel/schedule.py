@@ -129,6 +129,18 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return from_stage_orders(orders, m, "1f1b")
 
 
+def sequential(num_stages: int, num_microbatches: int) -> Schedule:
+    """One microbatch in flight: microbatch i+1 enters only after i's backward left stage 0.
+
+    No overlap (bubble 1 - 1/p, the worst case), but no staleness either: with per-microbatch
+    updates (PipeDream) every forward sees the weights of all earlier microbatches.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    order = [a for i in range(num_microbatches) for a in ((FORWARD, i), (BACKWARD, i))]
+    return from_stage_orders([list(order) for _ in range(num_stages)], num_microbatches,
+                             "sequential")
+
+
 def validate(schedule: Schedule) -> None:
     """Raises ValueError unless every stage forwards then backwards each microbatch once,
     after its neighbour did (F after stage s-1's F, B after stage s+1's B)."""
@@ -269,11 +281,11 @@ def buffer_plan(schedule: Schedule) -> BufferPlan:
     return BufferPlan(num_slots, slot, recv_act[:n], recv_cot[:n])
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "sequential": sequential}
 
 
 def make(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Builds a named schedule: 'gpipe' or '1f1b'."""
+    """Builds a named schedule: 'gpipe', '1f1b' or 'sequential'."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} is unknown; use one of {sorted(SCHEDULES)}")
     return SCHEDULES[name](num_stages, num_microbatches)

@@ -183,6 +183,29 @@ def analytic_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
+def weighted_timeline(schedule: Schedule, fwd_cost, bwd_cost) -> tuple[float, float]:
+    """(makespan, idle fraction) when actions take real times instead of one step each.
+
+    fwd_cost / bwd_cost: [microbatches] or [stages, microbatches]. Each stage runs its
+    actions in table order, each as soon as its stage is free and its input has arrived
+    (communication free), so unequal slices or microbatches show their own bubbles.
+    """
+    p, m = schedule.num_stages, schedule.num_microbatches
+    cost = {FORWARD: np.broadcast_to(np.asarray(fwd_cost, np.float64), (p, m)),
+            BACKWARD: np.broadcast_to(np.asarray(bwd_cost, np.float64), (p, m))}
+    end: dict[tuple[int, int, int], float] = {}
+    free = np.zeros(p)
+    for t, s in zip(*np.nonzero(schedule.kind != IDLE), strict=True):
+        k, i = int(schedule.kind[t, s]), int(schedule.microbatch[t, s])
+        dep = (s - 1, FORWARD, i) if k == FORWARD else (s + 1, BACKWARD, i)
+        ready = end.get(dep, 0.0) if (k == FORWARD or s < p - 1) else end[(s, FORWARD, i)]
+        start = max(free[s], ready)
+        free[s] = end[(s, k, i)] = start + cost[k][s, i]
+    makespan = float(free.max())
+    busy = float(cost[FORWARD].sum() + cost[BACKWARD].sum())
+    return makespan, 1.0 - busy / (p * makespan)
+
+
 def in_flight_per_stage(schedule: Schedule) -> np.ndarray:
     """[stages] the most microbatches forwarded but not yet backwarded at any step."""
     fwd, bwd = action_times(schedule)

@@ -15,6 +15,8 @@ commands:
   train      train a model (default: the `tiny` preset on the bundled Shakespeare corpus,
              all devices data-parallel), checkpoint it, print validation loss and a sample
   generate   sample from a checkpoint: --checkpoint DIR --prompt TEXT [--generate.* ...]
+  launch     run N local processes of one multi-process job:
+             launch --nproc N [--devices-per-process D] -- python -m gendist train ...
 
 `python -m gendist COMMAND --help` lists every field and its meaning."""
 
@@ -47,15 +49,21 @@ def cmd_train(argv: list[str]) -> int:
     from gendist.inference.sampling import SamplingParams
 
     cfg = parse_config(argv)
+    from gendist import distributed
+    distributed.maybe_initialize()  # a multi-process job (launch, SLURM, MPI): join it first
     import jax
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; "
           f"model: {cfg.model.num_params / 1e6:.2f}M params")
     result = loop.run(cfg)
     g = cfg.generate
     print(f"final validation loss: {result.val_loss:.4f} nats/byte (uniform: 5.545)")
+    params = result.state["params"]
+    if jax.process_count() > 1:  # every process takes part in gathering the shards
+        from jax.experimental import multihost_utils
+        params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() == 0:
         sp = SamplingParams(g.temperature, g.top_k, g.top_p)
-        text = generate_text(cfg.model, jax.device_get(result.state["params"]), [g.prompt],
+        text = generate_text(cfg.model, jax.device_get(params), [g.prompt],
                              max_new_tokens=g.max_new_tokens, sp=sp, seed=g.seed,
                              eos_id=g.eos_id)[0]
         print("sample:\n" + g.prompt + text)

@@ -80,8 +80,11 @@ class TextData:
         return rng.integers(0, len(data) - seq_len - 1, size=batch_size)
 
     def global_batch(self, step: int, batch_size: int, seq_len: int, split: str = "train",
-                     rows: slice | None = None) -> dict[str, np.ndarray]:
-        """inputs/targets [B, T] int32 for rows `rows` of the global batch (all by default)."""
+                     rows: slice | np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """inputs/targets [B, T] int32 for rows `rows` of the global batch (all by default).
+
+        Only the selected windows are read, so each process touches just its own rows.
+        """
         data = self.train if split == "train" else self.val
         starts = self.batch_indices(step, batch_size, seq_len, split)
         if rows is not None:
@@ -99,6 +102,9 @@ def shard_batch(batch: dict[str, np.ndarray], mesh, global_batch_size: int | Non
     sharding = named_sharding(mesh, ("batch", "seq"))
     if jax.process_count() == 1:
         return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+    if global_batch_size is None:
+        raise ValueError("shard_batch: with several processes pass global_batch_size "
+                         "(train.batch_size); each process holds only its rows.")
     out = {}
     for k, v in batch.items():
         shape = (global_batch_size, *v.shape[1:])
@@ -106,12 +112,24 @@ def shard_batch(batch: dict[str, np.ndarray], mesh, global_batch_size: int | Non
     return out
 
 
-def process_rows(mesh, global_batch_size: int) -> slice:
-    """The rows of the global batch that this process's devices hold."""
+def process_rows(mesh, global_batch_size: int) -> slice | np.ndarray:
+    """The rows of the global batch that this process's devices hold, in the order
+    `jax.make_array_from_process_local_data` expects them (its shards by ascending start).
+
+    A slice when they are contiguous; an index array when the mesh interleaves processes
+    along `batch` (e.g. devices of process 0 on data rows 0 and 2, process 1 on 1 and 3).
+    """
     if jax.process_count() == 1:
         return slice(0, global_batch_size)
     sharding = named_sharding(mesh, ("batch", "seq"))
     idx = sharding.addressable_devices_indices_map((global_batch_size, 1))
-    starts = sorted({(i[0].start or 0) for i in idx.values()})
-    stops = sorted({(i[0].stop or global_batch_size) for i in idx.values()})
-    return slice(starts[0], stops[-1])
+    return rows_of_shards([i[0] for i in idx.values()], global_batch_size)
+
+
+def rows_of_shards(shards, global_batch_size: int) -> slice | np.ndarray:
+    """Rows covered by a set of row slices (duplicates = replicas), ascending."""
+    spans = sorted({(s.start or 0, global_batch_size if s.stop is None else s.stop)
+                    for s in shards})
+    if all(a[1] == b[0] for a, b in zip(spans[:-1], spans[1:], strict=True)):
+        return slice(spans[0][0], spans[-1][1])
+    return np.concatenate([np.arange(a, b) for a, b in spans])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import numpy as np
 from gendist.checkpoint import Checkpointer
 from gendist.config import Config
 from gendist.data import TextData, process_rows, shard_batch
+from gendist.distributed import Watchdog, is_runtime_error, lost_peer_message
 from gendist.train import NonFiniteLoss, Setup, build, host_metrics, throughput
 
 
@@ -69,12 +73,17 @@ def evaluate(setup: Setup, data: TextData, params) -> float:
     return float(np.mean(jax.device_get(losses)))
 
 
+STEP_TIMEOUT_ENV = "GENDIST_STEP_TIMEOUT"
+
+
 def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | None = None,
-        log=print) -> RunResult:
+        log=print, step_timeout: float | None = None) -> RunResult:
     """Train `cfg.train.steps` steps (resuming from out_dir's latest checkpoint).
 
     `stop_after` ends the loop early at that step (after checkpointing it), as if the
-    process had been killed there: used by the exact-resume test.
+    process had been killed there: used by the exact-resume test. `step_timeout` (or
+    $GENDIST_STEP_TIMEOUT) seconds without a finished step, eval or checkpoint after the
+    first step end the process with a message instead of a hang (see distributed.Watchdog).
     """
     t = cfg.train
     setup = build(cfg, mesh)
@@ -102,6 +111,7 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
         step_no, metrics = pending
         m = host_metrics(metrics)
         m["finite"] = bool(m["finite"])
+        tokens_since += t.batch_size * t.seq_len  # counted when done, not when dispatched
         history.append({"step": step_no, **m})
         if not m["finite"]:
             msg = f"step {step_no}: non-finite loss {m['loss']} / grad norm {m['grad_norm']}"
@@ -116,29 +126,41 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
             writer.write(step_no + 1, m)
             bar.set_postfix(loss=f"{m['loss']:.3f}", refresh=False)
 
+    if step_timeout is None and os.environ.get(STEP_TIMEOUT_ENV):
+        step_timeout = float(os.environ[STEP_TIMEOUT_ENV])
+    dog = Watchdog(step_timeout) if step_timeout else contextlib.nullcontext()
+    beat = dog.beat if step_timeout else (lambda label: None)
     try:
-        for step_no in bar:
-            batch = shard_batch(data.global_batch(step_no, t.batch_size, t.seq_len, "train",
-                                                  rows), setup.mesh, t.batch_size)
-            state, metrics = setup.step_fn(state, batch)
-            tokens_since += t.batch_size * t.seq_len
-            if pending is not None:
-                drain(pending)
-            pending = (step_no, metrics)
-            done = step_no + 1
-            if done % t.eval_every == 0 or done == end:
-                drain(pending)
-                pending = None
-                val_loss = evaluate(setup, data, state["params"])
-                writer.write(done, {"val_loss": val_loss})
-                log(f"step {done}: val_loss {val_loss:.4f} nats/byte")
-            if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == end:
-                if pending is not None:  # never checkpoint before seeing the step was finite
+        with dog:
+            for step_no in bar:
+                batch = shard_batch(data.global_batch(step_no, t.batch_size, t.seq_len,
+                                                      "train", rows), setup.mesh, t.batch_size)
+                state, metrics = setup.step_fn(state, batch)
+                if pending is not None:
+                    drain(pending)
+                    beat(f"step {pending[0] + 1}")
+                pending = (step_no, metrics)
+                done = step_no + 1
+                if done % t.eval_every == 0 or done == end:
                     drain(pending)
                     pending = None
-                ckpt.save(done, state, {"val_loss": val_loss, "config": _cfg_json(cfg)})
-        if pending is not None:
-            drain(pending)
+                    val_loss = evaluate(setup, data, state["params"])
+                    writer.write(done, {"val_loss": val_loss})
+                    log(f"step {done}: val_loss {val_loss:.4f} nats/byte")
+                    beat(f"step {done} and its validation")
+                if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == end:
+                    if pending is not None:  # never checkpoint before seeing it was finite
+                        drain(pending)
+                        pending = None
+                    ckpt.save(done, state, {"val_loss": val_loss, "config": _cfg_json(cfg)})
+                    beat(f"checkpoint {done}")
+            if pending is not None:
+                drain(pending)
+    except Exception as e:
+        if jax.process_count() > 1 and is_runtime_error(e):
+            print(lost_peer_message(e, ckpt.latest_step(), ckpt.directory), file=sys.stderr,
+                  flush=True)
+        raise
     finally:
         writer.close()
         ckpt.close()

@@ -1,0 +1,388 @@
+"""Multi-host initialisation (`jax.distributed`) and a local launcher for N processes.
+
+One training program runs as one process per host (or per GPU); `jax.distributed` joins them
+into one runtime whose devices form one global mesh. Processes find each other through
+explicit options (`DistributedConfig`, or the GENDIST_* variables that `launch` sets), or
+through the cluster's own environment (SLURM, Open MPI), which JAX reads itself.
+
+A lost peer must not hang the others: JAX's coordination service counts a process dead
+after `heartbeat_timeout` seconds without heartbeats and ends the survivors, and a
+collective whose peer vanished fails at once (gloo on CPU); `Watchdog` adds a per-step
+deadline on top for hangs that neither notices.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+ENV_COORDINATOR = "GENDIST_COORDINATOR"  # host:port of process 0's coordination service
+ENV_NUM_PROCESSES = "GENDIST_NUM_PROCESSES"
+ENV_PROCESS_ID = "GENDIST_PROCESS_ID"
+ENV_LOCAL_DEVICE_IDS = "GENDIST_LOCAL_DEVICE_IDS"  # e.g. "0,1,2,3": the GPUs this process uses
+ENV_INIT_TIMEOUT = "GENDIST_INIT_TIMEOUT"
+ENV_HEARTBEAT_TIMEOUT = "GENDIST_HEARTBEAT_TIMEOUT"
+ENV_SHUTDOWN_TIMEOUT = "GENDIST_SHUTDOWN_TIMEOUT"
+ENV_AUTO = "GENDIST_AUTO_DISTRIBUTED"  # "1": call jax.distributed.initialize() bare (k8s, TPU)
+
+
+_active: DistributedConfig | None = None  # the options this process joined with
+
+
+class DistributedError(RuntimeError):
+    """A process could not join, or lost, the multi-process job."""
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """How this process joins a multi-process job; None fields are left to JAX to detect."""
+
+    coordinator_address: str | None = None  # host:port where process 0 serves coordination
+    num_processes: int | None = None  # processes in the job (all hosts together)
+    process_id: int | None = None  # this process's rank in [0, num_processes)
+    local_device_ids: tuple[int, ...] | None = None  # accelerators this process owns (None: all)
+    initialization_timeout: int = 300  # s to wait for every process to connect
+    heartbeat_timeout: int = 100  # s without a heartbeat before a process counts as dead
+    shutdown_timeout: int = 60  # s the exit barrier waits for the other processes
+    cpu_collectives: str = "gloo"  # cross-process collectives between CPU devices
+
+    def __post_init__(self):
+        explicit = (self.coordinator_address, self.num_processes, self.process_id)
+        if any(v is not None for v in explicit) and None in explicit:
+            raise ValueError(
+                "DistributedConfig: give coordinator_address, num_processes and process_id "
+                f"together (got {explicit}); set all three ({ENV_COORDINATOR}, "
+                f"{ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}) or none to let JAX detect them.")
+        if self.coordinator_address is not None and ":" not in self.coordinator_address:
+            raise ValueError(f"DistributedConfig.coordinator_address="
+                             f"{self.coordinator_address!r} needs a port: use HOST:PORT.")
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"DistributedConfig.num_processes={self.num_processes} must be >= 1.")
+        if self.process_id is not None and not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"DistributedConfig.process_id={self.process_id} must lie in "
+                             f"[0, num_processes={self.num_processes}).")
+        for name in ("initialization_timeout", "heartbeat_timeout", "shutdown_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"DistributedConfig.{name}={getattr(self, name)} must be a "
+                                 "positive number of seconds.")
+
+    @property
+    def explicit(self) -> bool:
+        return self.coordinator_address is not None
+
+    @classmethod
+    def from_env(cls, environ=None) -> DistributedConfig:
+        """Read the GENDIST_* variables (unset ones keep their defaults)."""
+        env = os.environ if environ is None else environ
+        kw: dict = {}
+        if ENV_COORDINATOR in env:
+            kw["coordinator_address"] = env[ENV_COORDINATOR]
+        for var, name in ((ENV_NUM_PROCESSES, "num_processes"), (ENV_PROCESS_ID, "process_id"),
+                          (ENV_INIT_TIMEOUT, "initialization_timeout"),
+                          (ENV_HEARTBEAT_TIMEOUT, "heartbeat_timeout"),
+                          (ENV_SHUTDOWN_TIMEOUT, "shutdown_timeout")):
+            if var in env:
+                kw[name] = _int_env(env, var)
+        if env.get(ENV_LOCAL_DEVICE_IDS):
+            kw["local_device_ids"] = tuple(
+                _int_env({ENV_LOCAL_DEVICE_IDS: x}, ENV_LOCAL_DEVICE_IDS)
+                for x in env[ENV_LOCAL_DEVICE_IDS].split(","))
+        return cls(**kw)
+
+
+def _int_env(env, var: str) -> int:
+    try:
+        return int(env[var])
+    except ValueError:
+        raise ValueError(f"environment variable {var}={env[var]!r} must be an integer.") from None
+
+
+def detect(environ=None) -> str | None:
+    """Which launcher started this process: 'gendist', 'slurm', 'ompi', 'auto', or None.
+
+    SLURM and Open MPI count only with more than one task, so a plain `python` inside an
+    allocation (or a one-task step) trains as a single process instead of waiting for peers.
+    """
+    env = os.environ if environ is None else environ
+    if ENV_COORDINATOR in env or ENV_NUM_PROCESSES in env or ENV_PROCESS_ID in env:
+        return "gendist"
+    if (all(v in env for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID",
+                               "SLURM_LOCALID")) and int(env.get("SLURM_NTASKS", "1")) > 1):
+        return "slurm"
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return "ompi"
+    if env.get(ENV_AUTO, "") == "1":
+        return "auto"
+    return None
+
+
+def _supported_kwargs(cfg: DistributedConfig) -> dict:
+    """initialize() kwargs this JAX accepts (the timeout names differ across versions)."""
+    import jax
+    params = inspect.signature(jax.distributed.initialize).parameters
+    wanted = {"initialization_timeout": cfg.initialization_timeout,
+              "heartbeat_timeout_seconds": cfg.heartbeat_timeout,
+              "shutdown_timeout_seconds": cfg.shutdown_timeout}
+    if cfg.explicit:
+        wanted.update(coordinator_address=cfg.coordinator_address,
+                      num_processes=cfg.num_processes, process_id=cfg.process_id)
+    if cfg.local_device_ids is not None:
+        wanted["local_device_ids"] = list(cfg.local_device_ids)
+    return {k: v for k, v in wanted.items() if k in params}
+
+
+def maybe_initialize(cfg: DistributedConfig | None = None, environ=None) -> bool:
+    """Join the multi-process job this process was started in; False when there is none.
+
+    Call before any other JAX call (jax.devices() included). Explicit `cfg` fields win over
+    GENDIST_* variables; with neither, SLURM / Open MPI / GENDIST_AUTO_DISTRIBUTED=1 hand
+    the detection to `jax.distributed.initialize()`.
+    """
+    import jax
+    if jax.distributed.is_initialized():
+        return True
+    env = os.environ if environ is None else environ
+    how = "explicit" if cfg is not None and cfg.explicit else detect(env)
+    if how is None:
+        return False
+    cfg = cfg if cfg is not None else DistributedConfig.from_env(env)
+    if how in ("gendist", "explicit") and not cfg.explicit:
+        raise ValueError(f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} must be "
+                         "set together; `python -m gendist launch` sets all three.")
+    # Harmless for GPU/TPU runs: it only picks how CPU devices talk across processes.
+    jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
+    where = (f"coordinator {cfg.coordinator_address} as process {cfg.process_id} of "
+             f"{cfg.num_processes}" if cfg.explicit else f"the {how} environment")
+    fix = (f"Start every process with the same {ENV_COORDINATOR} (process 0's host:port, "
+           f"reachable through the firewall), or raise {ENV_INIT_TIMEOUT}.")
+    kwargs = _supported_kwargs(cfg)
+    # JAX aborts the process (no Python error) when its own timeout passes; give it a few
+    # more seconds so that our deadline fires first, with a message that says why.
+    if "initialization_timeout" in kwargs:
+        kwargs["initialization_timeout"] += 10
+    joined = threading.Event()
+    threading.Thread(target=_init_deadline, args=(joined, cfg, where, fix), daemon=True,
+                     name="gendist-init-deadline").start()
+    try:
+        jax.distributed.initialize(**kwargs)
+    except Exception as e:  # noqa: BLE001 - XLA raises its own runtime error types
+        raise DistributedError(
+            f"could not join the multi-process job through {where} within "
+            f"initialization_timeout={cfg.initialization_timeout}s: {_why_not_joined(cfg)} "
+            f"({type(e).__name__}: {str(e)[:400]}). {fix}") from e
+    finally:
+        joined.set()
+    global _active
+    _active = cfg
+    return True
+
+
+def _init_deadline(joined: threading.Event, cfg: DistributedConfig, where: str, fix: str):
+    if joined.wait(cfg.initialization_timeout):
+        return
+    print(f"gendist: DistributedError: could not join the multi-process job through {where} "
+          f"within initialization_timeout={cfg.initialization_timeout}s: "
+          f"{_why_not_joined(cfg)}. {fix}", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
+def _why_not_joined(cfg: DistributedConfig) -> str:
+    """Why initialisation failed, in words: nobody at the address, or someone missing."""
+    if not cfg.explicit:
+        return "not all of the cluster environment's processes started"
+    if cfg.process_id == 0:
+        return (f"the coordinator runs here, but not all {cfg.num_processes} processes "
+                "connected to it")
+    host, _, port = cfg.coordinator_address.rpartition(":")
+    address = cfg.coordinator_address
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return (f"{address} accepts connections, but not all processes joined (another "
+                    "process is missing, or a different job owns that port)")
+    except OSError as e:
+        return f"nothing answers at {address} ({e.strerror or e}): process 0 is not running there"
+
+
+class Watchdog:
+    """Ends the process when a step takes longer than `timeout` seconds (a hung collective).
+
+    The heartbeat timeout catches dead processes; this catches the rest (a peer that is
+    alive but stuck, a network partition that keeps TCP open). It exits non-zero with a
+    message instead of hanging until the cluster's wall-clock limit. The clock starts at
+    the first `beat`, so compiling the first step is not timed.
+    """
+
+    def __init__(self, timeout: float, what: str = "training step"):
+        if timeout <= 0:
+            raise ValueError(f"watchdog timeout={timeout} must be a positive number of seconds.")
+        self.timeout, self.what = timeout, what
+        self._last: float | None = None  # unarmed until the first beat
+        self._label = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="gendist-watchdog")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+    def beat(self, label: str) -> None:
+        """Progress was made (`label` names it in the failure message)."""
+        self._last, self._label = time.monotonic(), label
+
+    def _watch(self):
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            if self._last is None:
+                continue
+            idle = time.monotonic() - self._last
+            if idle > self.timeout:
+                _die(f"no progress for {idle:.0f}s after {self._label} (watchdog timeout "
+                     f"{self.timeout:.0f}s on {self.what}): another process is probably dead "
+                     "or stuck; see its log. Rerun to resume from the last complete checkpoint.")
+
+
+def is_runtime_error(e: BaseException) -> bool:
+    """An error raised by the XLA runtime (a failed collective), not by Python code."""
+    return type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+
+
+def lost_peer_message(e: BaseException, last_checkpoint: int | None, directory) -> str:
+    """What a survivor prints when a cross-process collective fails mid-run."""
+    import jax
+    cfg = _active or DistributedConfig.from_env()
+    where = ("no checkpoint yet" if last_checkpoint is None
+             else f"the last complete checkpoint is step {last_checkpoint} in {directory}")
+    return (f"gendist: process {jax.process_index()}/{jax.process_count()}: a collective with "
+            f"the other processes failed ({str(e).splitlines()[0][:300]}). Another process most "
+            f"likely died: JAX's coordination service names it (\"Task N heartbeat timeout\") "
+            f"within heartbeat_timeout={cfg.heartbeat_timeout}s and ends this process. {where}; "
+            "rerun the same command to resume from it.")
+
+
+def _die(msg: str) -> None:
+    """Exit at once, skipping atexit hooks that would wait on the lost peers."""
+    import jax
+    print(f"gendist: process {jax.process_index()}/{jax.process_count()}: {msg}",
+          file=sys.stderr, flush=True)
+    os._exit(3)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An unused TCP port on `host` (for the coordinator)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def child_env(rank: int, nproc: int, coordinator: str, devices_per_process: int | None,
+              gpus_per_process: int | None, base=None) -> dict:
+    """The environment of local process `rank`: GENDIST_* plus its devices."""
+    env = dict(os.environ if base is None else base)
+    env.update({ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(nproc),
+                ENV_PROCESS_ID: str(rank), "PYTHONUNBUFFERED": "1"})
+    if devices_per_process:
+        flags = [f for f in env.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+        env["XLA_FLAGS"] = " ".join(flags)
+        env["JAX_PLATFORMS"] = "cpu"
+    if gpus_per_process:
+        ids = range(rank * gpus_per_process, (rank + 1) * gpus_per_process)
+        env[ENV_LOCAL_DEVICE_IDS] = ",".join(map(str, ids))
+    return env
+
+
+def launch(command: list[str], nproc: int, devices_per_process: int | None = None,
+           gpus_per_process: int | None = None, grace: float = 5.0, out=None) -> int:
+    """Run `command` as `nproc` local processes of one job; the first failure ends all.
+
+    Returns 0 when every process exits 0, else the first failure's exit code (128+signal
+    for a killed process).
+    """
+    if nproc < 1:
+        raise ValueError(f"launch --nproc={nproc} must be >= 1.")
+    if not command:
+        raise ValueError("launch needs a command after `--`, e.g. "
+                         "`python -m gendist launch --nproc 2 -- python -m gendist train`.")
+    out = sys.stdout if out is None else out
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs, pumps = [], []
+    for rank in range(nproc):
+        env = child_env(rank, nproc, coordinator, devices_per_process, gpus_per_process)
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+        pumps.append(threading.Thread(target=_pump, args=(rank, procs[-1], out), daemon=True))
+        pumps[-1].start()
+    try:
+        while (failed := next((r for r, p in enumerate(procs) if p.poll()), None)) is None:
+            if all(p.returncode is not None for p in procs):
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        _terminate(procs, grace)
+        return 130
+    if failed is not None:
+        rc = procs[failed].returncode
+        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"code {rc}"
+        out.write(f"[launch] process {failed} exited with {how}; stopping the other "
+                  f"{nproc - 1}\n")
+        out.flush()
+        _terminate(procs, grace)
+    for t in pumps:
+        t.join(timeout=grace)
+    return 0 if failed is None else (128 - rc if rc < 0 else rc)
+
+
+def _pump(rank: int, proc: subprocess.Popen, out):
+    for line in iter(proc.stdout.readline, b""):
+        out.write(f"[{rank}] " + line.decode(errors="replace"))
+        out.flush()
+
+
+def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM the process groups we started, then SIGKILL what is left after `grace` s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
+
+
+def cmd_launch(argv: list[str]) -> int:
+    """`python -m gendist launch --nproc N [options] -- COMMAND ...`."""
+    import argparse
+    ap = argparse.ArgumentParser(
+        prog="python -m gendist launch", usage="%(prog)s --nproc N [options] -- COMMAND ...",
+        description="Start N processes of one multi-process job on this machine (development "
+        "and tests). Each gets GENDIST_COORDINATOR/NUM_PROCESSES/PROCESS_ID (read by "
+        "gendist.distributed.maybe_initialize); output lines are prefixed with [rank]; when "
+        "one process fails the others are stopped and the launcher exits with its code.")
+    ap.add_argument("--nproc", type=int, required=True, help="processes to start")
+    ap.add_argument("--devices-per-process", type=int, default=None,
+                    help="simulate D CPU devices per process (JAX_PLATFORMS=cpu, gloo)")
+    ap.add_argument("--gpus-per-process", type=int, default=None,
+                    help="process i owns GPUs i*G .. i*G+G-1 (GENDIST_LOCAL_DEVICE_IDS)")
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:split])
+    try:
+        return launch(argv[split + 1:], args.nproc, args.devices_per_process,
+                      args.gpus_per_process)
+    except ValueError as e:
+        ap.error(str(e))

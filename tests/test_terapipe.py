@@ -116,3 +116,11 @@ def test_bad_input_names_the_field():
     with pytest.raises(ValueError, match="num_slices"):
         tp.equal_slices(4, 5)
     assert tp.equal_slices(10, 3) == (4, 3, 3)
+
+
+def test_cost_fit_recovers_the_model_and_keeps_absent_entries():
+    n = 6
+    cost = context_cost(n, overhead=0.7, attn=0.25)  # 0.7 + l + 0.25 * l * (c + l/2 + 1/2)
+    fitted = tp.fit_slice_costs(cost)
+    np.testing.assert_allclose(fitted[np.isfinite(cost)], cost[np.isfinite(cost)], rtol=1e-9)
+    assert np.isinf(fitted[~np.isfinite(cost)]).all()

@@ -281,6 +281,24 @@ def plan_slices(cost: np.ndarray, num_stages: int) -> tuple[int, ...]:
     return best_slices
 
 
+def fit_slice_costs(cost: np.ndarray) -> np.ndarray:
+    """Least-squares fit t(l, c) = a + b*l + d*l*(c + l/2) to measured costs (inf = absent).
+
+    A fixed per-slice cost, per-token work, and attention of each token over its context
+    and the earlier tokens of its slice. TeraPipe plans on such a fitted model; it also
+    smooths timing noise out of the DP's input.
+    """
+    cost = np.asarray(cost, np.float64)
+    l, c = np.nonzero(np.isfinite(cost))
+    keep = l > 0
+    l, c = l[keep], c[keep]
+    feats = lambda l, c: np.stack([np.ones_like(l, dtype=np.float64), l, l * (c + l / 2)], -1)
+    coef, *_ = np.linalg.lstsq(feats(l, c), cost[l, c], rcond=None)
+    fitted = np.full_like(cost, np.inf)
+    fitted[l, c] = feats(l, c) @ coef
+    return fitted
+
+
 def measure_slice_costs(cfg, layers: dict, batch: int, seq_len: int, granularity: int,
                         repeats: int = 3) -> np.ndarray:
     """cost[l, c] (seconds): forward+backward of one stage's `layers` on a slice of

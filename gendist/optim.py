@@ -1,8 +1,9 @@
 """The optimizer (optax AdamW, warm-up + cosine) and where its state lives on the mesh.
 
 ZeRO (Rajbhandari et al. 2020) is a placement, not a different optimizer: stage 1 shards
-Adam's fp32 moments over `data`, stage 2 also the gradients, stage 3 also the parameters.
-So the optimizer stays plain optax, and `state_shardings` decides the placement.
+the fp32 master weights and Adam's moments over `data`, stage 2 also the gradients, stage 3
+gathers the parameters per layer (see gendist.parallel.zero). So the optimizer stays plain
+optax, and `state_shardings` decides the placement.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from gendist.config import TrainConfig
-from gendist.sharding import DEFAULT_RULES, Rules, logical_to_spec
+from gendist.parallel import zero
+from gendist.sharding import DEFAULT_RULES, Rules
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -38,25 +40,15 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def zero_rules(stage: int, rules: Rules = DEFAULT_RULES) -> Rules:
-    """Rules for ZeRO-sharded tensors: the `embed` axis also splits over `data`."""
-    del stage
-    return rules.with_overrides(embed="data")
-
-
-def param_shardings(mesh: Mesh, axes: dict, zero_stage: int = 0,
-                    rules: Rules = DEFAULT_RULES) -> dict:
-    """NamedSharding for every parameter (ZeRO-3 shards them over `data` too)."""
-    r = zero_rules(zero_stage, rules) if zero_stage >= 3 else rules
-    return jax.tree.map(lambda a: NamedSharding(mesh, logical_to_spec(a, r, mesh)), axes,
-                        is_leaf=lambda a: isinstance(a, tuple))
-
-
 def state_shardings(mesh: Mesh, axes: dict, optimizer, params_shape, zero_stage: int = 0,
                     rules: Rules = DEFAULT_RULES):
-    """Shardings of (params, opt_state): moments follow their parameter's logical axes."""
-    p_sh = param_shardings(mesh, axes, zero_stage, rules)
-    m_sh = param_shardings(mesh, axes, 3 if zero_stage >= 1 else 0, rules)
+    """Shardings of (params, opt_state): each moment sits where `zero` puts its parameter.
+
+    optax's state is walked with `tree_map_params`, so any optax chain works; its non-param
+    leaves (step counts) are replicated.
+    """
+    p_sh = zero.param_shardings(mesh, axes, params_shape, zero_stage, rules)
+    m_sh = zero.moment_shardings(mesh, axes, params_shape, zero_stage, rules)
     opt_shape = jax.eval_shape(optimizer.init, params_shape)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt_shape, m_sh,

@@ -6,6 +6,7 @@ mesh axis it lands on. Every `PartitionSpec` in gendist comes from `logical_to_s
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,7 +37,13 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     # Activation-only names: the sequence axis in norm/residual regions (Megatron sequence
     # parallelism maps it to `tensor`; off by default) and the hidden `mlp` activations.
     "act_seq": None,
+    # ZeRO (Rajbhandari et al. 2020): the mesh axis that optimizer state, gradients (stage 2)
+    # and parameters (stage 3) are split over, on one dimension chosen per array.
+    "zero": "data",
 }
+
+# Megatron-3 (Korthikanti et al. 2022): norms and residual adds run on sequence shards.
+SEQUENCE_PARALLEL = {"act_seq": "tensor"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,13 @@ class Rules:
 
 
 DEFAULT_RULES = Rules()
+
+
+def rules_for(mesh_cfg: MeshConfig) -> Rules:
+    """The compute rules a run uses: the table, plus sequence parallelism when asked."""
+    if mesh_cfg.sequence_parallel:
+        return DEFAULT_RULES.with_overrides(**SEQUENCE_PARALLEL)
+    return DEFAULT_RULES
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -136,6 +150,43 @@ def constrain(x: jax.Array, names: Sequence[str | None]):
     return jax.lax.with_sharding_constraint(x, named_sharding(mesh, names, rules))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _layout(x, fwd_names, bwd_names):
+    return constrain(x, fwd_names)
+
+
+def _layout_fwd(x, fwd_names, bwd_names):
+    return constrain(x, fwd_names), None
+
+
+def _layout_bwd(fwd_names, bwd_names, _, ct):
+    return (constrain(ct, bwd_names),)
+
+
+_layout.defvjp(_layout_fwd, _layout_bwd)
+
+
+def column_input(x_BTD: jax.Array) -> jax.Array:
+    """Megatron's f as layouts: the input of column-parallel matmuls (q/k/v, MLP up/gate).
+
+    Forward it is whole over the sequence (an all-gather under sequence parallelism);
+    its gradient is summed over `tensor` back onto the residual layout (an all-reduce, or
+    a reduce-scatter under sequence parallelism). Constraining the gradient too keeps
+    XLA from splitting the backward matmuls over the sequence and gathering weights.
+    """
+    return _layout(x_BTD, ("batch", "seq", "embed"), ("batch", "act_seq", "embed"))
+
+
+def row_output(y_BTD: jax.Array) -> jax.Array:
+    """Megatron's g as layouts: the partial sums of a row-parallel matmul (wo, MLP down).
+
+    Forward they are summed over `tensor` onto the residual layout (an all-reduce, or a
+    reduce-scatter under sequence parallelism); the gradient is whole over the sequence
+    (an all-gather under sequence parallelism, nothing otherwise).
+    """
+    return _layout(y_BTD, ("batch", "act_seq", "embed"), ("batch", "seq", "embed"))
+
+
 _MESH_STACK: list[tuple[Mesh, Rules]] = []
 
 
@@ -155,6 +206,27 @@ class use_mesh:
 
 def current_mesh() -> Mesh | None:
     return _MESH_STACK[-1][0] if _MESH_STACK else None
+
+
+def current_rules() -> Rules:
+    return _MESH_STACK[-1][1] if _MESH_STACK else DEFAULT_RULES
+
+
+def compute_layout(p: dict, axes: dict, dtype) -> dict:
+    """Weights as the matmuls use them: matrices in the compute dtype, laid out by the table.
+
+    Stored weights may be split further (ZeRO-3 shards them over `data`); constraining one
+    layer's weights to the compute layout inside the layer scan is then FSDP's just-in-time
+    all-gather, in the compute dtype (bf16 halves its bytes), and the scan's recomputation
+    gathers them again in the backward (see `zero.model_for_stage`). Vectors (norm scales)
+    stay fp32, as the model uses them; keys without axes pass through.
+    """
+    out = {}
+    for k, w in p.items():
+        if w.ndim >= 2:
+            w = w.astype(dtype)
+        out[k] = constrain(w, axes[k]) if k in axes else w
+    return out
 
 
 def check_divisible(mesh: Mesh, **dims: int) -> None:

@@ -17,7 +17,19 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gendist import optim
 from gendist.config import Config
 from gendist.models import transformer
-from gendist.sharding import check_divisible, make_mesh, named_sharding, use_mesh
+from gendist.parallel import zero
+from gendist.parallel.tensor import vocab_parallel_cross_entropy
+from gendist.sharding import (
+    DEFAULT_RULES,
+    Rules,
+    check_divisible,
+    current_mesh,
+    current_rules,
+    make_mesh,
+    named_sharding,
+    rules_for,
+    use_mesh,
+)
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -31,8 +43,35 @@ def cross_entropy(logits_BTV, targets_BT):
 
 
 def loss_fn(cfg: Config, params, batch):
+    """Mean next-token loss; under a mesh the logits stay split over vocab (Megatron)."""
     logits = transformer.forward(cfg.model, params, batch["inputs"])
-    return cross_entropy(logits, batch["targets"])
+    mesh = current_mesh()
+    if mesh is None:
+        return cross_entropy(logits, batch["targets"])
+    return vocab_parallel_cross_entropy(logits, batch["targets"], mesh, current_rules())
+
+
+def zero_loss_fn(cfg: Config, axes: dict):
+    """loss(master_params, batch) with ZeRO's compute copy: what the step differentiates.
+
+    Stages 1-2 gather one compute copy (matrices in model.dtype) per step. Stage 3 gathers
+    the embedding and final norm once, leaves the blocks' weights sharded for the layer
+    scan to gather just in time, and recomputes rather than saves them for the backward.
+    """
+    stage = cfg.train.zero_stage
+    dtype = transformer.DTYPES[cfg.model.dtype]
+    cfg = dataclasses.replace(cfg, model=zero.model_for_stage(cfg.model, stage))
+
+    def loss(params, batch):
+        if stage in (1, 2):
+            params = zero.compute_copy(params, axes, dtype)
+        elif stage == 3:
+            rest = {k: v for k, v in params.items() if k != "blocks"}
+            rest = zero.compute_copy(rest, {k: axes[k] for k in rest}, dtype)
+            params = {**params, **rest}
+        return loss_fn(cfg, params, batch)
+
+    return loss
 
 
 def validate_config(cfg: Config, mesh) -> None:
@@ -50,23 +89,39 @@ def validate_config(cfg: Config, mesh) -> None:
             f"train.batch_size={t.batch_size} (per microbatch {t.batch_size // t.grad_accum}) "
             f"is not divisible by the {shards} batch shards (mesh.data x mesh.expert); use a "
             f"batch size that is a multiple of {shards * t.grad_accum}.")
+    zero.check_stage(t.zero_stage)
+    tp = mesh.shape["tensor"]
+    if cfg.mesh.sequence_parallel and t.seq_len % tp:
+        raise ValueError(
+            f"train.seq_len={t.seq_len} is not divisible by mesh.tensor={tp}, which "
+            "mesh.sequence_parallel splits the sequence over; choose a multiple of it or "
+            "turn sequence parallelism off.")
     if t.seq_len > m.max_seq_len:
         raise ValueError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len="
                          f"{m.max_seq_len}; raise model.max_seq_len or shorten train.seq_len.")
 
 
-def make_train_step(cfg: Config, optimizer):
-    """step(state, batch) -> (state, metrics); grads accumulated over train.grad_accum."""
+def make_train_step(cfg: Config, optimizer, grad_sharding: dict | None = None,
+                    with_grads: bool = False):
+    """step(state, batch) -> (state, metrics); grads accumulated over train.grad_accum.
+
+    `grad_sharding` places the gradients (ZeRO-2/3: reduce-scattered over `data`);
+    `with_grads` adds them to the metrics (tests compare them across meshes).
+    """
     accum = cfg.train.grad_accum
+    value_and_grad = jax.value_and_grad(zero_loss_fn(cfg, transformer.logical_axes(cfg.model)))
+    place = (lambda g: g) if grad_sharding is None else (
+        lambda g: zero.constrain_tree(g, grad_sharding))
 
     def grads_of(params, batch):
         if accum == 1:
-            return jax.value_and_grad(loss_fn, argnums=1)(cfg, params, batch)
+            loss, g = value_and_grad(params, batch)
+            return loss, place(g)
         micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
 
         def body(carry, mb):
-            loss, g = jax.value_and_grad(loss_fn, argnums=1)(cfg, params, mb)
-            return jax.tree.map(jnp.add, carry, (loss, g)), None
+            loss, g = value_and_grad(params, mb)
+            return jax.tree.map(jnp.add, carry, (loss, place(g))), None
 
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
         (loss, g), _ = jax.lax.scan(body, zero, micro)
@@ -86,7 +141,10 @@ def make_train_step(cfg: Config, optimizer):
                      "params": keep(params, state["params"]),
                      "opt_state": keep(opt_state, state["opt_state"])}
         lr = optim.lr_schedule(cfg.train)(state["step"])
-        return new_state, {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": finite}
+        metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": finite}
+        if with_grads:
+            metrics["grads"] = grads
+        return new_state, metrics
 
     return step
 
@@ -107,6 +165,8 @@ class Setup:
     step_fn: object
     eval_fn: object
     traces: dict  # how many times each jitted function was traced (recompile guard)
+    rules: Rules = DEFAULT_RULES  # the logical-axis rules the step was compiled with
+    grad_sharding: dict | None = None  # where the gradients live (ZeRO-2/3: split on data)
 
     def init_state(self, seed: int | None = None) -> dict:
         seed = self.cfg.train.seed if seed is None else seed
@@ -125,35 +185,46 @@ class Setup:
                             shapes, self.state_sharding)
 
 
-def build(cfg: Config, mesh=None) -> Setup:
-    """Mesh, shardings and the jitted train/eval steps for a config."""
+def build(cfg: Config, mesh=None, *, with_grads: bool = False) -> Setup:
+    """Mesh, shardings and the jitted train/eval steps for a config.
+
+    Tensor and sequence parallelism come from the logical-axis rules (`rules_for`); ZeRO
+    from where `optim.state_shardings` puts the state and the gradients.
+    `with_grads=True` also returns each step's gradients in the metrics (for tests).
+    """
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     validate_config(cfg, mesh)
+    rules = rules_for(cfg.mesh)
+    stage = cfg.train.zero_stage
     optimizer = optim.make_optimizer(cfg.train)
     axes = transformer.logical_axes(cfg.model)
     params_shape = jax.eval_shape(lambda: transformer.init_params(cfg.model, 0))
-    p_sh, o_sh = optim.state_shardings(mesh, axes, optimizer, params_shape,
-                                       cfg.train.zero_stage)
+    p_sh, o_sh = optim.state_shardings(mesh, axes, optimizer, params_shape, stage)
+    g_sh = zero.grad_shardings(mesh, axes, params_shape, stage)
     replicated = NamedSharding(mesh, PartitionSpec())
     state_sh = {"step": replicated, "params": p_sh, "opt_state": o_sh}
     batch_sh = named_sharding(mesh, ("batch", "seq"))
-    raw_step = make_train_step(cfg, optimizer)
+    raw_step = make_train_step(cfg, optimizer, g_sh, with_grads)
     traces = {"step": 0, "eval": 0}
 
     def step(state, batch):
         traces["step"] += 1
-        with use_mesh(mesh):
+        with use_mesh(mesh, rules):
             return raw_step(state, batch)
 
     def evaluate(params, batch):
         traces["eval"] += 1
-        with use_mesh(mesh):
+        with use_mesh(mesh, rules):
             return loss_fn(cfg, params, batch)
 
+    metrics_sh = {k: replicated for k in ("loss", "grad_norm", "lr", "finite")}
+    if with_grads:
+        metrics_sh["grads"] = g_sh
     step_fn = jax.jit(step, in_shardings=(state_sh, batch_sh),
-                      out_shardings=(state_sh, replicated), donate_argnums=(0,))
+                      out_shardings=(state_sh, metrics_sh), donate_argnums=(0,))
     eval_fn = jax.jit(evaluate, in_shardings=(p_sh, batch_sh), out_shardings=replicated)
-    return Setup(cfg, mesh, optimizer, state_sh, batch_sh, step_fn, eval_fn, traces)
+    return Setup(cfg, mesh, optimizer, state_sh, batch_sh, step_fn, eval_fn, traces, rules,
+                 g_sh)
 
 
 def peak_flops_per_device() -> float | None:

@@ -1,0 +1,375 @@
+"""Predicted vs compiled: per-device memory and per-step communication of a train step.
+
+`predict` works from the config and the mesh alone (every array's shard from the
+logical-axis table and the ZeRO placement; each collective from Megatron-LM (Shoeybi et
+al. 2019), sequence parallelism (Korthikanti et al. 2022) and ZeRO (Rajbhandari et al.
+2020)). `compiled` reads the same figures from XLA: state bytes from the compiled step's
+output shardings, `memory_analysis()`, and every collective in the optimized HLO with its
+shape, mesh axes and loop trip count. `python -m gendist plan` prints both side by side.
+
+Communication is counted as payload bytes per device and step: the full buffer of an
+all-reduce, the gathered output of an all-gather, the input of a reduce-scatter. A ring
+moves (n-1)/n of that per device (twice for an all-reduce); `wire_bytes` converts.
+
+One backend fact enters the prediction. XLA's GPU compiler runs ReduceScatterCreator and
+AllReduceReassociate (gpu_compiler.cc, "collective-optimizations"); the CPU compiler does
+not. So on CPU a reduce-scatter stays an all-reduce followed by a slice, and each
+column-parallel matmul's input gradient is all-reduced on its own (q, k, v, gate, up:
+five per layer instead of Megatron's one per f operator, and two for a tied embedding).
+`fused=None` picks by backend; the Megatron/ZeRO ideal is `fused=True`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2,
+               "f16": 2, "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+# --- reading collectives from optimized HLO text -----------------------------------------
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # one of KINDS
+    axes: str  # mesh axes it spans, e.g. "tensor" or "data+tensor"
+    payload: int  # bytes per device per execution (see module docstring)
+    count: int  # executions per step (loop trip counts multiplied in)
+    backward: bool  # belongs to the transposed (backward) computation
+    shape: str
+
+
+_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
+_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(KINDS) + r")(-start)?\(")
+_ARR = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+
+
+def _array_bytes(text: str) -> list[int]:
+    return [DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x)
+            for d, dims in _ARR.findall(text)]
+
+
+def _first_group(line: str, n: int) -> list[int]:
+    """Device positions in the first replica group, from any of XLA's three notations."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:
+        names = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        sizes = [int(s) for _, s in names]
+        chosen = {a.split(":")[0].strip("' ") for a in m.group(2).split(",") if a.strip()}
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        index = tuple(slice(None) if a in chosen else 0 for a, _ in names)
+        return ids[index].ravel().tolist()
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        shape = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(math.prod(int(x) for x in m.group(2).split(",")))
+        ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(shape)[0].tolist()
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if m:
+        return [int(x) for x in m.group(1).split(",") if x]
+    return list(range(n))  # replica_groups={} : every device
+
+
+def _axes(positions: list[int], mesh) -> str:
+    coords = np.array([np.unravel_index(p, mesh.devices.shape) for p in positions])
+    varying = [a for i, a in enumerate(mesh.axis_names) if len(set(coords[:, i])) > 1]
+    return "+".join(varying) or "none"
+
+
+def _permute_axes(line: str, mesh) -> str:
+    pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])
+    moved = [p for p in pairs if p[0] != p[1]]
+    axes = set()
+    for s, t in moved:
+        axes.update(a for a in _axes([int(s), int(t)], mesh).split("+") if a != "none")
+    return "+".join(a for a in mesh.axis_names if a in axes) or "none"
+
+
+def parse_collectives(hlo_text: str, mesh) -> list[Collective]:
+    """Every collective of an optimized HLO module, with how often one step runs it."""
+    comp, calls, found = None, {}, []
+    n = mesh.devices.size
+    for line in hlo_text.splitlines():
+        m = _COMP.match(line)
+        if m:
+            comp = m.group(1)
+            if line.startswith("ENTRY"):
+                calls.setdefault("__entry__", []).append((comp, 1))
+            continue
+        if " while(" in line:
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+            calls.setdefault(comp, []).append((body, int(trips.group(1)) if trips else 1))
+        for key in ("calls", "to_apply", "true_computation", "false_computation"):
+            for callee in re.findall(key + r"=%?([\w.\-]+)", line):
+                calls.setdefault(comp, []).append((callee, 1))
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+            for callee in re.findall(r"%?([\w.\-]+)", group):
+                calls.setdefault(comp, []).append((callee, 1))
+        m = _OP.search(line)
+        if not m or "-done(" in line:
+            continue
+        kind, sizes = m.group(2), _array_bytes(m.group(1))
+        if m.group(3) and kind in ("all-gather", "collective-permute"):
+            sizes = sizes[len(sizes) // 2:]  # async start: (operands, outputs, ...)
+        if kind == "collective-permute":
+            axes, group = _permute_axes(line, mesh), 1
+        else:
+            positions = _first_group(line, n)
+            axes, group = _axes(positions, mesh), len(positions)
+        payload = sum(sizes) * (group if kind == "reduce-scatter" else 1)
+        found.append((comp, kind, axes, payload, "transpose(" in line, m.group(1)[:120]))
+    mult = _multiplicities(calls)
+    return [Collective(kind, axes, payload, mult.get(c, 0), bwd, shape)
+            for c, kind, axes, payload, bwd, shape in found]
+
+
+def _multiplicities(calls: dict) -> dict[str, int]:
+    """How many times each computation runs per call of the entry (trip counts multiply)."""
+    mult: dict[str, int] = {}
+
+    def visit(comp, factor, depth=0):
+        if depth > 64:
+            return
+        mult[comp] = mult.get(comp, 0) + factor
+        for callee, k in calls.get(comp, ()):
+            visit(callee, factor * k, depth + 1)
+
+    for entry, _ in calls.get("__entry__", ()):
+        visit(entry, 1)
+    return mult
+
+
+def comm_table(collectives, backward: bool | None = None) -> dict[tuple[str, str], int]:
+    """Bytes per step by (kind, axes); `backward` selects one pass (None: both)."""
+    out: dict[tuple[str, str], int] = {}
+    for c in collectives:
+        if c.axes == "none" or (backward is not None and c.backward != backward):
+            continue
+        out[(c.kind, c.axes)] = out.get((c.kind, c.axes), 0) + c.payload * c.count
+    return out
+
+
+def wire_bytes(kind: str, payload: float, n: int) -> float:
+    """Bytes one device sends for a ring implementation of this collective."""
+    factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+    return payload * (factor if kind != "collective-permute" else 1.0)
+
+
+# --- predictions from the config and the mesh -----------------------------------------------
+
+def _shard_bytes(struct, sharding, itemsize=None) -> int:
+    itemsize = struct.dtype.itemsize if itemsize is None else itemsize
+    return itemsize * math.prod(sharding.shard_shape(tuple(struct.shape)))
+
+
+def _param_rows(setup):
+    """(path, shape struct, logical axes, stored/compute/grad sharding) for every param."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from gendist.models import transformer
+    from gendist.sharding import logical_to_spec
+    axes = transformer.logical_axes(setup.cfg.model)
+    shapes = setup.abstract_state()["params"]
+    flat_axes = dict(jax.tree_util.tree_leaves_with_path(
+        axes, is_leaf=lambda a: isinstance(a, tuple)))
+    g_sh = dict(jax.tree_util.tree_leaves_with_path(setup.grad_sharding))
+    rows = []
+    for path, s in jax.tree_util.tree_leaves_with_path(shapes):
+        names = flat_axes[path]
+        compute = NamedSharding(setup.mesh, logical_to_spec(names, mesh=setup.mesh))
+        rows.append((jax.tree_util.keystr(path), s, names, s.sharding, compute, g_sh[path]))
+    return rows
+
+
+def predict(setup, backend: str | None = None) -> dict:
+    """Per-device memory (bytes) and per-step communication ((kind, axes) -> bytes).
+
+    `backend` ("cpu", "gpu", ...; default: this process's) decides the two compiler facts
+    of the module docstring; anything but "cpu" gets the Megatron/ZeRO ideal.
+    """
+    import jax
+    cfg, mesh = setup.cfg, setup.mesh
+    m, t = cfg.model, cfg.train
+    cpu = (backend or jax.default_backend()) == "cpu"
+    fused = not cpu
+    c = 2 if m.dtype == "bfloat16" else 4
+    cc = 4 if cpu else c  # XLA:CPU runs 16-bit collectives in fp32 (float normalization)
+    tp, dp, stage, acc = mesh.shape["tensor"], mesh.shape["data"], t.zero_stage, t.grad_accum
+    sp = cfg.mesh.sequence_parallel and tp > 1
+    bl = t.batch_size // (dp * mesh.shape["expert"]) // acc
+    tokens, L, D = bl * t.seq_len, m.num_layers, m.d_model
+    state = setup.abstract_state()
+    rows = _param_rows(setup)
+    mem = {"params": sum(_shard_bytes(s, st) for _, s, _, st, _, _ in rows),
+           "optimizer state": sum(_shard_bytes(s, s.sharding)
+                                  for s in jax.tree.leaves(state["opt_state"])),
+           "gradients": sum(_shard_bytes(s, g) for _, s, _, _, _, g in rows)}
+    batch = 2 * 4 * t.batch_size // (dp * mesh.shape["expert"]) * t.seq_len
+    mem["arguments (state + batch)"] = mem["params"] + mem["optimizer state"] + 4 + batch
+    # The compute copy: the whole model (stages 1-2, or bf16 casts), or ZeRO-3's one
+    # gathered layer (two in flight) plus the embedding and final norm.
+    copy = [_shard_bytes(s, cs, c if len(s.shape) >= 2 else 4) for _, s, _, _, cs, _ in rows]
+    blocks = sum(b for b, r in zip(copy, rows, strict=True) if "blocks" in r[0])
+    whole = stage in (1, 2) or (stage == 0 and c != 4)
+    mem["compute copy"] = sum(copy) if whole else (
+        sum(copy) - blocks + 2 * blocks // L if stage == 3 else 0)
+    copy = [b // c * cc if len(r[1].shape) >= 2 else b for b, r in zip(copy, rows, strict=True)]
+    mem["activations (estimate)"] = _activation_bytes(cfg, tp, sp, tokens, c, stage)
+    comm: dict[tuple[str, str], float] = {}
+
+    def add(kind, axis, nbytes):
+        comm[(kind, axis)] = comm.get((kind, axis), 0) + nbytes
+
+    act = tokens * D * cc
+    if tp > 1:  # Megatron: f and g per block; vocab-parallel embedding, output layer, loss
+        red = "reduce-scatter" if sp and fused else "all-reduce"
+        col_bwd = 2 if fused else 3 + (2 if m.mlp == "swiglu" else 1)
+        add(red, "tensor", acc * L * (2 + col_bwd) * act + acc * act)
+        add("all-reduce", "tensor", acc * tokens * D * (4 if stage == 0 else cc))
+        add("all-reduce", "tensor", acc * 3 * tokens * 4)
+        if sp:  # + the embedding's backward gathers its gradient's sequence shards
+            add("all-gather", "tensor", acc * (4 * L + 2) * act)
+            if remat_of(cfg) != "none":  # the backward recomputes each f's all-gather
+                add("all-gather", "tensor", acc * 2 * L * act)
+            if remat_of(cfg) == "full":  # ... and each g's reduction
+                add(red, "tensor", acc * 2 * L * act)
+            add("all-reduce", "tensor", acc * (2 * L + 1) * D * 4)
+    if dp > 1:  # one reduction of every gradient; ZeRO's gathers of the compute copy
+        red = "reduce-scatter" if stage >= 2 and fused else "all-reduce"
+        for (path, s, _, stored, compute, _), nbytes in zip(rows, copy, strict=True):
+            local = nbytes // (cc if len(s.shape) >= 2 else 4)
+            if path == "['embed']" and m.tie_embeddings and not fused:
+                add(red, "data", acc * local * ((4 if stage == 0 else cc) + cc))
+            else:
+                add(red, "data", acc * local * (4 if len(s.shape) < 2 else cc))
+            if stage >= 1 and stored.shard_shape(s.shape) != compute.shard_shape(s.shape):
+                add("all-gather", "data", nbytes * (2 * acc if stage == 3 and "blocks" in path
+                                                     else 1))
+    assumes = ("XLA:CPU: no reduce-scatter/reassociation, fp32 collectives" if cpu else
+               "Megatron/ZeRO ideal: fused reductions, collectives in model.dtype")
+    return {"memory": mem, "comm": comm, "assumes": assumes}
+
+
+def remat_of(cfg) -> str:
+    """The recomputation the step runs (ZeRO-3 turns 'none' into 'save_matmuls')."""
+    from gendist.parallel.zero import model_for_stage
+    return model_for_stage(cfg.model, cfg.train.zero_stage).remat
+
+
+def _activation_bytes(cfg, tp, sp, tokens, c, stage) -> int:
+    """Saved activations of one step's backward, per device: a rough count, not XLA's."""
+    m = cfg.model
+    D, H, F, T = m.d_model, m.head_dim, m.d_ff, cfg.train.seq_len
+    qkv = (m.num_heads + 2 * m.num_kv_heads) * H / tp
+    mlp_h = (3 if m.mlp == "swiglu" else 2) * F / tp
+    remat = remat_of(cfg)
+    if remat == "full":
+        per_token = D / (tp if sp else 1) * c
+    elif remat == "save_matmuls":
+        per_token = (qkv + m.num_heads * H / tp + mlp_h + 2 * D) * c
+    else:
+        resid = 2 * D / (tp if sp else 1) + 2 * D
+        per_token = (resid + 2 * qkv + m.num_heads * H / tp + mlp_h) * c
+        per_token += m.num_heads / tp * T * 4  # softmax probabilities, fp32
+    logits = 2 * m.vocab_size / tp * 4
+    return int(tokens * (m.num_layers * per_token + logits))
+
+
+def compiled_figures(setup) -> dict:
+    """The same figures read from XLA: output shardings, memory_analysis and the HLO."""
+    import jax
+    batch = {k: jax.ShapeDtypeStruct((setup.cfg.train.batch_size, setup.cfg.train.seq_len),
+                                     np.int32, sharding=setup.batch_sharding)
+             for k in ("inputs", "targets")}
+    state = setup.abstract_state()
+    compiled = setup.step_fn.lower(state, batch).compile()
+    out_state = compiled.output_shardings[0]
+    ma = compiled.memory_analysis()
+
+    def nbytes(key):
+        return sum(_shard_bytes(s, sh) for s, sh in zip(
+            jax.tree.leaves(state[key]), jax.tree.leaves(out_state[key]), strict=True))
+
+    mem = {"params": nbytes("params"), "optimizer state": nbytes("opt_state"),
+           "arguments (state + batch)": ma.argument_size_in_bytes,
+           "temp (XLA)": ma.temp_size_in_bytes}
+    colls = parse_collectives(compiled.as_text(), setup.mesh)
+    return {"memory": mem, "comm": comm_table(colls), "collectives": colls,
+            "compiled": compiled}
+
+
+def bubble_lines(cfg) -> list[str]:
+    """Pipeline hook: the bubble of the schedule this config would run (pipeline > 1).
+
+    The pipeline issue owns the schedule; this line uses its analytic (p-1)/(m+p-1) with
+    train.grad_accum as the microbatch count until the pipeline config names its own.
+    """
+    p = cfg.mesh.pipeline
+    if p <= 1:
+        return []
+    try:
+        from gendist.parallel.schedule import analytic_bubble_fraction
+    except ImportError:  # pragma: no cover - before the pipeline module exists
+        return [f"pipeline bubble: {p} stages (schedule module not available)"]
+    frac = analytic_bubble_fraction(p, cfg.train.grad_accum)
+    return [f"pipeline bubble (GPipe/1F1B, {p} stages, {cfg.train.grad_accum} microbatches): "
+            f"{frac:.1%} of stage time idle"]
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x / 2**20:10.3f} MiB" if x >= 2**20 else f"{x / 2**10:10.2f} KiB"
+
+
+def plan_report(cfg, compile_step: bool = True) -> str:
+    """Predicted (and compiled) memory and communication for a config, as a text table."""
+    from gendist import train
+    setup = train.build(cfg)
+    pred = predict(setup)
+    comp = compiled_figures(setup) if compile_step else {"memory": {}, "comm": {}}
+    mesh = dict(setup.mesh.shape)
+    lines = [f"mesh {mesh}, sequence_parallel={cfg.mesh.sequence_parallel}, "
+             f"zero_stage={cfg.train.zero_stage}, model {cfg.model.num_params / 1e6:.2f}M "
+             f"params, dtype {cfg.model.dtype}",
+             f"{'memory per device':34s} {'predicted':>14s} {'compiled':>14s}"]
+    keys = list(pred["memory"]) + [k for k in comp["memory"] if k not in pred["memory"]]
+    for k in keys:
+        lines.append(f"  {k:32s} {_mb(pred['memory'].get(k)):>14s} "
+                     f"{_mb(comp['memory'].get(k)):>14s}")
+    lines.append(f"{'communication per step per device':34s} {'predicted':>14s} "
+                 f"{'compiled':>14s}   (payload bytes; {pred['assumes']})")
+    for kind, axes in sorted(set(pred["comm"]) | set(comp["comm"])):
+        p, c = pred["comm"].get((kind, axes)), comp["comm"].get((kind, axes))
+        lines.append(f"  {kind + ' over ' + axes:32s} {_mb(p):>14s} {_mb(c):>14s}")
+    return "\n".join(lines + bubble_lines(cfg))
+
+
+# --- the command line -----------------------------------------------------------------------
+
+def cmd_plan(argv: list[str]) -> int:
+    """`python -m gendist plan [--preset P] [--devices N] [--no-compile] [overrides]`."""
+    argv = list(argv)
+    devices = None
+    if "--devices" in argv:
+        i = argv.index("--devices")
+        devices = int(argv[i + 1])
+        del argv[i:i + 2]
+        # Simulated CPU devices; must be set before the first backend call.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={devices}")
+    compile_step = "--no-compile" not in argv
+    argv = [a for a in argv if a != "--no-compile"]
+    from gendist.__main__ import parse_config
+    cfg = parse_config(argv)
+    print(plan_report(cfg, compile_step=compile_step))
+    return 0

@@ -18,7 +18,7 @@ from flax import nnx
 from gendist.config import ModelConfig
 from gendist.models.attention import attention
 from gendist.models.layers import apply_rope, mlp, rms_norm, rope_angles
-from gendist.sharding import constrain
+from gendist.sharding import column_input, compute_layout, constrain, row_output
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -70,11 +70,15 @@ def block_param_shapes_names(blocks: Blocks) -> list[str]:
 def block_forward(p: dict, x_BTD, pos_BT, cfg: ModelConfig, *, cache=None, layer_state=None):
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). Returns (x, layer_state)."""
     dt = x_BTD.dtype
-    h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
+    # Weights in their compute layout: under ZeRO-3 this is the layer's just-in-time gather.
+    p = compute_layout(p, {k: a for k, (_, a) in block_param_shapes(cfg).items()}, dt)
+    h_BTD = column_input(rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps))  # Megatron f
     q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, p["wq"].astype(dt))
     k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, p["wk"].astype(dt))
     v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, p["wv"].astype(dt))
     q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
+    k_BTKH = constrain(k_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
+    v_BTKH = constrain(v_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
     cos, sin = rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta)
     q_BTNH, k_BTKH = apply_rope(q_BTNH, cos, sin), apply_rope(k_BTKH, cos, sin)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -83,10 +87,11 @@ def block_forward(p: dict, x_BTD, pos_BT, cfg: ModelConfig, *, cache=None, layer
     else:
         o_BTNH, layer_state = cache.attend(layer_state, q_BTNH, k_BTKH, v_BTKH, pos_BT,
                                            sm_scale)
-    x_BTD = x_BTD + jnp.einsum("BTNH,NHD->BTD", o_BTNH, p["wo"].astype(dt))
+    o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
+    x_BTD = x_BTD + row_output(jnp.einsum("BTNH,NHD->BTD", o_BTNH, p["wo"].astype(dt)))  # g
     x_BTD = constrain(x_BTD, ("batch", "act_seq", "embed"))
-    h_BTD = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
-    x_BTD = x_BTD + mlp(h_BTD, p, cfg.mlp)
+    h_BTD = column_input(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps))  # Megatron f
+    x_BTD = x_BTD + row_output(mlp(h_BTD, p, cfg.mlp))  # Megatron g
     x_BTD = constrain(x_BTD, ("batch", "act_seq", "embed"))
     return x_BTD, layer_state
 
@@ -139,6 +144,8 @@ class Transformer(nnx.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         dt = DTYPES[cfg.dtype]
         x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dt)
+        # Vocab-parallel lookup: each shard's rows, summed over `tensor`, then sequence shards.
+        x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
         x_BTD = constrain(x_BTD, ("batch", "act_seq", "embed"))
         x_BTD, cache = apply_blocks(self.blocks.stacked(), x_BTD, positions_BT, cfg, cache)
         return rms_norm(x_BTD, self.final_norm[...], cfg.norm_eps), cache
@@ -149,6 +156,7 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BT, positions_BT=None, cache=None):
         """Logits [B, T, V] in fp32 (and the updated cache when one is given)."""
         h_BTD, cache = self.hidden(tokens_BT, positions_BT, cache)
+        h_BTD = column_input(h_BTD)  # Megatron f before the vocab-parallel output layer
         w_DV = self.output_weights_DV().astype(h_BTD.dtype)
         logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, w_DV, preferred_element_type=jnp.float32)
         logits_BTV = constrain(logits_BTV, ("batch", "seq", "vocab"))

@@ -19,9 +19,10 @@ Result (committed JSON, 2-core CPU, p=4, d_model 64, 8-unit granularity): with m
 costs the idle fraction follows the table's (p-1)/(k+p-1) a few points above it (later
 slices cost more); 8 equal slices cut the predicted latency of one slice by 2.8x at 256
 tokens. The DP chose 8 equal slices at 128 and 256 tokens (the finest this granularity
-allows) and [32, 16, 16] at 64 tokens, where its fitted model overstates the per-slice
-overhead: 14 ms predicted latency on the raw costs against 11 ms for 8 slices - the DP is
-only as good as its cost model. The executor's wall time on CPU grows with the number of
+allows) and [32, 16, 16] at 64 tokens. On the raw measured costs it matched the best
+equal slicing at 256 tokens (34 ms) but not at 64 (14.0 vs 11.3 ms for 8 slices) or 128
+(22.1 vs 18.2 ms for 2 slices): the DP is only as good as its fitted cost model, and the
+raw CPU costs are noisy and not smooth in the slice length. The executor's wall time on CPU grows with the number of
 slices (52 -> 72 ms at 128 tokens), against a lockstep prediction that falls (31 -> 22
 ms): per-step overheads of the shared-core simulation dominate these tiny slices.
 """

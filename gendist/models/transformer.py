@@ -53,9 +53,10 @@ def _init_block_param(key, name, shape, cfg: ModelConfig, num_layers: int):
 class Blocks(nnx.Module):
     """All transformer blocks, each weight stacked on a leading `layers` axis."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, num_layers: int | None = None):
+        num_layers = cfg.num_layers if num_layers is None else num_layers
         for name, (shape, axes) in block_param_shapes(cfg).items():
-            value = _init_block_param(rngs.params(), name, shape, cfg, cfg.num_layers)
+            value = _init_block_param(rngs.params(), name, shape, cfg, num_layers)
             setattr(self, name, nnx.Param(value, axes=("layers", *axes)))
 
     def stacked(self) -> dict[str, jax.Array]:
@@ -67,7 +68,8 @@ def block_param_shapes_names(blocks: Blocks) -> list[str]:
                         "w_down") if hasattr(blocks, n)]
 
 
-def block_forward(p: dict, x_BTD, pos_BT, cfg: ModelConfig, *, cache=None, layer_state=None):
+def block_forward(p: dict, x_BTD, pos_BT, cfg: ModelConfig, *, cache=None, layer_state=None,
+                  ffn=None):
     """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). Returns (x, layer_state)."""
     dt = x_BTD.dtype
     # Weights in their compute layout: under ZeRO-3 this is the layer's just-in-time gather.
@@ -91,7 +93,7 @@ def block_forward(p: dict, x_BTD, pos_BT, cfg: ModelConfig, *, cache=None, layer
     x_BTD = x_BTD + row_output(jnp.einsum("BTNH,NHD->BTD", o_BTNH, p["wo"].astype(dt)))  # g
     x_BTD = constrain(x_BTD, ("batch", "act_seq", "embed"))
     h_BTD = column_input(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps))  # Megatron f
-    x_BTD = x_BTD + row_output(mlp(h_BTD, p, cfg.mlp))  # Megatron g
+    x_BTD = x_BTD + row_output(mlp(h_BTD, p, cfg.mlp) if ffn is None else ffn(h_BTD))  # g
     x_BTD = constrain(x_BTD, ("batch", "act_seq", "embed"))
     return x_BTD, layer_state
 
@@ -130,7 +132,10 @@ class Transformer(nnx.Module):
         D, V = cfg.d_model, cfg.vocab_size
         self.embed = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (V, D)),
                                axes=("vocab", "embed"))
-        self.blocks = Blocks(cfg, rngs=rngs)
+        self.blocks = Blocks(cfg, rngs=rngs, num_layers=cfg.num_layers - cfg.num_moe_layers)
+        if cfg.moe is not None:
+            from gendist.models.moe_stack import MoEBlocks
+            self.moe_blocks = MoEBlocks(cfg, rngs=rngs)
         self.final_norm = nnx.Param(jnp.ones((D,)), axes=("embed",))
         if not cfg.tie_embeddings:
             self.head = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (D, V)),
@@ -138,6 +143,11 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens_BT, positions_BT=None, cache=None):
         """Final normalised hidden states [B, T, D] (and the updated cache)."""
+        h_BTD, cache, _ = self.hidden_and_aux(tokens_BT, positions_BT, cache)
+        return h_BTD, cache
+
+    def hidden_and_aux(self, tokens_BT, positions_BT=None, cache=None):
+        """hidden(), plus auxiliary losses/metrics ({} for a dense model; MoE: moe_loss...)."""
         cfg = self.cfg
         B, T = tokens_BT.shape
         if positions_BT is None:
@@ -147,19 +157,36 @@ class Transformer(nnx.Module):
         # Vocab-parallel lookup: each shard's rows, summed over `tensor`, then sequence shards.
         x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
         x_BTD = constrain(x_BTD, ("batch", "act_seq", "embed"))
-        x_BTD, cache = apply_blocks(self.blocks.stacked(), x_BTD, positions_BT, cfg, cache)
-        return rms_norm(x_BTD, self.final_norm[...], cfg.norm_eps), cache
+        aux = {}
+        if cache is not None:
+            cache = cache.prepare(positions_BT)
+        if cfg.moe is None:
+            x_BTD, cache = apply_blocks(self.blocks.stacked(), x_BTD, positions_BT, cfg, cache)
+        else:
+            from gendist.models.moe_stack import apply_moe_groups
+            x_BTD, cache, aux = apply_moe_groups(self.blocks.stacked(), self.moe_blocks.stacked(),
+                                                 x_BTD, positions_BT, cfg, cache)
+        return rms_norm(x_BTD, self.final_norm[...], cfg.norm_eps), cache, aux
 
     def output_weights_DV(self) -> jax.Array:
         return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
 
-    def __call__(self, tokens_BT, positions_BT=None, cache=None):
-        """Logits [B, T, V] in fp32 (and the updated cache when one is given)."""
-        h_BTD, cache = self.hidden(tokens_BT, positions_BT, cache)
+    def logits_and_aux(self, tokens_BT):
+        """Training view: fp32 logits [B, T, V] and the auxiliary dict."""
+        h_BTD, _, aux = self.hidden_and_aux(tokens_BT)
+        return self.logits(h_BTD), aux
+
+    def logits(self, h_BTD):
+        """fp32 logits [B, T, V] from final hidden states."""
         h_BTD = column_input(h_BTD)  # Megatron f before the vocab-parallel output layer
         w_DV = self.output_weights_DV().astype(h_BTD.dtype)
         logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, w_DV, preferred_element_type=jnp.float32)
-        logits_BTV = constrain(logits_BTV, ("batch", "seq", "vocab"))
+        return constrain(logits_BTV, ("batch", "seq", "vocab"))
+
+    def __call__(self, tokens_BT, positions_BT=None, cache=None):
+        """Logits [B, T, V] in fp32 (and the updated cache when one is given)."""
+        h_BTD, cache = self.hidden(tokens_BT, positions_BT, cache)
+        logits_BTV = self.logits(h_BTD)
         return logits_BTV if cache is None else (logits_BTV, cache)
 
 
@@ -210,6 +237,12 @@ def forward(cfg: ModelConfig, params: dict, tokens_BT, positions_BT=None, cache=
     """Functional forward: logits (and cache) from a pure params dict."""
     graphdef, template, _ = abstract_model(cfg)
     return merge_model(graphdef, template, params)(tokens_BT, positions_BT, cache)
+
+
+def forward_with_aux(cfg: ModelConfig, params: dict, tokens_BT):
+    """(logits, aux) from a pure params dict; aux holds MoE losses and metrics."""
+    graphdef, template, _ = abstract_model(cfg)
+    return merge_model(graphdef, template, params).logits_and_aux(tokens_BT)
 
 
 def logical_axes(cfg: ModelConfig) -> dict:

@@ -359,6 +359,9 @@ def plan_report(cfg, compile_step: bool = True) -> str:
 def cmd_plan(argv: list[str]) -> int:
     """`python -m gendist plan [--preset P] [--devices N] [--no-compile] [overrides]`."""
     argv = list(argv)
+    if "-h" in argv or "--help" in argv:
+        print("plan options: --devices N (simulate N CPU devices), --no-compile (predictions "
+              "only); then any config field, as for `train`:\n")
     devices = None
     if "--devices" in argv:
         i = argv.index("--devices")

@@ -310,21 +310,13 @@ def compiled_figures(setup) -> dict:
 
 
 def bubble_lines(cfg) -> list[str]:
-    """Pipeline hook: the bubble of the schedule this config would run (pipeline > 1).
-
-    The pipeline issue owns the schedule; this line uses its analytic (p-1)/(m+p-1) with
-    train.grad_accum as the microbatch count until the pipeline config names its own.
-    """
+    """The bubble of the schedule this config runs (pipeline > 1), from its static table."""
     p = cfg.mesh.pipeline
     if p <= 1:
         return []
-    try:
-        from gendist.parallel.schedule import analytic_bubble_fraction
-    except ImportError:  # pragma: no cover - before the pipeline module exists
-        return [f"pipeline bubble: {p} stages (schedule module not available)"]
-    frac = analytic_bubble_fraction(p, cfg.train.grad_accum)
-    return [f"pipeline bubble (GPipe/1F1B, {p} stages, {cfg.train.grad_accum} microbatches): "
-            f"{frac:.1%} of stage time idle"]
+    from gendist.parallel.schedule import pipeline_plan_lines
+    m = cfg.train.pipeline_microbatches or 2 * p
+    return pipeline_plan_lines(p, m, cfg.train.pipeline_schedule)
 
 
 def _mb(x) -> str:
@@ -335,7 +327,10 @@ def plan_report(cfg, compile_step: bool = True) -> str:
     """Predicted (and compiled) memory and communication for a config, as a text table."""
     from gendist import train
     setup = train.build(cfg)
-    pred = predict(setup)
+    if setup.mesh.shape["pipeline"] > 1:  # the model below covers the non-pipelined step
+        pred = {"memory": {}, "comm": {}, "assumes": "no prediction for pipelined steps yet"}
+    else:
+        pred = predict(setup)
     comp = compiled_figures(setup) if compile_step else {"memory": {}, "comm": {}}
     mesh = dict(setup.mesh.shape)
     lines = [f"mesh {mesh}, sequence_parallel={cfg.mesh.sequence_parallel}, "

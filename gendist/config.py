@@ -108,6 +108,7 @@ class MeshConfig:
     sequence_parallel: bool = False  # Megatron-3: norms/residuals split over seq on `tensor`
 
     def sizes(self) -> dict[str, int]:
+        """The four axis sizes (one may be -1)."""
         return {"data": self.data, "pipeline": self.pipeline, "expert": self.expert,
                 "tensor": self.tensor}
 
@@ -145,6 +146,8 @@ class TrainConfig:
     out_dir: str = "runs/default"  # metrics, TensorBoard and checkpoints go here
     resume: bool = True  # resume from the latest checkpoint in out_dir/checkpoints
     nonfinite: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop the run or skip the step
+    pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"  # schedule when mesh.pipeline > 1
+    pipeline_microbatches: int = 0  # microbatches per step in the pipeline (0 = 2 x stages)
     debug_nan_step: int = -1  # testing: make this step's loss NaN to exercise `nonfinite`
     zero_stage: Literal[0, 1, 2, 3] = 0  # ZeRO stage over `data` (0 = replicated state)
     tensorboard: bool = True  # write TensorBoard event files

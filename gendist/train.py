@@ -42,13 +42,28 @@ def cross_entropy(logits_BTV, targets_BT):
     return -jnp.mean(jnp.take_along_axis(logp, targets_BT[..., None], axis=-1))
 
 
-def loss_fn(cfg: Config, params, batch):
-    """Mean next-token loss; under a mesh the logits stay split over vocab (Megatron)."""
-    logits = transformer.forward(cfg.model, params, batch["inputs"])
+def loss_and_metrics(cfg: Config, params, batch):
+    """(training loss, metrics). The loss is the mean next-token cross-entropy (under a mesh
+    the logits stay split over vocab, Megatron) plus, for MoE models, the weighted router
+    losses; the metrics report the MoE drop fraction and per-expert load."""
+    logits, aux = transformer.forward_with_aux(cfg.model, params, batch["inputs"])
     mesh = current_mesh()
     if mesh is None:
-        return cross_entropy(logits, batch["targets"])
-    return vocab_parallel_cross_entropy(logits, batch["targets"], mesh, current_rules())
+        ce = cross_entropy(logits, batch["targets"])
+    else:
+        ce = vocab_parallel_cross_entropy(logits, batch["targets"], mesh, current_rules())
+    if not aux:
+        return ce, {}
+    load_E = jnp.sum(aux["moe_expert_load_GE"], axis=0)
+    return ce + aux["moe_loss"], {
+        "ce_loss": ce, "moe_aux_loss": aux["moe_loss"],
+        "moe_drop_fraction": aux["moe_drop_fraction"], "moe_expert_load": load_E,
+        "moe_load_max_over_mean": jnp.max(load_E) / jnp.maximum(jnp.mean(load_E), 1e-9)}
+
+
+def loss_fn(cfg: Config, params, batch):
+    """The training loss alone (see `loss_and_metrics`)."""
+    return loss_and_metrics(cfg, params, batch)[0]
 
 
 def zero_loss_fn(cfg: Config, axes: dict):
@@ -69,7 +84,7 @@ def zero_loss_fn(cfg: Config, axes: dict):
             rest = {k: v for k, v in params.items() if k != "blocks"}
             rest = zero.compute_copy(rest, {k: axes[k] for k in rest}, dtype)
             params = {**params, **rest}
-        return loss_fn(cfg, params, batch)
+        return loss_and_metrics(cfg, params, batch)
 
     return loss
 
@@ -109,26 +124,30 @@ def make_train_step(cfg: Config, optimizer, grad_sharding: dict | None = None,
     `with_grads` adds them to the metrics (tests compare them across meshes).
     """
     accum = cfg.train.grad_accum
-    value_and_grad = jax.value_and_grad(zero_loss_fn(cfg, transformer.logical_axes(cfg.model)))
+    value_and_grad = jax.value_and_grad(zero_loss_fn(cfg, transformer.logical_axes(cfg.model)),
+                                        has_aux=True)
     place = (lambda g: g) if grad_sharding is None else (
         lambda g: zero.constrain_tree(g, grad_sharding))
 
     def grads_of(params, batch):
         if accum == 1:
-            loss, g = value_and_grad(params, batch)
-            return loss, place(g)
+            (loss, aux), g = value_and_grad(params, batch)
+            return loss, aux, place(g)
         micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
 
         def body(carry, mb):
-            loss, g = value_and_grad(params, mb)
-            return jax.tree.map(jnp.add, carry, (loss, place(g))), None
+            (loss, aux), g = value_and_grad(params, mb)
+            return jax.tree.map(jnp.add, carry, (loss, aux, place(g))), None
 
-        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (loss, g), _ = jax.lax.scan(body, zero, micro)
-        return jax.tree.map(lambda x: x / accum, (loss, g))
+        aux_shape = jax.eval_shape(value_and_grad, params,
+                                   jax.tree.map(lambda x: x[0], micro))[0][1]
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, aux_shape),
+                jax.tree.map(jnp.zeros_like, params))
+        (loss, aux, g), _ = jax.lax.scan(body, zero, micro)
+        return jax.tree.map(lambda x: x / accum, (loss, aux, g))
 
     def step(state, batch):
-        loss, grads = grads_of(state["params"], batch)
+        loss, aux, grads = grads_of(state["params"], batch)
         if cfg.train.debug_nan_step >= 0:  # fault injection for tests of the NaN guard
             loss = jnp.where(state["step"] == cfg.train.debug_nan_step, jnp.nan, loss)
         gnorm = optax_global_norm(grads)
@@ -141,7 +160,7 @@ def make_train_step(cfg: Config, optimizer, grad_sharding: dict | None = None,
                      "params": keep(params, state["params"]),
                      "opt_state": keep(opt_state, state["opt_state"])}
         lr = optim.lr_schedule(cfg.train)(state["step"])
-        metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": finite}
+        metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": finite, **aux}
         if with_grads:
             metrics["grads"] = grads
         return new_state, metrics
@@ -193,6 +212,10 @@ def build(cfg: Config, mesh=None, *, with_grads: bool = False) -> Setup:
     `with_grads=True` also returns each step's gradients in the metrics (for tests).
     """
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    if mesh.shape["pipeline"] > 1:  # layers split into stages: the pipelined step
+        from gendist.parallel.pipeline_model import build_pipeline
+        return build_pipeline(cfg, mesh, cfg.train.pipeline_schedule,
+                              pipeline_microbatches(cfg, mesh))
     validate_config(cfg, mesh)
     rules = rules_for(cfg.mesh)
     stage = cfg.train.zero_stage
@@ -215,9 +238,13 @@ def build(cfg: Config, mesh=None, *, with_grads: bool = False) -> Setup:
     def evaluate(params, batch):
         traces["eval"] += 1
         with use_mesh(mesh, rules):
-            return loss_fn(cfg, params, batch)
+            loss, metrics = loss_and_metrics(cfg, params, batch)
+            return metrics.get("ce_loss", loss)  # validation: cross-entropy only
 
     metrics_sh = {k: replicated for k in ("loss", "grad_norm", "lr", "finite")}
+    if cfg.model.moe is not None:
+        metrics_sh.update({k: replicated for k in ("ce_loss", "moe_aux_loss", "moe_drop_fraction",
+                                                   "moe_expert_load", "moe_load_max_over_mean")})
     if with_grads:
         metrics_sh["grads"] = g_sh
     step_fn = jax.jit(step, in_shardings=(state_sh, batch_sh),
@@ -225,6 +252,11 @@ def build(cfg: Config, mesh=None, *, with_grads: bool = False) -> Setup:
     eval_fn = jax.jit(evaluate, in_shardings=(p_sh, batch_sh), out_shardings=replicated)
     return Setup(cfg, mesh, optimizer, state_sh, batch_sh, step_fn, eval_fn, traces, rules,
                  g_sh)
+
+
+def pipeline_microbatches(cfg: Config, mesh) -> int:
+    """train.pipeline_microbatches, or twice the number of stages when it is 0."""
+    return cfg.train.pipeline_microbatches or 2 * mesh.shape["pipeline"]
 
 
 def peak_flops_per_device() -> float | None:
@@ -246,7 +278,12 @@ def throughput(cfg: Config, tokens: int, seconds: float) -> dict:
 
 
 def host_metrics(metrics) -> dict:
-    return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+    """Scalars as floats, vectors (e.g. per-expert load) as lists."""
+    out = {}
+    for k, v in jax.device_get(metrics).items():
+        v = np.asarray(v)
+        out[k] = float(v) if v.ndim == 0 else v.tolist()
+    return out
 
 
 def timed(fn, *args):

@@ -58,3 +58,21 @@ def test_moe_model_decodes_like_full_forward():
         for _ in range(5):
             seq.append(int(jnp.argmax(transformer.forward(CFG, params, jnp.asarray([seq]))[0, -1])))
         assert seq[len(pr):] == list(np.asarray(out[i]))
+
+
+def test_moe_training_reports_router_metrics(tmp_path):
+    from helpers import small_config
+
+    from gendist import loop
+    from gendist.config import replace
+    cfg = replace(small_config(str(tmp_path), steps=3, grad_accum=2, batch_size=16),
+                  **{"model.moe_experts": 4, "model.moe_top_k": 1, "model.moe_every": 2,
+                     "model.moe_capacity_factor": 1.0, "mesh.expert": 2})
+    r = loop.run(cfg, mesh=mesh_of(8, data=4, expert=2), log=lambda *a: None)
+    h = r.history[-1]
+    assert 0.0 <= h["moe_drop_fraction"] < 1.0 and h["moe_aux_loss"] > 0
+    assert len(h["moe_expert_load"]) == 4
+    # Token-choices per microbatch (8 x 16 tokens, top-1, one MoE layer), averaged over 2.
+    assert abs(sum(h["moe_expert_load"]) - 8 * 16) < 1e-3
+    assert abs(h["loss"] - h["ce_loss"] - h["moe_aux_loss"]) < 1e-5
+    assert r.val_loss is not None

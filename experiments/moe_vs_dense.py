@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from gendist.config import preset, replace
 
 
 def train(cfg, name, steps, out):
-    cfg = replace(cfg, **{"train.steps": steps, "train.out_dir": f"/tmp/moe_vs_dense/{name}",
+    cfg = replace(cfg, **{"train.steps": steps,
+                          "train.out_dir": tempfile.mkdtemp(prefix=f"moe_vs_dense_{name}_"),
                           "train.resume": False, "train.eval_every": max(steps // 4, 1),
                           "train.checkpoint_every": 0, "train.tensorboard": False,
                           "train.eval_batches": 4})

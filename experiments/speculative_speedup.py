@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +30,8 @@ from gendist.inference.speculative import SpecConfig, expected_tokens_per_cost, 
 
 
 def train_model(cfg, steps, out_dir):
-    cfg = replace(cfg, **{"train.steps": steps, "train.out_dir": out_dir, "train.resume": False,
+    cfg = replace(cfg, **{"train.steps": steps, "train.out_dir": tempfile.mkdtemp(prefix=out_dir),
+                          "train.resume": False,
                           "train.eval_every": steps, "train.checkpoint_every": 0,
                           "train.tensorboard": False, "train.warmup_steps": min(50, steps // 5)})
     r = loop.run(cfg, log=lambda *a: None)
@@ -67,8 +69,8 @@ def main():
                      attention="xla" if tm.attention == "pallas" else tm.attention)
     dcfg = replace(tcfg, model=dm)
     t0 = time.perf_counter()
-    tm, tp, tval = train_model(tcfg, args.steps, "/tmp/spec_target")
-    dm, dp, dval = train_model(dcfg, args.steps, "/tmp/spec_draft")
+    tm, tp, tval = train_model(tcfg, args.steps, "spec_target_")
+    dm, dp, dval = train_model(dcfg, args.steps, "spec_draft_")
     res = {"device": jax.devices()[0].device_kind, "target": args.target,
            "target_params_M": tm.num_params / 1e6, "draft_params_M": dm.num_params / 1e6,
            "target_val_loss": tval, "draft_val_loss": dval,

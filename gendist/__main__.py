@@ -1,4 +1,4 @@
-"""`python -m gendist {train,generate,plan} [--preset NAME] [--section.field VALUE ...]`.
+"""`python -m gendist {train,generate,plan,launch} [--preset NAME] [--section.field VALUE ...]`.
 
 Every config field is a flag (tyro reads the field comments as help): try
 `python -m gendist train --help`.
@@ -15,6 +15,8 @@ commands:
   train      train a model (default: the `tiny` preset on the bundled Shakespeare corpus,
              all devices data-parallel), checkpoint it, print validation loss and a sample
   generate   sample from a checkpoint: --checkpoint DIR --prompt TEXT [--generate.* ...]
+  plan       predicted vs compiled per-device memory and communication (and the pipeline
+             bubble) for a config: plan [--devices N] [--no-compile] [overrides]
   launch     run N local processes of one multi-process job:
              launch --nproc N [--devices-per-process D] -- python -m gendist train ...
 

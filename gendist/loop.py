@@ -91,6 +91,11 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
     out = Path(t.out_dir)
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints)
     state = None
+    if not t.resume and ckpt.latest_step() is not None:
+        raise ValueError(
+            f"train.resume=False but {ckpt.directory} already holds checkpoints (latest step "
+            f"{ckpt.latest_step()}); choose a fresh train.out_dir, delete that folder, or "
+            "resume from it with train.resume=True.")
     if t.resume and ckpt.latest_step() is not None:
         state, meta, at = ckpt.restore(setup.abstract_state())
         log(f"resumed from {ckpt.directory} step {at} (val_loss {meta.get('val_loss')})")
@@ -156,6 +161,8 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
                     beat(f"checkpoint {done}")
             if pending is not None:
                 drain(pending)
+            if val_loss is None:  # nothing left to train (resumed at the end): still report
+                val_loss = evaluate(setup, data, state["params"])
     except Exception as e:
         if jax.process_count() > 1 and is_runtime_error(e):
             print(lost_peer_message(e, ckpt.latest_step(), ckpt.directory), file=sys.stderr,
@@ -184,6 +191,6 @@ def _progress(it, enabled: bool):
             return iter(self.it)
 
         def set_postfix(self, **_):
-            pass
+            return None
 
     return _Quiet(it)

@@ -53,3 +53,11 @@ def test_unknown_attention_backend():
     q = jnp.zeros((1, 2, 2, 4))
     with pytest.raises(ValueError, match=r"model.attention='flash'"):
         attention(q, q, q, backend="flash")
+
+
+def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path):
+    from gendist import loop
+    cfg = small_config(str(tmp_path), steps=1, resume=False)
+    loop.run(cfg, mesh=mesh_of(1), log=lambda *a: None)
+    with pytest.raises(ValueError, match=r"train.resume=False but .* already holds checkpoints"):
+        loop.run(cfg, mesh=mesh_of(1), log=lambda *a: None)

@@ -80,9 +80,11 @@ def test_zero3_matches_single_device(data, d, t, sp):
     assert_matches_single_device((d, t, 3, sp), data)
 
 
-@pytest.mark.parametrize("stage,sp", [(1, False), (1, True), (2, False), (2, True)])
-def test_zero1_and_2_match_single_device(data, stage, sp):
-    assert_matches_single_device((4, 2, stage, sp), data)
+@pytest.mark.parametrize("stage,d,t,sp", [(stage, d, t, sp) for stage in (1, 2)
+                                         for d, t in MESHES for sp in (False, True)
+                                         if not (sp and t == 1)])
+def test_zero1_and_2_match_single_device(data, stage, d, t, sp):
+    assert_matches_single_device((d, t, stage, sp), data)
 
 
 # --- what lives where: read from the compiled step ---------------------------------------------

@@ -19,13 +19,12 @@ import functools
 import json
 import math
 import os
-import time
 import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from gendist.timing import median_seconds
 from pallas_kernels.flash_attention import flash_attention, mha_reference
 
 HEADS = 16
@@ -36,15 +35,7 @@ ITERS = dict(n=10, warm=2)
 
 
 def bench(f, *args, n=None, warm=None):
-    n, warm = n or ITERS["n"], warm or ITERS["warm"]
-    for _ in range(warm):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    return median_seconds(f, *args, n=n or ITERS["n"], warm=warm or ITERS["warm"])
 
 
 def peers(smoke: bool):

@@ -12,25 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from gendist.timing import median_seconds
 from pallas_kernels import matmul as mm
 from pallas_kernels import softmax as sm
 
 
 def bench(f, *args, n=10, warm=2):
-    for _ in range(warm):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    return median_seconds(f, *args, n=n, warm=warm)
 
 
 def matmuls(sizes, interpret, configs):

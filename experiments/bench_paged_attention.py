@@ -16,13 +16,13 @@ import argparse
 import functools
 import json
 import os
-import time
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gendist.timing import median_seconds
 from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_chunk,
@@ -50,14 +50,7 @@ def variant_name(kw):
 
 def bench(f, *args, n=20, warm=3):
     """Median wall time of one call, synchronised (same method as the anchors)."""
-    for _ in range(warm):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    return median_seconds(f, *args, n=n, warm=warm)
 
 
 def rel_err(out, ref):

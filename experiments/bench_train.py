@@ -24,6 +24,7 @@ import numpy as np
 from gendist import train
 from gendist.config import preset, replace
 from gendist.data import shard_batch
+from gendist.timing import median_seconds
 
 DATASHEET_BF16 = 989e12  # H100/H200 SXM dense bf16 (NVIDIA datasheet)
 
@@ -32,14 +33,7 @@ def measured_matmul_peak(n: int = 8192, reps: int = 10) -> float:
     """bf16 matmul FLOP/s on this device (median of `reps` timed calls)."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a, b: a @ b)
-    jax.block_until_ready(f(a, b))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(a, b))
-        times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / float(np.median(times))
+    return 2 * n ** 3 / median_seconds(jax.jit(lambda a, b: a @ b), a, b, n=reps, warm=1)
 
 
 def bench_preset(name: str, overrides: dict, steps: int, warmup: int) -> dict:

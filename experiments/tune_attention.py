@@ -13,12 +13,11 @@ import argparse
 import dataclasses
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from gendist.timing import median_seconds
 from pallas_kernels.flash_attention import BlockSizes, flash_attention
 
 # (block_q, block_k, num_warps, num_stages)
@@ -30,14 +29,7 @@ BWD = [(64, 128, 128, 64, 8, 2), (64, 128, 128, 64, 4, 2), (32, 128, 128, 32, 4,
 
 
 def bench(f, *args, n=10, warm=2):
-    for _ in range(warm):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    return median_seconds(f, *args, n=n, warm=warm)
 
 
 def main():

@@ -94,9 +94,10 @@ def main():
                                                   max_new_tokens=args.new_tokens, sp=sp, spec=spec)
                 t_spec = timed(lambda: fn()[0])
                 _, _, st = fn()
-                alpha = float(st["accepted"]) / max(float(st["proposed"]), 1.0)
+                alpha = float(st["accepted"]) / max(float(st["trials"]), 1.0)
                 pred = float(expected_tokens_per_cost(jnp.float32(alpha), g, c))
                 row = dict(batch=B, temperature=temp, gamma=g, alpha=alpha, c=c,
+                           kept_fraction=float(st["accepted"]) / max(float(st["proposed"]), 1.0),
                            plain_s=t_plain, spec_s=t_spec, speedup=t_plain / t_spec,
                            predicted=pred, target_calls=int(st["steps"]))
                 res["runs"].append(row)

@@ -49,8 +49,8 @@ def empirical(out):
 
 
 @pytest.mark.parametrize("draft_scale,sp", [
-    (1.0, SamplingParams(temperature=1.0)),
-    (1.0, SamplingParams(temperature=1.0, top_k=4, top_p=0.9)),
+    (5.0, SamplingParams(temperature=1.0)),  # a draft far from the target: alpha ~ 0.35
+    (5.0, SamplingParams(temperature=1.0, top_k=4, top_p=0.9)),
     (0.2, SamplingParams(temperature=0.7, top_k=3)),  # draft close to the target
 ])
 def test_distribution_is_exactly_the_targets(draft_scale, sp):
@@ -63,7 +63,7 @@ def test_distribution_is_exactly_the_targets(draft_scale, sp):
         markov_lm("t"), target, markov_lm("d"), draft, prompt, plen, jax.random.key(7),
         max_new_tokens=N_TOK, sp=sp, spec=SpecConfig(gamma=3))
     assert (np.asarray(count) == N_TOK).all()
-    alpha = float(stats["accepted"]) / float(stats["proposed"])
+    alpha = float(stats["accepted"]) / float(stats["trials"])  # per-token acceptance rate
     expected = exact_first_tokens(target, sp, start=1)
     p, stat, dof = chi_square_pvalue(empirical(out), expected, N_SAMPLES)
     assert p > 1e-3, f"chi2={stat:.1f} dof={dof} p={p:.2e} (alpha={alpha:.2f})"
@@ -71,10 +71,10 @@ def test_distribution_is_exactly_the_targets(draft_scale, sp):
     wrong = exact_first_tokens(draft, sp, start=1)
     p_wrong, _, _ = chi_square_pvalue(empirical(out), wrong, N_SAMPLES)
     assert p_wrong < 1e-6
-    if draft_scale == 1.0:
-        assert alpha < 0.5  # a draft far from the target
+    if draft_scale > 1.0:
+        assert alpha < 0.4, alpha  # a draft far from the target
     else:
-        assert alpha > 0.5
+        assert alpha > 0.5, alpha
 
 
 CFG_T = ModelConfig(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,

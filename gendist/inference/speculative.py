@@ -121,6 +121,7 @@ def speculative_generate(target: LM, tparams, draft: LM, dparams, prompt_BT, pro
                  out=jnp.full((B, max_new_tokens), pad, jnp.int32),
                  count=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), bool),
                  accepted=jnp.zeros((), jnp.int32), accepted_B=jnp.zeros((B,), jnp.int32),
+                 trials=jnp.zeros((), jnp.int32),
                  proposed=jnp.zeros((), jnp.int32),
                  steps=jnp.zeros((), jnp.int32), gamma=jnp.int32(G), alpha=jnp.float32(0.5))
 
@@ -161,12 +162,16 @@ def speculative_generate(target: LM, tparams, draft: LM, dparams, prompt_BT, pro
                     last=jnp.where(active, y_B, s["last"]),
                     prev=jnp.where(active, prev_new, s["prev"]), key=key, out=out,
                     count=count, done=done, accepted=s["accepted"] + acc,
+                    trials=s["trials"] + trials,
                     accepted_B=s["accepted_B"] + jnp.where(active, k_B, 0),
                     proposed=s["proposed"] + jnp.sum(jnp.where(active, g_dyn, 0)),
                     steps=s["steps"] + 1, gamma=gamma.astype(jnp.int32),
                     alpha=alpha.astype(jnp.float32))
 
     s = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, state)
-    stats = {"accepted": s["accepted"], "accepted_B": s["accepted_B"], "proposed": s["proposed"], "steps": s["steps"],
+    # alpha = accepted / trials estimates the per-token acceptance rate (draft tokens after
+    # a rejection are never tested); accepted / proposed is the fraction of drafts kept.
+    stats = {"accepted": s["accepted"], "trials": s["trials"], "accepted_B": s["accepted_B"],
+             "proposed": s["proposed"], "steps": s["steps"],
              "final_gamma": s["gamma"], "alpha_ema": s["alpha"]}
     return s["out"], s["count"], stats

@@ -152,3 +152,21 @@ def test_one_compile_and_no_host_transfers(models):
         jax.block_until_ready(out)
     assert len(traces) == n_traced == 2  # prefill + the loop body, traced once
     assert (np.asarray(count) == 8).all()
+
+
+def test_greedy_with_paged_caches_equals_plain_greedy(models):
+    from gendist.inference.paged_cache import PagedKVCache
+    tp, dp, pb, lb = models
+    n = 10
+
+    def paged(cfg, batch, max_len):
+        return PagedKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
+                                   cfg.head_dim, num_pages=batch * (-(-max_len // 4)),
+                                   page_size=4)
+
+    target = transformer_lm(CFG_T, "target-paged", cache_factory=paged)
+    draft = transformer_lm(CFG_D, "draft-paged", cache_factory=paged)
+    out, _, _ = speculative_generate(target, tp, draft, dp, pb, lb, jax.random.key(0),
+                                     max_new_tokens=n, sp=SamplingParams(temperature=0.0),
+                                     spec=SpecConfig(gamma=3))
+    np.testing.assert_array_equal(np.asarray(out), plain_greedy(tp, pb, lb, n))

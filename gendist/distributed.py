@@ -13,6 +13,7 @@ deadline on top for hangs that neither notices.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import signal
@@ -356,10 +357,8 @@ def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in procs:
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
                     os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.05)

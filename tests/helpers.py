@@ -21,3 +21,21 @@ def small_config(out_dir: str = "/tmp/gendist-test", **train_kw) -> Config:
 def mesh_of(n: int, **sizes):
     from gendist.sharding import make_mesh
     return make_mesh(MeshConfig(**sizes), devices=jax.devices()[:n])
+
+
+def run_steps_with_grads(cfg, mesh, data, steps: int):
+    """Train `steps` steps on fixed batches; (losses, grads per step, final params,
+    compiled step, setup). Asserts the step compiled once."""
+    from gendist import train
+    from gendist.data import shard_batch
+    setup = train.build(cfg, mesh, with_grads=True)
+    state = setup.init_state()
+    batches = [shard_batch(data.global_batch(i, 8, 16), mesh) for i in range(steps)]
+    compiled = setup.step_fn.lower(state, batches[0]).compile()
+    losses, grads = [], []
+    for b in batches:
+        state, m = setup.step_fn(state, b)
+        losses.append(float(m["loss"]))
+        grads.append(jax.device_get(m["grads"]))
+    assert setup.traces["step"] == 1, "the train step recompiled"
+    return losses, grads, jax.device_get(state["params"]), compiled, setup

@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import mesh_of, small_config
+from helpers import mesh_of, run_steps_with_grads, small_config
 from jax.sharding import NamedSharding
 
 from gendist import train
 from gendist.accounting import parse_collectives
 from gendist.config import ModelConfig, replace
-from gendist.data import TextData, shard_batch
+from gendist.data import TextData
 from gendist.models import transformer
 from gendist.parallel import tensor
 from gendist.parallel.compat import shard_map
@@ -62,18 +62,7 @@ def run(key, data):
 def _run(key, data):
     d, t, stage, sp, dtype = key
     cfg = tp_config(stage, sp, dtype)
-    mesh = mesh_of(d * t, data=d, tensor=t)
-    setup = train.build(cfg, mesh, with_grads=True)
-    state = setup.init_state()
-    batches = [shard_batch(data.global_batch(i, 8, 16), mesh) for i in range(STEPS)]
-    compiled = setup.step_fn.lower(state, batches[0]).compile()
-    losses, grads = [], []
-    for b in batches:
-        state, m = setup.step_fn(state, b)
-        losses.append(float(m["loss"]))
-        grads.append(jax.device_get(m["grads"]))
-    assert setup.traces["step"] == 1, "the train step recompiled"
-    return losses, grads, jax.device_get(state["params"]), compiled, setup
+    return run_steps_with_grads(cfg, mesh_of(d * t, data=d, tensor=t), data, STEPS)
 
 
 def assert_tree_close(a, b, rtol, atol):

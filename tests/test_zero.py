@@ -11,12 +11,12 @@ test_tensor_parallel.py on the same four meshes.
 import jax
 import numpy as np
 import pytest
-from helpers import mesh_of, small_config
+from helpers import mesh_of, run_steps_with_grads, small_config
 
-from gendist import optim, train
+from gendist import optim
 from gendist.accounting import parse_collectives
 from gendist.config import replace
-from gendist.data import TextData, shard_batch
+from gendist.data import TextData
 from gendist.models import transformer
 from gendist.parallel import zero
 from gendist.sharding import make_mesh
@@ -44,18 +44,8 @@ def run(key, data):
     """(losses, grads per step, params after STEPS, compiled, setup) per (d, t, stage, sp)."""
     if key not in _RUNS:
         d, t, stage, sp = key
-        mesh = mesh_of(d * t, data=d, tensor=t)
-        setup = train.build(zero_config(stage, sp), mesh, with_grads=True)
-        state = setup.init_state()
-        batches = [shard_batch(data.global_batch(i, 8, 16), mesh) for i in range(STEPS)]
-        compiled = setup.step_fn.lower(state, batches[0]).compile()
-        losses, grads = [], []
-        for b in batches:
-            state, m = setup.step_fn(state, b)
-            losses.append(float(m["loss"]))
-            grads.append(jax.device_get(m["grads"]))
-        assert setup.traces["step"] == 1, "the train step recompiled"
-        _RUNS[key] = losses, grads, jax.device_get(state["params"]), compiled, setup
+        _RUNS[key] = run_steps_with_grads(zero_config(stage, sp),
+                                          mesh_of(d * t, data=d, tensor=t), data, STEPS)
     return _RUNS[key]
 
 

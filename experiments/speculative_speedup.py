@@ -4,12 +4,18 @@ Leviathan et al.'s prediction (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
 
     python experiments/speculative_speedup.py --target small --steps 300 --out benchmarks
 
+On the H200 (one command, about 6 minutes): a deep target and a shallow draft, since at
+batch 1 a decode step costs about one kernel chain per layer:
+    python experiments/speculative_speedup.py --target 350m --draft-width 512 \
+        --draft-layers 2 --steps 300 --seq-len 512 --batch-size 32 --out $OUT
+
 On a CPU use `--target tiny --draft-width 32 --steps 150 --new-tokens 32` (indicative only).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import tempfile
@@ -22,18 +28,28 @@ import numpy as np
 
 from gendist import loop
 from gendist.config import ModelConfig, preset, replace
-from gendist.data import TextData, encode
+from gendist.data import TextData
 from gendist.inference.generate import generate_tokens
 from gendist.inference.lm import transformer_lm
 from gendist.inference.sampling import SamplingParams
 from gendist.inference.speculative import SpecConfig, expected_tokens_per_cost, speculative_generate
 
 
-def train_model(cfg, steps, out_dir):
-    cfg = replace(cfg, **{"train.steps": steps, "train.out_dir": tempfile.mkdtemp(prefix=out_dir),
-                          "train.resume": False,
-                          "train.eval_every": steps, "train.checkpoint_every": 0,
-                          "train.tensorboard": False, "train.warmup_steps": min(50, steps // 5)})
+def train_model(cfg, steps, out_dir, seq_len, batch_size):
+    cfg = replace(
+        cfg,
+        **{
+            "train.seq_len": seq_len,
+            "train.batch_size": batch_size,
+            "train.steps": steps,
+            "train.out_dir": tempfile.mkdtemp(prefix=out_dir),
+            "train.resume": False,
+            "train.eval_every": steps,
+            "train.checkpoint_every": 0,
+            "train.tensorboard": False,
+            "train.warmup_steps": min(50, steps // 5),
+        },
+    )
     r = loop.run(cfg, log=lambda *a: None)
     return cfg.model, jax.device_get(r.state["params"]), r.val_loss
 
@@ -52,7 +68,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="small")
     ap.add_argument("--draft-width", type=int, default=128)
+    ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seq-len", type=int, default=256, help="training sequence length")
+    ap.add_argument("--batch-size", type=int, default=32, help="training batch size")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -62,62 +81,107 @@ def main():
 
     tcfg = preset(args.target)
     tm = tcfg.model
-    dm = ModelConfig(d_model=args.draft_width, num_layers=2, num_heads=max(1, args.draft_width // 64),
-                     num_kv_heads=max(1, args.draft_width // 64), head_dim=64,
-                     d_ff=int(args.draft_width * 8 // 3) // 64 * 64 or 64,
-                     max_seq_len=tm.max_seq_len, dtype=tm.dtype,
-                     attention="xla" if tm.attention == "pallas" else tm.attention)
+    dm = ModelConfig(
+        d_model=args.draft_width,
+        num_layers=args.draft_layers,
+        num_heads=max(1, args.draft_width // 64),
+        num_kv_heads=max(1, args.draft_width // 64),
+        head_dim=64,
+        d_ff=int(args.draft_width * 8 // 3) // 64 * 64 or 64,
+        max_seq_len=tm.max_seq_len,
+        dtype=tm.dtype,
+        attention="xla" if tm.attention == "pallas" else tm.attention,
+    )
     dcfg = replace(tcfg, model=dm)
     t0 = time.perf_counter()
-    tm, tp, tval = train_model(tcfg, args.steps, "spec_target_")
-    dm, dp, dval = train_model(dcfg, args.steps, "spec_draft_")
-    res = {"device": jax.devices()[0].device_kind, "target": args.target,
-           "target_params_M": tm.num_params / 1e6, "draft_params_M": dm.num_params / 1e6,
-           "target_val_loss": tval, "draft_val_loss": dval,
-           "train_s": time.perf_counter() - t0, "runs": []}
+    tm, tp, tval = train_model(tcfg, args.steps, "spec_target_", args.seq_len, args.batch_size)
+    dm, dp, dval = train_model(dcfg, args.steps, "spec_draft_", args.seq_len, args.batch_size)
+    res = {
+        "device": jax.devices()[0].device_kind,
+        "target": args.target,
+        "target_params_M": tm.num_params / 1e6,
+        "draft_params_M": dm.num_params / 1e6,
+        "target_val_loss": tval,
+        "draft_val_loss": dval,
+        "train_s": time.perf_counter() - t0,
+        "runs": [],
+    }
     print({k: v for k, v in res.items() if k != "runs"}, flush=True)
     target, draft = transformer_lm(tm, "target"), transformer_lm(dm, "draft")
     data = TextData.from_config(tcfg.data)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = res["device"].replace(" ", "_").lower()
     for B in args.batches:
         starts = np.random.default_rng(B).integers(0, len(data.val) - 64, B)
-        prompts = np.stack([data.val[s: s + 32] for s in starts]).astype(np.int32)
+        prompts = np.stack([data.val[s : s + 32] for s in starts]).astype(np.int32)
         pb, lb = jnp.asarray(prompts), jnp.full((B,), 32, jnp.int32)
         for temp in args.temperatures:
             sp = SamplingParams(temperature=temp)
             key = jax.random.key(0)
-            t_plain = timed(lambda: generate_tokens(tm, tp, pb, lb, key, max_new_tokens=args.new_tokens, sp=sp)[0])
-            t_draft = timed(lambda: generate_tokens(dm, dp, pb, lb, key, max_new_tokens=args.new_tokens, sp=sp)[0])
-            c = t_draft / t_plain
+            common = dict(max_new_tokens=args.new_tokens, sp=sp)
+            plain = functools.partial(generate_tokens, tm, tp, pb, lb, key, **common)
+            small = functools.partial(generate_tokens, dm, dp, pb, lb, key, **common)
+            t_plain = timed(lambda f=plain: f()[0])
+            c = timed(lambda f=small: f()[0]) / t_plain
             for g in args.gammas:
-                spec = SpecConfig(gamma=g)
-                fn = lambda: speculative_generate(target, tp, draft, dp, pb, lb, key,
-                                                  max_new_tokens=args.new_tokens, sp=sp, spec=spec)
-                t_spec = timed(lambda: fn()[0])
+                fn = functools.partial(
+                    speculative_generate,
+                    target,
+                    tp,
+                    draft,
+                    dp,
+                    pb,
+                    lb,
+                    key,
+                    spec=SpecConfig(gamma=g),
+                    **common,
+                )
+                t_spec = timed(lambda f=fn: f()[0])
                 _, _, st = fn()
                 alpha = float(st["accepted"]) / max(float(st["trials"]), 1.0)
                 pred = float(expected_tokens_per_cost(jnp.float32(alpha), g, c))
-                row = dict(batch=B, temperature=temp, gamma=g, alpha=alpha, c=c,
-                           kept_fraction=float(st["accepted"]) / max(float(st["proposed"]), 1.0),
-                           plain_s=t_plain, spec_s=t_spec, speedup=t_plain / t_spec,
-                           predicted=pred, target_calls=int(st["steps"]))
+                row = dict(
+                    batch=B,
+                    temperature=temp,
+                    gamma=g,
+                    alpha=alpha,
+                    c=c,
+                    kept_fraction=float(st["accepted"]) / max(float(st["proposed"]), 1.0),
+                    plain_s=t_plain,
+                    spec_s=t_spec,
+                    speedup=t_plain / t_spec,
+                    predicted=pred,
+                    target_calls=int(st["steps"]),
+                )
                 res["runs"].append(row)
                 print(json.dumps(row), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = res["device"].replace(" ", "_").lower()
+                # Written after every row: a run cut short still leaves its measurements.
+                (out / f"speculative_{tag}.json").write_text(json.dumps(res, indent=1))
     (out / f"speculative_{tag}.json").write_text(json.dumps(res, indent=1))
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, ax = plt.subplots(figsize=(6, 4))
         for B in args.batches:
             for temp in args.temperatures:
                 rows = [r for r in res["runs"] if r["batch"] == B and r["temperature"] == temp]
-                ax.plot([r["gamma"] for r in rows], [r["speedup"] for r in rows], "o-",
-                        label=f"measured B={B} T={temp}")
-                ax.plot([r["gamma"] for r in rows], [r["predicted"] for r in rows], "x--",
-                        alpha=0.6, label=f"predicted B={B} T={temp}")
+                ax.plot(
+                    [r["gamma"] for r in rows],
+                    [r["speedup"] for r in rows],
+                    "o-",
+                    label=f"measured B={B} T={temp}",
+                )
+                ax.plot(
+                    [r["gamma"] for r in rows],
+                    [r["predicted"] for r in rows],
+                    "x--",
+                    alpha=0.6,
+                    label=f"predicted B={B} T={temp}",
+                )
         ax.axhline(1.0, color="gray", lw=0.5)
         ax.set_xlabel("γ (draft tokens per step)")
         ax.set_ylabel("speedup over plain decoding")

@@ -50,8 +50,13 @@ def _gather(x_BG, idx_B):
     return jnp.take_along_axis(x_BG, idx_B[:, None], axis=1)[:, 0]
 
 
-def _draft(draft: LM, dparams, dcache, prev_B, last_B, n_B, key, sp, G, g_dyn):
-    """γ proposals d [B, G] and their distributions q [B, G, V]."""
+def _draft(draft: LM, dparams, dcache, prev_B, last_B, n_B, key, sp, G, g_dyn, adaptive):
+    """γ proposals d [B, G] and their distributions q [B, G, V].
+
+    With a fixed γ the G − 1 draft calls are unrolled in the trace (no inner device loop,
+    whose trip test costs a host round-trip per iteration on GPU); an adaptive γ loops to
+    the dynamic `g_dyn`.
+    """
     tok = jnp.stack([prev_B, last_B], 1)
     pos = jnp.stack([jnp.maximum(n_B - 1, 0), n_B], 1)
     logits, dcache = draft.apply(dparams, tok, pos, dcache)
@@ -70,7 +75,13 @@ def _draft(draft: LM, dparams, dcache, prev_B, last_B, n_B, key, sp, G, g_dyn):
         key, sub = jax.random.split(key)
         return dcache, d_BG.at[:, i].set(_sample(sub, q, sp)), q_BGV.at[:, i].set(q), key
 
-    dcache, d_BG, q_BGV, key = jax.lax.fori_loop(1, g_dyn, body, (dcache, d_BG, q_BGV, key))
+    carry = (dcache, d_BG, q_BGV, key)
+    if adaptive:
+        carry = jax.lax.fori_loop(1, g_dyn, body, carry)
+    else:
+        for i in range(1, G):
+            carry = body(i, carry)
+    dcache, d_BG, q_BGV, key = carry
     return d_BG, q_BGV, dcache, key
 
 
@@ -128,7 +139,7 @@ def speculative_generate(target: LM, tparams, draft: LM, dparams, prompt_BT, pro
     def body(s):
         g_dyn = s["gamma"]
         d_BG, q_BGV, dc, key = _draft(draft, dparams, s["dc"], s["prev"], s["last"], s["n"],
-                                      s["key"], sp, G, g_dyn)
+                                      s["key"], sp, G, g_dyn, spec.adaptive)
         tok = jnp.concatenate([s["last"][:, None], d_BG], 1)
         pos = s["n"][:, None] + jnp.arange(G + 1, dtype=jnp.int32)[None, :]
         logits, tc = target.apply(tparams, tok, pos, s["tc"])

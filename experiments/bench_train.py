@@ -36,7 +36,19 @@ def measured_matmul_peak(n: int = 8192, reps: int = 10) -> float:
     return 2 * n ** 3 / median_seconds(jax.jit(lambda a, b: a @ b), a, b, n=reps, warm=1)
 
 
-def bench_preset(name: str, overrides: dict, steps: int, warmup: int) -> dict:
+def parse_overrides(pairs: list[str]) -> dict:
+    """["train.batch_size=16", "model.attention=pallas"] -> typed config overrides."""
+    out = {}
+    for kv in pairs:
+        k, v = kv.split("=", 1)
+        section, field = k.split(".")
+        current = getattr(getattr(preset("tiny"), section), field)
+        out[k] = v.lower() == "true" if isinstance(current, bool) else type(current)(v)
+    return out
+
+
+def build_bench(name: str, overrides: dict):
+    """(config, setup, state, two random batches) for timing a preset's train step."""
     cfg = replace(preset(name), **overrides)
     setup = train.build(cfg)
     state = setup.init_state()
@@ -46,6 +58,12 @@ def bench_preset(name: str, overrides: dict, steps: int, warmup: int) -> dict:
     for _ in range(2):
         tok = rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), np.int32)
         batches.append(shard_batch({"inputs": tok[:, :-1], "targets": tok[:, 1:]}, setup.mesh))
+    return cfg, setup, state, batches
+
+
+def bench_preset(name: str, overrides: dict, steps: int, warmup: int) -> dict:
+    cfg, setup, state, batches = build_bench(name, overrides)
+    t = cfg.train
     t0 = time.perf_counter()
     for i in range(warmup):
         state, m = setup.step_fn(state, batches[i % 2])
@@ -61,7 +79,10 @@ def bench_preset(name: str, overrides: dict, steps: int, warmup: int) -> dict:
     mem = setup.step_fn.lower(state, batches[0]).compile().memory_analysis()
     return {"preset": name, "params_M": cfg.model.num_params / 1e6,
             "batch": t.batch_size, "seq_len": t.seq_len, "attention": cfg.model.attention,
-            "remat": cfg.model.remat, "dtype": cfg.model.dtype, "step_s": dt,
+            "remat": cfg.model.remat, "dtype": cfg.model.dtype,
+            "scan_unroll": cfg.model.scan_unroll,
+            "fused_projections": cfg.model.fused_projections,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "step_s": dt,
             "tokens_per_s": tokens / dt, "model_tflops_per_s": flops / dt / 1e12,
             "mfu_datasheet": flops / dt / DATASHEET_BF16 / jax.device_count(),
             "loss": float(m["loss"]), "warmup_incl_compile_s": compile_s,
@@ -75,12 +96,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--set", nargs="*", default=[], help="overrides like train.batch_size=16")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
+    ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
-    overrides = {}
-    for kv in args.set:
-        k, v = kv.split("=", 1)
-        overrides[k] = type(getattr(getattr(preset("tiny"), k.split(".")[0]), k.split(".")[1]))(v) \
-            if not v.lower() in ("true", "false") else v.lower() == "true"
+    overrides = parse_overrides(args.set)
     dev = jax.devices()[0]
     res = {"device": dev.device_kind, "jax": jax.__version__, "num_devices": jax.device_count(),
            "overrides": overrides, "runs": []}
@@ -106,7 +124,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = dev.device_kind.replace(" ", "_").lower()
-    (out / f"train_{tag}.json").write_text(json.dumps(res, indent=1))
+    (out / f"train_{tag}{args.tag}.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

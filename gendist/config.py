@@ -30,6 +30,8 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (params stay fp32)
     attention: Literal["xla", "cudnn", "pallas"] = "xla"  # attention backend
     remat: Literal["none", "full", "save_matmuls"] = "none"  # activation recomputation per block
+    scan_unroll: int = 1  # layers per iteration of the layer scan (num_layers: straight-line)
+    fused_projections: bool = False  # one matmul for q|k|v and one for gate|up (tensor=1)
     init_std: float = 0.02  # std of the normal init of weight matrices
     moe_experts: int = 0  # experts per MoE block (0 = dense model)
     moe_every: int = 2  # every N-th block's MLP is an MoE layer
@@ -41,7 +43,7 @@ class ModelConfig:
 
     def __post_init__(self):
         _check_positive(self, "vocab_size", "d_model", "num_layers", "num_heads",
-                        "num_kv_heads", "head_dim", "d_ff", "max_seq_len")
+                        "num_kv_heads", "head_dim", "d_ff", "max_seq_len", "scan_unroll")
         if self.moe_experts and self.num_layers % self.moe_every:
             raise ValueError(
                 f"model.num_layers={self.num_layers} is not a multiple of model.moe_every="

@@ -35,13 +35,20 @@ def apply_rope(x_BTNH: jax.Array, cos_BTh: jax.Array, sin_BTh: jax.Array) -> jax
     return out.astype(x_BTNH.dtype)
 
 
-def mlp(x_BTD: jax.Array, p: dict, kind: str) -> jax.Array:
-    """SwiGLU (Shazeer 2020) or GELU MLP; weights w_gate/w_up [D, F], w_down [F, D]."""
+def mlp(x_BTD: jax.Array, p: dict, kind: str, fused: bool = False) -> jax.Array:
+    """SwiGLU (Shazeer 2020) or GELU MLP; weights w_gate/w_up [D, F], w_down [F, D].
+
+    `fused`: gate and up as one [D, 2F] matmul (one larger GEMM instead of two).
+    """
     dt = x_BTD.dtype
-    up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, p["w_up"].astype(dt))
-    if kind == "swiglu":
+    if kind == "swiglu" and fused:
+        w_DG = jnp.concatenate([p["w_gate"], p["w_up"]], axis=1).astype(dt)
+        gate_BTF, up_BTF = jnp.split(jnp.einsum("BTD,DG->BTG", x_BTD, w_DG), 2, axis=-1)
+        h_BTF = jax.nn.silu(gate_BTF) * up_BTF
+    elif kind == "swiglu":
+        up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, p["w_up"].astype(dt))
         gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, p["w_gate"].astype(dt))
         h_BTF = jax.nn.silu(gate_BTF) * up_BTF
     else:
-        h_BTF = jax.nn.gelu(up_BTF)
+        h_BTF = jax.nn.gelu(jnp.einsum("BTD,DF->BTF", x_BTD, p["w_up"].astype(dt)))
     return jnp.einsum("BTF,FD->BTD", h_BTF, p["w_down"].astype(dt))

@@ -75,9 +75,15 @@ def block_forward(p: dict, x_BTD, pos_BT, cfg: ModelConfig, *, cache=None, layer
     # Weights in their compute layout: under ZeRO-3 this is the layer's just-in-time gather.
     p = compute_layout(p, {k: a for k, (_, a) in block_param_shapes(cfg).items()}, dt)
     h_BTD = column_input(rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps))  # Megatron f
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, p["wq"].astype(dt))
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, p["wk"].astype(dt))
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, p["wv"].astype(dt))
+    if cfg.fused_projections:  # one [D, N+2K, H] matmul: fewer, larger GEMMs
+        w_DCH = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1).astype(dt)
+        qkv_BTCH = jnp.einsum("BTD,DCH->BTCH", h_BTD, w_DCH)
+        N, K = cfg.num_heads, cfg.num_kv_heads
+        q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [N, N + K], axis=2)
+    else:
+        q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, p["wq"].astype(dt))
+        k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, p["wk"].astype(dt))
+        v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, p["wv"].astype(dt))
     q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
     k_BTKH = constrain(k_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
     v_BTKH = constrain(v_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
@@ -93,7 +99,7 @@ def block_forward(p: dict, x_BTD, pos_BT, cfg: ModelConfig, *, cache=None, layer
     x_BTD = x_BTD + row_output(jnp.einsum("BTNH,NHD->BTD", o_BTNH, p["wo"].astype(dt)))  # g
     x_BTD = constrain(x_BTD, ("batch", "act_seq", "embed"))
     h_BTD = column_input(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps))  # Megatron f
-    x_BTD = x_BTD + row_output(mlp(h_BTD, p, cfg.mlp) if ffn is None else ffn(h_BTD))  # g
+    x_BTD = x_BTD + row_output(mlp(h_BTD, p, cfg.mlp, cfg.fused_projections) if ffn is None else ffn(h_BTD))  # g
     x_BTD = constrain(x_BTD, ("batch", "act_seq", "embed"))
     return x_BTD, layer_state
 
@@ -120,7 +126,8 @@ def apply_blocks(stacked: dict, x_BTD, pos_BT, cfg: ModelConfig, cache=None):
     if cfg.remat != "none":
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     layer_states = None if cache is None else cache.layer_state()
-    x_BTD, new_states = jax.lax.scan(body, x_BTD, (stacked, layer_states))
+    unroll = min(cfg.scan_unroll, jax.tree.leaves(stacked)[0].shape[0])
+    x_BTD, new_states = jax.lax.scan(body, x_BTD, (stacked, layer_states), unroll=unroll)
     return x_BTD, (None if cache is None else cache.with_layer_state(new_states))
 
 

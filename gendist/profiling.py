@@ -1,0 +1,189 @@
+"""Where the time goes: device time of a compiled step split by kind of op.
+
+The lecture's question (Ivanov et al. 2021, "Data Movement Is All You Need": matmuls are
+99.8% of a BERT layer's FLOPs but 61% of its runtime) asked of our own step. Two pieces:
+
+- `classify_hlo(text)`: every instruction of the compiled HLO module that launches work,
+  mapped to a kind: matmul, attention, normalisation (fusions with a reduction),
+  elementwise, data movement (copies, transposes, slices, casts-only fusions), collective.
+- `time_by_kind(profile_data, kinds)`: device events of a `jax.profiler.trace` (each GPU
+  kernel carries the `hlo_op` that launched it) summed per kind.
+
+    kinds = classify_hlo(step.lower(*args).compile().as_text())
+    with jax.profiler.trace(None) as session:
+        run_steps()
+    split = time_by_kind(session.profile_data, kinds)
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+KINDS = ("matmul", "attention", "normalisation", "elementwise", "data movement",
+         "collective", "other")
+
+_MOVE = {"copy", "transpose", "dynamic-slice", "dynamic-update-slice", "slice", "concatenate",
+         "pad", "gather", "scatter", "reshape", "bitcast", "broadcast", "copy-start",
+         "copy-done", "reverse", "iota", "convert"}
+_STRUCT = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "broadcast",
+           "reshape"}
+_NO_KERNEL = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
+              "partition-id", "replica-id", "opt-barrier", "add-dependency"}
+_CONTROL = {"while", "conditional", "call"}  # their events span the ops they run: skipped
+_COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute|collective-broadcast|send|recv)")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"[\]\}\)]\s([a-z][a-z0-9\-]*)\(")
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_MATMUL_NAME = re.compile(r"gemm|cublas|matmul|nvjet|cutlass|xmma|wgmma", re.I)
+_ATTN_NAME = re.compile(r"fmha|flash|attention|attn", re.I)
+
+
+def _parse(text: str):
+    """{computation: [(name, opcode, line)]} of an HLO module's text."""
+    comps: dict[str, list[tuple[str, str, str]]] = {}
+    current = None
+    for line in text.splitlines():
+        h = _HEADER.match(line)
+        if h and "=" not in line.split("(")[0]:
+            current = h.group(1)
+            comps[current] = []
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if m and current is not None:
+            op = _OPCODE.search(m.group(2))
+            comps[current].append((m.group(1), op.group(1) if op else "", line))
+    return comps
+
+
+def _custom_call_kind(line: str) -> str:
+    target = _TARGET.search(line)
+    tgt = target.group(1) if target else ""
+    head = line.split("metadata=")[0]  # op_name metadata names the Python caller, not the op
+    if _ATTN_NAME.search(tgt) or ("triton" in tgt and _ATTN_NAME.search(head)):
+        return "attention"
+    if _MATMUL_NAME.search(tgt) or ("triton" in tgt and _MATMUL_NAME.search(head)):
+        return "matmul"
+    return "other"
+
+
+def _fusion_kind(ops: list[tuple[str, str, str]], comps) -> str:
+    opcodes = {op for _, op, _ in ops}
+    for _, op, line in ops:
+        if op == "custom-call" and _custom_call_kind(line) != "other":
+            return _custom_call_kind(line)
+        if op == "fusion":  # nested fusion (e.g. a cuDNN or Triton GEMM fusion)
+            sub = _CALLS.search(line)
+            if sub and sub.group(1) in comps:
+                k = _fusion_kind(comps[sub.group(1)], comps)
+                if k in ("matmul", "attention"):
+                    return k
+    if opcodes & {"dot", "convolution", "ragged-dot", "scaled-dot"}:
+        return "matmul"
+    if opcodes & {"reduce", "reduce-window"}:
+        return "normalisation"
+    if opcodes <= (_MOVE | _STRUCT):
+        return "data movement"
+    return "elementwise"
+
+
+def classify_hlo(text: str) -> dict[str, str]:
+    """{instruction name: kind} for every kernel-launching instruction of a compiled module."""
+    comps = _parse(text)
+    fused = set()
+    for ops in comps.values():
+        for _, op, line in ops:
+            if op == "fusion" or op.endswith("-start") or op in ("reduce", "map", "sort",
+                                                                  "scatter", "all-reduce"):
+                fused.update(_CALLS.findall(line))
+            fused.update(re.findall(r"to_apply=%([\w.\-]+)", line))
+    kinds = {}
+    for comp, ops in comps.items():
+        if comp in fused:
+            continue
+        for name, op, line in ops:
+            if op in _NO_KERNEL or not op:
+                continue
+            if op in _CONTROL:
+                kinds[name] = "control"
+            elif _COLLECTIVE.match(op):
+                kinds[name] = "collective"
+            elif op == "fusion":
+                sub = _CALLS.search(line)
+                inner = comps.get(sub.group(1), []) if sub else []
+                kinds[name] = _fusion_kind(inner, comps)
+            elif op == "custom-call":
+                kinds[name] = _custom_call_kind(line)
+            elif op in ("dot", "convolution"):
+                kinds[name] = "matmul"
+            elif op in ("reduce", "reduce-window"):
+                kinds[name] = "normalisation"
+            elif op in _MOVE:
+                kinds[name] = "data movement"
+            else:
+                kinds[name] = "elementwise"
+    return kinds
+
+
+def _kernel_kind(name: str) -> str:
+    if _ATTN_NAME.search(name):
+        return "attention"
+    if _MATMUL_NAME.search(name):
+        return "matmul"
+    if re.search(r"memcpy|memset|copy", name, re.I):
+        return "data movement"
+    return "other"
+
+
+def device_events(profile_data):
+    """(event name, hlo_op or None, duration in seconds) of every device-side op event.
+
+    GPU: kernels on the `/device:GPU:*` planes' stream lines. CPU (tests): the XLA
+    executor threads' events, which carry `hlo_op` too.
+    """
+    out = []
+    for plane in profile_data.planes:
+        gpu = plane.name.startswith("/device:GPU")
+        if not (gpu or plane.name == "/host:CPU"):
+            continue
+        for line in plane.lines:
+            if gpu and not line.name.startswith("Stream"):
+                continue  # "XLA Ops"/"XLA Modules" lines repeat the stream events
+            if not gpu and not line.name.startswith("tf_XLA"):
+                continue
+            for ev in line.events:
+                stats = dict(ev.stats)
+                hlo = stats.get("hlo_op")
+                if not gpu and hlo is None:
+                    continue
+                out.append((ev.name, hlo, ev.duration_ns * 1e-9))
+    return out
+
+
+def time_by_kind(profile_data, kinds: dict[str, str]) -> dict:
+    """Seconds per kind, plus the top ops, from a profile's device events."""
+    per_kind = collections.Counter()
+    per_op = collections.Counter()
+    op_kind = {}
+    for name, hlo, dur in device_events(profile_data):
+        kind = kinds.get(hlo) if hlo else None
+        if kind == "control":
+            continue
+        if kind is None:
+            kind = _kernel_kind(name)
+        key = hlo or name
+        per_kind[kind] += dur
+        per_op[key] += dur
+        op_kind[key] = kind
+    total = sum(per_kind.values())
+    return {"total_s": total,
+            "seconds": {k: per_kind.get(k, 0.0) for k in KINDS},
+            "fraction": {k: (per_kind.get(k, 0.0) / total if total else 0.0) for k in KINDS},
+            "top_ops": [{"op": op, "kind": op_kind[op], "s": s}
+                        for op, s in per_op.most_common(40)]}

@@ -1,0 +1,37 @@
+"""Speed options of the model change its schedule, not its math."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gendist.config import ModelConfig
+from gendist.models import transformer
+
+BASE = ModelConfig(vocab_size=64, d_model=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                   head_dim=16, d_ff=96, max_seq_len=32)
+
+
+def _loss_and_grads(cfg, params, tok_BT):
+    def loss(p):
+        logits = transformer.forward(cfg, p, tok_BT[:, :-1])
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+    return jax.value_and_grad(loss)(params)
+
+
+@pytest.mark.parametrize("option", [{"fused_projections": True}, {"scan_unroll": 2},
+                                    {"scan_unroll": 3, "fused_projections": True}])
+def test_speed_options_give_the_same_loss_and_gradients(option):
+    import dataclasses
+    params = transformer.init_params(BASE, seed=1)
+    tok = jax.random.randint(jax.random.key(0), (2, 17), 0, BASE.vocab_size)
+    ref_loss, ref_g = _loss_and_grads(BASE, params, tok)
+    loss, g = _loss_and_grads(dataclasses.replace(BASE, **option), params, tok)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g, ref_g)
+
+
+def test_scan_unroll_must_be_positive():
+    import dataclasses
+    with pytest.raises(ValueError, match="scan_unroll"):
+        dataclasses.replace(BASE, scan_unroll=0)

@@ -1,0 +1,70 @@
+"""Op-kind split of a compiled step: HLO classification and profile aggregation."""
+
+import jax
+import jax.numpy as jnp
+
+from gendist import profiling
+
+FAKE_GPU_HLO = """
+%fused_dot (p0: bf16[64,64], p1: bf16[64,64]) -> bf16[64,64] {
+  %p0 = bf16[64,64]{1,0} parameter(0)
+  %p1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_norm (p0: f32[64,64]) -> f32[64] {
+  %p0 = f32[64,64]{1,0} parameter(0)
+  %c = f32[] constant(0)
+  ROOT %r = f32[64]{0} reduce(%p0, %c), dimensions={1}, to_apply=%add_comp
+}
+
+%add_comp (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_cast (p0: f32[64,64]) -> bf16[64,64] {
+  %p0 = f32[64,64]{1,0} parameter(0)
+  %t = f32[64,64]{0,1} transpose(%p0), dimensions={1,0}
+  ROOT %cv = bf16[64,64]{1,0} convert(%t)
+}
+
+ENTRY %main (x: f32[64,64], q: bf16[1,64,4,64]) -> f32[64] {
+  %x = f32[64,64]{1,0} parameter(0)
+  %q = bf16[1,64,4,64]{3,2,1,0} parameter(1)
+  %cast = bf16[64,64]{1,0} fusion(%x), kind=kLoop, calls=%fused_cast
+  %gemm = bf16[64,64]{1,0} fusion(%cast, %cast), kind=kCustom, calls=%fused_dot
+  %fmha = (bf16[1,64,4,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(f)/matmul"}
+  %cublas = (bf16[64,64]{1,0}, s8[0]{0}) custom-call(%cast, %cast), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(f)/attention"}
+  %tanh = f32[64,64]{1,0} tanh(%x)
+  %ar = f32[64,64]{1,0} all-reduce(%tanh), replica_groups={}, to_apply=%add_comp
+  ROOT %norm = f32[64]{0} fusion(%ar), kind=kInput, calls=%fused_norm
+}
+"""
+
+
+def test_classify_hlo_kinds_on_gpu_style_module():
+    kinds = profiling.classify_hlo(FAKE_GPU_HLO)
+    assert kinds == {"cast": "data movement", "gemm": "matmul", "fmha": "attention",
+                     "cublas": "matmul", "tanh": "elementwise", "ar": "collective",
+                     "norm": "normalisation"}
+
+
+def test_time_by_kind_on_a_cpu_profile():
+    @jax.jit
+    def f(w_LDD, x_BD):
+        def body(x, w):
+            return jnp.tanh(x @ w), None
+        return jax.lax.scan(body, x_BD, w_LDD)[0]
+
+    args = (jnp.ones((3, 256, 256)), jnp.ones((64, 256)))
+    kinds = profiling.classify_hlo(f.lower(*args).compile().as_text())
+    assert "matmul" in kinds.values() and "control" in kinds.values()
+    jax.block_until_ready(f(*args))
+    with jax.profiler.trace(None) as session:
+        jax.block_until_ready(f(*args))
+    split = profiling.time_by_kind(session.profile_data, kinds)
+    assert split["seconds"]["matmul"] > 0
+    assert abs(sum(split["seconds"].values()) - split["total_s"]) < 1e-9
+    assert all(op["kind"] != "control" for op in split["top_ops"])  # the loop is not counted

@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,11 +59,12 @@ def main():
         state, m = setup.step_fn(state, batches[i % 2])
     jax.block_until_ready(m)
     step_s = (time.perf_counter() - t0) / args.steps
-    with jax.profiler.trace(args.trace_dir or None) as session:
+    trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="profile_")
+    with jax.profiler.trace(trace_dir) as session:
         for i in range(args.steps):
             state, m = setup.step_fn(state, batches[i % 2])
         jax.block_until_ready(m)
-    split = profiling.time_by_kind(session.profile_data, kinds)
+    split = profiling.time_by_kind(profiling.load_profile(session, trace_dir), kinds)
 
     mc, t = cfg.model, cfg.train
     tokens = t.batch_size * t.seq_len

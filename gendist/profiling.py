@@ -131,6 +131,27 @@ def classify_hlo(text: str) -> dict[str, str]:
     return kinds
 
 
+def load_profile(session, trace_dir: str):
+    """The ProfileData of a finished `jax.profiler.trace(trace_dir)`.
+
+    Newer jax hands it over on the session object; older releases (0.11) yield nothing
+    from the context manager, so the exported `*.xplane.pb` is read back instead.
+    """
+    data = getattr(session, "profile_data", None)
+    if data is not None:
+        return data
+    from pathlib import Path
+    files = sorted(Path(trace_dir).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}: was the trace exported?")
+    try:
+        from jax.profiler import ProfileData
+    except ImportError:  # older layout
+        from jax._src.lib import _profile_data
+        ProfileData = _profile_data.ProfileData
+    return ProfileData.from_file(str(files[-1]))
+
+
 def _kernel_kind(name: str) -> str:
     if _ATTN_NAME.search(name):
         return "attention"

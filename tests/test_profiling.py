@@ -68,3 +68,14 @@ def test_time_by_kind_on_a_cpu_profile():
     assert split["seconds"]["matmul"] > 0
     assert abs(sum(split["seconds"].values()) - split["total_s"]) < 1e-9
     assert all(op["kind"] != "control" for op in split["top_ops"])  # the loop is not counted
+
+
+def test_load_profile_reads_the_exported_trace_when_the_session_has_none(tmp_path):
+    f = jax.jit(lambda a: jnp.tanh(a @ a))
+    a = jnp.ones((128, 128))
+    jax.block_until_ready(f(a))
+    with jax.profiler.trace(str(tmp_path)):
+        jax.block_until_ready(f(a))
+    data = profiling.load_profile(None, str(tmp_path))  # jax 0.11 yields no session
+    split = profiling.time_by_kind(data, profiling.classify_hlo(f.lower(a).compile().as_text()))
+    assert split["seconds"]["matmul"] > 0

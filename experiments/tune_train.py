@@ -31,6 +31,8 @@ VARIANTS = {
     "cublaslt": ([], "--xla_gpu_enable_cublaslt=true"),
     "pallas_attention": (["model.attention=pallas"], ""),
     "batch_24": (["train.batch_size=24"], ""),
+    "unroll_batch_24": (["model.scan_unroll=64", "train.batch_size=24"], ""),
+    "unroll_batch_32": (["model.scan_unroll=64", "train.batch_size=32"], ""),
 }
 
 

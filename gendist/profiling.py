@@ -39,7 +39,7 @@ _OPCODE = re.compile(r"[\]\}\)]\s([a-z][a-z0-9\-]*)\(")
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _MATMUL_NAME = re.compile(r"gemm|cublas|matmul|nvjet|cutlass|xmma|wgmma", re.I)
-_ATTN_NAME = re.compile(r"fmha|flash|attention|attn", re.I)
+_ATTN_NAME = re.compile(r"fmha|sdpa|flash|attention|attn", re.I)
 
 
 def _parse(text: str):
@@ -152,13 +152,29 @@ def load_profile(session, trace_dir: str):
     return ProfileData.from_file(str(files[-1]))
 
 
+_MOVE_WORDS = {"copy", "transpose", "dynamic", "update", "slice", "concatenate", "pad",
+               "gather", "scatter", "reshape", "bitcast", "broadcast", "convert", "reverse",
+               "iota"}
+
+
+def _sanitize(name: str) -> str:
+    return re.sub(r"[.\-]", "_", name)
+
+
 def _kernel_kind(name: str) -> str:
+    """A kernel's kind from its name alone (XLA names a fusion's kernel after the fusion)."""
     if _ATTN_NAME.search(name):
         return "attention"
     if _MATMUL_NAME.search(name):
         return "matmul"
-    if re.search(r"memcpy|memset|copy", name, re.I):
+    if re.search(r"memcpy|memset", name, re.I):
         return "data movement"
+    words = set(re.findall(r"[a-z]+", name.lower())) - {"loop", "input", "fusion", "wrapped",
+                                                         "kernel", "bitcast"}
+    if "reduce" in words:
+        return "normalisation"
+    if "fusion" in name or name.startswith("wrapped"):
+        return "data movement" if words and words <= _MOVE_WORDS else "elementwise"
     return "other"
 
 
@@ -192,13 +208,17 @@ def time_by_kind(profile_data, kinds: dict[str, str]) -> dict:
     per_kind = collections.Counter()
     per_op = collections.Counter()
     op_kind = {}
+    by_kernel_name = {_sanitize(n): k for n, k in kinds.items()}
     for name, hlo, dur in device_events(profile_data):
         kind = kinds.get(hlo) if hlo else None
-        if kind == "control":
-            continue
-        if kind is None:
-            kind = _kernel_kind(name)
+        if kind == "control" and name == hlo:
+            continue  # a loop's own span covers the ops it runs
         key = hlo or name
+        if kind in (None, "control"):
+            # Kernels replayed from a CUDA graph (XLA command buffer) carry the command
+            # buffer as their hlo_op: fall back to the kernel's own name.
+            key = name
+            kind = kinds.get(name) or by_kernel_name.get(_sanitize(name)) or _kernel_kind(name)
         per_kind[kind] += dur
         per_op[key] += dur
         op_kind[key] = kind

@@ -79,3 +79,41 @@ def test_load_profile_reads_the_exported_trace_when_the_session_has_none(tmp_pat
     data = profiling.load_profile(None, str(tmp_path))  # jax 0.11 yields no session
     split = profiling.time_by_kind(data, profiling.classify_hlo(f.lower(a).compile().as_text()))
     assert split["seconds"]["matmul"] > 0
+
+
+class _Event:
+    def __init__(self, name, hlo, ns):
+        self.name, self.duration_ns = name, ns
+        self.stats = [("hlo_op", hlo)] if hlo else []
+
+
+class _Line:
+    def __init__(self, name, events):
+        self.name, self.events = name, events
+
+
+class _Plane:
+    def __init__(self, name, lines):
+        self.name, self.lines = name, lines
+
+
+class _Profile:
+    def __init__(self, planes):
+        self.planes = planes
+
+
+def test_kernels_inside_a_cuda_graph_are_classified_by_their_own_names():
+    kinds = {"loop_multiply_fusion.3": "elementwise", "transpose_copy_fusion": "data movement",
+             "gemm.1": "matmul", "command_buffer_1": "control"}
+    events = [_Event("loop_multiply_fusion_3", "command_buffer_1", 3_000),
+              _Event("transpose_copy_fusion", "command_buffer_1", 2_000),
+              _Event("nvjet_hsh_128x256_2cta", "command_buffer_1", 10_000),
+              _Event("cudnn_generated_fort_native_sdpa_sm90", "command_buffer_1", 5_000),
+              _Event("input_reduce_fusion_7", "command_buffer_1", 1_000),
+              _Event("gemm.1", "gemm.1", 4_000)]
+    prof = _Profile([_Plane("/device:GPU:0", [_Line("Stream #13(compute)", events),
+                                              _Line("XLA Ops", events)])])  # not counted twice
+    split = profiling.time_by_kind(prof, kinds)
+    s = {k: round(v * 1e6, 3) for k, v in split["seconds"].items()}
+    assert s == {"matmul": 14.0, "attention": 5.0, "normalisation": 1.0, "elementwise": 3.0,
+                 "data movement": 2.0, "collective": 0.0, "other": 0.0}

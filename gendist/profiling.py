@@ -206,6 +206,7 @@ def device_events(profile_data):
 def time_by_kind(profile_data, kinds: dict[str, str]) -> dict:
     """Seconds per kind, plus the top ops, from a profile's device events."""
     per_kind = collections.Counter()
+    launches = collections.Counter()
     per_op = collections.Counter()
     op_kind = {}
     by_kernel_name = {_sanitize(n): k for n, k in kinds.items()}
@@ -220,11 +221,13 @@ def time_by_kind(profile_data, kinds: dict[str, str]) -> dict:
             key = name
             kind = kinds.get(name) or by_kernel_name.get(_sanitize(name)) or _kernel_kind(name)
         per_kind[kind] += dur
+        launches[kind] += 1
         per_op[key] += dur
         op_kind[key] = kind
     total = sum(per_kind.values())
     return {"total_s": total,
             "seconds": {k: per_kind.get(k, 0.0) for k in KINDS},
             "fraction": {k: (per_kind.get(k, 0.0) / total if total else 0.0) for k in KINDS},
+            "launches": {k: launches.get(k, 0) for k in KINDS},
             "top_ops": [{"op": op, "kind": op_kind[op], "s": s}
                         for op, s in per_op.most_common(40)]}

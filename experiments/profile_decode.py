@@ -1,0 +1,113 @@
+"""Where a decoding loop's time goes: plain jitted decoding against speculative decoding.
+
+At batch 1 a decode step is launch-bound, so the number of kernels per loop iteration
+matters as much as their time. This traces both loops (random weights: the cost of an
+iteration does not depend on what is accepted, only the number of iterations does) and
+prints kernel time and launches per iteration, by kind of op.
+
+    python experiments/profile_decode.py --target 350m --draft-width 1024 --draft-layers 2 \
+        --gamma 6 --out $OUT
+
+Writes `profile_decode_<device>.json`. On a CPU the trace misses ops inside nested loops, so
+the launch counts there are indicative only; the tool is meant for the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from gendist import profiling
+from gendist.config import ModelConfig, preset
+from gendist.inference.generate import generate_tokens
+from gendist.inference.lm import transformer_lm
+from gendist.inference.sampling import SamplingParams
+from gendist.inference.speculative import SpecConfig, speculative_generate
+from gendist.models import transformer
+
+
+def profile(fn, args, kwargs, iterations_of):
+    """Median wall time, per-kind kernel time and launches per loop iteration."""
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    kinds = profiling.classify_hlo(jitted.lower(*args, **kwargs).compile().as_text())
+    out = jax.block_until_ready(jitted(*args, **kwargs))
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.block_until_ready(jitted(*args, **kwargs))
+        times.append(time.perf_counter() - t0)
+    trace_dir = tempfile.mkdtemp(prefix="profile_decode_")
+    with jax.profiler.trace(trace_dir) as session:
+        jax.block_until_ready(jitted(*args, **kwargs))
+    split = profiling.time_by_kind(profiling.load_profile(session, trace_dir), kinds)
+    n = max(iterations_of(out), 1)
+    return {"wall_s": sorted(times)[1], "iterations": n,
+            "kernel_s_per_iteration": split["total_s"] / n,
+            "seconds_per_iteration": {k: v / n for k, v in split["seconds"].items()},
+            "launches_per_iteration": {k: v / n for k, v in split["launches"].items()},
+            "top_ops": split["top_ops"][:25]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="350m")
+    ap.add_argument("--draft-width", type=int, default=1024)
+    ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--gamma", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
+    args = ap.parse_args()
+
+    tm = preset(args.target).model
+    w = args.draft_width
+    dm = ModelConfig(d_model=w, num_layers=args.draft_layers, num_heads=max(1, w // 64),
+                     num_kv_heads=max(1, w // 64), head_dim=64,
+                     d_ff=int(w * 8 // 3) // 64 * 64 or 64, max_seq_len=tm.max_seq_len,
+                     dtype=tm.dtype, scan_unroll=args.draft_layers,
+                     attention="xla" if tm.attention == "pallas" else tm.attention)
+    tp, dp = transformer.init_params(tm, 0), transformer.init_params(dm, 1)
+    B, P = args.batch, 32
+    prompt = jax.random.randint(jax.random.key(0), (B, P), 0, tm.vocab_size)
+    lens = jnp.full((B,), P, jnp.int32)
+    key = jax.random.key(1)
+    sp = SamplingParams(temperature=0.0)
+    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "target": args.target, "draft": dataclasses.asdict(dm), "batch": B,
+           "gamma": args.gamma, "new_tokens": args.new_tokens}
+    res["plain"] = profile(
+        generate_tokens, (tm, tp, prompt, lens, key),
+        dict(max_new_tokens=args.new_tokens, sp=sp), lambda out: args.new_tokens - 1)
+    res["draft_plain"] = profile(
+        generate_tokens, (dm, dp, prompt, lens, key),
+        dict(max_new_tokens=args.new_tokens, sp=sp), lambda out: args.new_tokens - 1)
+    target, draft = transformer_lm(tm, "target"), transformer_lm(dm, "draft")
+    res["speculative"] = profile(
+        speculative_generate, (target, tp, draft, dp, prompt, lens, key),
+        dict(max_new_tokens=args.new_tokens, sp=sp, spec=SpecConfig(gamma=args.gamma)),
+        lambda out: int(out[2]["steps"]))
+    for name in ("plain", "draft_plain", "speculative"):
+        r = res[name]
+        launches = sum(r["launches_per_iteration"].values())
+        print(f"{name:12} {r['iterations']:4d} iterations, {r['wall_s'] * 1e3:7.1f} ms wall, "
+              f"{r['kernel_s_per_iteration'] * 1e3:6.3f} ms kernels and {launches:6.0f} launches "
+              "per iteration")
+        for k, v in r["seconds_per_iteration"].items():
+            if v:
+                print(f"    {k:14} {v * 1e3:7.3f} ms  {r['launches_per_iteration'][k]:6.0f} launches")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = res["device"].replace(" ", "_").lower()
+    (out / f"profile_decode_{tag}.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -170,3 +170,20 @@ def test_greedy_with_paged_caches_equals_plain_greedy(models):
                                      max_new_tokens=n, sp=SamplingParams(temperature=0.0),
                                      spec=SpecConfig(gamma=3))
     np.testing.assert_array_equal(np.asarray(out), plain_greedy(tp, pb, lb, n))
+
+
+def test_greedy_acceptance_equals_the_rejection_rule_with_one_hot_distributions():
+    from gendist.inference.speculative import accept, accept_greedy
+    B, G, V = 64, 5, 4  # a tiny vocabulary so drafts often agree with the target
+    kd, kl = jax.random.split(jax.random.key(3))
+    d_BG = jax.random.randint(kd, (B, G), 0, V)
+    logits = jax.random.normal(kl, (B, G + 1, V))
+    sp = SamplingParams(temperature=0.0)
+    p = jax.nn.one_hot(jnp.argmax(logits, -1), V)
+    q = jax.nn.one_hot(d_BG, V)
+    for g in (G, 3):
+        k_ref, y_ref = accept(jax.random.key(0), d_BG, q, p, jnp.int32(g), sp)
+        k, y = accept_greedy(d_BG, logits, jnp.int32(g))
+        np.testing.assert_array_equal(k, k_ref)
+        np.testing.assert_array_equal(y, y_ref)
+    assert 0 < int(jnp.sum(k)) < B * G  # both accepted and rejected drafts occur

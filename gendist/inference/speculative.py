@@ -61,19 +61,24 @@ def _draft(draft: LM, dparams, dcache, prev_B, last_B, n_B, key, sp, G, g_dyn, a
     pos = jnp.stack([jnp.maximum(n_B - 1, 0), n_B], 1)
     logits, dcache = draft.apply(dparams, tok, pos, dcache)
     B, V = logits.shape[0], logits.shape[-1]
-    q0 = probs(logits[:, 1], sp)
-    key, sub = jax.random.split(key)
-    d0 = _sample(sub, q0, sp)
-    d_BG = jnp.zeros((B, G), jnp.int32).at[:, 0].set(d0)
-    q_BGV = jnp.zeros((B, G, V), jnp.float32).at[:, 0].set(q0)
+    # Greedy needs only the draft's argmax tokens: no distributions, no random keys.
+    d_BG = jnp.zeros((B, G), jnp.int32)
+    q_BGV = None if sp.greedy else jnp.zeros((B, G, V), jnp.float32)
+
+    def propose(i, logits_BV, d_BG, q_BGV, key):
+        if sp.greedy:
+            return d_BG.at[:, i].set(jnp.argmax(logits_BV, -1).astype(jnp.int32)), q_BGV, key
+        q = probs(logits_BV, sp)
+        key, sub = jax.random.split(key)
+        return d_BG.at[:, i].set(_sample(sub, q, sp)), q_BGV.at[:, i].set(q), key
+
+    d_BG, q_BGV, key = propose(0, logits[:, 1], d_BG, q_BGV, key)
 
     def body(i, carry):
         dcache, d_BG, q_BGV, key = carry
         logits, dcache = draft.apply(dparams, d_BG[:, i - 1][:, None], (n_B + i)[:, None],
                                      dcache)
-        q = probs(logits[:, 0], sp)
-        key, sub = jax.random.split(key)
-        return dcache, d_BG.at[:, i].set(_sample(sub, q, sp)), q_BGV.at[:, i].set(q), key
+        return (dcache, *propose(i, logits[:, 0], d_BG, q_BGV, key))
 
     carry = (dcache, d_BG, q_BGV, key)
     if adaptive:
@@ -89,6 +94,18 @@ def _sample(key, p_BV, sp: SamplingParams):
     if sp.greedy:
         return jnp.argmax(p_BV, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, jnp.log(p_BV), axis=-1).astype(jnp.int32)
+
+
+def accept_greedy(d_BG, logits_BG1V, g_dyn):
+    """Greedy acceptance: keep drafts while they equal the target's argmax; the next token
+    is the target's argmax after the last kept draft. This is `accept` with one-hot p and q
+    (a draft is accepted iff p(d) = 1; the residual max(0, p − q) is p's one-hot), without
+    building the distributions."""
+    G = d_BG.shape[1]
+    t_BG1 = jnp.argmax(logits_BG1V, -1).astype(jnp.int32)
+    ok = (d_BG == t_BG1[:, :G]) & (jnp.arange(G)[None, :] < g_dyn)
+    k_B = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    return k_B, _gather(t_BG1, k_B)
 
 
 def accept(key, d_BG, q_BGV, p_BG1V, g_dyn, sp: SamplingParams):
@@ -144,7 +161,10 @@ def speculative_generate(target: LM, tparams, draft: LM, dparams, prompt_BT, pro
         pos = s["n"][:, None] + jnp.arange(G + 1, dtype=jnp.int32)[None, :]
         logits, tc = target.apply(tparams, tok, pos, s["tc"])
         key, sub = jax.random.split(key)
-        k_B, y_B = accept(sub, d_BG, q_BGV, probs(logits, sp), g_dyn, sp)
+        if sp.greedy:
+            k_B, y_B = accept_greedy(d_BG, logits, g_dyn)
+        else:
+            k_B, y_B = accept(sub, d_BG, q_BGV, probs(logits, sp), g_dyn, sp)
         # Emitted this step: d_1..d_k then y; cut at EOS and at the token budget.
         j = jnp.arange(G + 1)[None, :]
         emit = jnp.where(j < k_B[:, None], jnp.pad(d_BG, ((0, 0), (0, 1))), y_B[:, None])

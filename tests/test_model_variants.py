@@ -35,3 +35,17 @@ def test_scan_unroll_must_be_positive():
     import dataclasses
     with pytest.raises(ValueError, match="scan_unroll"):
         dataclasses.replace(BASE, scan_unroll=0)
+
+
+@pytest.mark.parametrize("moe", [0, 4])
+def test_inference_params_give_bitwise_the_same_logits(moe):
+    import dataclasses
+    cfg = dataclasses.replace(BASE, dtype="bfloat16", moe_experts=moe, num_layers=4)
+    params = transformer.init_params(cfg, seed=2)
+    cast = transformer.inference_params(cfg, params)
+    dtypes = {jax.tree_util.keystr(k): v.dtype for k, v in jax.tree_util.tree_leaves_with_path(cast)}
+    assert all(d == jnp.bfloat16 for k, d in dtypes.items() if "['wq']" in k or "['embed']" in k)
+    assert all(d == jnp.float32 for k, d in dtypes.items() if "norm" in k or "router" in k)
+    tok = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.vocab_size)
+    np.testing.assert_array_equal(transformer.forward(cfg, cast, tok),
+                                  transformer.forward(cfg, params, tok))

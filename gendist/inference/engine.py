@@ -68,7 +68,9 @@ class Engine:
         if ecfg.max_len > cfg.max_seq_len:
             raise ValueError(f"EngineConfig.max_len={ecfg.max_len} exceeds model.max_seq_len="
                              f"{cfg.max_seq_len}; lower max_len.")
-        self.cfg, self.params, self.ecfg, self.sp = cfg, params, ecfg, sp
+        # Matrices cast to the compute dtype once, not inside every jitted step.
+        self.cfg, self.ecfg, self.sp = cfg, ecfg, sp
+        self.params = transformer.inference_params(cfg, params)
         self.key = jax.random.key(seed)
         self.cache = PagedKVCache.create(
             cfg.num_layers, ecfg.max_slots, ecfg.max_len, cfg.num_kv_heads, cfg.head_dim,

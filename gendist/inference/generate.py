@@ -60,6 +60,7 @@ def generate_tokens(cfg: ModelConfig, params, prompt_BT, prompt_len_B, key, *,
                     cache: KVCache | None = None):
     """New tokens [B, max_new_tokens] (eos-padded after a sequence stops) and counts [B]."""
     B, T = prompt_BT.shape
+    params = transformer.inference_params(cfg, params)  # cast once, not once per token
     if cache is None:
         cache = ContiguousKVCache.create(cfg.num_layers, B, T + max_new_tokens,
                                          cfg.num_kv_heads, cfg.head_dim,

@@ -26,6 +26,7 @@ class LM:
     make_cache: Callable[[int, int], Any]  # (batch, max_len) -> empty cache
     vocab_size: int
     name: str = "lm"
+    prepare: Callable[[Any], Any] = lambda params: params  # once per generation (dtype casts)
 
 
 def transformer_lm(cfg: ModelConfig, name: str = "transformer", cache_factory=None) -> LM:
@@ -42,7 +43,8 @@ def transformer_lm(cfg: ModelConfig, name: str = "transformer", cache_factory=No
         logits, cache = transformer.forward(cfg, params, tokens_BT, pos_BT, cache)
         return logits.astype(jnp.float32), cache
 
-    return LM(apply, make_cache, cfg.vocab_size, name)
+    return LM(apply, make_cache, cfg.vocab_size, name,
+              prepare=lambda params: transformer.inference_params(cfg, params))
 
 
 @jax.tree_util.register_dataclass

@@ -134,6 +134,7 @@ def speculative_generate(target: LM, tparams, draft: LM, dparams, prompt_BT, pro
     """New tokens [B, max_new_tokens] (eos-padded), counts [B] and acceptance statistics."""
     B, P = prompt_BT.shape
     G = spec.gamma
+    tparams, dparams = target.prepare(tparams), draft.prepare(dparams)
     max_len = P + max_new_tokens + G + 1
     tcache = target.make_cache(B, max_len) if tcache is None else tcache
     dcache = draft.make_cache(B, max_len) if dcache is None else dcache

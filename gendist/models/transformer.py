@@ -252,6 +252,25 @@ def forward_with_aux(cfg: ModelConfig, params: dict, tokens_BT):
     return merge_model(graphdef, template, params).logits_and_aux(tokens_BT)
 
 
+def inference_params(cfg: ModelConfig, params: dict) -> dict:
+    """Parameters for decoding: every matrix cast once to the compute dtype.
+
+    The forward pass casts each weight matrix to `cfg.dtype` where it uses it, so inside a
+    decode loop that cast (a read of the fp32 matrix and a write of its copy) would repeat
+    for every token. Casting once before the loop gives bitwise the same logits. Vectors
+    (norm scales) and MoE routers stay fp32, as the model computes with them in fp32.
+    """
+    dt = DTYPES[cfg.dtype]
+
+    def cast(path, w, axes):
+        router = any("router" in str(getattr(k, "key", "")) for k in path)
+        matrix = len([a for a in axes if a != "layers"]) >= 2  # per layer, as the model sees it
+        return w.astype(dt) if matrix and not router else w
+
+    return jax.tree_util.tree_map_with_path(cast, params, logical_axes(cfg),
+                                            is_leaf=lambda x: isinstance(x, tuple))
+
+
 def logical_axes(cfg: ModelConfig) -> dict:
     """Logical axis names of every parameter, as a pure dict matching `init_params`."""
     return abstract_model(cfg)[2]

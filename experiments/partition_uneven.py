@@ -34,8 +34,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+from gendist import distributed  # noqa: E402
 from gendist.parallel import partition as part  # noqa: E402
 from gendist.parallel import pipeline as pl  # noqa: E402
+
+# Under `python -m gendist launch --nproc P --devices-per-process 1`, each stage is its own
+# process with its own cores: stages really run at the same time (in one process, XLA:CPU's
+# simulated devices largely take turns, so the slowest stage does not set the step time).
+distributed.maybe_initialize()
 
 WORK = (1, 1, 1, 1, 6, 6, 1, 1)  # MLP applications per layer: layers 4 and 5 are heavy
 
@@ -50,12 +56,22 @@ def uneven_model(key, work=WORK, d=128, vocab=128):
                          "work": jnp.asarray(work, jnp.float32)},
               "head": {"w": jax.random.normal(k[3], (d, vocab)) / np.sqrt(d)}}
 
+    levels = sorted(set(work))
+
     def layer_fn(lp, x_BTD):
-        # A scan of max(work) steps whose step i runs the MLP only while i < work (lax.cond
-        # skips it otherwise, in the backward too): cost follows the layer's own work.
+        # lax.switch to a branch that applies the MLP `work` times, unrolled: cost follows
+        # the layer's own work with no per-step overhead for the light layers.
         mlp = lambda x: x + jnp.tanh(x @ lp["w1"]) @ lp["w2"]
-        body = lambda x, i: (jax.lax.cond(i < lp["work"], mlp, lambda y: y, x), None)
-        return jax.lax.scan(body, x_BTD, jnp.arange(max(work), dtype=jnp.float32))[0]
+
+        def repeat(k):
+            def branch(x):
+                for _ in range(k):
+                    x = mlp(x)
+                return x
+            return branch
+
+        level = jnp.searchsorted(jnp.asarray(levels, jnp.float32), lp["work"])
+        return jax.lax.switch(level, [repeat(k) for k in levels], x_BTD)
 
     def head_loss_fn(hp, x_BTD, targets_BT):
         logp = jax.nn.log_softmax(x_BTD @ hp["w"])
@@ -68,6 +84,15 @@ def uneven_model(key, work=WORK, d=128, vocab=128):
 def plan_both(params, fns, tokens, stages, repeats=10):
     """(profiled costs, DP partition, uniform partition) on one microbatch `tokens`."""
     embed, layers, head = part.profile_model(params, tokens, tokens, repeats=repeats, **fns)
+    if jax.process_count() > 1:  # every process must plan the same split: use process 0's
+        from jax.experimental import multihost_utils
+        costs = [embed, *layers, head]
+        t = multihost_utils.broadcast_one_to_all(np.array([c.time_s for c in costs]))
+        b = multihost_utils.broadcast_one_to_all(np.array([c.memory_bytes for c in costs]))
+        f = multihost_utils.broadcast_one_to_all(np.array([c.fwd_time_s for c in costs]))
+        costs = [part.Cost(float(ti), int(bi), float(fi))
+                 for ti, bi, fi in zip(t, b, f, strict=True)]
+        embed, layers, head = costs[0], costs[1:-1], costs[-1]
     dp = part.plan_stages(embed, layers, head, stages)
     n = len(layers)
     times = [c.time_s for c in layers]
@@ -80,7 +105,38 @@ def plan_both(params, fns, tokens, stages, repeats=10):
     return (embed, layers, head), dp, uniform
 
 
+def lockstep_split(costs, schedule):
+    """The split minimising the barrier-per-step time of the SPMD executor."""
+    embed, layers, head = costs
+    split, _ = part.partition_layers_lockstep(
+        [c.time_s for c in layers], schedule, layer_fwd_time=[c.fwd_time_s for c in layers],
+        first_time=embed.time_s, last_time=head.time_s, first_fwd_time=embed.fwd_time_s,
+        last_fwd_time=head.fwd_time_s)
+    return split
+
+
+def stage_fwd_times(costs, counts):
+    embed, layers, head = costs
+    bounds = np.cumsum((0,) + tuple(counts))
+    f = [sum(c.fwd_time_s for c in layers[bounds[k]:bounds[k + 1]]) for k in range(len(counts))]
+    f[0] += embed.fwd_time_s
+    f[-1] += head.fwd_time_s
+    return f
+
+
+def replicated(tree, mesh):
+    """Host values as arrays replicated over the whole (possibly multi-process) mesh."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def put(a):
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+
+    return jax.tree.map(put, tree)
+
+
 def time_executor(params, fns, mesh, counts, m, tokens, reps):
+    params, tokens = replicated((params, tokens), mesh)
     run = jax.jit(functools.partial(pl.pipeline_loss_and_grads, mesh=mesh, schedule="1f1b",
                                     num_microbatches=m, stage_layer_counts=counts, **fns))
     compiled = run.lower(params, tokens, tokens).compile()
@@ -113,29 +169,48 @@ def main(argv=None):
     tok1 = jax.random.randint(jax.random.key(1), (args.mb_size, args.seq), 0, 128)
     (embed, layers, head), dp, uniform = plan_both(params, fns, tok1, p)
     tokens = jax.random.randint(jax.random.key(2), (data * m * args.mb_size, args.seq), 0, 128)
+    from gendist.parallel import schedule as S
+    sched = S.one_f_one_b(p, m)
+    lock = lockstep_split((embed, layers, head), sched)
     rows = {}
-    for name, split in (("dp", dp), ("uniform", uniform)):
+    for name, split in (("dp", dp), ("lockstep", lock), ("uniform", uniform)):
         t_min, t_med = time_executor(params, fns, mesh, split.counts, m, tokens, args.reps)
+        lockstep_s = part.lockstep_step_time(
+            sched, split.stage_time, stage_fwd_times((embed, layers, head), split.counts))
         rows[name] = {"counts": list(split.counts), "stage_time_s": list(split.stage_time),
                       "predicted_bottleneck_s": split.bottleneck,
+                      "predicted_lockstep_step_s": lockstep_s,
                       "measured_step_s_min": t_min, "measured_step_s_median": t_med}
         print(f"{name:8s} counts {split.counts} predicted bottleneck "
-              f"{split.bottleneck * 1e3:.2f} ms  measured step {t_min * 1e3:.1f} ms", flush=True)
+              f"{split.bottleneck * 1e3:.2f} ms, lock-step step {lockstep_s * 1e3:.1f} ms; "
+              f"measured step {t_min * 1e3:.1f} ms", flush=True)
     result = {
         "config": vars(args), "work_per_layer": list(WORK), "data": data,
         "platform": devices[0].platform, "jax": jax.__version__,
         "profile": {"embed_s": embed.time_s, "head_s": head.time_s,
                     "layer_s": [c.time_s for c in layers],
+                    "layer_fwd_s": [c.fwd_time_s for c in layers],
                     "layer_bytes": [c.memory_bytes for c in layers]},
         "splits": rows,
         "predicted_speedup": rows["uniform"]["predicted_bottleneck_s"] / rows["dp"]["predicted_bottleneck_s"],
         "measured_speedup": rows["uniform"]["measured_step_s_min"] / rows["dp"]["measured_step_s_min"],
+        "predicted_lockstep_speedup": (rows["uniform"]["predicted_lockstep_step_s"]
+                                       / rows["lockstep"]["predicted_lockstep_step_s"]),
+        "measured_lockstep_speedup": (rows["uniform"]["measured_step_s_min"]
+                                      / rows["lockstep"]["measured_step_s_min"]),
         "note": ("profiled times are per microbatch forward+backward; step times on CPU "
                  "simulated devices are indicative only (stages share the host's cores)"),
     }
-    (out / "partition_uneven.json").write_text(json.dumps(result, indent=1))
-    print(f"predicted speedup {result['predicted_speedup']:.2f}x, measured "
-          f"{result['measured_speedup']:.2f}x; wrote {out / 'partition_uneven.json'}")
+    result["processes"] = jax.process_count()
+    if jax.process_index() != 0:
+        return
+    name = "partition_uneven.json" if jax.process_count() == 1 else (
+        f"partition_uneven_{jax.process_count()}proc.json")
+    (out / name).write_text(json.dumps(result, indent=1))
+    print(f"min-max DP over uniform: predicted {result['predicted_speedup']:.2f}x, measured "
+          f"{result['measured_speedup']:.2f}x; lock-step planner over uniform: predicted "
+          f"{result['predicted_lockstep_speedup']:.2f}x, measured "
+          f"{result['measured_lockstep_speedup']:.2f}x; wrote {out / name}")
 
 
 if __name__ == "__main__":

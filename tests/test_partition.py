@@ -99,3 +99,43 @@ def test_profile_model_then_plan():
     assert len(layers) == n and all(c.time_s > 0 and c.memory_bytes > 0 for c in layers)
     plan = part.plan_stages(embed, layers, head, 2)
     assert sum(plan.counts) == n and len(plan.counts) == 2
+
+
+def test_lockstep_step_time_by_hand_and_for_the_sequential_schedule():
+    from gendist.parallel import schedule as S
+    # gpipe p=2, m=2: F0 F1 . . B0 B1 / . F0 F1 B0 B1 .; stage times 3, 6 -> F 1, 2; B 2, 4
+    # without recomputation, B 3, 6 when the backward recomputes the forward.
+    g = S.gpipe(2, 2)
+    assert part.lockstep_step_time(g, [3.0, 6.0], recompute=False) == 1 + 2 + 2 + 4 + 4 + 2
+    assert part.lockstep_step_time(g, [3.0, 6.0]) == 1 + 2 + 2 + 6 + 6 + 3
+    assert part.lockstep_step_time(g, [3.0, 6.0], [2.0, 1.0]) == 2 + 2 + 1 + 6 + 6 + 3
+    # One stage at a time: the barrier costs nothing, the step is m times the total work.
+    assert part.lockstep_step_time(S.sequential(3, 4), [1.0, 2.0, 5.0],
+                                   recompute=False) == pytest.approx(4 * 8.0)
+    with pytest.raises(ValueError, match="stage_time"):
+        part.lockstep_step_time(S.gpipe(2, 2), [1.0, 2.0, 3.0])
+
+
+def test_lockstep_partition_is_the_best_split_under_barriers():
+    from gendist.parallel import schedule as S
+    rng = np.random.default_rng(0)
+    sched = S.one_f_one_b(3, 7)
+    for _ in range(10):
+        t = rng.uniform(0.1, 3.0, 7)
+        tf = t * rng.uniform(0.2, 0.5, 7)  # measured forward times
+        split, value = part.partition_layers_lockstep(t, sched, layer_fwd_time=tf)
+        bounds = np.cumsum((0,) + split.counts)
+        stage_t = lambda x, b: [x[b[k]:b[k + 1]].sum() for k in range(3)]  # noqa: E731
+        assert value == pytest.approx(part.lockstep_step_time(
+            sched, stage_t(t, bounds), stage_t(tf, bounds)))
+        for counts in ((2, 2, 3), (1, 3, 3), (3, 3, 1), (5, 1, 1)):
+            b = np.cumsum((0,) + counts)
+            other = part.lockstep_step_time(sched, stage_t(t, b), stage_t(tf, b))
+            assert value <= other + 1e-12
+    # Two heavy layers: the uniform split loads stage 1 with both and loses under barriers.
+    w = [1, 1, 1, 1, 6, 6, 1, 1]
+    split, value = part.partition_layers_lockstep(w, S.one_f_one_b(2, 8), recompute=False)
+    assert split.counts == (5, 3)
+    assert value < part.lockstep_step_time(S.one_f_one_b(2, 8), [4.0, 14.0], recompute=False)
+    with pytest.raises(ValueError, match="max_splits"):
+        part.partition_layers_lockstep(np.ones(40), S.one_f_one_b(8, 8), max_splits=1000)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gendist.parallel.schedule import BACKWARD, FORWARD
+
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
@@ -28,6 +31,7 @@ class Cost:
 
     time_s: float  # median wall time of the jitted forward + backward
     memory_bytes: int  # arguments + outputs + temporaries of the compiled program
+    fwd_time_s: float | None = None  # median wall time of the forward alone (when measured)
 
 
 def profile_fwd_bwd(fn: Callable, *args, repeats: int = 5) -> Cost:
@@ -40,17 +44,22 @@ def profile_fwd_bwd(fn: Callable, *args, repeats: int = 5) -> Cost:
         out, vjp = jax.vjp(fn, *a)
         return out, vjp(jax.tree.map(jnp.ones_like, out))
 
+    def median_time(compiled):
+        jax.block_until_ready(compiled(*args))  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
     compiled = jax.jit(fwd_bwd).lower(*args).compile()
-    jax.block_until_ready(compiled(*args))  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
+    total = median_time(compiled)
+    forward = median_time(jax.jit(fn).lower(*args).compile())
     mem = compiled.memory_analysis()
     nbytes = 0 if mem is None else (
         mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
-    return Cost(statistics.median(times), int(nbytes))
+    return Cost(total, int(nbytes), forward)
 
 
 def profile_model(params, tokens_BT, targets_BT, *, embed_fn, layer_fn, head_loss_fn,
@@ -180,3 +189,70 @@ def plan_stages(embed: Cost, layers: Sequence[Cost], head: Cost, num_stages: int
                             memory_cap=memory_cap, first_time=embed.time_s,
                             last_time=head.time_s, first_memory=embed.memory_bytes,
                             last_memory=head.memory_bytes)
+
+
+def lockstep_step_time(schedule, stage_time: Sequence[float],
+                       stage_fwd_time: Sequence[float] | None = None, *,
+                       fwd_fraction: float = 1 / 3, recompute: bool = True) -> float:
+    """Step time of `schedule` when every time step ends in a barrier, as in gendist's SPMD
+    executor (each step ends with the ppermutes that pass activations and gradients on):
+    the sum over steps of the slowest stage's action.
+
+    `stage_time[s]` is stage s's forward+backward time, `stage_fwd_time[s]` its forward
+    (default `fwd_fraction` of the total). A forward action costs the forward; a backward
+    action costs the whole forward+backward when the executor recomputes the forward under
+    `jax.vjp` (`recompute`, as gendist's does), else the rest.
+
+    Asynchronous pipelines (PipeDream) run at the pace of the slowest stage, which is what
+    `partition_layers` minimises; under lock-step a stage also waits for its neighbours'
+    actions every step, and the warm-up and cool-down steps run the end stages alone.
+    """
+    t = np.asarray(stage_time, np.float64)
+    if t.shape != (schedule.num_stages,):
+        raise ValueError(f"stage_time has {t.size} entries; the schedule has "
+                         f"{schedule.num_stages} stages")
+    f = fwd_fraction * t if stage_fwd_time is None else np.asarray(stage_fwd_time, np.float64)
+    if f.shape != t.shape:
+        raise ValueError(f"stage_fwd_time has {f.size} entries; stage_time has {t.size}")
+    b = t if recompute else t - f
+    cost = np.where(schedule.kind == FORWARD, f[None, :],
+                    np.where(schedule.kind == BACKWARD, b[None, :], 0.0))
+    return float(cost.max(axis=1).sum())
+
+
+def partition_layers_lockstep(layer_time: Sequence[float], schedule, *,
+                              layer_fwd_time: Sequence[float] | None = None,
+                              first_fwd_time: float | None = None,
+                              last_fwd_time: float | None = None,
+                              fwd_fraction: float = 1 / 3, recompute: bool = True,
+                              max_splits: int = 200_000, **kwargs) -> tuple[Partition, float]:
+    """The contiguous split minimising `lockstep_step_time` under the memory cap, by trying
+    every split (C(L-1, p-1) of them: the objective is a sum of per-step maxima, which the
+    min-max programme does not capture). Forward times default to `fwd_fraction` of each
+    piece's forward+backward. Other keywords as `partition_layers`. Returns (partition,
+    predicted step time)."""
+    p = schedule.num_stages
+    c = _Costs(layer_time, p, kwargs.get("layer_memory"), kwargs.get("memory_cap"),
+               kwargs.get("first_time", 0.0), kwargs.get("last_time", 0.0),
+               kwargs.get("first_memory", 0.0), kwargs.get("last_memory", 0.0))
+    lf = (fwd_fraction * np.asarray(layer_time, np.float64) if layer_fwd_time is None
+          else np.asarray(layer_fwd_time, np.float64))
+    ff = fwd_fraction * kwargs.get("first_time", 0.0) if first_fwd_time is None else first_fwd_time
+    lf_last = fwd_fraction * kwargs.get("last_time", 0.0) if last_fwd_time is None else last_fwd_time
+    fwd = _Costs(lf, p, None, None, ff, lf_last, 0.0, 0.0)
+    n_splits = math.comb(c.num_layers - 1, c.p - 1)
+    if n_splits > max_splits:
+        raise ValueError(f"{n_splits} contiguous splits of {c.num_layers} layers over {c.p} "
+                         f"stages exceed max_splits={max_splits}; raise it or use "
+                         "partition_layers (min-max dynamic programme)")
+    best, best_bounds = np.inf, None
+    for cuts in itertools.combinations(range(1, c.num_layers), c.p - 1):
+        bounds = [0, *cuts, c.num_layers]
+        spans = list(enumerate(zip(bounds[:-1], bounds[1:], strict=True)))
+        if all(c.fits(k, i, j) for k, (i, j) in spans):
+            value = lockstep_step_time(schedule, [c.time(k, i, j) for k, (i, j) in spans],
+                                       [fwd.time(k, i, j) for k, (i, j) in spans],
+                                       recompute=recompute)
+            if value < best:
+                best, best_bounds = value, bounds
+    return c.result(best_bounds), float(best)

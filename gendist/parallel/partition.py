@@ -171,14 +171,21 @@ def brute_force_partition(layer_time: Sequence[float], num_stages: int, **kwargs
                kwargs.get("first_time", 0.0), kwargs.get("last_time", 0.0),
                kwargs.get("first_memory", 0.0), kwargs.get("last_memory", 0.0))
     best, best_bounds = np.inf, None
+    for bounds, spans in _fitting_splits(c):
+        value = max(c.time(k, i, j) for k, (i, j) in spans)
+        if value < best:
+            best, best_bounds = value, bounds
+    return c.result(best_bounds)
+
+
+def _fitting_splits(c: _Costs):
+    """Every contiguous split of c's layers into c.p non-empty stages within the memory cap,
+    as (stage bounds, [(stage, (first layer, end layer))])."""
     for cuts in itertools.combinations(range(1, c.num_layers), c.p - 1):
         bounds = [0, *cuts, c.num_layers]
         spans = list(enumerate(zip(bounds[:-1], bounds[1:], strict=True)))
         if all(c.fits(k, i, j) for k, (i, j) in spans):
-            value = max(c.time(k, i, j) for k, (i, j) in spans)
-            if value < best:
-                best, best_bounds = value, bounds
-    return c.result(best_bounds)
+            yield bounds, spans
 
 
 def plan_stages(embed: Cost, layers: Sequence[Cost], head: Cost, num_stages: int,
@@ -246,13 +253,10 @@ def partition_layers_lockstep(layer_time: Sequence[float], schedule, *,
                          f"stages exceed max_splits={max_splits}; raise it or use "
                          "partition_layers (min-max dynamic programme)")
     best, best_bounds = np.inf, None
-    for cuts in itertools.combinations(range(1, c.num_layers), c.p - 1):
-        bounds = [0, *cuts, c.num_layers]
-        spans = list(enumerate(zip(bounds[:-1], bounds[1:], strict=True)))
-        if all(c.fits(k, i, j) for k, (i, j) in spans):
-            value = lockstep_step_time(schedule, [c.time(k, i, j) for k, (i, j) in spans],
-                                       [fwd.time(k, i, j) for k, (i, j) in spans],
-                                       recompute=recompute)
-            if value < best:
-                best, best_bounds = value, bounds
+    for bounds, spans in _fitting_splits(c):
+        value = lockstep_step_time(schedule, [c.time(k, i, j) for k, (i, j) in spans],
+                                   [fwd.time(k, i, j) for k, (i, j) in spans],
+                                   recompute=recompute)
+        if value < best:
+            best, best_bounds = value, bounds
     return c.result(best_bounds), float(best)

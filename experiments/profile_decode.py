@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from gendist import profiling
-from gendist.config import ModelConfig, preset
+from gendist.config import preset
 from gendist.inference.generate import generate_tokens
-from gendist.inference.lm import transformer_lm
+from gendist.inference.lm import draft_config, transformer_lm
 from gendist.inference.sampling import SamplingParams
 from gendist.inference.speculative import SpecConfig, speculative_generate
 from gendist.models import transformer
@@ -68,12 +68,7 @@ def main():
     args = ap.parse_args()
 
     tm = preset(args.target).model
-    w = args.draft_width
-    dm = ModelConfig(d_model=w, num_layers=args.draft_layers, num_heads=max(1, w // 64),
-                     num_kv_heads=max(1, w // 64), head_dim=64,
-                     d_ff=int(w * 8 // 3) // 64 * 64 or 64, max_seq_len=tm.max_seq_len,
-                     dtype=tm.dtype, scan_unroll=args.draft_layers,
-                     attention="xla" if tm.attention == "pallas" else tm.attention)
+    dm = draft_config(tm, args.draft_width, args.draft_layers)
     tp, dp = transformer.init_params(tm, 0), transformer.init_params(dm, 1)
     B, P = args.batch, 32
     prompt = jax.random.randint(jax.random.key(0), (B, P), 0, tm.vocab_size)

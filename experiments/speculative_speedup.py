@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import functools
 import json
 import os
@@ -30,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from gendist import loop
-from gendist.config import ModelConfig, preset, replace
+from gendist.config import preset, replace
 from gendist.data import TextData
 from gendist.inference.generate import generate_tokens
-from gendist.inference.lm import transformer_lm
+from gendist.inference.lm import draft_config, transformer_lm
 from gendist.inference.sampling import SamplingParams
 from gendist.inference.speculative import SpecConfig, expected_tokens_per_cost, speculative_generate
 
@@ -90,26 +89,13 @@ def main():
 
     tcfg = preset(args.target)
     tm = tcfg.model
-    dm = ModelConfig(
-        d_model=args.draft_width,
-        num_layers=args.draft_layers,
-        num_heads=max(1, args.draft_width // 64),
-        num_kv_heads=max(1, args.draft_width // 64),
-        head_dim=64,
-        d_ff=int(args.draft_width * 8 // 3) // 64 * 64 or 64,
-        max_seq_len=tm.max_seq_len,
-        dtype=tm.dtype,
-        attention="xla" if tm.attention == "pallas" else tm.attention,
-    )
+    dm = draft_config(tm, args.draft_width, args.draft_layers)
     dcfg = replace(tcfg, model=dm)
     t0 = time.perf_counter()
     tm, tp, tval = train_model(tcfg, args.steps, "spec_target_", args.seq_len, args.batch_size)
     dm, dp, dval = train_model(
         dcfg, args.draft_steps or args.steps, "spec_draft_", args.seq_len, args.batch_size
     )
-    # The draft decodes with its few layers straight-line (no layer loop): cheap to compile,
-    # and it takes the loop's per-iteration launches out of every draft call.
-    dm = dataclasses.replace(dm, scan_unroll=dm.num_layers)
     res = {
         "device": jax.devices()[0].device_kind,
         "draft": {

@@ -47,6 +47,20 @@ def transformer_lm(cfg: ModelConfig, name: str = "transformer", cache_factory=No
               prepare=lambda params: transformer.inference_params(cfg, params))
 
 
+def draft_config(target: ModelConfig, width: int, num_layers: int) -> ModelConfig:
+    """A small draft for `target`: `num_layers` blocks of width `width` (64-wide heads, SwiGLU
+    width 8/3·width), the target's dtype, length and vocabulary. Its few layers run
+    straight-line (no layer loop), which takes the loop's per-layer launches out of each
+    draft call."""
+    heads = max(1, width // 64)
+    return ModelConfig(vocab_size=target.vocab_size, d_model=width, num_layers=num_layers,
+                       num_heads=heads, num_kv_heads=heads, head_dim=64,
+                       d_ff=int(width * 8 // 3) // 64 * 64 or 64,
+                       max_seq_len=target.max_seq_len, dtype=target.dtype,
+                       attention="xla" if target.attention == "pallas" else target.attention,
+                       scan_unroll=num_layers)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NoCache(KVCache):

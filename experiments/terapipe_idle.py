@@ -35,14 +35,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import itertools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gendist.config import Config, MeshConfig, ModelConfig, TrainConfig  # noqa: E402
@@ -57,28 +55,6 @@ def config(args, seq) -> Config:
                         head_dim=args.d_model // 4, d_ff=2 * args.d_model, max_seq_len=seq)
     return Config(model=model, mesh=MeshConfig(data=-1, pipeline=args.stages),
                   train=TrainConfig(seq_len=seq))
-
-
-def forward_costs(cfg, layers, batch, seq, g, repeats):
-    """fwd[l, c]: the forward alone of a slice of l*g tokens after c*g tokens of context."""
-    n = seq // g
-    dt = transformer.DTYPES[cfg.dtype]
-    nl = jax.tree.leaves(layers)[0].shape[0]
-    out = np.full((n + 1, n + 1), np.inf)
-    for l, c in itertools.product(range(1, n + 1), range(n)):
-        if l + c > n:
-            continue
-        x = jnp.ones((batch, l * g, cfg.d_model), dt)
-        kv = jnp.ones((2, nl, batch, c * g, cfg.num_kv_heads, cfg.head_dim), dt)
-        f = jax.jit(lambda lp, x, kv, c=c: tp.slice_forward(cfg, lp, x, kv, c * g))
-        jax.block_until_ready(f(layers, x, kv))
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(layers, x, kv))
-            ts.append(time.perf_counter() - t0)
-        out[l, c] = statistics.median(ts)
-    return out
 
 
 def slice_times(slices_units, table):
@@ -135,8 +111,7 @@ def main(argv=None):
         params = transformer.init_params(cfg.model, 0)
         layers = jax.tree.map(lambda a: a[:1], params["blocks"])  # one stage's layer
         g = seq // n
-        fb = tp.measure_slice_costs(cfg.model, layers, args.batch, seq, g, args.repeats)
-        fw = forward_costs(cfg.model, layers, args.batch, seq, g, args.repeats)
+        fb, fw = tp.measure_slice_costs(cfg.model, layers, args.batch, seq, g, args.repeats)
         # Plan on a fitted cost model (as TeraPipe does): timing noise would steer the DP.
         dp = tp.plan_slices(tp.fit_slice_costs(fb), p)
         rows = {f"equal {k}": timeline(p, tp.equal_slices(n, k), fw, fb)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from gendist.config import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig
 
@@ -39,3 +40,13 @@ def run_steps_with_grads(cfg, mesh, data, steps: int):
         grads.append(jax.device_get(m["grads"]))
     assert setup.traces["step"] == 1, "the train step recompiled"
     return losses, grads, jax.device_get(state["params"]), compiled, setup
+
+
+def assert_trees_close(got, want, *, rtol: float, atol: float = 0.0, leaf_atol: float = 0.0):
+    """Leaf by leaf, naming the failing leaf. The absolute tolerance is `atol` plus
+    `leaf_atol` times the leaf's largest |want| (near-zero entries of a large leaf)."""
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                            strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        tol = atol + (leaf_atol * np.abs(b).max() if b.size else 0.0)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=tol, err_msg=jax.tree_util.keystr(path))

@@ -4,6 +4,7 @@ Oracles: the same run as 1 process x 8 devices in this pytest process (losses an
 checkpoint), and the uninterrupted run for resumes. Failures are real SIGKILLed processes.
 """
 
+import functools
 import json
 import os
 import re
@@ -13,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
+from helpers import assert_trees_close as trees_close
 from helpers import mesh_of, small_config
 
 from gendist import distributed, loop, train
@@ -47,11 +48,7 @@ def restore(out, setup, step=None):
     return state, at
 
 
-def assert_trees_close(a, b):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b),
-                            strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=ATOL,
-                                   err_msg=jax.tree_util.keystr(path))
+assert_trees_close = functools.partial(trees_close, rtol=RTOL, atol=ATOL)
 
 
 @pytest.fixture(scope="module")

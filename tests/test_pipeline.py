@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_trees_close as trees_close
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -70,10 +71,7 @@ def batch(data, m, seed=1):
     return jax.random.randint(kt, shape, 0, V), jax.random.randint(ky, shape, 0, V)
 
 
-def assert_trees_close(got, want):
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL,
-                                   err_msg=jax.tree_util.keystr(path))
+assert_trees_close = functools.partial(trees_close, rtol=RTOL, atol=ATOL)
 
 
 # (data, pipeline, tensor, schedule, microbatches): m in {1, p, 2p, 3p+1} over both p.

@@ -3,9 +3,12 @@
 Bubbles are filled with NaN so anything a stage holds or sends while idle poisons the result.
 """
 
+import functools
+
 import jax
 import numpy as np
 import pytest
+from helpers import assert_trees_close as trees_close
 from helpers import mesh_of, small_config
 
 from gendist import train
@@ -36,12 +39,8 @@ def text_batch(corpus, step, size, seq=8, vocab=64):
     return {k: (v % vocab).astype(np.int32) for k, v in b.items()}
 
 
-def assert_trees_close(got, want):
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
-                            strict=True):
-        a, b = np.asarray(a), np.asarray(b)
-        np.testing.assert_allclose(a, b, rtol=RTOL, atol=LEAF_ATOL * np.abs(b).max(),
-                                   err_msg=jax.tree_util.keystr(path))
+assert_trees_close = functools.partial(trees_close, rtol=RTOL,
+                                       leaf_atol=LEAF_ATOL)
 
 
 # (data, pipeline, tensor, schedule, m, tied): m in {1, p, 2p, 3p+1} over p = 2 and 4, both

@@ -4,11 +4,13 @@ The equality runs fill bubbles and the padding of short slices with NaN, so a sl
 reads a neighbour's padding or a bubble poisons the loss.
 """
 
+import functools
 import itertools
 
 import jax
 import numpy as np
 import pytest
+from helpers import assert_trees_close as trees_close
 from helpers import mesh_of, small_config
 
 from gendist import train
@@ -28,12 +30,8 @@ def corpus():
     return TextData.from_config(small_config().data)
 
 
-def assert_trees_close(got, want):
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
-                            strict=True):
-        a, b = np.asarray(a), np.asarray(b)
-        np.testing.assert_allclose(a, b, rtol=RTOL, atol=LEAF_ATOL * np.abs(b).max(),
-                                   err_msg=jax.tree_util.keystr(path))
+assert_trees_close = functools.partial(trees_close, rtol=RTOL,
+                                       leaf_atol=LEAF_ATOL)
 
 
 # (pipeline stages, slices): 1, 2 and 4 equal slices, and uneven ones with a 1-token slice;

@@ -306,6 +306,14 @@ def _pipeline_body(embed, layers, head, tokens, targets, *, sched, counts, even,
                                            plan.recv_act_slot, plan.recv_cot_slot))
     carry = (buf, buf, fill(), fill(), acc0)
     (_, _, _, _, acc), _ = jax.lax.scan(step, carry, rows)
+    return mean_loss_and_grads(acc, (embed, layers, head), batch_axes)
+
+
+def mean_loss_and_grads(acc, params, batch_axes):
+    """(mean loss, grads) from a stage's accumulated (d_embed, d_layers, d_head, loss sum,
+    token count): sums over the pipeline (embedding and head live on one stage each; every
+    stage holds its own layers) and the batch axes, then divides by the token count."""
+    embed, layers, head = params
     d_embed, d_layers, d_head, loss, count = acc
     everywhere = (PIPELINE, *batch_axes)
     loss, count = jax.lax.psum((loss, count), everywhere)

@@ -222,14 +222,7 @@ def _body(embed, layers, head, tokens, targets, *, cfg, sched, slices, layers_pe
                                            plan.recv_cot_slot))
     carry = (kv0, jnp.zeros(kv0.shape, jnp.float32), buf, buf, fill(), fill(), acc0)
     (*_, acc), _ = jax.lax.scan(step, carry, rows)
-    d_embed, d_layers, d_head, loss, count = acc
-    everywhere = (pl.PIPELINE, *batch_axes)
-    loss, count = jax.lax.psum((loss, count), everywhere)
-    d_embed, d_head = jax.lax.psum((d_embed, d_head), everywhere)
-    if batch_axes:
-        d_layers = jax.lax.psum(d_layers, batch_axes)
-    scale = lambda g, like: jax.tree.map(lambda a, b: (a / count).astype(b.dtype), g, like)
-    return loss / count, (scale(d_embed, embed), scale(d_layers, layers), scale(d_head, head))
+    return pl.mean_loss_and_grads(acc, (embed, layers, head), batch_axes)
 
 
 # --- slice sizes: TeraPipe's dynamic programme (Li et al. 2021, section 3.3) -------------
@@ -300,9 +293,10 @@ def fit_slice_costs(cost: np.ndarray) -> np.ndarray:
 
 
 def measure_slice_costs(cfg, layers: dict, batch: int, seq_len: int, granularity: int,
-                        repeats: int = 3) -> np.ndarray:
-    """cost[l, c] (seconds): forward+backward of one stage's `layers` on a slice of
-    l*granularity tokens after c*granularity tokens of cached context, timed on the device."""
+                        repeats: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """(cost[l, c], fwd[l, c]) in seconds: forward+backward, and the forward alone, of one
+    stage's `layers` on a slice of l*granularity tokens after c*granularity tokens of cached
+    context, timed on the device."""
     from gendist.parallel.partition import profile_fwd_bwd
 
     if seq_len % granularity:
@@ -310,12 +304,13 @@ def measure_slice_costs(cfg, layers: dict, batch: int, seq_len: int, granularity
     n = seq_len // granularity
     dt = DTYPES[cfg.dtype]
     nl = jax.tree.leaves(layers)[0].shape[0]
-    cost = np.full((n + 1, n + 1), np.inf)
+    cost, fwd = np.full((n + 1, n + 1), np.inf), np.full((n + 1, n + 1), np.inf)
     for l, c in itertools.product(range(1, n + 1), range(n)):
         if l + c > n:
             continue
         x = jnp.ones((batch, l * granularity, cfg.d_model), dt)
         kv = jnp.ones((2, nl, batch, c * granularity, cfg.num_kv_heads, cfg.head_dim), dt)
         fn = lambda lp, x, kv, c=c: slice_forward(cfg, lp, x, kv, c * granularity)
-        cost[l, c] = profile_fwd_bwd(fn, layers, x, kv, repeats=repeats).time_s
-    return cost
+        measured = profile_fwd_bwd(fn, layers, x, kv, repeats=repeats)
+        cost[l, c], fwd[l, c] = measured.time_s, measured.fwd_time_s
+    return cost, fwd

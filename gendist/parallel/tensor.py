@@ -39,72 +39,37 @@ from gendist.sharding import DEFAULT_RULES, SEQUENCE_PARALLEL, Rules, logical_to
 # --- the conjugate operators (inside shard_map, check on) -------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def f_op(x, axis):
-    """Megatron's f: identity forward (the value becomes varying), all-reduce backward."""
-    return to_varying(x, axis)
+def _conjugate(name: str, doc: str, forward, backward):
+    """op(x, axis): `forward(x, axis)` in the forward pass, `backward(ct, axis)` on the
+    cotangent in the backward pass (a `jax.custom_vjp`, the axis name static)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+    def op(x, axis):
+        return forward(x, axis)
+
+    op.defvjp(lambda x, axis: (forward(x, axis), None),
+              lambda axis, _, ct: (backward(ct, axis),))
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = doc
+    return op
 
 
-def _f_fwd(x, axis):
-    return to_varying(x, axis), None
+def _all_gather_seq(x, axis):
+    return jax.lax.all_gather(x, axis, axis=1, tiled=True)
 
 
-def _f_bwd(axis, _, ct):
-    return (jax.lax.psum(ct, axis),)
+def _reduce_scatter_seq(x, axis):
+    return jax.lax.psum_scatter(x, axis, scatter_dimension=1, tiled=True)
 
 
-f_op.defvjp(_f_fwd, _f_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def g_op(x, axis):
-    """Megatron's g: all-reduce forward, identity backward."""
-    return jax.lax.psum(x, axis)
-
-
-def _g_fwd(x, axis):
-    return jax.lax.psum(x, axis), None
-
-
-def _g_bwd(axis, _, ct):
-    return (to_varying(ct, axis),)
-
-
-g_op.defvjp(_g_fwd, _g_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def gather_seq(x_BTD, axis):
-    """Sequence parallel f: all-gather the sequence shards forward, reduce-scatter backward."""
-    return jax.lax.all_gather(x_BTD, axis, axis=1, tiled=True)
-
-
-def _gs_fwd(x, axis):
-    return gather_seq(x, axis), None
-
-
-def _gs_bwd(axis, _, ct):
-    return (jax.lax.psum_scatter(ct, axis, scatter_dimension=1, tiled=True),)
-
-
-gather_seq.defvjp(_gs_fwd, _gs_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def scatter_seq(x_BTD, axis):
-    """Sequence parallel g: reduce-scatter partial sums onto sequence shards, all-gather back."""
-    return jax.lax.psum_scatter(x_BTD, axis, scatter_dimension=1, tiled=True)
-
-
-def _ss_fwd(x, axis):
-    return scatter_seq(x, axis), None
-
-
-def _ss_bwd(axis, _, ct):
-    return (jax.lax.all_gather(ct, axis, axis=1, tiled=True),)
-
-
-scatter_seq.defvjp(_ss_fwd, _ss_bwd)
+f_op = _conjugate("f_op", "Megatron's f: identity forward (the value becomes varying), "
+                  "all-reduce backward.", to_varying, jax.lax.psum)
+g_op = _conjugate("g_op", "Megatron's g: all-reduce forward, identity backward.",
+                  jax.lax.psum, to_varying)
+gather_seq = _conjugate("gather_seq", "Sequence parallel f: all-gather the sequence shards "
+                        "forward, reduce-scatter backward.", _all_gather_seq, _reduce_scatter_seq)
+scatter_seq = _conjugate("scatter_seq", "Sequence parallel g: reduce-scatter partial sums onto "
+                         "sequence shards, all-gather back.", _reduce_scatter_seq, _all_gather_seq)
 
 
 # --- the explicit tensor-parallel block ---------------------------------------------------

@@ -96,13 +96,15 @@ def _fusion_kind(ops: list[tuple[str, str, str]], comps) -> str:
 def classify_hlo(text: str) -> dict[str, str]:
     """{instruction name: kind} for every kernel-launching instruction of a compiled module."""
     comps = _parse(text)
+    # Computations that run inside one kernel: fusion bodies, async wrappers and the scalar
+    # functions of reduce/sort/scatter/all-reduce. A `call`'s body launches its own kernels.
     fused = set()
     for ops in comps.values():
         for _, op, line in ops:
-            if op == "fusion" or op.endswith("-start") or op in ("reduce", "map", "sort",
-                                                                  "scatter", "all-reduce"):
+            if op == "fusion" or op.endswith("-start"):
                 fused.update(_CALLS.findall(line))
-            fused.update(re.findall(r"to_apply=%([\w.\-]+)", line))
+            if op != "call":
+                fused.update(re.findall(r"to_apply=%([\w.\-]+)", line))
     kinds = {}
     for comp, ops in comps.items():
         if comp in fused:

@@ -117,3 +117,18 @@ def test_kernels_inside_a_cuda_graph_are_classified_by_their_own_names():
     s = {k: round(v * 1e6, 3) for k, v in split["seconds"].items()}
     assert s == {"matmul": 14.0, "attention": 5.0, "normalisation": 1.0, "elementwise": 3.0,
                  "data movement": 2.0, "collective": 0.0, "other": 0.0}
+
+
+def test_ops_inside_a_call_are_classified_and_the_call_is_control():
+    hlo = """
+%called (p0: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  ROOT %inner_tanh = f32[8]{0} tanh(%p0)
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %c = f32[8]{0} call(%x), to_apply=%called
+}
+"""
+    assert profiling.classify_hlo(hlo) == {"inner_tanh": "elementwise", "c": "control"}

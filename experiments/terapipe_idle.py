@@ -163,6 +163,8 @@ def plot(result, p, path):
     a1.legend(fontsize=7)
     seqs = list(result["measured"])
     for name in ("equal 1", "equal 4", "equal 8", "dp"):
+        if name not in result["measured"][seqs[0]]["rows"]:
+            continue  # fewer units than the equal split needs
         a2.plot(seqs, [result["measured"][s]["rows"][name]["makespan_s"] * 1e3 for s in seqs],
                 "o-", label=name)
     a2.set_xlabel("sequence length")

@@ -15,6 +15,11 @@ bottleneck is 1.5-2x the DP split's (measured on a 2-core host: 66 vs 39 ms). Th
 step time only follows the bottleneck where stages have their own cores or chips: with 8
 simulated CPU devices on 2 shared cores the wall time tracks the total work, which no
 split changes, and the measured ratio came out ~1 (0.94x) - indicative only.
+
+On two GPUs (one process, pipeline=2), with layers wide enough for their time to follow
+their FLOPs:
+    python experiments/partition_uneven.py --stages 2 --d-model 1024 --seq 512 \
+        --schedule gpipe --remat --out $OUT
 """
 
 from __future__ import annotations
@@ -46,8 +51,16 @@ distributed.maybe_initialize()
 WORK = (1, 1, 1, 1, 6, 6, 1, 1)  # MLP applications per layer: layers 4 and 5 are heavy
 
 
-def uneven_model(key, work=WORK, d=128, vocab=128):
-    """Params {'embed', 'layers', 'head'} and model fns; layers[l] runs its MLP work[l] times."""
+def uneven_model(key, work=WORK, d=128, vocab=128, remat=False):
+    """Params {'embed', 'layers', 'head'} and model fns; layers[l] runs its MLP work[l] times.
+
+    `remat` rematerialises each layer in its backward (`jax.checkpoint`), as pipeline
+    training usually does. It also keeps padding cheap: a padded layer that the executor
+    skips with `lax.cond` still writes zeros for the residuals its real branch would have
+    saved (cond's linearisation returns the union of both branches' residuals), and here
+    that union holds all six MLP applications of the heavy branch; with remat the residuals
+    are only the layer's input.
+    """
     n = len(work)
     k = jax.random.split(key, 4)
     params = {"embed": {"tok": jax.random.normal(k[0], (vocab, d))},
@@ -72,6 +85,9 @@ def uneven_model(key, work=WORK, d=128, vocab=128):
 
         level = jnp.searchsorted(jnp.asarray(levels, jnp.float32), lp["work"])
         return jax.lax.switch(level, [repeat(k) for k in levels], x_BTD)
+
+    if remat:
+        layer_fn = jax.checkpoint(layer_fn)
 
     def head_loss_fn(hp, x_BTD, targets_BT):
         logp = jax.nn.log_softmax(x_BTD @ hp["w"])
@@ -135,9 +151,9 @@ def replicated(tree, mesh):
     return jax.tree.map(put, tree)
 
 
-def time_executor(params, fns, mesh, counts, m, tokens, reps):
+def time_executor(params, fns, mesh, counts, m, tokens, reps, schedule="1f1b"):
     params, tokens = replicated((params, tokens), mesh)
-    run = jax.jit(functools.partial(pl.pipeline_loss_and_grads, mesh=mesh, schedule="1f1b",
+    run = jax.jit(functools.partial(pl.pipeline_loss_and_grads, mesh=mesh, schedule=schedule,
                                     num_microbatches=m, stage_layer_counts=counts, **fns))
     compiled = run.lower(params, tokens, tokens).compile()
     jax.block_until_ready(compiled(params, tokens, tokens))
@@ -157,6 +173,12 @@ def main(argv=None):
     ap.add_argument("--mb-size", type=int, default=8, help="sequences per microbatch per shard")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--remat", action="store_true",
+                    help="rematerialise each layer in the backward (cheap padding; see "
+                         "uneven_model)")
+    ap.add_argument("--d-model", type=int, default=128,
+                    help="width; on a GPU use >= 1024 so a layer's time follows its FLOPs")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -165,16 +187,17 @@ def main(argv=None):
     data = len(devices) // p
     mesh = Mesh(np.array(devices[: data * p]).reshape(data, p, 1, 1),
                 ("data", "pipeline", "expert", "tensor"))
-    params, fns = uneven_model(jax.random.key(0))
+    params, fns = uneven_model(jax.random.key(0), d=args.d_model, remat=args.remat)
     tok1 = jax.random.randint(jax.random.key(1), (args.mb_size, args.seq), 0, 128)
     (embed, layers, head), dp, uniform = plan_both(params, fns, tok1, p)
     tokens = jax.random.randint(jax.random.key(2), (data * m * args.mb_size, args.seq), 0, 128)
     from gendist.parallel import schedule as S
-    sched = S.one_f_one_b(p, m)
+    sched = S.make(args.schedule, p, m)
     lock = lockstep_split((embed, layers, head), sched)
     rows = {}
     for name, split in (("dp", dp), ("lockstep", lock), ("uniform", uniform)):
-        t_min, t_med = time_executor(params, fns, mesh, split.counts, m, tokens, args.reps)
+        t_min, t_med = time_executor(params, fns, mesh, split.counts, m, tokens, args.reps,
+                                     args.schedule)
         lockstep_s = part.lockstep_step_time(
             sched, split.stage_time, stage_fwd_times((embed, layers, head), split.counts))
         rows[name] = {"counts": list(split.counts), "stage_time_s": list(split.stage_time),
@@ -206,6 +229,8 @@ def main(argv=None):
         return
     name = "partition_uneven.json" if jax.process_count() == 1 else (
         f"partition_uneven_{jax.process_count()}proc.json")
+    if args.schedule != "1f1b" or args.remat:
+        name = name.replace(".json", f"_{args.schedule}{'_remat' if args.remat else ''}.json")
     (out / name).write_text(json.dumps(result, indent=1))
     print(f"min-max DP over uniform: predicted {result['predicted_speedup']:.2f}x, measured "
           f"{result['measured_speedup']:.2f}x; lock-step planner over uniform: predicted "

@@ -66,10 +66,14 @@ def main():
     ap.add_argument("--gamma", type=int, default=6)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--target-unroll", type=int, default=0,
+                    help="layers per iteration of the target's layer scan (0: the preset's)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
     args = ap.parse_args()
 
     tm = preset(args.target).model
+    if args.target_unroll:
+        tm = dataclasses.replace(tm, scan_unroll=args.target_unroll)
     dm = draft_config(tm, args.draft_width, args.draft_layers)
     tp, dp = transformer.init_params(tm, 0), transformer.init_params(dm, 1)
     B, P = args.batch, 32
@@ -79,7 +83,8 @@ def main():
     sp = SamplingParams(temperature=0.0)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "target": args.target, "draft": dataclasses.asdict(dm), "batch": B,
-           "gamma": args.gamma, "new_tokens": args.new_tokens}
+           "gamma": args.gamma, "new_tokens": args.new_tokens,
+           "target_scan_unroll": tm.scan_unroll, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     common = dict(max_new_tokens=args.new_tokens, sp=sp)
     plain_steps = lambda out: args.new_tokens - 1  # noqa: E731 - the first token is prefill's
     res["plain"] = profile(functools.partial(generate_tokens, tm, **common),
@@ -103,7 +108,8 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = res["device"].replace(" ", "_").lower()
-    (out / f"profile_decode_{tag}.json").write_text(json.dumps(res, indent=1))
+    suffix = f"_unroll{tm.scan_unroll}" if args.target_unroll else ""
+    (out / f"profile_decode_{tag}{suffix}.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """`plan`: predicted memory and communication match what XLA compiled; the HLO reader."""
 
+import jax
+import numpy as np
 import pytest
 from helpers import mesh_of, small_config
 
@@ -81,3 +83,38 @@ def test_plan_command_prints_predictions(capsys):
                  "--no-compile"]) == 0
     out = capsys.readouterr().out
     assert "optimizer state" in out and "all-gather over data" in out
+
+
+def test_collectives_benchmark_times_the_op_it_names():
+    """experiments/collectives_bandwidth.py: each timed function computes its collective
+    (checked against numpy on 8 devices), and bus bandwidth uses the ring model's bytes."""
+    import importlib.util
+    from pathlib import Path
+
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from gendist.parallel.compat import shard_map
+
+    path = Path(__file__).parents[1] / "experiments" / "collectives_bandwidth.py"
+    spec = importlib.util.spec_from_file_location("collectives_bandwidth", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    n = 8
+    mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
+    x = np.arange(n * n * 2, dtype=np.float32)
+    blocks = x.reshape(n, -1)  # device i holds blocks[i]
+    xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+    expect = {
+        "all-reduce": np.tile(blocks.sum(0), n),
+        "all-gather": np.tile(x, n),
+        "reduce-scatter": blocks.sum(0),
+        "all-to-all": blocks.reshape(n, n, -1).transpose(1, 0, 2).ravel(),
+        "permute": np.roll(blocks, 1, axis=0).ravel(),
+    }
+    for name, (op, kind) in mod.collectives(n).items():
+        fn = jax.jit(shard_map(op, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check=False))
+        np.testing.assert_allclose(np.asarray(fn(xs)), expect[name], err_msg=name)
+        assert kind == ("collective-permute" if name == "permute" else name)
+    assert accounting.wire_bytes("all-reduce", 800, n) == 2 * 800 * (n - 1) / n
+    assert accounting.wire_bytes("collective-permute", 800, n) == 800

@@ -4,7 +4,8 @@ The lecture's question (Ivanov et al. 2021, "Data Movement Is All You Need": mat
 99.8% of a BERT layer's FLOPs but 61% of its runtime) asked of our own step. Two pieces:
 
 - `classify_hlo(text)`: every instruction of the compiled HLO module that launches work,
-  mapped to a kind: matmul, attention, normalisation (fusions with a reduction),
+  mapped to a kind: matmul (also one-row dots that XLA writes as a reduce of a product),
+  attention, normalisation (other fusions with a reduction),
   elementwise, data movement (copies, transposes, slices, casts-only fusions), collective.
 - `time_by_kind(profile_data, kinds)`: device events of a `jax.profiler.trace` (each GPU
   kernel carries the `hlo_op` that launched it) summed per kind.
@@ -73,6 +74,46 @@ def _custom_call_kind(line: str) -> str:
     return "other"
 
 
+_PASS_THROUGH = {"convert", "bitcast", "broadcast", "reshape", "copy", "transpose"}
+_SHAPE = re.compile(r"=\s*\w+\[([\d,]*)\]")
+
+
+def _operands(line: str, op: str) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", line.split(f" {op}(", 1)[1].split(")", 1)[0])
+
+
+def _is_matrix_vector(ops: list[tuple[str, str, str]], comps) -> bool:
+    """A reduce-sum of a product of two different inputs, one of them a matrix: the form XLA
+    gives a dot with one row (a decode step's matmuls), which the GPU runs as a reduction
+    fusion. A norm's sum of squares multiplies one input by itself and does not count."""
+    by_name = {name: (op, line) for name, op, line in ops}
+
+    def source(name):
+        while name in by_name and by_name[name][0] in _PASS_THROUGH:
+            name = _operands(by_name[name][1], by_name[name][0])[0]
+        return name
+
+    def is_matrix(name):
+        op, line = by_name.get(name, ("", ""))
+        shape = _SHAPE.search(line)
+        dims = [int(d) for d in shape.group(1).split(",") if d] if shape else []
+        return op == "parameter" and sum(d > 1 for d in dims) >= 2
+
+    for _, op, line in ops:
+        if op != "reduce":
+            continue
+        adder = re.search(r"to_apply=%([\w.\-]+)", line)
+        if not adder or "add" not in {o for _, o, _ in comps.get(adder.group(1), [])}:
+            continue
+        prod = source(_operands(line, op)[0])
+        if by_name.get(prod, ("",))[0] != "multiply":
+            continue
+        a, b = (source(x) for x in _operands(by_name[prod][1], "multiply"))
+        if a != b and (is_matrix(a) or is_matrix(b)):
+            return True
+    return False
+
+
 def _fusion_kind(ops: list[tuple[str, str, str]], comps) -> str:
     opcodes = {op for _, op, _ in ops}
     for _, op, line in ops:
@@ -85,6 +126,8 @@ def _fusion_kind(ops: list[tuple[str, str, str]], comps) -> str:
                 if k in ("matmul", "attention"):
                     return k
     if opcodes & {"dot", "convolution", "ragged-dot", "scaled-dot"}:
+        return "matmul"
+    if "reduce" in opcodes and _is_matrix_vector(ops, comps):
         return "matmul"
     if opcodes & {"reduce", "reduce-window"}:
         return "normalisation"

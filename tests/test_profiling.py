@@ -132,3 +132,67 @@ ENTRY %main (x: f32[8]) -> f32[8] {
 }
 """
     assert profiling.classify_hlo(hlo) == {"inner_tanh": "elementwise", "c": "control"}
+
+
+GEMV_HLO = """
+%add_comp (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_gemv (p0: bf16[1,1024], p1: bf16[1024,4096]) -> bf16[1,4096] {
+  %p0 = bf16[1,1024]{1,0} parameter(0)
+  %p1 = bf16[1024,4096]{1,0} parameter(1)
+  %b0 = bf16[1,1024,4096]{2,1,0} broadcast(%p0), dimensions={0,1}
+  %b1 = bf16[1,1024,4096]{2,1,0} broadcast(%p1), dimensions={1,2}
+  %m = bf16[1,1024,4096]{2,1,0} multiply(%b0, %b1)
+  %f = f32[1,1024,4096]{2,1,0} convert(%m)
+  %c = f32[] constant(0)
+  %r = f32[1,4096]{1,0} reduce(%f, %c), dimensions={1}, to_apply=%add_comp
+  ROOT %o = bf16[1,4096]{1,0} convert(%r)
+}
+
+%fused_rms (p0: bf16[1,1024]) -> f32[1] {
+  %p0 = bf16[1,1024]{1,0} parameter(0)
+  %x = f32[1,1024]{1,0} convert(%p0)
+  %sq = f32[1,1024]{1,0} multiply(%x, %x)
+  %c = f32[] constant(0)
+  ROOT %r = f32[1]{0} reduce(%sq, %c), dimensions={1}, to_apply=%add_comp
+}
+
+%fused_max (p0: f32[1,1024], p1: f32[1024,8]) -> f32[1,8] {
+  %p0 = f32[1,1024]{1,0} parameter(0)
+  %p1 = f32[1024,8]{1,0} parameter(1)
+  %b0 = f32[1,1024,8]{2,1,0} broadcast(%p0), dimensions={0,1}
+  %b1 = f32[1,1024,8]{2,1,0} broadcast(%p1), dimensions={1,2}
+  %m = f32[1,1024,8]{2,1,0} multiply(%b0, %b1)
+  %c = f32[] constant(-inf)
+  ROOT %r = f32[1,8]{1,0} reduce(%m, %c), dimensions={1}, to_apply=%max_comp
+}
+
+%max_comp (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] maximum(%a, %b)
+}
+
+ENTRY %main (x: bf16[1,1024], w: bf16[1024,4096], v: f32[1024,8]) -> bf16[1,4096] {
+  %x = bf16[1,1024]{1,0} parameter(0)
+  %w = bf16[1024,4096]{1,0} parameter(1)
+  %v = f32[1024,8]{1,0} parameter(2)
+  %norm = f32[1]{0} fusion(%x), kind=kInput, calls=%fused_rms
+  %xf = f32[1,1024]{1,0} convert(%x)
+  %mx = f32[1,8]{1,0} fusion(%xf, %v), kind=kInput, calls=%fused_max
+  ROOT %gemv = bf16[1,4096]{1,0} fusion(%x, %w), kind=kInput, calls=%fused_gemv
+}
+"""
+
+
+def test_one_row_dot_written_as_reduce_of_product_is_a_matmul():
+    """A decode step's matmuls reach the GPU as reduce(multiply(x, W)) fusions; a norm's
+    sum of squares and a max-reduction of a product stay normalisation."""
+    kinds = profiling.classify_hlo(GEMV_HLO)
+    assert kinds["gemv"] == "matmul"
+    assert kinds["norm"] == "normalisation"
+    assert kinds["mx"] == "normalisation"

@@ -4,7 +4,7 @@ Leviathan et al.'s prediction (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
 
     python experiments/speculative_speedup.py --target small --steps 300 --out benchmarks
 
-On the H200 (batch 1 alone, about 7 minutes with training): a deep target and a shallow
+On the H200 (batch 1 alone, about 6 minutes with training): a deep target and a shallow
 draft, since at batch 1 a decode step costs about one kernel chain per layer:
     python experiments/speculative_speedup.py --target 350m --draft-width 1024 \
         --draft-layers 2 --steps 500 --draft-steps 1500 --seq-len 512 --batch-size 32 \

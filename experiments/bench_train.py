@@ -61,20 +61,25 @@ def build_bench(name: str, overrides: dict):
     return cfg, setup, state, batches
 
 
+def run_steps(step, state, batches, steps: int):
+    """(state, last metrics, seconds per step) of `steps` calls of a compiled train step on
+    alternating batches, synchronised once at the end (consecutive steps overlap, as in
+    training)."""
+    t0 = time.perf_counter()
+    for i in range(steps):
+        state, m = step(state, batches[i % 2])
+    jax.block_until_ready(m)
+    return state, m, (time.perf_counter() - t0) / steps
+
+
 def bench_preset(name: str, overrides: dict, steps: int, warmup: int) -> dict:
     cfg, setup, state, batches = build_bench(name, overrides)
     t = cfg.train
     t0 = time.perf_counter()
     step = setup.step_fn.lower(state, batches[0]).compile()  # one compile: timed and measured
-    for i in range(warmup):
-        state, m = step(state, batches[i % 2])
-    jax.block_until_ready(m)
+    state, m, _ = run_steps(step, state, batches, warmup)
     compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for i in range(steps):
-        state, m = step(state, batches[i % 2])
-    jax.block_until_ready(m)
-    dt = (time.perf_counter() - t0) / steps
+    state, m, dt = run_steps(step, state, batches, steps)
     tokens = t.batch_size * t.seq_len
     flops = cfg.model.flops_per_token(t.seq_len) * tokens
     mem = step.memory_analysis()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import jax
@@ -26,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from gendist.accounting import wire_bytes
 from gendist.parallel.compat import shard_map
+from gendist.timing import median_seconds
 
 
 def collectives(n: int):
@@ -38,16 +38,6 @@ def collectives(n: int):
         "all-to-all": (lambda x: jax.lax.all_to_all(x, "d", 0, 0, tiled=True), "all-to-all"),
         "permute": (lambda x: jax.lax.ppermute(x, "d", perm), "collective-permute"),
     }
-
-
-def time_op(fn, x, reps: int) -> float:
-    jax.block_until_ready(fn(x))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def main():
@@ -72,7 +62,7 @@ def main():
         for name, (op, kind) in collectives(n).items():
             fn = jax.jit(shard_map(op, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
                                    check=False))
-            s = time_op(fn, x, args.reps)
+            s = median_seconds(fn, x, n=args.reps, warm=1)
             # nccl-tests conventions: all-gather's payload is the gathered output; the others'
             # is the input block. wire_bytes takes the full (unsharded) payload.
             full = payload * n if kind == "all-gather" else payload

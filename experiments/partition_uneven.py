@@ -31,7 +31,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -42,6 +41,7 @@ from jax.sharding import Mesh  # noqa: E402
 from gendist import distributed  # noqa: E402
 from gendist.parallel import partition as part  # noqa: E402
 from gendist.parallel import pipeline as pl  # noqa: E402
+from gendist.timing import call_times  # noqa: E402
 
 # Under `python -m gendist launch --nproc P --devices-per-process 1`, each stage is its own
 # process with its own cores: stages really run at the same time (in one process, XLA:CPU's
@@ -110,14 +110,7 @@ def plan_both(params, fns, tokens, stages, repeats=10):
                  for ti, bi, fi in zip(t, b, f, strict=True)]
         embed, layers, head = costs[0], costs[1:-1], costs[-1]
     dp = part.plan_stages(embed, layers, head, stages)
-    n = len(layers)
-    times = [c.time_s for c in layers]
-    even = (n // stages,) * stages
-    bounds = np.cumsum((0,) + even)
-    stage_time = [sum(times[bounds[s]:bounds[s + 1]]) for s in range(stages)]
-    stage_time[0] += embed.time_s
-    stage_time[-1] += head.time_s
-    uniform = part.Partition(even, tuple(stage_time), (0.0,) * stages)
+    uniform = part.evaluate_split(embed, layers, head, (len(layers) // stages,) * stages)
     return (embed, layers, head), dp, uniform
 
 
@@ -129,15 +122,6 @@ def lockstep_split(costs, schedule):
         first_time=embed.time_s, last_time=head.time_s, first_fwd_time=embed.fwd_time_s,
         last_fwd_time=head.fwd_time_s)
     return split
-
-
-def stage_fwd_times(costs, counts):
-    embed, layers, head = costs
-    bounds = np.cumsum((0,) + tuple(counts))
-    f = [sum(c.fwd_time_s for c in layers[bounds[k]:bounds[k + 1]]) for k in range(len(counts))]
-    f[0] += embed.fwd_time_s
-    f[-1] += head.fwd_time_s
-    return f
 
 
 def replicated(tree, mesh):
@@ -156,12 +140,7 @@ def time_executor(params, fns, mesh, counts, m, tokens, reps, schedule="1f1b"):
     run = jax.jit(functools.partial(pl.pipeline_loss_and_grads, mesh=mesh, schedule=schedule,
                                     num_microbatches=m, stage_layer_counts=counts, **fns))
     compiled = run.lower(params, tokens, tokens).compile()
-    jax.block_until_ready(compiled(params, tokens, tokens))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(params, tokens, tokens))
-        times.append(time.perf_counter() - t0)
+    times, _ = call_times(compiled, params, tokens, tokens, n=reps, warm=1)
     return float(np.min(times)), float(np.median(times))
 
 
@@ -199,7 +178,7 @@ def main(argv=None):
         t_min, t_med = time_executor(params, fns, mesh, split.counts, m, tokens, args.reps,
                                      args.schedule)
         lockstep_s = part.lockstep_step_time(
-            sched, split.stage_time, stage_fwd_times((embed, layers, head), split.counts))
+            sched, split.stage_time, part.evaluate_split(embed, layers, head, split.counts, forward=True).stage_time)
         rows[name] = {"counts": list(split.counts), "stage_time_s": list(split.stage_time),
                       "predicted_bottleneck_s": split.bottleneck,
                       "predicted_lockstep_step_s": lockstep_s,

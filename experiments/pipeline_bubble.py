@@ -45,6 +45,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 from gendist.parallel import pipeline as pl  # noqa: E402
 from gendist.parallel import schedule as S  # noqa: E402
+from gendist.timing import call_times  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -90,12 +91,7 @@ def measure(params, fns, mesh, name, m, args, data):
     t0 = time.perf_counter()
     compiled = step.lower(params, tokens, tokens).compile()
     compile_s = time.perf_counter() - t0
-    jax.block_until_ready(compiled(params, tokens, tokens))
-    times = []
-    for _ in range(args.reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(params, tokens, tokens))
-        times.append(time.perf_counter() - t0)
+    times, _ = call_times(compiled, params, tokens, tokens, n=args.reps, warm=1)
     sched = S.make(name, args.stages, m)
     x_bytes = args.mb_size * args.seq * args.d_model * 4
     return {

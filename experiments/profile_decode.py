@@ -20,7 +20,6 @@ import functools
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -33,6 +32,7 @@ from gendist.inference.lm import draft_config, transformer_lm
 from gendist.inference.sampling import SamplingParams
 from gendist.inference.speculative import SpecConfig, speculative_generate
 from gendist.models import transformer
+from gendist.timing import call_times
 
 
 def profile(fn, args, iterations_of):
@@ -40,12 +40,7 @@ def profile(fn, args, iterations_of):
     (array arguments only), compiled once: the program classified is the program run."""
     compiled = jax.jit(fn).lower(*args).compile()
     kinds = profiling.classify_hlo(compiled.as_text())
-    out = jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
+    times, out = call_times(compiled, *args, n=3, warm=1)
     trace_dir = tempfile.mkdtemp(prefix="profile_decode_")
     with jax.profiler.trace(trace_dir) as session:
         jax.block_until_ready(compiled(*args))

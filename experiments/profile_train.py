@@ -19,13 +19,12 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import DATASHEET_BF16, build_bench, parse_overrides  # noqa: E402
+from bench_train import DATASHEET_BF16, build_bench, parse_overrides, run_steps  # noqa: E402
 
 from gendist import profiling  # noqa: E402
 
@@ -52,19 +51,11 @@ def main():
     # Run the very program that is classified (a second compile could name ops otherwise).
     compiled = setup.step_fn.lower(state, batches[0]).compile()
     kinds = profiling.classify_hlo(compiled.as_text())
-    for i in range(2):
-        state, m = compiled(state, batches[i % 2])
-    jax.block_until_ready(m)
-    t0 = time.perf_counter()
-    for i in range(args.steps):
-        state, m = compiled(state, batches[i % 2])
-    jax.block_until_ready(m)
-    step_s = (time.perf_counter() - t0) / args.steps
+    state, _, _ = run_steps(compiled, state, batches, 2)  # warm-up
+    state, _, step_s = run_steps(compiled, state, batches, args.steps)
     trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="profile_")
     with jax.profiler.trace(trace_dir) as session:
-        for i in range(args.steps):
-            state, m = compiled(state, batches[i % 2])
-        jax.block_until_ready(m)
+        run_steps(compiled, state, batches, args.steps)
     split = profiling.time_by_kind(profiling.load_profile(session, trace_dir), kinds)
 
     mc, t = cfg.model, cfg.train

@@ -36,6 +36,7 @@ from gendist.inference.generate import generate_tokens
 from gendist.inference.lm import draft_config, transformer_lm
 from gendist.inference.sampling import SamplingParams
 from gendist.inference.speculative import SpecConfig, expected_tokens_per_cost, speculative_generate
+from gendist.timing import call_times
 
 
 def train_model(cfg, steps, out_dir, seq_len, batch_size):
@@ -59,12 +60,7 @@ def train_model(cfg, steps, out_dir, seq_len, batch_size):
 
 def timed(fn, reps=3):
     """(median seconds of `reps` calls after a warm-up, the warm-up call's output)."""
-    out = jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t)
+    ts, out = call_times(fn, n=reps, warm=1)
     return float(np.median(ts)), out
 
 

@@ -48,6 +48,7 @@ from gendist.models import transformer  # noqa: E402
 from gendist.parallel import schedule as S  # noqa: E402
 from gendist.parallel import terapipe as tp  # noqa: E402
 from gendist.sharding import make_mesh  # noqa: E402
+from gendist.timing import call_times  # noqa: E402
 
 
 def config(args, seq) -> Config:
@@ -80,12 +81,7 @@ def time_executor(cfg, mesh, params, batch, slices, reps):
     t0 = time.perf_counter()
     compiled = run.lower(params, batch).compile()
     compile_s = time.perf_counter() - t0
-    jax.block_until_ready(compiled(params, batch))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(params, batch))
-        ts.append(time.perf_counter() - t0)
+    ts, _ = call_times(compiled, params, batch, n=reps, warm=1)
     return {"step_s_min": min(ts), "step_s_median": statistics.median(ts), "compile_s": compile_s}
 
 

@@ -8,13 +8,23 @@ import jax
 import numpy as np
 
 
+def call_times(f, *args, n: int = 20, warm: int = 3):
+    """(wall times of `n` synchronised calls `f(*args)` after `warm` warm-up calls, the
+    output of the first call): callers that need a result take it from the warm-up instead
+    of paying for an extra call."""
+    first = None
+    for i in range(warm):
+        out = jax.block_until_ready(f(*args))
+        first = out if i == 0 else first
+    ts = []
+    for i in range(n):
+        t = time.perf_counter()
+        out = jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+        first = out if warm == 0 and i == 0 else first
+    return ts, first
+
+
 def median_seconds(f, *args, n: int = 20, warm: int = 3) -> float:
     """Median wall time of one synchronised call `f(*args)` after `warm` warm-up calls."""
-    for _ in range(warm):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    return float(np.median(call_times(f, *args, n=n, warm=warm)[0]))

@@ -139,3 +139,17 @@ def test_lockstep_partition_is_the_best_split_under_barriers():
     assert value < part.lockstep_step_time(S.one_f_one_b(2, 8), [4.0, 14.0], recompute=False)
     with pytest.raises(ValueError, match="max_splits"):
         part.partition_layers_lockstep(np.ones(40), S.one_f_one_b(8, 8), max_splits=1000)
+
+
+def test_evaluate_split_costs_a_given_split_as_the_planner_does():
+    costs = [part.Cost(t, m, t / 3) for t, m in ((0.5, 10), (1, 1), (2, 2), (6, 3), (1, 4),
+                                                  (0.7, 20))]
+    embed, layers, head = costs[0], costs[1:-1], costs[-1]
+    plan = part.plan_stages(embed, layers, head, 2)
+    assert part.evaluate_split(embed, layers, head, plan.counts) == plan
+    assert all(type(n) is int for n in part.evaluate_split(embed, layers, head, (2, 2)).counts)
+    uniform = part.evaluate_split(embed, layers, head, (2, 2))
+    assert uniform.stage_time == pytest.approx((0.5 + 1 + 2, 6 + 1 + 0.7))
+    assert uniform.stage_memory == (10 + 1 + 2, 3 + 4 + 20)
+    fwd = part.evaluate_split(embed, layers, head, (2, 2), forward=True)
+    assert fwd.stage_time == pytest.approx((3.5 / 3, 7.7 / 3))

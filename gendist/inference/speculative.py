@@ -161,10 +161,10 @@ def speculative_generate(target: LM, tparams, draft: LM, dparams, prompt_BT, pro
         tok = jnp.concatenate([s["last"][:, None], d_BG], 1)
         pos = s["n"][:, None] + jnp.arange(G + 1, dtype=jnp.int32)[None, :]
         logits, tc = target.apply(tparams, tok, pos, s["tc"])
-        key, sub = jax.random.split(key)
         if sp.greedy:
             k_B, y_B = accept_greedy(d_BG, logits, g_dyn)
         else:
+            key, sub = jax.random.split(key)
             k_B, y_B = accept(sub, d_BG, q_BGV, probs(logits, sp), g_dyn, sp)
         # Emitted this step: d_1..d_k then y; cut at EOS and at the token budget.
         j = jnp.arange(G + 1)[None, :]

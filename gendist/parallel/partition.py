@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -23,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gendist.parallel.schedule import BACKWARD, FORWARD
+from gendist.timing import median_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,18 +43,9 @@ def profile_fwd_bwd(fn: Callable, *args, repeats: int = 5) -> Cost:
         out, vjp = jax.vjp(fn, *a)
         return out, vjp(jax.tree.map(jnp.ones_like, out))
 
-    def median_time(compiled):
-        jax.block_until_ready(compiled(*args))  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
     compiled = jax.jit(fwd_bwd).lower(*args).compile()
-    total = median_time(compiled)
-    forward = median_time(jax.jit(fn).lower(*args).compile())
+    total = median_seconds(compiled, *args, n=repeats, warm=1)
+    forward = median_seconds(jax.jit(fn).lower(*args).compile(), *args, n=repeats, warm=1)
     mem = compiled.memory_analysis()
     nbytes = 0 if mem is None else (
         mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
@@ -188,14 +178,30 @@ def _fitting_splits(c: _Costs):
             yield bounds, spans
 
 
+def _model_costs(embed: Cost, layers: Sequence[Cost], head: Cost, forward: bool = False
+                 ) -> dict:
+    """`partition_layers` keywords from `profile_model`'s costs (forward+backward times, or
+    the forward alone)."""
+    t = (lambda c: c.fwd_time_s) if forward else (lambda c: c.time_s)
+    return dict(layer_time=[t(c) for c in layers], layer_memory=[c.memory_bytes for c in layers],
+                first_time=t(embed), last_time=t(head), first_memory=embed.memory_bytes,
+                last_memory=head.memory_bytes)
+
+
 def plan_stages(embed: Cost, layers: Sequence[Cost], head: Cost, num_stages: int,
                 memory_cap: float | None = None) -> Partition:
     """`partition_layers` from `profile_model`'s costs."""
-    return partition_layers([c.time_s for c in layers], num_stages,
-                            layer_memory=[c.memory_bytes for c in layers],
-                            memory_cap=memory_cap, first_time=embed.time_s,
-                            last_time=head.time_s, first_memory=embed.memory_bytes,
-                            last_memory=head.memory_bytes)
+    return partition_layers(num_stages=num_stages, memory_cap=memory_cap,
+                            **_model_costs(embed, layers, head))
+
+
+def evaluate_split(embed: Cost, layers: Sequence[Cost], head: Cost, counts: Sequence[int],
+                   forward: bool = False) -> Partition:
+    """The stage times and memory of a given split (layers per stage), costed as
+    `plan_stages` costs its own; `forward` uses the forward times alone."""
+    kw = _model_costs(embed, layers, head, forward)
+    c = _Costs(kw.pop("layer_time"), len(counts), kw.pop("layer_memory"), None, **kw)
+    return c.result(list(itertools.accumulate((0, *(int(n) for n in counts)))))
 
 
 def lockstep_step_time(schedule, stage_time: Sequence[float],

@@ -15,7 +15,7 @@ from gendist import accounting, train  # noqa: E402
 from gendist.config import ModelConfig, replace  # noqa: E402
 from gendist.data import TextData, shard_batch  # noqa: E402
 from gendist.models import transformer  # noqa: E402
-from gendist.parallel import tensor  # noqa: E402
+from gendist.parallel import manual, tensor  # noqa: E402
 
 print("jax", jax.__version__, jax.device_count(), "devices")
 data = TextData.from_config(small_config().data)
@@ -60,16 +60,16 @@ p = jax.tree.map(lambda a: a[0], transformer.init_params(cfg, 0)["blocks"])
 x = jax.random.normal(jax.random.key(1), (8, 16, 32))
 pos = jnp.broadcast_to(jnp.arange(16), (8, 16))
 for sp in (False, True):
-    f = lambda p, x, sp=sp: jnp.sum(jnp.sin(tensor.tp_block_forward(p, x, pos, cfg, mesh,
+    f = lambda p, x, sp=sp: jnp.sum(jnp.sin(manual.tp_block_forward(p, x, pos, cfg, mesh,
                                                                    sequence_parallel=sp)))
-    g = lambda p, x: jnp.sum(jnp.sin(transformer.block_forward(p, x, pos, cfg)[0]))
+    g = lambda p, x: jnp.sum(jnp.sin(transformer.block(p, x, pos, cfg)[0]))
     a, b = jax.jit(jax.value_and_grad(f, (0, 1)))(p, x), jax.value_and_grad(g, (0, 1))(p, x)
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
     print("explicit block ok, sp =", sp)
 logits = jax.random.normal(jax.random.key(0), (4, 8, 256))
 tg = jax.random.randint(jax.random.key(1), (4, 8), 0, 256)
-a = jax.jit(jax.value_and_grad(lambda l: tensor.vocab_parallel_cross_entropy(l, tg, mesh)))(logits)
+a = jax.jit(jax.value_and_grad(lambda l: jnp.mean(tensor.vocab_parallel_nll(l, tg, mesh))))(logits)
 b = jax.value_and_grad(lambda l: train.cross_entropy(l, tg))(logits)
 np.testing.assert_allclose(a[0], b[0], rtol=1e-6)
 np.testing.assert_allclose(a[1], b[1], rtol=1e-5, atol=1e-9)

@@ -33,7 +33,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -46,10 +45,10 @@ from gendist import train  # noqa: E402
 from gendist.config import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig  # noqa: E402
 from gendist.data import TextData  # noqa: E402
 from gendist.models import transformer  # noqa: E402
-from gendist.parallel import pipedream as PD  # noqa: E402
-from gendist.parallel import pipeline_model as pm  # noqa: E402
 from gendist.parallel import schedule as S  # noqa: E402
-from gendist.sharding import make_mesh  # noqa: E402
+from gendist.parallel.pipeline import model as stage_model  # noqa: E402
+from gendist.parallel.pipeline import pipedream as PD  # noqa: E402
+from gendist.sharding import make_mesh, rules_for  # noqa: E402
 
 
 def config(args) -> Config:
@@ -72,19 +71,19 @@ def stream(data: TextData, num, shards, mb, seq, split="train", first=0):
 
 
 def run_async(cfg, mesh, params, batch, opt, m, mode, schedule, window=1):
-    f = jax.jit(functools.partial(
-        PD.pipedream_train, mesh=mesh, optimizer=opt, num_microbatches=m, mode=mode,
-        window=window, schedule=schedule, batch_axes=pm.BATCH_AXES, **pm.model_fns(cfg.model)))
-    new, info = f(pm.to_stage_params(cfg.model, params), batch["inputs"], batch["targets"])
-    out = {"embed": new["embed"]["tok"], "blocks": new["layers"],
-           "final_norm": new["head"]["final_norm"], "head": new["head"]["w"]}
-    return out, np.asarray(info["loss"])
+    sched = S.make(schedule, mesh.shape["pipeline"], m)
+    update = stage_model.pipedream_engine(cfg.model, mesh, rules_for(cfg.mesh), opt, sched,
+                                          mode, window)
+    new, _, losses = jax.jit(update)(params, opt.init(params), batch)
+    return new, np.asarray(losses)
 
 
 def run_flush(cfg, mesh, params, batch, opt, m, p):
     """Synchronous 1F1B: p microbatches per update, flushed between updates."""
-    grad = jax.jit(lambda prm, b: pm.loss_and_grads(cfg, prm, b, mesh=mesh, schedule="1f1b",
-                                                    num_microbatches=p))
+    st = stage_model.stage_setup(cfg.model, mesh, rules_for(cfg.mesh))
+    sched = S.make("1f1b", mesh.shape["pipeline"], p)
+    grad = jax.jit(lambda prm, b: (lambda r: (r[0], r[2]))(
+        stage_model.loss_and_grads(st, prm, b, sched)))
     step = jax.jit(lambda prm, st, g: (lambda u: (optax.apply_updates(prm, u[0]), u[1]))(
         opt.update(g, st, prm)))
     rows = batch["inputs"].shape[0]

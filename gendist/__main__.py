@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "plan":
         from gendist.accounting import cmd_plan
-        return cmd_plan(rest)
+        return cmd_plan(rest, parse_config)
     if cmd == "launch":
         from gendist.distributed import cmd_launch
         return cmd_launch(rest)

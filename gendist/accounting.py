@@ -28,6 +28,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gendist import train
+from gendist.models import transformer
+from gendist.parallel import schedule as sched_lib
+from gendist.parallel.pipeline import pipedream, terapipe
+from gendist.parallel.zero import model_for_stage
+from gendist.sharding import logical_to_spec
+
 DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2,
                "f16": 2, "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -177,8 +184,6 @@ def _param_rows(setup):
     import jax
     from jax.sharding import NamedSharding
 
-    from gendist.models import transformer
-    from gendist.sharding import logical_to_spec
     axes = transformer.logical_axes(setup.cfg.model)
     shapes = setup.abstract_state()["params"]
     flat_axes = dict(jax.tree_util.tree_leaves_with_path(
@@ -263,7 +268,6 @@ def predict(setup, backend: str | None = None) -> dict:
 
 def remat_of(cfg) -> str:
     """The recomputation the step runs (ZeRO-3 turns 'none' into 'save_matmuls')."""
-    from gendist.parallel.zero import model_for_stage
     return model_for_stage(cfg.model, cfg.train.zero_stage).remat
 
 
@@ -309,14 +313,40 @@ def compiled_figures(setup) -> dict:
             "compiled": compiled}
 
 
-def bubble_lines(cfg) -> list[str]:
-    """The bubble of the schedule this config runs (pipeline > 1), from its static table."""
+def bubble_lines(cfg, mesh=None) -> list[str]:
+    """The bubble (from the static table) and what a stage holds, for the pipeline engine
+    this config runs (pipeline > 1): a schedule's in-flight microbatches, PipeDream's weight
+    versions, TeraPipe's K/V cache."""
     p = cfg.mesh.pipeline
     if p <= 1:
         return []
-    from gendist.parallel.schedule import pipeline_plan_lines
-    m = cfg.train.pipeline_microbatches or 2 * p
-    return pipeline_plan_lines(p, m, cfg.train.pipeline_schedule)
+    t, m_cfg = cfg.train, cfg.model
+    m = t.pipeline_microbatches or 2 * p
+    if t.terapipe_slices:
+        k = t.terapipe_slices
+        sched = terapipe.terapipe_schedule(p, k)
+        shards = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in ("data", "expert")]))
+        tp = 1 if mesh is None else mesh.shape["tensor"]
+        layers = m_cfg.num_layers // p
+        kv = 2 * layers * (t.batch_size // shards) * t.seq_len * (m_cfg.num_kv_heads // tp) \
+            * m_cfg.head_dim
+        bytes_kv = kv * (2 if m_cfg.dtype == "bfloat16" else 4) + kv * 4  # cache + fp32 grad
+        return [f"TeraPipe: p={p} stages, {k} token slices of "
+                f"{terapipe.equal_slices(t.seq_len, k)} tokens, {sched.num_steps} steps",
+                f"  bubble (table): {sched_lib.bubble_fraction(sched):.4f}",
+                f"  K/V cache + its gradient per stage: {_mb(bytes_kv).strip()}"]
+    if t.pipeline_schedule in ("pipedream", "pipedream-nostash", "2bw"):
+        mode = {"pipedream": "stash", "pipedream-nostash": "nostash", "2bw": "2bw"}[
+            t.pipeline_schedule]
+        window = (t.pipedream_window or max(1, p - 1)) if mode == "2bw" else 1
+        sched = sched_lib.make("1f1b", p, m)
+        plan = pipedream.version_plan(sched, mode, window)
+        stage_params = m_cfg.num_params / p
+        return sched_lib.pipeline_plan_lines(p, m, sched)[:1] + [
+            f"  PipeDream ({mode}): no flush; {plan.num_updates} updates per stage per step",
+            f"  weight versions stored per stage: {plan.num_slots} (~"
+            f"{_mb(plan.num_slots * stage_params * 4).strip()} of fp32 weights per stage)"]
+    return sched_lib.pipeline_plan_lines(p, m, t.pipeline_schedule)
 
 
 def _mb(x) -> str:
@@ -325,7 +355,6 @@ def _mb(x) -> str:
 
 def plan_report(cfg, compile_step: bool = True) -> str:
     """Predicted (and compiled) memory and communication for a config, as a text table."""
-    from gendist import train
     setup = train.build(cfg)
     if setup.mesh.shape["pipeline"] > 1:  # the model below covers the non-pipelined step
         pred = {"memory": {}, "comm": {}, "assumes": "no prediction for pipelined steps yet"}
@@ -346,13 +375,14 @@ def plan_report(cfg, compile_step: bool = True) -> str:
     for kind, axes in sorted(set(pred["comm"]) | set(comp["comm"])):
         p, c = pred["comm"].get((kind, axes)), comp["comm"].get((kind, axes))
         lines.append(f"  {kind + ' over ' + axes:32s} {_mb(p):>14s} {_mb(c):>14s}")
-    return "\n".join(lines + bubble_lines(cfg))
+    return "\n".join(lines + bubble_lines(cfg, setup.mesh))
 
 
 # --- the command line -----------------------------------------------------------------------
 
-def cmd_plan(argv: list[str]) -> int:
-    """`python -m gendist plan [--preset P] [--devices N] [--no-compile] [overrides]`."""
+def cmd_plan(argv: list[str], parse_config) -> int:
+    """`python -m gendist plan [--preset P] [--devices N] [--no-compile] [overrides]`;
+    `parse_config(argv) -> Config` is the command line's (passed in: no import of it)."""
     argv = list(argv)
     if "-h" in argv or "--help" in argv:
         print("plan options: --devices N (simulate N CPU devices), --no-compile (predictions "
@@ -367,7 +397,6 @@ def cmd_plan(argv: list[str]) -> int:
                                    f" --xla_force_host_platform_device_count={devices}")
     compile_step = "--no-compile" not in argv
     argv = [a for a in argv if a != "--no-compile"]
-    from gendist.__main__ import parse_config
     cfg = parse_config(argv)
     print(plan_report(cfg, compile_step=compile_step))
     return 0

@@ -7,6 +7,7 @@ the comment after each field becomes its help text.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -44,6 +45,10 @@ class ModelConfig:
     def __post_init__(self):
         _check_positive(self, "vocab_size", "d_model", "num_layers", "num_heads",
                         "num_kv_heads", "head_dim", "d_ff", "max_seq_len", "scan_unroll")
+        if self.mlp not in ("swiglu", "gelu"):
+            raise ValueError(f"model.mlp={self.mlp!r}; choose 'swiglu' or 'gelu'.")
+        if self.moe_experts:
+            _check_moe(self)
         if self.moe_experts and self.num_layers % self.moe_every:
             raise ValueError(
                 f"model.num_layers={self.num_layers} is not a multiple of model.moe_every="
@@ -56,17 +61,14 @@ class ModelConfig:
                 "num_heads/num_kv_heads query heads; pick num_kv_heads dividing num_heads.")
 
     @property
-    def moe(self):
-        """The MoE layer's config, or None for a dense model."""
-        if not self.moe_experts:
-            return None
-        from gendist.models.moe import MoEConfig
-        return MoEConfig(num_experts=self.moe_experts, top_k=self.moe_top_k,
-                         capacity_factor=self.moe_capacity_factor,
-                         d_ff=self.moe_d_ff or self.d_ff,
-                         activation="swiglu" if self.mlp == "swiglu" else "gelu",
-                         load_balance_weight=self.moe_load_balance_weight,
-                         z_loss_weight=self.moe_z_loss_weight, every_n_layers=self.moe_every)
+    def moe_expert_d_ff(self) -> int:
+        """Hidden width F of each expert (model.moe_d_ff, or d_ff when that is 0)."""
+        return self.moe_d_ff or self.d_ff
+
+    def moe_capacity(self, group_tokens: int) -> int:
+        """Buffer slots per expert for a routing group of `group_tokens` tokens (GShard)."""
+        return math.ceil(group_tokens * self.moe_top_k * self.moe_capacity_factor
+                         / self.moe_experts)
 
     @property
     def num_moe_layers(self) -> int:
@@ -148,8 +150,12 @@ class TrainConfig:
     out_dir: str = "runs/default"  # metrics, TensorBoard and checkpoints go here
     resume: bool = True  # resume from the latest checkpoint in out_dir/checkpoints
     nonfinite: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop the run or skip the step
-    pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"  # schedule when mesh.pipeline > 1
+    pipeline_schedule: Literal["gpipe", "1f1b", "pipedream", "pipedream-nostash", "2bw"] = (
+        "1f1b")  # schedule when mesh.pipeline > 1 (pipedream*/2bw: asynchronous updates)
     pipeline_microbatches: int = 0  # microbatches per step in the pipeline (0 = 2 x stages)
+    pipedream_window: int = 0  # 2bw: microbatches per update window (0 = mesh.pipeline - 1, min 1)
+    terapipe_slices: int = 0  # TeraPipe: token slices per sequence through the pipeline (0 = off)
+    pipeline_stage_layers: tuple[int, ...] = ()  # layers (MoE: groups) per stage; () = even split
     debug_nan_step: int = -1  # testing: make this step's loss NaN to exercise `nonfinite`
     zero_stage: Literal[0, 1, 2, 3] = 0  # ZeRO stage over `data` (0 = replicated state)
     tensorboard: bool = True  # write TensorBoard event files
@@ -178,6 +184,26 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+
+
+def _check_moe(m: ModelConfig) -> None:
+    """The MoE fields, checked where a user sets them (named as flags)."""
+    if m.moe_experts < 0:
+        raise ValueError(f"model.moe_experts={m.moe_experts}: use 0 for a dense model or >= 1.")
+    if not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ValueError(
+            f"model.moe_top_k={m.moe_top_k} must be in [1, model.moe_experts={m.moe_experts}]: "
+            "a token cannot pick more experts than exist; lower moe_top_k or add experts.")
+    if not m.moe_capacity_factor > 0:
+        raise ValueError(f"model.moe_capacity_factor={m.moe_capacity_factor} must be > 0 "
+                         "(1.0 gives each expert exactly its even share of tokens).")
+    if m.moe_d_ff < 0:
+        raise ValueError(f"model.moe_d_ff={m.moe_d_ff}: use 0 (= model.d_ff) or a positive width.")
+    if m.moe_every < 1:
+        raise ValueError(f"model.moe_every={m.moe_every} must be >= 1 (1 = every block is MoE).")
+    if m.moe_load_balance_weight < 0 or m.moe_z_loss_weight < 0:
+        raise ValueError("model.moe_load_balance_weight and model.moe_z_loss_weight must be "
+                         f">= 0, got {m.moe_load_balance_weight} and {m.moe_z_loss_weight}.")
 
 
 def _check_positive(cfg, *names):
@@ -217,6 +243,18 @@ PRESETS: dict[str, Config] = {
                      d_ff=5632, max_seq_len=2048, dtype="bfloat16", attention="cudnn",
                      scan_unroll=22),
         train=TrainConfig(batch_size=8, seq_len=2048, lr=2e-4, steps=2000)),
+    # Llama-3-8B's shape (Meta 2024: 32 layers, width 4096, 32 query / 8 kv heads of 128,
+    # SwiGLU 14336) with the byte vocabulary: 6.98B parameters. At ~18 bytes a parameter
+    # (fp32 master, gradients, Adam m and v, bf16 compute copy) its training state is
+    # ~126 GB before activations: it needs pipeline stages (mesh.pipeline=2 on two H200s).
+    # Layers rematerialised; the layer scan stays rolled (compile time).
+    "8b": Config(
+        model=_model(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                     d_ff=14336, max_seq_len=2048, dtype="bfloat16", attention="cudnn",
+                     remat="full", tie_embeddings=False),
+        mesh=MeshConfig(pipeline=2),
+        train=TrainConfig(batch_size=16, seq_len=2048, lr=1.5e-4, steps=2000,
+                          pipeline_microbatches=16)),
 }
 
 

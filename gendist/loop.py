@@ -119,7 +119,7 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
         tokens_since += t.batch_size * t.seq_len  # counted when done, not when dispatched
         history.append({"step": step_no, **m})
         if not m["finite"]:
-            msg = f"step {step_no}: non-finite loss {m['loss']} / grad norm {m['grad_norm']}"
+            msg = f"step {step_no}: non-finite loss {m['loss']} / grad norm {m.get('grad_norm')}"
             if t.nonfinite == "stop":
                 raise NonFiniteLoss(msg + "; the step was not applied and no checkpoint was "
                                     "written. Lower train.lr or set --train.nonfinite skip.")

@@ -44,6 +44,18 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
 
 # Megatron-3 (Korthikanti et al. 2022): norms and residual adds run on sequence shards.
 SEQUENCE_PARALLEL = {"act_seq": "tensor"}
+# Pipeline stages (mesh.pipeline > 1): each stage stores its contiguous slice of the layers.
+PIPELINE_STAGES = {"layers": "pipeline"}
+
+
+def mesh_axes_of(logical: str, rules=None) -> tuple[str, ...]:
+    """The mesh axes (a tuple, possibly empty) a logical axis is split over."""
+    target = (LOGICAL_AXIS_RULES if rules is None else rules)[logical]
+    return () if target is None else (target,) if isinstance(target, str) else tuple(target)
+
+
+# The mesh axes a batch is split over (data parallel): every batch placement reads this.
+BATCH_AXES = mesh_axes_of("batch")
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,7 @@ class Rules:
     overrides: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
 
     def __getitem__(self, name: str):
-        for k, v in self.overrides:
+        for k, v in reversed(self.overrides):  # a later override wins
             if k == name:
                 return v
         if name not in LOGICAL_AXIS_RULES:
@@ -69,10 +81,14 @@ DEFAULT_RULES = Rules()
 
 
 def rules_for(mesh_cfg: MeshConfig) -> Rules:
-    """The compute rules a run uses: the table, plus sequence parallelism when asked."""
+    """The rules a run uses: the table, plus sequence parallelism when asked, plus the
+    layers split over pipeline stages when there are several."""
+    over = {}
     if mesh_cfg.sequence_parallel:
-        return DEFAULT_RULES.with_overrides(**SEQUENCE_PARALLEL)
-    return DEFAULT_RULES
+        over.update(SEQUENCE_PARALLEL)
+    if mesh_cfg.pipeline > 1:
+        over.update(PIPELINE_STAGES)
+    return DEFAULT_RULES.with_overrides(**over) if over else DEFAULT_RULES
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -137,9 +153,7 @@ def named_sharding(mesh: Mesh, names: Sequence[str | None] | None,
 
 def mesh_axis_size(mesh: Mesh, logical: str, rules: Rules = DEFAULT_RULES) -> int:
     """How many shards a logical axis is split into on this mesh."""
-    target = rules[logical]
-    axes = (target,) if isinstance(target, str) else tuple(target or ())
-    return math.prod(mesh.shape[a] for a in axes)
+    return math.prod(mesh.shape[a] for a in mesh_axes_of(logical, rules))
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]):
@@ -202,14 +216,6 @@ class use_mesh:
 
     def __exit__(self, *exc):
         _MESH_STACK.pop()
-
-
-def current_mesh() -> Mesh | None:
-    return _MESH_STACK[-1][0] if _MESH_STACK else None
-
-
-def current_rules() -> Rules:
-    return _MESH_STACK[-1][1] if _MESH_STACK else DEFAULT_RULES
 
 
 def compute_layout(p: dict, axes: dict, dtype) -> dict:

@@ -1,13 +1,25 @@
-"""Train state, the jitted train step, and the training loop.
+"""Train state, the one train-step builder and its gradient engines.
 
-One `jax.jit` with explicit in/out shardings and a donated state; the loop dispatches step
-N before pulling step N-1's metrics, so the device never waits for Python.
+`build(cfg, mesh)` makes every training step in gendist: one `jax.jit` with explicit
+in/out shardings and a donated state. What computes the loss and gradients is an engine,
+chosen by the config:
+
+    plain      autodiff of the model under the mesh's sharding annotations (data, tensor,
+               sequence, ZeRO, expert parallelism)
+    pipeline   a synchronous schedule table (GPipe, 1F1B) on the pipeline executor
+    terapipe   token slices through the pipeline (train.terapipe_slices)
+    pipedream  asynchronous: PipeDream with / without weight stashing, PipeDream-2BW; this
+               engine updates the weights itself, microbatch by microbatch
+
+The optimizer (optax AdamW), the ZeRO placement of the state and gradients, gradient
+accumulation, the non-finite guard, the metrics, evaluation and checkpoints are shared by
+all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,19 +29,22 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gendist import optim
 from gendist.config import Config
 from gendist.models import transformer
+from gendist.models.ops import DEFAULT_OPS, Ops
+from gendist.parallel import schedule as sched_lib
 from gendist.parallel import zero
-from gendist.parallel.tensor import vocab_parallel_cross_entropy
+from gendist.parallel.mesh_ops import MeshOps
+from gendist.parallel.pipeline import model as stage_model
+from gendist.parallel.pipeline import terapipe
 from gendist.sharding import (
-    DEFAULT_RULES,
-    Rules,
+    BATCH_AXES,
     check_divisible,
-    current_mesh,
-    current_rules,
     make_mesh,
     named_sharding,
     rules_for,
     use_mesh,
 )
+
+ASYNC_SCHEDULES = {"pipedream": "stash", "pipedream-nostash": "nostash", "2bw": "2bw"}
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -38,59 +53,142 @@ class NonFiniteLoss(FloatingPointError):
 
 def cross_entropy(logits_BTV, targets_BT):
     """Mean next-token cross-entropy in fp32 (nats)."""
-    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets_BT[..., None], axis=-1))
+    return jnp.mean(DEFAULT_OPS.nll(logits_BTV, targets_BT))
 
 
-def loss_and_metrics(cfg: Config, params, batch):
-    """(training loss, metrics). The loss is the mean next-token cross-entropy (under a mesh
-    the logits stay split over vocab, Megatron) plus, for MoE models, the weighted router
-    losses; the metrics report the MoE drop fraction and per-expert load."""
-    logits, aux = transformer.forward_with_aux(cfg.model, params, batch["inputs"])
-    mesh = current_mesh()
-    if mesh is None:
-        ce = cross_entropy(logits, batch["targets"])
-    else:
-        ce = vocab_parallel_cross_entropy(logits, batch["targets"], mesh, current_rules())
+def moe_metrics(aux: dict) -> dict:
+    """Router metrics of a plain forward's aux dict."""
+    load_E = jnp.sum(aux["moe_expert_load_GE"], axis=0)
+    return {"moe_aux_loss": aux["moe_loss"], "moe_drop_fraction": aux["moe_drop_fraction"],
+            "moe_expert_load": load_E,
+            "moe_load_max_over_mean": jnp.max(load_E) / jnp.maximum(jnp.mean(load_E), 1e-9)}
+
+
+def loss_and_metrics(cfg: Config, params, batch, ops: Ops = DEFAULT_OPS):
+    """(training loss, metrics): the mean next-token cross-entropy plus, for MoE models,
+    the weighted router losses; the metrics report the cross-entropy alone and the router
+    statistics. `ops` places the computation (`MeshOps` inside a jitted step)."""
+    logits, aux = transformer.forward_with_aux(cfg.model, params, batch["inputs"], ops)
+    ce = jnp.mean(ops.nll(logits, batch["targets"]))
     if not aux:
         return ce, {}
-    load_E = jnp.sum(aux["moe_expert_load_GE"], axis=0)
-    return ce + aux["moe_loss"], {
-        "ce_loss": ce, "moe_aux_loss": aux["moe_loss"],
-        "moe_drop_fraction": aux["moe_drop_fraction"], "moe_expert_load": load_E,
-        "moe_load_max_over_mean": jnp.max(load_E) / jnp.maximum(jnp.mean(load_E), 1e-9)}
+    return ce + aux["moe_loss"], {"ce_loss": ce, **moe_metrics(aux)}
 
 
 def loss_fn(cfg: Config, params, batch):
-    """The training loss alone (see `loss_and_metrics`)."""
+    """The training loss alone, on one device (the oracle of every parallel form)."""
     return loss_and_metrics(cfg, params, batch)[0]
 
 
-def zero_loss_fn(cfg: Config, axes: dict):
-    """loss(master_params, batch) with ZeRO's compute copy: what the step differentiates.
+def compute_params(cfg: Config, params: dict, axes: dict) -> dict:
+    """ZeRO's compute copy of the fp32 master weights (call inside `use_mesh`).
 
-    Stages 1-2 gather one compute copy (matrices in model.dtype) per step. Stage 3 gathers
-    the embedding and final norm once, leaves the blocks' weights sharded for the layer
-    scan to gather just in time, and recomputes rather than saves them for the backward.
+    Stages 1-2 gather one copy (matrices in model.dtype) per step. Stage 3 gathers the
+    embedding, final norm and head once and leaves the layers' weights sharded, for the
+    layer scan to gather just in time.
     """
     stage = cfg.train.zero_stage
-    dtype = transformer.DTYPES[cfg.model.dtype]
-    cfg = dataclasses.replace(cfg, model=zero.model_for_stage(cfg.model, stage))
+    dtype = transformer.compute_dtype(cfg.model)
+    if stage in (1, 2):
+        return zero.compute_copy(params, axes, dtype)
+    if stage == 3:
+        rest = {k: v for k, v in params.items() if k not in ("blocks", "moe_blocks")}
+        return {**params, **zero.compute_copy(rest, {k: axes[k] for k in rest}, dtype)}
+    return params
+
+
+# --- gradient engines: (params, batch) -> (loss, metrics, grads) -----------------------------
+
+
+def plain_engine(cfg: Config, mesh, rules) -> Callable:
+    """Autodiff of the model under the mesh's annotations. Stage 3 recomputes each layer in
+    the backward (`zero.model_for_stage`) so that its weights are gathered again, not kept."""
+    axes = transformer.logical_axes(cfg.model)
+    run_cfg = dataclasses.replace(
+        cfg, model=zero.model_for_stage(cfg.model, cfg.train.zero_stage))
+    ops = MeshOps(mesh, rules)
 
     def loss(params, batch):
-        if stage in (1, 2):
-            params = zero.compute_copy(params, axes, dtype)
-        elif stage == 3:
-            rest = {k: v for k, v in params.items() if k != "blocks"}
-            rest = zero.compute_copy(rest, {k: axes[k] for k in rest}, dtype)
-            params = {**params, **rest}
-        return loss_and_metrics(cfg, params, batch)
+        return loss_and_metrics(run_cfg, compute_params(cfg, params, axes), batch, ops)
 
-    return loss
+    value_and_grad = jax.value_and_grad(loss, has_aux=True)
+
+    def engine(params, batch):
+        (value, metrics), grads = value_and_grad(params, batch)
+        return value, metrics, grads
+
+    return engine
+
+
+def _with_ce(loss, metrics):
+    return {"ce_loss": loss - metrics["moe_aux_loss"], **metrics} if metrics else metrics
+
+
+def pipeline_engine(cfg: Config, mesh, rules) -> Callable:
+    """A synchronous schedule table on the pipeline executor."""
+    st = stage_model.stage_setup(cfg.model, mesh, rules, zero3=cfg.train.zero_stage == 3,
+                                 stage_layer_counts=cfg.train.pipeline_stage_layers or None)
+    sched = sched_lib.make(cfg.train.pipeline_schedule, mesh.shape["pipeline"],
+                           pipeline_microbatches(cfg, mesh))
+    axes = transformer.logical_axes(cfg.model)
+
+    def engine(params, batch):
+        compute = _cast_layers(cfg, compute_params(cfg, params, axes))
+        loss, metrics, grads = stage_model.loss_and_grads(st, compute, batch, sched)
+        return loss, _with_ce(loss, metrics), grads
+
+    return engine
+
+
+def terapipe_engine(cfg: Config, mesh, rules) -> Callable:
+    """TeraPipe: equal token slices of every sequence through the pipeline."""
+    slices = terapipe.equal_slices(cfg.train.seq_len, cfg.train.terapipe_slices)
+    axes = transformer.logical_axes(cfg.model)
+
+    def engine(params, batch):
+        compute = _cast_layers(cfg, compute_params(cfg, params, axes))
+        loss, grads = terapipe.terapipe_loss_and_grads(
+            cfg, compute, batch, mesh=mesh, slices=slices, zero3=cfg.train.zero_stage == 3,
+            rules=rules)
+        return loss, {}, grads
+
+    return engine
+
+
+def _cast_layers(cfg: Config, params: dict) -> dict:
+    """Layer matrices in the compute dtype before they enter a stage (a ZeRO-3 shard is
+    gathered in this dtype inside the stage; earlier stages' copies are cast already)."""
+    dt = transformer.compute_dtype(cfg.model)
+    cast = lambda w: w.astype(dt) if w.ndim >= 3 else w  # [layers, ...] matrices
+    return {k: jax.tree.map(cast, v) if k in ("blocks", "moe_blocks") else v
+            for k, v in params.items()}
+
+
+def pipedream_update(cfg: Config, mesh, rules, optimizer) -> Callable:
+    """The asynchronous engine: (params, opt_state, batch) -> (params, opt_state, losses).
+
+    Each stage updates its own weights after every backward (after every window of
+    microbatches for 2BW) with `optimizer`, whose global-norm clip sees the stage's
+    weights; its learning-rate schedule counts these updates.
+    """
+    mode = ASYNC_SCHEDULES[cfg.train.pipeline_schedule]
+    sched = sched_lib.make("1f1b", mesh.shape["pipeline"], pipeline_microbatches(cfg, mesh))
+    window = pipedream_window(cfg, mesh) if mode == "2bw" else 1
+    return stage_model.pipedream_engine(cfg.model, mesh, rules, optimizer, sched, mode, window)
+
+
+def engine_for(cfg: Config, mesh, rules) -> Callable:
+    """The configured synchronous engine: plain, pipeline schedule, or TeraPipe."""
+    if mesh.shape["pipeline"] == 1:
+        return plain_engine(cfg, mesh, rules)
+    if cfg.train.terapipe_slices:
+        return terapipe_engine(cfg, mesh, rules)
+    return pipeline_engine(cfg, mesh, rules)
 
 
 def validate_config(cfg: Config, mesh) -> None:
-    """Clear errors for shapes the mesh or the model cannot take."""
+    """Clear errors for shapes the mesh or the model cannot take, and for parallel forms
+    that do not compose (naming both fields)."""
     m, t = cfg.model, cfg.train
     check_divisible(mesh, model__num_heads=(m.num_heads, "heads"),
                     model__num_kv_heads=(m.num_kv_heads, "kv_heads"),
@@ -98,7 +196,7 @@ def validate_config(cfg: Config, mesh) -> None:
     if t.batch_size % t.grad_accum:
         raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
                          f"train.grad_accum={t.grad_accum}; make batch_size a multiple of it.")
-    shards = mesh.shape["data"] * mesh.shape["expert"]
+    shards = batch_shards(mesh)
     if (t.batch_size // t.grad_accum) % shards:
         raise ValueError(
             f"train.batch_size={t.batch_size} (per microbatch {t.batch_size // t.grad_accum}) "
@@ -114,53 +212,142 @@ def validate_config(cfg: Config, mesh) -> None:
     if t.seq_len > m.max_seq_len:
         raise ValueError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len="
                          f"{m.max_seq_len}; raise model.max_seq_len or shorten train.seq_len.")
+    if mesh.shape["pipeline"] > 1:
+        _validate_pipeline(cfg, mesh)
+    elif t.terapipe_slices or t.pipeline_schedule in ASYNC_SCHEDULES:
+        what = ("train.terapipe_slices" if t.terapipe_slices else
+                f"train.pipeline_schedule={t.pipeline_schedule}")
+        raise ValueError(f"{what} needs pipeline stages, but mesh.pipeline=1; set "
+                         "--mesh.pipeline to 2 or more.")
 
 
-def make_train_step(cfg: Config, optimizer, grad_sharding: dict | None = None,
-                    with_grads: bool = False):
-    """step(state, batch) -> (state, metrics); grads accumulated over train.grad_accum.
+def _refuse(cond: bool, first: str, second: str, why: str) -> None:
+    if cond:
+        raise ValueError(f"{first} with {second}: {why}")
 
-    `grad_sharding` places the gradients (ZeRO-2/3: reduce-scattered over `data`);
-    `with_grads` adds them to the metrics (tests compare them across meshes).
-    """
-    accum = cfg.train.grad_accum
-    value_and_grad = jax.value_and_grad(zero_loss_fn(cfg, transformer.logical_axes(cfg.model)),
-                                        has_aux=True)
-    place = (lambda g: g) if grad_sharding is None else (
-        lambda g: zero.constrain_tree(g, grad_sharding))
 
+def _validate_pipeline(cfg: Config, mesh) -> None:
+    m, t = cfg.model, cfg.train
+    p = mesh.shape["pipeline"]
+    units = transformer.layer_units(m)
+    unit = (f"MoE groups (model.num_layers={m.num_layers} / model.moe_every={m.moe_every})"
+            if m.num_moe_layers else f"layers (model.num_layers={m.num_layers})")
+    if t.pipeline_stage_layers:
+        if len(t.pipeline_stage_layers) != p or sum(t.pipeline_stage_layers) != units or min(
+                t.pipeline_stage_layers) < 1:
+            raise ValueError(
+                f"train.pipeline_stage_layers={t.pipeline_stage_layers} must give each of the "
+                f"mesh.pipeline={p} stages at least one of the {units} {unit}.")
+    elif units % p:
+        raise ValueError(
+            f"mesh.pipeline={p} does not divide the {units} {unit}; choose mesh.pipeline "
+            f"dividing {units}, change the layer count, or give train.pipeline_stage_layers.")
+    mb = pipeline_microbatches(cfg, mesh)
+    per_step = t.batch_size // t.grad_accum
+    if per_step % (batch_shards(mesh) * (1 if t.terapipe_slices else mb)):
+        raise ValueError(
+            f"train.pipeline_microbatches={mb}: train.batch_size={t.batch_size} (per "
+            f"accumulation step {per_step}) over {batch_shards(mesh)} batch shards must split "
+            f"into {mb} equal microbatches; use a batch size that is a multiple of "
+            f"{batch_shards(mesh) * mb * t.grad_accum} or set --train.pipeline-microbatches.")
+    if t.terapipe_slices:
+        _refuse(t.terapipe_slices > t.seq_len, f"train.terapipe_slices={t.terapipe_slices}",
+                f"train.seq_len={t.seq_len}", "use at most one slice per token.")
+        _refuse(cfg.mesh.sequence_parallel, "train.terapipe_slices", "mesh.sequence_parallel",
+                "TeraPipe cuts the sequence into slices itself; turn sequence parallelism off.")
+        _refuse(bool(m.num_moe_layers), "train.terapipe_slices", "model.moe_experts",
+                "TeraPipe runs dense models here; set model.moe_experts=0.")
+        _refuse(bool(t.pipeline_stage_layers), "train.terapipe_slices",
+                "train.pipeline_stage_layers", "TeraPipe takes an even split of the layers.")
+    if t.pipeline_schedule in ASYNC_SCHEDULES:
+        sched = f"train.pipeline_schedule={t.pipeline_schedule}"
+        why = ("PipeDream's per-stage updates need {}; ")
+        _refuse(m.tie_embeddings, sched, "model.tie_embeddings=True", why.format(
+            "each weight on one stage, but a tied table lives on the first and last") +
+            "pass --model.no-tie-embeddings.")
+        _refuse(t.terapipe_slices > 0, sched, "train.terapipe_slices", "pick one of them.")
+        _refuse(t.zero_stage > 0, sched, f"train.zero_stage={t.zero_stage}", why.format(
+            "a stage's whole weights for its optimizer (and clip)") + "use zero_stage 0.")
+        _refuse(mesh.shape["tensor"] > 1, sched, f"mesh.tensor={mesh.shape['tensor']}",
+                why.format("a stage's whole weights for the per-stage clip") +
+                "use mesh.tensor=1.")
+        _refuse(bool(m.num_moe_layers), sched, "model.moe_experts",
+                "not supported; use a synchronous schedule (gpipe or 1f1b).")
+        _refuse(t.grad_accum > 1, sched, f"train.grad_accum={t.grad_accum}",
+                "PipeDream updates per microbatch (2BW per window); use grad_accum=1.")
+        _refuse(bool(t.pipeline_stage_layers), sched, "train.pipeline_stage_layers",
+                "PipeDream takes an even split of the layers.")
+        if ASYNC_SCHEDULES[t.pipeline_schedule] == "2bw" and mb % pipedream_window(cfg, mesh):
+            raise ValueError(
+                f"train.pipedream_window={pipedream_window(cfg, mesh)} must divide "
+                f"train.pipeline_microbatches={mb} (2BW updates once per full window).")
+
+
+def batch_shards(mesh) -> int:
+    """How many shards a batch is split into on this mesh (the `batch` logical axis)."""
+    return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
+def optax_global_norm(tree):
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def accumulated(engine: Callable, accum: int, place: Callable) -> Callable:
+    """engine over `accum` microbatches of the batch, averaged (gradient accumulation);
+    `place` puts each microbatch's gradients where they live (ZeRO-2/3: split on data)."""
     def grads_of(params, batch):
         if accum == 1:
-            (loss, aux), g = value_and_grad(params, batch)
-            return loss, aux, place(g)
+            loss, metrics, g = engine(params, batch)
+            return loss, metrics, place(g)
         micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
 
         def body(carry, mb):
-            (loss, aux), g = value_and_grad(params, mb)
-            return jax.tree.map(jnp.add, carry, (loss, aux, place(g))), None
+            loss, metrics, g = engine(params, mb)
+            return jax.tree.map(jnp.add, carry, (loss, metrics, place(g))), None
 
-        aux_shape = jax.eval_shape(value_and_grad, params,
-                                   jax.tree.map(lambda x: x[0], micro))[0][1]
-        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, aux_shape),
-                jax.tree.map(jnp.zeros_like, params))
-        (loss, aux, g), _ = jax.lax.scan(body, zero, micro)
-        return jax.tree.map(lambda x: x / accum, (loss, aux, g))
+        shapes = jax.eval_shape(engine, params, jax.tree.map(lambda x: x[0], micro))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        (loss, metrics, g), _ = jax.lax.scan(body, zeros, micro)
+        return jax.tree.map(lambda x: x / accum, (loss, metrics, g))
+
+    return grads_of
+
+
+def make_train_step(cfg: Config, optimizer, engine: Callable, grad_sharding: dict | None = None,
+                    with_grads: bool = False, update: Callable | None = None):
+    """step(state, batch) -> (state, metrics).
+
+    `engine(params, batch) -> (loss, metrics, grads)` is accumulated over train.grad_accum
+    and fed to the optimizer; an asynchronous engine instead passes
+    `update(params, opt_state, batch) -> (params, opt_state, per-microbatch losses)`. Either
+    way a
+    non-finite loss (or gradient) leaves the state as it was. `grad_sharding` places the
+    gradients; `with_grads` adds them to the metrics (tests compare them across meshes).
+    """
+    place = (lambda g: g) if grad_sharding is None else (
+        lambda g: zero.constrain_tree(g, grad_sharding))
+    grads_of = accumulated(engine, cfg.train.grad_accum, place)
 
     def step(state, batch):
-        loss, aux, grads = grads_of(state["params"], batch)
+        if update is None:
+            loss, aux, grads = grads_of(state["params"], batch)
+            gnorm = optax_global_norm(grads)
+            updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+            params = jax.tree.map(lambda p, u: p + u, state["params"], updates)
+            aux = {"grad_norm": gnorm, **aux}
+        else:
+            params, opt_state, losses = update(state["params"], state["opt_state"], batch)
+            loss, gnorm, aux = jnp.mean(losses), jnp.float32(0), {}
         if cfg.train.debug_nan_step >= 0:  # fault injection for tests of the NaN guard
             loss = jnp.where(state["step"] == cfg.train.debug_nan_step, jnp.nan, loss)
-        gnorm = optax_global_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = jax.tree.map(lambda p, u: p + u, state["params"], updates)
         # A non-finite step changes nothing: the state (and so every checkpoint) stays good.
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_state = {"step": state["step"] + 1,
                      "params": keep(params, state["params"]),
                      "opt_state": keep(opt_state, state["opt_state"])}
         lr = optim.lr_schedule(cfg.train)(state["step"])
-        metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr, "finite": finite, **aux}
+        metrics = {"loss": loss, "lr": lr, "finite": finite, **aux}
         if with_grads:
             metrics["grads"] = grads
         return new_state, metrics
@@ -168,13 +355,14 @@ def make_train_step(cfg: Config, optimizer, grad_sharding: dict | None = None,
     return step
 
 
-def optax_global_norm(tree):
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
-
-
 @dataclasses.dataclass
 class Setup:
-    """Everything a training run compiles against: mesh, shardings, jitted functions."""
+    """Everything a training run compiles against: mesh, shardings, jitted functions.
+
+    `step_fn(state, batch) -> (state, metrics)` DONATES `state`: its buffers are reused for
+    the new state, so keep only the returned one (reading the old state afterwards raises
+    "Array has been deleted"). `eval_fn(params, batch)` returns the mean cross-entropy.
+    """
 
     cfg: Config
     mesh: jax.sharding.Mesh
@@ -184,7 +372,6 @@ class Setup:
     step_fn: object
     eval_fn: object
     traces: dict  # how many times each jitted function was traced (recompile guard)
-    rules: Rules = DEFAULT_RULES  # the logical-axis rules the step was compiled with
     grad_sharding: dict | None = None  # where the gradients live (ZeRO-2/3: split on data)
 
     def init_state(self, seed: int | None = None) -> dict:
@@ -204,30 +391,45 @@ class Setup:
                             shapes, self.state_sharding)
 
 
-def build(cfg: Config, mesh=None, *, with_grads: bool = False) -> Setup:
-    """Mesh, shardings and the jitted train/eval steps for a config.
+def metric_names(cfg: Config, asynchronous: bool) -> tuple[str, ...]:
+    names = ("loss", "lr", "finite") + (() if asynchronous else ("grad_norm",))
+    if cfg.model.num_moe_layers and not asynchronous and not cfg.train.terapipe_slices:
+        names += ("ce_loss", "moe_aux_loss", "moe_drop_fraction", "moe_expert_load",
+                  "moe_load_max_over_mean")
+    return names
 
-    Tensor and sequence parallelism come from the logical-axis rules (`rules_for`); ZeRO
-    from where `optim.state_shardings` puts the state and the gradients.
-    `with_grads=True` also returns each step's gradients in the metrics (for tests).
+
+def build(cfg: Config, mesh=None, *, with_grads: bool = False) -> Setup:
+    """Mesh, shardings, the engine and the jitted train/eval steps for a config.
+
+    Tensor and sequence parallelism and the pipeline stages' slices come from the
+    logical-axis rules (`rules_for`); ZeRO from where `optim.state_shardings` puts the state
+    and the gradients; the engine from `mesh.pipeline`, `train.pipeline_schedule` and
+    `train.terapipe_slices`. `with_grads=True` also returns each step's gradients in the
+    metrics (tests compare them across parallel forms).
     """
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
-    if mesh.shape["pipeline"] > 1:  # layers split into stages: the pipelined step
-        from gendist.parallel.pipeline_model import build_pipeline
-        return build_pipeline(cfg, mesh, cfg.train.pipeline_schedule,
-                              pipeline_microbatches(cfg, mesh))
     validate_config(cfg, mesh)
-    rules = rules_for(cfg.mesh)
+    rules = rules_for(dataclasses.replace(cfg.mesh, pipeline=mesh.shape["pipeline"]))
+    if len(set(cfg.train.pipeline_stage_layers)) > 1:  # uneven stages: layers stored whole
+        rules = rules.with_overrides(layers=None)
     stage = cfg.train.zero_stage
     optimizer = optim.make_optimizer(cfg.train)
     axes = transformer.logical_axes(cfg.model)
-    params_shape = jax.eval_shape(lambda: transformer.init_params(cfg.model, 0))
-    p_sh, o_sh = optim.state_shardings(mesh, axes, optimizer, params_shape, stage)
-    g_sh = zero.grad_shardings(mesh, axes, params_shape, stage)
+    params_shape = transformer.param_shapes(cfg.model)
+    p_sh, o_sh = optim.state_shardings(mesh, axes, optimizer, params_shape, stage, rules)
+    g_sh = zero.grad_shardings(mesh, axes, params_shape, stage, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     state_sh = {"step": replicated, "params": p_sh, "opt_state": o_sh}
     batch_sh = named_sharding(mesh, ("batch", "seq"))
-    raw_step = make_train_step(cfg, optimizer, g_sh, with_grads)
+    asynchronous = mesh.shape["pipeline"] > 1 and cfg.train.pipeline_schedule in ASYNC_SCHEDULES
+    if asynchronous:
+        raw_step = make_train_step(cfg, optimizer, None, g_sh, with_grads=False,
+                                   update=pipedream_update(cfg, mesh, rules, optimizer))
+    else:
+        raw_step = make_train_step(cfg, optimizer, engine_for(cfg, mesh, rules), g_sh,
+                                   with_grads)
+    eval_ops = MeshOps(mesh, rules)
     traces = {"step": 0, "eval": 0}
 
     def step(state, batch):
@@ -238,25 +440,26 @@ def build(cfg: Config, mesh=None, *, with_grads: bool = False) -> Setup:
     def evaluate(params, batch):
         traces["eval"] += 1
         with use_mesh(mesh, rules):
-            loss, metrics = loss_and_metrics(cfg, params, batch)
+            loss, metrics = loss_and_metrics(cfg, params, batch, eval_ops)
             return metrics.get("ce_loss", loss)  # validation: cross-entropy only
 
-    metrics_sh = {k: replicated for k in ("loss", "grad_norm", "lr", "finite")}
-    if cfg.model.moe is not None:
-        metrics_sh.update({k: replicated for k in ("ce_loss", "moe_aux_loss", "moe_drop_fraction",
-                                                   "moe_expert_load", "moe_load_max_over_mean")})
+    metrics_sh = {k: replicated for k in metric_names(cfg, asynchronous)}
     if with_grads:
         metrics_sh["grads"] = g_sh
     step_fn = jax.jit(step, in_shardings=(state_sh, batch_sh),
                       out_shardings=(state_sh, metrics_sh), donate_argnums=(0,))
     eval_fn = jax.jit(evaluate, in_shardings=(p_sh, batch_sh), out_shardings=replicated)
-    return Setup(cfg, mesh, optimizer, state_sh, batch_sh, step_fn, eval_fn, traces, rules,
-                 g_sh)
+    return Setup(cfg, mesh, optimizer, state_sh, batch_sh, step_fn, eval_fn, traces, g_sh)
 
 
 def pipeline_microbatches(cfg: Config, mesh) -> int:
     """train.pipeline_microbatches, or twice the number of stages when it is 0."""
     return cfg.train.pipeline_microbatches or 2 * mesh.shape["pipeline"]
+
+
+def pipedream_window(cfg: Config, mesh) -> int:
+    """2BW's update window: train.pipedream_window, or max(1, stages - 1) when it is 0."""
+    return cfg.train.pipedream_window or max(1, mesh.shape["pipeline"] - 1)
 
 
 def peak_flops_per_device() -> float | None:
@@ -286,7 +489,3 @@ def host_metrics(metrics) -> dict:
     return out
 
 
-def timed(fn, *args):
-    t = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    return out, time.perf_counter() - t

@@ -9,12 +9,20 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from gendist.models.moe import MoEConfig, init_moe_params, moe_ffn, moe_logical_axes
+from gendist.config import ModelConfig
+from gendist.models.moe import init_moe_params, moe_ffn, moe_logical_axes
 from gendist.parallel.expert import moe_ffn_sharded
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32, fixed
 B, T, D = 8, 8, 8
 moe_ffn_jit = jax.jit(moe_ffn, static_argnames=("cfg", "num_groups"))
+
+
+def moe_cfg(num_experts=8, top_k=2, capacity_factor=1.25, d_ff=512, activation="swiglu",
+            d_model=D, **kw):
+    """One MoE layer's settings, as the model's config carries them (`model.moe_*`)."""
+    return ModelConfig(d_model=d_model, num_layers=2, moe_experts=num_experts, moe_top_k=top_k,
+                       moe_capacity_factor=capacity_factor, moe_d_ff=d_ff, mlp=activation, **kw)
 
 
 def make_mesh(data, expert, tensor):
@@ -26,10 +34,10 @@ def make_mesh(data, expert, tensor):
 def loop_plan(params, x_BTD, cfg, num_groups):
     """Routing decided token by token in numpy: for each group and expert the ordered
     (token, choice) pairs it keeps; first choices of all tokens before second choices."""
-    E, k = cfg.num_experts, cfg.top_k
+    E, k = cfg.moe_experts, cfg.moe_top_k
     x = np.asarray(x_BTD, np.float64).reshape(num_groups, -1, x_BTD.shape[-1])
     G = x.shape[1]
-    capacity = math.ceil(G * k * cfg.capacity_factor / E)
+    capacity = math.ceil(G * k * cfg.moe_capacity_factor / E)
     logits = x @ np.asarray(params["router"], np.float64)
     plans, kept, chosen = [], np.zeros((num_groups, G, k), bool), np.zeros((num_groups, G, k), int)
     for g in range(num_groups):
@@ -55,7 +63,7 @@ def expert_apply(params, e, x_ND, activation):
 def loop_reference(params, x_BTD, cfg, num_groups, plan):
     """y and aux losses with one Python iteration per group and per expert."""
     plans, _, chosen = plan
-    E, k = cfg.num_experts, cfg.top_k
+    E, k = cfg.moe_experts, cfg.moe_top_k
     x = x_BTD.reshape(num_groups, -1, x_BTD.shape[-1])
     ys, lbs, zs = [], [], []
     for g in range(num_groups):
@@ -69,7 +77,7 @@ def loop_reference(params, x_BTD, cfg, num_groups, plan):
                 continue
             t_idx = np.array([t for t, _ in plans[g][e]])
             j_idx = np.array([j for _, j in plans[g][e]])
-            out = expert_apply(params, e, x[g][t_idx], cfg.activation)
+            out = expert_apply(params, e, x[g][t_idx], cfg.mlp)
             y = y.at[t_idx].add(gates[t_idx, j_idx][:, None] * out)
         ys.append(y)
         f = np.bincount(chosen[g][:, 0], minlength=E) / chosen.shape[1]
@@ -84,10 +92,10 @@ def objective(y, lb, z, cot):
 
 # ------------------------------------------------------------- sharded == loop reference
 CASES = [  # (data, expert, tensor), cfg: covers k=1/2, swiglu/gelu, tensor split on/off
-    ((2, 2, 2), MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0, d_ff=16)),
-    ((1, 4, 2), MoEConfig(num_experts=8, top_k=1, capacity_factor=1.0, d_ff=16,
+    ((2, 2, 2), moe_cfg(num_experts=8, top_k=2, capacity_factor=1.0, d_ff=16)),
+    ((1, 4, 2), moe_cfg(num_experts=8, top_k=1, capacity_factor=1.0, d_ff=16,
                           activation="gelu")),
-    ((1, 8, 1), MoEConfig(num_experts=8, top_k=2, capacity_factor=1.25, d_ff=16)),
+    ((1, 8, 1), moe_cfg(num_experts=8, top_k=2, capacity_factor=1.25, d_ff=16)),
 ]
 
 
@@ -96,7 +104,7 @@ def test_sharded_matches_loop_reference(axes, cfg):
     mesh = make_mesh(*axes)
     groups = axes[0] * axes[1]
     kp, kx, kc = jax.random.split(jax.random.key(axes[1]), 3)
-    params = init_moe_params(kp, D, cfg)
+    params = init_moe_params(kp, cfg)
     x = jax.random.normal(kx, (B, T, D))
     cot = jax.random.normal(kc, (B, T, D))
 
@@ -120,7 +128,7 @@ def test_sharded_matches_loop_reference(axes, cfg):
     assert 0 < float(aux.drop_fraction) < 1, "case must exercise drops"
     np.testing.assert_allclose(aux.drop_fraction, 1 - kept.mean(), **TOL)
     np.testing.assert_array_equal(aux.expert_load_E,
-                                  np.bincount(chosen.ravel(), minlength=cfg.num_experts))
+                                  np.bincount(chosen.ravel(), minlength=cfg.moe_experts))
     np.testing.assert_allclose(y, ry, **TOL)
     np.testing.assert_allclose(aux.load_balance_loss, rlb, **TOL)
     np.testing.assert_allclose(aux.z_loss, rz, **TOL)
@@ -131,13 +139,13 @@ def test_sharded_matches_loop_reference(axes, cfg):
 
 
 # --------------------------------------------- no drops: dense mixture; HLO all-to-alls
-NO_DROP = MoEConfig(num_experts=8, top_k=2, capacity_factor=4.0, d_ff=16)  # C = G
+NO_DROP = moe_cfg(num_experts=8, top_k=2, capacity_factor=4.0, d_ff=16)  # C = G
 
 
 @pytest.fixture(scope="module")
 def compiled_ep4():
     mesh = make_mesh(1, 4, 2)
-    params = init_moe_params(jax.random.key(7), D, NO_DROP)
+    params = init_moe_params(jax.random.key(7), NO_DROP)
     x = jax.random.normal(jax.random.key(8), (B, T, D))
     fn = jax.jit(lambda p, x: moe_ffn_sharded(p, x, NO_DROP, mesh))
     return fn.lower(params, x).compile(), params, x
@@ -150,7 +158,7 @@ def test_no_drop_equals_dense_mixture(compiled_ep4):
     # Every token through every expert, then sum_k gate_k * expert_k(x).
     x_ND = x.reshape(-1, D)
     all_NED = jnp.stack([expert_apply(params, e, x_ND, "swiglu")
-                         for e in range(NO_DROP.num_experts)], axis=1)
+                         for e in range(NO_DROP.moe_experts)], axis=1)
     probs = jax.nn.softmax(x_ND @ params["router"], axis=-1)
     top_p, top_e = jax.lax.top_k(probs, 2)
     gates = top_p / top_p.sum(-1, keepdims=True)
@@ -165,7 +173,7 @@ def test_forward_has_exactly_two_all_to_alls(compiled_ep4):
     ops = [ln for ln in hlo.splitlines() if re.search(r"=\s*\S.*\ball-to-all(-start)?\(", ln)]
     assert len(ops) == 2, "\n".join(ops)
     ep, G = 4, B * T // 4  # one group per expert-axis shard
-    E_loc, C = NO_DROP.num_experts // ep, NO_DROP.capacity(G)
+    E_loc, C = NO_DROP.moe_experts // ep, NO_DROP.moe_capacity(G)
     assert C == G
     for ln in ops:
         result = ln.split("=", 1)[1].split("all-to-all", 1)[0]
@@ -179,8 +187,8 @@ def test_fully_dropped_tokens_get_zero_output_and_gshard_order():
     # Tokens 0-3 prefer expert 0 then 1; tokens 4-7 prefer 1 then 0. With C = 4 the
     # first choices fill both buffers, so every second choice is dropped (GShard order:
     # all first choices before any second choice).
-    cfg = MoEConfig(num_experts=4, top_k=2, capacity_factor=1.0, d_ff=8)
-    params = init_moe_params(jax.random.key(0), 4, cfg)
+    cfg = moe_cfg(num_experts=4, top_k=2, capacity_factor=1.0, d_ff=8, d_model=4)
+    params = init_moe_params(jax.random.key(0), cfg)
     router = np.zeros((4, 4), np.float32)
     router[0] = [0, 0, -10, -10]
     router[1] = [2, -2, 0, 0]
@@ -207,8 +215,8 @@ def test_fully_dropped_tokens_get_zero_output_and_gshard_order():
 # ------------------------------------------------------------- Switch loss by hand
 def test_load_balance_and_z_loss_hand_computed():
     # Router = identity, so x rows are the logits. softmax([ln3, 0]) = [0.75, 0.25].
-    cfg = MoEConfig(num_experts=2, top_k=1, capacity_factor=1.0, d_ff=4)
-    params = init_moe_params(jax.random.key(0), 2, cfg)
+    cfg = moe_cfg(num_experts=2, top_k=1, capacity_factor=1.0, d_ff=4, d_model=2)
+    params = init_moe_params(jax.random.key(0), cfg)
     params["router"] = jnp.eye(2)
     l3 = math.log(3.0)
     x = jnp.asarray([[[l3, 0.0], [l3, 0.0], [0.0, l3], [l3, 0.0]]], jnp.float32)
@@ -229,20 +237,20 @@ def test_load_balance_and_z_loss_hand_computed():
 # ------------------------------------------------------------------------ bad input
 def test_bad_input_errors():
     with pytest.raises(ValueError, match="top_k"):
-        MoEConfig(num_experts=4, top_k=5)
-    with pytest.raises(ValueError, match="activation"):
-        MoEConfig(activation="relu")
-    cfg = MoEConfig(num_experts=6, top_k=2, d_ff=16)
-    params = init_moe_params(jax.random.key(0), D, cfg)
+        moe_cfg(num_experts=4, top_k=5)
+    with pytest.raises(ValueError, match="mlp"):  # the experts' activation is the model's MLP
+        moe_cfg(activation="relu")
+    cfg = moe_cfg(num_experts=6, top_k=2, d_ff=16)
+    params = init_moe_params(jax.random.key(0), cfg)
     x = jnp.zeros((B, T, D))
-    with pytest.raises(ValueError, match=r"num_experts=6.*'expert'"):
+    with pytest.raises(ValueError, match=r"moe_experts=6.*'expert'"):
         moe_ffn_sharded(params, x, cfg, make_mesh(1, 4, 2))
-    cfg8 = MoEConfig(num_experts=8, d_ff=12)
+    cfg8 = moe_cfg(num_experts=8, d_ff=12)
     with pytest.raises(ValueError, match="d_ff=12.*'tensor'"):
-        moe_ffn_sharded(init_moe_params(jax.random.key(0), D, cfg8), x, cfg8, make_mesh(1, 1, 8))
-    cfg4 = MoEConfig(num_experts=4, d_ff=16)
+        moe_ffn_sharded(init_moe_params(jax.random.key(0), cfg8), x, cfg8, make_mesh(1, 1, 8))
+    cfg4 = moe_cfg(num_experts=4, d_ff=16)
     with pytest.raises(ValueError, match="batch"):
-        moe_ffn_sharded(init_moe_params(jax.random.key(0), D, cfg4), jnp.zeros((3, T, D)), cfg4,
+        moe_ffn_sharded(init_moe_params(jax.random.key(0), cfg4), jnp.zeros((3, T, D)), cfg4,
                         make_mesh(2, 2, 2))
     with pytest.raises(ValueError, match="num_groups"):
         moe_ffn(params, jnp.zeros((3, T, D)), cfg, num_groups=2)
@@ -250,8 +258,8 @@ def test_bad_input_errors():
 
 def test_logical_axes_cover_params():
     for act in ("swiglu", "gelu"):
-        cfg = MoEConfig(num_experts=4, d_ff=8, activation=act)
-        params = init_moe_params(jax.random.key(0), D, cfg)
+        cfg = moe_cfg(num_experts=4, d_ff=8, activation=act)
+        params = init_moe_params(jax.random.key(0), cfg)
         axes = moe_logical_axes(cfg)
         assert axes.keys() == params.keys()
         for k in params:
@@ -261,8 +269,8 @@ def test_logical_axes_cover_params():
 def test_bf16_activations_route_in_fp32():
     # The router runs in fp32 whatever the activation dtype, so routing decisions and the
     # output dtype follow the spec; the bf16 output is close to the fp32 one.
-    cfg = MoEConfig(num_experts=4, top_k=2, capacity_factor=1.0, d_ff=16)
-    params = init_moe_params(jax.random.key(3), D, cfg)
+    cfg = moe_cfg(num_experts=4, top_k=2, capacity_factor=1.0, d_ff=16)
+    params = init_moe_params(jax.random.key(3), cfg)
     x = jax.random.normal(jax.random.key(4), (2, T, D)).astype(jnp.bfloat16)
     y16, aux16 = moe_ffn_jit(params, x, cfg)
     y32, aux32 = moe_ffn_jit(params, x.astype(jnp.float32), cfg)

@@ -10,6 +10,7 @@ from gendist.data import shard_batch
 from gendist.inference import generate as G
 from gendist.inference.sampling import SamplingParams
 from gendist.models import transformer
+from gendist.parallel.mesh_ops import MeshOps
 from gendist.sharding import named_sharding, use_mesh
 
 CFG = ModelConfig(d_model=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, d_ff=64,
@@ -23,9 +24,9 @@ def logits_on(mesh, params, tokens):
     p = jax.device_put(params, shardings)
     toks = shard_batch({"t": tokens}, mesh)["t"]
 
-    def f(p, t):
+    def f(p, t):  # the train step's ops: expert-parallel MoE when the batch is split
         with use_mesh(mesh):
-            return transformer.forward_with_aux(CFG, p, t)
+            return transformer.forward_with_aux(CFG, p, t, MeshOps(mesh))
 
     def ce(p, t):
         logits, _ = f(p, t)

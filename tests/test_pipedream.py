@@ -17,9 +17,9 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
-from gendist.parallel import pipedream as PD
 from gendist.parallel import pipeline as pl
 from gendist.parallel import schedule as S
+from gendist.parallel.pipeline import pipedream as PD
 
 D, F, V, T, MB = 16, 32, 32, 8, 2
 DATA, P_STAGES = 2, 4

@@ -106,6 +106,21 @@ def test_matches_sequential_model_with_nan_bubbles(data, pipe, tensor, name, m):
         assert "tensor" in tuple(grads["layers"]["w1"].sharding.spec)
 
 
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_kept_residuals_match_sequential_model_with_nan_bubbles(name):
+    """No recomputed forward: each stage keeps its forward's vjp residuals for the backward."""
+    mesh = make_mesh(2, 4)
+    params = init_params(jax.random.key(5), 4)
+    tokens, targets = batch(2, 6)
+    run = jax.jit(functools.partial(pl.pipeline_loss_and_grads, mesh=mesh, schedule=name,
+                                    num_microbatches=6, bubble_value=NAN, recompute=False,
+                                    **MODEL))
+    loss, grads = run(params, tokens, targets)
+    want_loss, want_grads = reference(params, tokens, targets)
+    np.testing.assert_allclose(loss, want_loss, rtol=RTOL)
+    assert_trees_close(grads, want_grads)
+
+
 def test_uneven_stage_split_with_nan_bubbles():
     mesh = make_mesh(2, 4)
     params = init_params(jax.random.key(3), 7)

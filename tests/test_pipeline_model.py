@@ -15,7 +15,9 @@ from gendist import train
 from gendist.config import replace
 from gendist.data import TextData, shard_batch
 from gendist.models import transformer
-from gendist.parallel import pipeline_model as pm
+from gendist.parallel import schedule as S
+from gendist.parallel.pipeline import model as stage_model
+from gendist.sharding import rules_for
 
 RTOL = 1e-5  # fp32, fixed
 # Entries that cancel to ~0 are compared against their leaf's largest entry instead.
@@ -61,9 +63,10 @@ def test_loss_and_grads_match_plain_model(corpus, data, pipe, tensor, name, m, t
     mesh = mesh_of(8, data=data, pipeline=pipe, tensor=tensor)
     params = transformer.init_params(cfg.model, 0)
     batch = text_batch(corpus, m, data * m)
-    run = jax.jit(lambda p, b: pm.loss_and_grads(cfg, p, b, mesh=mesh, schedule=name,
-                                                 num_microbatches=m, bubble_value=NAN))
-    loss, grads = run(params, shard_batch(batch, mesh))
+    st = stage_model.stage_setup(cfg.model, mesh, rules_for(replace(cfg.mesh, pipeline=pipe)))
+    sched = S.make(name, pipe, m)
+    run = jax.jit(lambda p, b: stage_model.loss_and_grads(st, p, b, sched, bubble_value=NAN))
+    loss, _, grads = run(params, shard_batch(batch, mesh))
     want_loss, want_grads = jax.jit(jax.value_and_grad(
         lambda p, b: train.loss_fn(cfg, p, b)))(params, batch)
     assert set(grads) == set(want_grads) == ({"embed", "blocks", "final_norm"}
@@ -72,6 +75,11 @@ def test_loss_and_grads_match_plain_model(corpus, data, pipe, tensor, name, m, t
     assert_trees_close(grads, want_grads)
     if tensor > 1:  # the stage's weights stayed split over `tensor`
         assert "tensor" in tuple(grads["blocks"]["wq"].sharding.spec)
+
+
+def pipelined(cfg, schedule, m):
+    return replace(cfg, **{"train.pipeline_schedule": schedule,
+                           "train.pipeline_microbatches": m})
 
 
 def run_steps(setup, corpus, n, size):
@@ -105,7 +113,7 @@ def assert_params_close(got, want):
 def test_three_adamw_steps_match_plain_train_step(corpus, plain_three_steps):
     """gendist's own optimizer (clip + AdamW + schedule) and state layout, 1F1B over 4 stages."""
     cfg = config(**{"train.batch_size": 16})
-    setup = pm.build_pipeline(cfg, mesh_of(8, data=2, pipeline=4), "1f1b", 4)
+    setup = train.build(pipelined(cfg, "1f1b", 4), mesh_of(8, data=2, pipeline=4))
     state, losses = run_steps(setup, corpus, 3, 16)
     want_params, want_losses = plain_three_steps
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
@@ -120,7 +128,7 @@ def test_zero1_moments_sharded_over_data_and_stages(corpus, plain_three_steps):
     """ZeRO-1 composes: moments split over `data` (optim.state_shardings) and over stages."""
     cfg = config(**{"train.batch_size": 16, "train.zero_stage": 1})
     mesh = mesh_of(8, data=4, pipeline=2)
-    setup = pm.build_pipeline(cfg, mesh, "gpipe", 2)
+    setup = train.build(pipelined(cfg, "gpipe", 2), mesh)
     state, losses = run_steps(setup, corpus, 3, 16)
     want_params, want_losses = plain_three_steps
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
@@ -141,12 +149,13 @@ def test_zero1_moments_sharded_over_data_and_stages(corpus, plain_three_steps):
 
 
 @pytest.mark.parametrize("kw, field", [
-    ({"train.grad_accum": 2}, "train.grad_accum"),
-    ({"train.batch_size": 12}, "num_microbatches"),  # 12 rows / 2 data shards / 4 microbatches
+    # 8 rows / 2 accumulation steps / 2 data shards do not split into 4 microbatches
+    ({"train.grad_accum": 2, "train.batch_size": 8}, "train.pipeline_microbatches"),
+    ({"train.batch_size": 12}, "train.pipeline_microbatches"),  # 12 / 2 shards / 4
 ])
 def test_bad_input_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
-        pm.build_pipeline(config(**kw), mesh_of(8, data=2, pipeline=4), "1f1b", 4)
+        train.build(pipelined(config(**kw), "1f1b", 4), mesh_of(8, data=2, pipeline=4))
 
 
 def test_plan_lines_count_the_table():

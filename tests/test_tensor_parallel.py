@@ -26,7 +26,7 @@ from gendist.accounting import parse_collectives
 from gendist.config import ModelConfig, replace
 from gendist.data import TextData
 from gendist.models import transformer
-from gendist.parallel import tensor
+from gendist.parallel import manual, tensor
 from gendist.parallel.compat import shard_map
 from gendist.sharding import DEFAULT_RULES, SEQUENCE_PARALLEL, named_sharding, use_mesh
 
@@ -144,7 +144,7 @@ def _block_case(sp):
     x = jax.random.normal(jax.random.key(1), (8, 16, cfg.d_model))
     pos = jnp.broadcast_to(jnp.arange(16), (8, 16))
     rules = DEFAULT_RULES.with_overrides(**SEQUENCE_PARALLEL) if sp else DEFAULT_RULES
-    shardings = ({k: NamedSharding(mesh, s) for k, s in tensor.block_specs(cfg, mesh).items()},
+    shardings = ({k: NamedSharding(mesh, s) for k, s in manual.block_specs(cfg, mesh).items()},
                  named_sharding(mesh, ("batch", "act_seq", "embed"), rules),
                  named_sharding(mesh, ("batch", "seq"), rules))
     return cfg, mesh, rules, (p, x, pos), shardings
@@ -162,11 +162,11 @@ def test_explicit_block_equals_annotated_block(sp):
 
     def annotated(p, x, pos):
         with use_mesh(mesh, rules):
-            return transformer.block_forward(p, x, pos, cfg)[0]
+            return transformer.block(p, x, pos, cfg)[0]
 
-    explicit = lambda p, x, pos: tensor.tp_block_forward(p, x, pos, cfg, mesh,
+    explicit = lambda p, x, pos: manual.tp_block_forward(p, x, pos, cfg, mesh,
                                                          sequence_parallel=sp)
-    single = _value_and_grads(lambda p, x, pos: transformer.block_forward(p, x, pos, cfg)[0])
+    single = _value_and_grads(lambda p, x, pos: transformer.block(p, x, pos, cfg)[0])
     want = single(*args)
     for block in (annotated, explicit):
         got = _value_and_grads(block, shardings)(*args)
@@ -213,7 +213,7 @@ def test_vocab_parallel_cross_entropy_matches_dense():
     targets = targets.at[0, :4].set(jnp.array([0, 63, 64, 255]))  # shard edges
     dense = jax.value_and_grad(lambda lg: train.cross_entropy(lg, targets))(logits)
     split = jax.jit(jax.value_and_grad(
-        lambda lg: tensor.vocab_parallel_cross_entropy(lg, targets, mesh)))(logits)
+        lambda lg: jnp.mean(tensor.vocab_parallel_nll(lg, targets, mesh))))(logits)
     np.testing.assert_allclose(split[0], dense[0], rtol=1e-6)
     np.testing.assert_allclose(split[1], dense[1], rtol=1e-5, atol=1e-9)
 
@@ -239,4 +239,4 @@ def test_explicit_block_rejects_indivisible_heads():
     cfg, mesh, _, (p, x, pos), _ = _block_case(False)
     bad = replace(cfg, num_heads=6, num_kv_heads=6)
     with pytest.raises(ValueError, match=r"model.num_heads=6 is not divisible by mesh.tensor=4"):
-        tensor.tp_block_forward(p, x, pos, bad, mesh)
+        manual.tp_block_forward(p, x, pos, bad, mesh)

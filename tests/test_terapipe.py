@@ -18,7 +18,7 @@ from gendist.config import replace
 from gendist.data import TextData, shard_batch
 from gendist.models import transformer
 from gendist.parallel import schedule as S
-from gendist.parallel import terapipe as tp
+from gendist.parallel.pipeline import terapipe as tp
 
 RTOL, LEAF_ATOL = 1e-5, 1e-6  # fp32; near-zero entries measured against the leaf's largest
 SEQ = 16

@@ -8,66 +8,31 @@ first choice before any token's second choice (GShard), and a token-choice that 
 expert's buffer full is dropped. A dropped choice contributes zero, so a token whose every
 choice was dropped gets a zero layer output and rides the residual path unchanged.
 
+The layer is configured by `ModelConfig`'s `moe_*` fields (one place, named as flags); the
+activation is the model's `mlp` (SwiGLU: w_gate, w_up, w_down; GELU: w_up, w_down).
 This module is the single-device math; `gendist.parallel.expert` runs the same group
 routing inside `shard_map` with all-to-alls over the `expert` mesh axis.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-ACTIVATIONS = ("swiglu", "gelu")
+from gendist.config import ModelConfig
+from gendist.models.params import block_specs
 
-
-@dataclass(frozen=True)
-class MoEConfig:
-    num_experts: int = 8  # E: experts per MoE layer
-    top_k: int = 2  # experts per token: 1 = Switch, 2 = GShard (renormalised gates)
-    capacity_factor: float = 1.25  # slots per expert = ceil(tokens * k / E * this)
-    d_ff: int = 512  # F: hidden width of each expert
-    activation: str = "swiglu"  # 'swiglu' (w_gate, w_up, w_down) or 'gelu' (w_up, w_down)
-    load_balance_weight: float = 0.01  # Switch load-balancing loss coefficient
-    z_loss_weight: float = 1e-3  # ST-MoE router z-loss coefficient (Zoph et al. 2022)
-    every_n_layers: int = 2  # an MoE FFN replaces the dense MLP in every N-th block
-    router_dtype: Any = jnp.float32  # router logits/softmax dtype (fp32 for stable routing)
-
-    def __post_init__(self):
-        if self.num_experts < 1:
-            raise ValueError(f"MoEConfig.num_experts={self.num_experts}: need at least 1 expert.")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(
-                f"MoEConfig.top_k={self.top_k} must be in [1, num_experts={self.num_experts}]: "
-                "a token cannot pick more experts than exist; lower top_k or add experts.")
-        if not self.capacity_factor > 0:
-            raise ValueError(f"MoEConfig.capacity_factor={self.capacity_factor} must be > 0 "
-                             "(1.0 gives each expert exactly its even share of tokens).")
-        if self.d_ff < 1:
-            raise ValueError(f"MoEConfig.d_ff={self.d_ff}: the expert hidden width must be >= 1.")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"MoEConfig.activation={self.activation!r}: use one of {ACTIVATIONS}.")
-        if self.load_balance_weight < 0 or self.z_loss_weight < 0:
-            raise ValueError("MoEConfig.load_balance_weight and z_loss_weight must be >= 0, got "
-                             f"{self.load_balance_weight} and {self.z_loss_weight}.")
-        if self.every_n_layers < 1:
-            raise ValueError(f"MoEConfig.every_n_layers={self.every_n_layers} must be >= 1 "
-                             "(1 = every block is MoE).")
-
-    def capacity(self, group_tokens: int) -> int:
-        """Buffer slots per expert for a group of `group_tokens` tokens (GShard/Switch)."""
-        return math.ceil(group_tokens * self.top_k * self.capacity_factor / self.num_experts)
+ROUTER_DTYPE = jnp.float32  # router logits and softmax in fp32 for stable routing
 
 
 def check_expert_axis(num_experts: int, axis_size: int, axis_name: str = "expert") -> None:
     """Experts are split evenly over the expert mesh axis; say how to fix it if not."""
     if num_experts % axis_size:
         raise ValueError(
-            f"MoEConfig.num_experts={num_experts} is not divisible by the size {axis_size} of "
-            f"mesh axis {axis_name!r}: choose num_experts as a multiple of {axis_size} or "
+            f"model.moe_experts={num_experts} is not divisible by the size {axis_size} of "
+            f"mesh axis {axis_name!r}: choose moe_experts as a multiple of {axis_size} or "
             f"set the {axis_name!r} axis size to a divisor of {num_experts}.")
 
 
@@ -81,37 +46,33 @@ class MoEAux(NamedTuple):
     kept_BTK: jax.Array  # [B, T, k] bool: this token's k-th choice got a buffer slot
     expert_BTK: jax.Array  # [B, T, k] int32: expert of the k-th choice
 
-    def weighted_loss(self, cfg: MoEConfig) -> jax.Array:
+    def weighted_loss(self, cfg: ModelConfig) -> jax.Array:
         """The term to add to the training loss."""
-        return cfg.load_balance_weight * self.load_balance_loss + cfg.z_loss_weight * self.z_loss
+        return (cfg.moe_load_balance_weight * self.load_balance_loss
+                + cfg.moe_z_loss_weight * self.z_loss)
 
 
-def init_moe_params(key: jax.Array, d_model: int, cfg: MoEConfig,
-                    dtype=jnp.float32) -> dict[str, jax.Array]:
-    """Router [D, E] (fp32) and expert weights stacked on a leading experts axis."""
-    E, D, F = cfg.num_experts, d_model, cfg.d_ff
-    k_router, k_gate, k_up, k_down = jax.random.split(key, 4)
-    params = {
-        "router": jax.random.normal(k_router, (D, E), cfg.router_dtype) * D**-0.5,
-        "w_up": (jax.random.normal(k_up, (E, D, F)) * D**-0.5).astype(dtype),
-        "w_down": (jax.random.normal(k_down, (E, F, D)) * F**-0.5).astype(dtype),
-    }
-    if cfg.activation == "swiglu":
-        params["w_gate"] = (jax.random.normal(k_gate, (E, D, F)) * D**-0.5).astype(dtype)
-    return params
+def moe_logical_axes(cfg: ModelConfig) -> dict[str, tuple[str | None, ...]]:
+    """Logical axes of one MoE layer's weights (router, experts), named as this module
+    uses them: the model's table (`params.block_specs`) without its `moe_` prefix."""
+    return {k[4:]: s.axes for k, s in block_specs(cfg, moe=True).items()
+            if k.startswith("moe_")}
 
 
-def moe_logical_axes(cfg: MoEConfig) -> dict[str, tuple[str | None, ...]]:
-    """Logical axis names of `init_moe_params`; the router's E axis stays whole because
-    every token group needs all E logits. Prepend 'layers' for layer-stacked params."""
-    axes = {
-        "router": ("embed", None),
-        "w_up": ("experts", "embed", "mlp"),
-        "w_down": ("experts", "mlp", "embed"),
-    }
-    if cfg.activation == "swiglu":
-        axes["w_gate"] = ("experts", "embed", "mlp")
-    return axes
+def layer_weights(p_block: dict) -> dict[str, jax.Array]:
+    """The MoE weights of one block's params (`moe_router` -> `router`, ...)."""
+    return {k[4:]: v for k, v in p_block.items() if k.startswith("moe_")}
+
+
+def init_moe_params(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32) -> dict[str, jax.Array]:
+    """One MoE layer's router [D, E] (fp32) and experts [E, ...], std fan_in ** -0.5."""
+    specs = {k[4:]: s for k, s in block_specs(cfg, moe=True).items() if k.startswith("moe_")}
+    keys = jax.random.split(key, len(specs))
+    out = {}
+    for k, (name, s) in zip(keys, sorted(specs.items()), strict=True):
+        w = jax.random.normal(k, s.shape, jnp.float32) * s.fan_in ** -0.5
+        out[name] = w if name == "router" else w.astype(dtype)
+    return out
 
 
 class Routing(NamedTuple):
@@ -125,10 +86,11 @@ class Routing(NamedTuple):
     z_loss: jax.Array
 
 
-def route_group(router_DE: jax.Array, x_GD: jax.Array, cfg: MoEConfig, capacity: int) -> Routing:
+def route_group(router_DE: jax.Array, x_GD: jax.Array, cfg: ModelConfig,
+                capacity: int) -> Routing:
     """Top-k routing of one group of G tokens into E buffers of `capacity` slots."""
-    E, k = cfg.num_experts, cfg.top_k
-    logits_GE = jnp.dot(x_GD.astype(cfg.router_dtype), router_DE.astype(cfg.router_dtype))
+    E, k = cfg.moe_experts, cfg.moe_top_k
+    logits_GE = jnp.dot(x_GD.astype(ROUTER_DTYPE), router_DE.astype(ROUTER_DTYPE))
     probs_GE = jax.nn.softmax(logits_GE, axis=-1)
     top_p_GK, expert_GK = jax.lax.top_k(probs_GE, k)
     # Switch keeps the raw top-1 probability (its gradient trains the router); k >= 2
@@ -191,22 +153,22 @@ def split_groups(x_BTD: jax.Array, num_groups: int) -> jax.Array:
     return x_BTD.reshape(num_groups, (B // num_groups) * T, D)
 
 
-def moe_group(params, x_GD: jax.Array, cfg: MoEConfig, capacity: int):
+def moe_group(params, x_GD: jax.Array, cfg: ModelConfig, capacity: int):
     """Route, run all experts and combine for one group on one device."""
     r = route_group(params["router"], x_GD, cfg, capacity)
-    buf_ECD = dispatch(x_GD, r, cfg.num_experts, capacity)
-    y_GD = combine(expert_ffn(params, buf_ECD, cfg.activation), r)
+    buf_ECD = dispatch(x_GD, r, cfg.moe_experts, capacity)
+    y_GD = combine(expert_ffn(params, buf_ECD, cfg.mlp), r)
     return y_GD, r
 
 
-def moe_ffn(params: dict[str, jax.Array], x_BTD: jax.Array, cfg: MoEConfig, *,
+def moe_ffn(params: dict[str, jax.Array], x_BTD: jax.Array, cfg: ModelConfig, *,
             num_groups: int = 1) -> tuple[jax.Array, MoEAux]:
     """Single-device MoE FFN. Tokens are routed in `num_groups` contiguous batch groups,
     each with its own capacity, exactly as `moe_ffn_sharded` routes one group per device
     of the batch axes; pass that shard count here to reproduce it."""
     B, T, D = x_BTD.shape
     x_NGD = split_groups(x_BTD, num_groups)
-    capacity = cfg.capacity(x_NGD.shape[1])
+    capacity = cfg.moe_capacity(x_NGD.shape[1])
     y_NGD, r = jax.vmap(lambda x: moe_group(params, x, cfg, capacity))(x_NGD)
     aux = group_aux(r, cfg, B, T)
     aux = aux._replace(load_balance_loss=jnp.mean(aux.load_balance_loss),
@@ -215,12 +177,12 @@ def moe_ffn(params: dict[str, jax.Array], x_BTD: jax.Array, cfg: MoEConfig, *,
     return y_NGD.reshape(B, T, D), aux
 
 
-def group_aux(r: Routing, cfg: MoEConfig, B: int, T: int) -> MoEAux:
+def group_aux(r: Routing, cfg: ModelConfig, B: int, T: int) -> MoEAux:
     """Per-group metrics from routing with leading group axes; the caller reduces them."""
-    k = cfg.top_k
+    k = cfg.moe_top_k
     kept = jnp.moveaxis(r.kept_KG, -2, -1)  # [..., G, k]
     expert = jnp.moveaxis(r.expert_KG, -2, -1)
-    load = jnp.sum(jax.nn.one_hot(r.expert_KG, cfg.num_experts, dtype=jnp.float32),
+    load = jnp.sum(jax.nn.one_hot(r.expert_KG, cfg.moe_experts, dtype=jnp.float32),
                    axis=(-3, -2))
     return MoEAux(
         load_balance_loss=r.load_balance_loss,

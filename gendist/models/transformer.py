@@ -1,92 +1,100 @@
-"""A Flax NNX decoder-only transformer with its blocks stacked on a leading `layers` axis.
+"""The decoder-only transformer (RoPE, RMSNorm, GQA, SwiGLU, optional MoE), as stage functions.
 
-The block math lives in `block_forward`, a pure function of one layer's weights, applied to
-the stack with `lax.scan`: pipeline stages take contiguous slices of the stacked arrays,
-and the decode loop scans the KV cache's per-layer arrays alongside the weights.
-Every parameter carries its logical axis names as `axes` metadata (see gendist.sharding).
+The model is written once, as pure functions of one params pytree (named in `params.py`):
+
+    embed(params, tokens)                       -> x_BTD
+    block(p_l, x, pos, cfg, ops, cache)         -> x, layer state, MoE stats   (one layer)
+    run_layers(layers, x, pos, cfg, ops, cache) -> x, cache, MoE stats          (a stack)
+    head_logits(params, x) / head_loss(params, x, targets)
+
+and everything else calls them: the plain forward below, pipeline stages (a contiguous
+slice of the stacked layers), TeraPipe token slices (a cache holding earlier slices' K/V),
+PipeDream, and the decode loop (a KV cache).
+
+Why pure functions over a pytree, not NNX modules: every consumer wants arrays, not
+objects. jit, `shard_map` stage slices, optax, orbax, the pipeline executors and the
+Hugging Face converter all take nested dicts, and a stage must be able to run layers
+[a, b) of a stack by slicing, which a pytree gives for free. The one thing modules add,
+per-parameter metadata, is the table in `params.py` (shape, logical axes, init), from which
+the shardings come. (An earlier version kept the math in functions and init/metadata in NNX
+modules, merging the two on every call; there is now one representation.)
+
+`ops` (see `ops.py`) is how the math meets the mesh: the default is the annotated SPMD form
+(constraints by logical axes, no-ops without a mesh); `gendist.parallel` passes the explicit
+per-device form inside `shard_map` and the expert-parallel MoE under a mesh.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from gendist.config import ModelConfig
+from gendist.models import moe as moe_lib
+from gendist.models import params as P
 from gendist.models.attention import attention
 from gendist.models.layers import apply_rope, mlp, rms_norm, rope_angles
-from gendist.sharding import column_input, compute_layout, constrain, row_output
+from gendist.models.ops import DEFAULT_OPS, Ops
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-
-def block_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """Shape and logical axes of one block's weights (without the `layers` axis)."""
-    D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_ff
-    shapes = {
-        "attn_norm": ((D,), ("embed",)),
-        "wq": ((D, N, H), ("embed", "heads", "head_dim")),
-        "wk": ((D, K, H), ("embed", "kv_heads", "head_dim")),
-        "wv": ((D, K, H), ("embed", "kv_heads", "head_dim")),
-        "wo": ((N, H, D), ("heads", "head_dim", "embed")),
-        "mlp_norm": ((D,), ("embed",)),
-        "w_up": ((D, F), ("embed", "mlp")),
-        "w_down": ((F, D), ("mlp", "embed")),
-    }
-    if cfg.mlp == "swiglu":
-        shapes["w_gate"] = ((D, F), ("embed", "mlp"))
-    return shapes
+# Re-exported: the parameter table's views.
+init_params = P.init_params
+logical_axes = P.logical_axes
+param_shapes = P.param_shapes
 
 
-def _init_block_param(key, name, shape, cfg: ModelConfig, num_layers: int):
-    if name.endswith("norm"):
-        return jnp.ones((num_layers, *shape), jnp.float32)
-    std = cfg.init_std
-    if name in ("wo", "w_down"):  # GPT-2: scale residual projections by 1/sqrt(2L)
-        std = std / math.sqrt(2 * cfg.num_layers)
-    return std * jax.random.normal(key, (num_layers, *shape), jnp.float32)
+class MoEStats(NamedTuple):
+    """Router statistics of the MoE blocks a stack ran, one row per MoE block (G)."""
+
+    loss_G: jax.Array  # weighted load-balance + z loss, added to the training loss
+    drop_G: jax.Array  # fraction of token-choices dropped
+    load_GE: jax.Array  # token-choices routed to each expert, before capacity
 
 
-class Blocks(nnx.Module):
-    """All transformer blocks, each weight stacked on a leading `layers` axis."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, num_layers: int | None = None):
-        num_layers = cfg.num_layers if num_layers is None else num_layers
-        for name, (shape, axes) in block_param_shapes(cfg).items():
-            value = _init_block_param(rngs.params(), name, shape, cfg, num_layers)
-            setattr(self, name, nnx.Param(value, axes=("layers", *axes)))
-
-    def stacked(self) -> dict[str, jax.Array]:
-        return {n: getattr(self, n)[...] for n in block_param_shapes_names(self)}
+@functools.lru_cache(maxsize=64)
+def _block_axes(cfg: ModelConfig, moe: bool) -> dict:
+    return {k: s.axes for k, s in P.block_specs(cfg, moe).items()}
 
 
-def block_param_shapes_names(blocks: Blocks) -> list[str]:
-    return [n for n in ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up",
-                        "w_down") if hasattr(blocks, n)]
+def compute_dtype(cfg: ModelConfig):
+    return DTYPES[cfg.dtype]
 
 
-def block_forward(p: dict, x_BTD, pos_BT, cfg: ModelConfig, *, cache=None, layer_state=None,
-                  ffn=None):
-    """One pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). Returns (x, layer_state)."""
+def embed(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, ops: Ops = DEFAULT_OPS):
+    """Token embedding in the compute dtype, in the residual stream's layout."""
+    return ops.embed(params["embed"], tokens_BT, compute_dtype(cfg))
+
+
+def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, cache=None,
+          layer_state=None):
+    """One pre-norm block: x + attn(norm(x)), then + ffn(norm(x)).
+
+    `p` holds one layer's weights (a dense block, or an MoE block when it has `moe_router`).
+    Returns (x, layer_state, stats) with stats = (weighted router loss, drop fraction,
+    load [E]) for an MoE block and None for a dense one.
+    """
+    moe = "moe_router" in p
     dt = x_BTD.dtype
     # Weights in their compute layout: under ZeRO-3 this is the layer's just-in-time gather.
-    p = compute_layout(p, {k: a for k, (_, a) in block_param_shapes(cfg).items()}, dt)
-    h_BTD = column_input(rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps))  # Megatron f
+    p = ops.weights(p, _block_axes(cfg, moe), dt)
+    h_BTD = ops.enter(rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps))  # Megatron f
     if cfg.fused_projections:  # one [D, N+2K, H] matmul: fewer, larger GEMMs
         w_DCH = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1).astype(dt)
         qkv_BTCH = jnp.einsum("BTD,DCH->BTCH", h_BTD, w_DCH)
-        N, K = cfg.num_heads, cfg.num_kv_heads
-        q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [N, N + K], axis=2)
+        n, k = p["wq"].shape[1], p["wk"].shape[1]  # local heads (per tensor shard)
+        q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [n, n + k], axis=2)
     else:
         q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, p["wq"].astype(dt))
         k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, p["wk"].astype(dt))
         v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, p["wv"].astype(dt))
-    q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
-    k_BTKH = constrain(k_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
-    v_BTKH = constrain(v_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
+    q_BTNH = ops.constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
+    k_BTKH = ops.constrain(k_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
+    v_BTKH = ops.constrain(v_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
     cos, sin = rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta)
     q_BTNH, k_BTKH = apply_rope(q_BTNH, cos, sin), apply_rope(k_BTKH, cos, sin)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -95,13 +103,19 @@ def block_forward(p: dict, x_BTD, pos_BT, cfg: ModelConfig, *, cache=None, layer
     else:
         o_BTNH, layer_state = cache.attend(layer_state, q_BTNH, k_BTKH, v_BTKH, pos_BT,
                                            sm_scale)
-    o_BTNH = constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
-    x_BTD = x_BTD + row_output(jnp.einsum("BTNH,NHD->BTD", o_BTNH, p["wo"].astype(dt)))  # g
-    x_BTD = constrain(x_BTD, ("batch", "act_seq", "embed"))
-    h_BTD = column_input(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps))  # Megatron f
-    x_BTD = x_BTD + row_output(mlp(h_BTD, p, cfg.mlp, cfg.fused_projections) if ffn is None else ffn(h_BTD))  # g
-    x_BTD = constrain(x_BTD, ("batch", "act_seq", "embed"))
-    return x_BTD, layer_state
+    o_BTNH = ops.constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
+    x_BTD = x_BTD + ops.leave(jnp.einsum("BTNH,NHD->BTD", o_BTNH, p["wo"].astype(dt)))  # g
+    x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
+    h_BTD = ops.enter(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps))  # Megatron f
+    stats = None
+    if moe:
+        y_BTD, aux = ops.moe(moe_lib.layer_weights(p), h_BTD, cfg)
+        stats = (aux.weighted_loss(cfg), aux.drop_fraction, aux.expert_load_E)
+    else:
+        y_BTD = mlp(h_BTD, p, cfg.mlp, cfg.fused_projections)
+    x_BTD = x_BTD + ops.leave(y_BTD)  # g
+    x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
+    return x_BTD, layer_state, stats
 
 
 def remat_policy(name: str):
@@ -114,142 +128,125 @@ def remat_policy(name: str):
     raise ValueError(f"model.remat={name!r}; choose none, full or save_matmuls.")
 
 
-def apply_blocks(stacked: dict, x_BTD, pos_BT, cfg: ModelConfig, cache=None):
-    """Scan `block_forward` over the stacked layers (and the cache's per-layer arrays)."""
+def layer_units(cfg: ModelConfig) -> int:
+    """How many units the layer stack splits into: layers, or MoE groups of moe_every layers
+    (moe_every - 1 dense blocks, then one MoE block). Pipeline stages take whole units."""
+    return cfg.num_moe_layers or cfg.num_layers
 
-    def body(x, layer):
-        p, layer_state = layer
-        x, layer_state = block_forward(p, x, pos_BT, cfg, cache=cache, layer_state=layer_state)
-        return x, layer_state
 
-    policy = remat_policy(cfg.remat)
+def layers_of(params: dict) -> dict:
+    """The layer-stacked part of the params: {'blocks'} (+ 'moe_blocks')."""
+    return {k: params[k] for k in ("blocks", "moe_blocks") if k in params}
+
+
+def run_layers(layers: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS,
+               cache=None):
+    """The stack: a scan of `block` over units of `layers` (a contiguous slice of the
+    model's layer units, stacked on their leading axis), threading the cache's per-layer
+    state. Returns (x, cache, MoEStats or None)."""
+    dense = layers["blocks"]
+    moe = layers.get("moe_blocks")
+    states = None if cache is None else cache.layer_state()
+    unroll = max(1, min(cfg.scan_unroll, jax.tree.leaves(layers)[0].shape[0]))
+
+    if moe is None:
+        def unit(x, inp):
+            p, ls = inp
+            x, ls, _ = block(p, x, pos_BT, cfg, ops, cache=cache, layer_state=ls)
+            return x, ls
+        xs = (dense, states)
+    else:
+        G = jax.tree.leaves(moe)[0].shape[0]
+        n = cfg.moe_every
+        regroup = lambda t, k: jax.tree.map(lambda a: a.reshape(G, k, *a.shape[1:]), t)
+        xs = (regroup(dense, n - 1), moe, None if states is None else regroup(states, n))
+
+        def unit(x, inp):
+            dp, mp, ls = inp
+            sl = lambda a, b: None if ls is None else jax.tree.map(lambda s: s[a:b], ls)
+
+            def dense_body(x, q):
+                p, s = q
+                x, s, _ = block(p, x, pos_BT, cfg, ops, cache=cache, layer_state=s)
+                return x, s
+
+            x, dense_ls = jax.lax.scan(dense_body, x, (dp, sl(0, n - 1)))
+            moe_ls = None if ls is None else jax.tree.map(lambda s: s[n - 1], ls)
+            x, moe_ls, stats = block(mp, x, pos_BT, cfg, ops, cache=cache, layer_state=moe_ls)
+            new_ls = None if ls is None else jax.tree.map(
+                lambda a, b: jnp.concatenate([a, b[None]], 0), dense_ls, moe_ls)
+            return x, (new_ls, stats)
+
     if cfg.remat != "none":
-        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    layer_states = None if cache is None else cache.layer_state()
-    unroll = min(cfg.scan_unroll, jax.tree.leaves(stacked)[0].shape[0])
-    x_BTD, new_states = jax.lax.scan(body, x_BTD, (stacked, layer_states), unroll=unroll)
-    return x_BTD, (None if cache is None else cache.with_layer_state(new_states))
+        unit = jax.checkpoint(unit, policy=remat_policy(cfg.remat), prevent_cse=False)
+    x_BTD, out = jax.lax.scan(unit, x_BTD, xs, unroll=unroll)
+    if moe is None:
+        new_states, stats = out, None
+    else:
+        (new_states, stats) = out
+        stats = MoEStats(*stats)
+        if new_states is not None:
+            new_states = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), new_states)
+    if cache is not None:
+        cache = cache.with_layer_state(new_states)
+    return x_BTD, cache, stats
 
 
-class Transformer(nnx.Module):
-    """Token embedding -> stacked blocks -> RMSNorm -> logits (tied or untied output)."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        D, V = cfg.d_model, cfg.vocab_size
-        self.embed = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (V, D)),
-                               axes=("vocab", "embed"))
-        self.blocks = Blocks(cfg, rngs=rngs, num_layers=cfg.num_layers - cfg.num_moe_layers)
-        if cfg.moe is not None:
-            from gendist.models.moe_stack import MoEBlocks
-            self.moe_blocks = MoEBlocks(cfg, rngs=rngs)
-        self.final_norm = nnx.Param(jnp.ones((D,)), axes=("embed",))
-        if not cfg.tie_embeddings:
-            self.head = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (D, V)),
-                                  axes=("embed", "vocab"))
-
-    def hidden(self, tokens_BT, positions_BT=None, cache=None):
-        """Final normalised hidden states [B, T, D] (and the updated cache)."""
-        h_BTD, cache, _ = self.hidden_and_aux(tokens_BT, positions_BT, cache)
-        return h_BTD, cache
-
-    def hidden_and_aux(self, tokens_BT, positions_BT=None, cache=None):
-        """hidden(), plus auxiliary losses/metrics ({} for a dense model; MoE: moe_loss...)."""
-        cfg = self.cfg
-        B, T = tokens_BT.shape
-        if positions_BT is None:
-            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        dt = DTYPES[cfg.dtype]
-        x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dt)
-        # Vocab-parallel lookup: each shard's rows, summed over `tensor`, then sequence shards.
-        x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
-        x_BTD = constrain(x_BTD, ("batch", "act_seq", "embed"))
-        aux = {}
-        if cache is not None:
-            cache = cache.prepare(positions_BT)
-        if cfg.moe is None:
-            x_BTD, cache = apply_blocks(self.blocks.stacked(), x_BTD, positions_BT, cfg, cache)
-        else:
-            from gendist.models.moe_stack import apply_moe_groups
-            x_BTD, cache, aux = apply_moe_groups(self.blocks.stacked(), self.moe_blocks.stacked(),
-                                                 x_BTD, positions_BT, cfg, cache)
-        return rms_norm(x_BTD, self.final_norm[...], cfg.norm_eps), cache, aux
-
-    def output_weights_DV(self) -> jax.Array:
-        return self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
-
-    def logits_and_aux(self, tokens_BT):
-        """Training view: fp32 logits [B, T, V] and the auxiliary dict."""
-        h_BTD, _, aux = self.hidden_and_aux(tokens_BT)
-        return self.logits(h_BTD), aux
-
-    def logits(self, h_BTD):
-        """fp32 logits [B, T, V] from final hidden states."""
-        h_BTD = column_input(h_BTD)  # Megatron f before the vocab-parallel output layer
-        w_DV = self.output_weights_DV().astype(h_BTD.dtype)
-        logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, w_DV, preferred_element_type=jnp.float32)
-        return constrain(logits_BTV, ("batch", "seq", "vocab"))
-
-    def __call__(self, tokens_BT, positions_BT=None, cache=None):
-        """Logits [B, T, V] in fp32 (and the updated cache when one is given)."""
-        h_BTD, cache = self.hidden(tokens_BT, positions_BT, cache)
-        logits_BTV = self.logits(h_BTD)
-        return logits_BTV if cache is None else (logits_BTV, cache)
+def head_params(params: dict, cfg: ModelConfig) -> dict:
+    """What the output side reads: the final norm and the output matrix (the token table
+    when tied)."""
+    return {"final_norm": params["final_norm"],
+            **({"embed": params["embed"]} if cfg.tie_embeddings else {"head": params["head"]})}
 
 
-# --- functional view: pure dicts of arrays for jit, optax, orbax and shardings ---------
-
-def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
-
-
-def split_model(model: Transformer):
-    """(graphdef, template state, params as a pure dict, logical axes as a pure dict)."""
-    graphdef, state = nnx.split(model, nnx.Param)
-    params = _pure(state)
-    axes = _pure(jax.tree.map(lambda v: tuple(v.axes), state,
-                              is_leaf=lambda v: isinstance(v, nnx.Variable)))
-    return graphdef, state, params, axes
+def head_logits(params: dict, x_BTD, cfg: ModelConfig, ops: Ops = DEFAULT_OPS):
+    """fp32 logits [B, T, V] from the last block's output (final RMSNorm, output layer)."""
+    final_norm = ops.weights({"final_norm": params["final_norm"]},
+                             {"final_norm": ("embed",)}, x_BTD.dtype)["final_norm"]
+    h_BTD = rms_norm(x_BTD, final_norm, cfg.norm_eps)
+    w_DV = params["embed"].T if cfg.tie_embeddings else params["head"]
+    return ops.logits(h_BTD, w_DV)
 
 
-def _pure(state) -> dict:
-    """nnx.State -> nested dict (the helper moved between flax versions)."""
-    if hasattr(nnx, "to_pure_dict"):
-        return nnx.to_pure_dict(state)
-    return state.to_pure_dict()
+def head_loss(params: dict, x_BTD, targets_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS):
+    """(summed next-token cross-entropy in fp32, token count) of the last block's output."""
+    nll_BT = ops.nll(head_logits(params, x_BTD, cfg, ops), targets_BT)
+    return jnp.sum(nll_BT), targets_BT.size
 
 
-def merge_model(graphdef, template_state, params: dict) -> Transformer:
-    """A model whose Params are `params` (tracers inside jit)."""
-    state = jax.tree.map(lambda v: v, template_state,
-                         is_leaf=lambda v: isinstance(v, nnx.Variable))
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
+def _positions(tokens_BT, positions_BT):
+    if positions_BT is not None:
+        return positions_BT
+    B, T = tokens_BT.shape
+    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
 
-@functools.lru_cache(maxsize=16)
-def abstract_model(cfg: ModelConfig):
-    """graphdef, template state and logical axes without allocating weights."""
-    model = nnx.eval_shape(lambda: init_model(cfg, 0))
-    graphdef, state, _, axes = split_model(model)
-    return graphdef, state, axes
+def forward(cfg: ModelConfig, params: dict, tokens_BT, positions_BT=None, cache=None,
+            ops: Ops = DEFAULT_OPS):
+    """Logits [B, T, V] in fp32 (and the updated cache when one is given)."""
+    pos_BT = _positions(tokens_BT, positions_BT)
+    x_BTD = embed(params, tokens_BT, cfg, ops)
+    if cache is not None:
+        cache = cache.prepare(pos_BT)
+    x_BTD, cache, _ = run_layers(layers_of(params), x_BTD, pos_BT, cfg, ops, cache)
+    logits_BTV = head_logits(params, x_BTD, cfg, ops)
+    return logits_BTV if cache is None else (logits_BTV, cache)
 
 
-def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
-    """Parameters as a pure dict (fp32)."""
-    return split_model(init_model(cfg, seed))[2]
+def moe_summary(stats: MoEStats | None) -> dict:
+    """{} for a dense model; MoE: the summed router loss and the mean drop fraction."""
+    if stats is None:
+        return {}
+    return {"moe_loss": jnp.sum(stats.loss_G), "moe_drop_fraction": jnp.mean(stats.drop_G),
+            "moe_expert_load_GE": stats.load_GE}
 
 
-def forward(cfg: ModelConfig, params: dict, tokens_BT, positions_BT=None, cache=None):
-    """Functional forward: logits (and cache) from a pure params dict."""
-    graphdef, template, _ = abstract_model(cfg)
-    return merge_model(graphdef, template, params)(tokens_BT, positions_BT, cache)
-
-
-def forward_with_aux(cfg: ModelConfig, params: dict, tokens_BT):
-    """(logits, aux) from a pure params dict; aux holds MoE losses and metrics."""
-    graphdef, template, _ = abstract_model(cfg)
-    return merge_model(graphdef, template, params).logits_and_aux(tokens_BT)
+def forward_with_aux(cfg: ModelConfig, params: dict, tokens_BT, ops: Ops = DEFAULT_OPS):
+    """(fp32 logits, aux): aux holds the MoE router loss and metrics ({} when dense)."""
+    pos_BT = _positions(tokens_BT, None)
+    x_BTD = embed(params, tokens_BT, cfg, ops)
+    x_BTD, _, stats = run_layers(layers_of(params), x_BTD, pos_BT, cfg, ops)
+    return head_logits(params, x_BTD, cfg, ops), moe_summary(stats)
 
 
 def inference_params(cfg: ModelConfig, params: dict) -> dict:
@@ -269,8 +266,3 @@ def inference_params(cfg: ModelConfig, params: dict) -> dict:
 
     return jax.tree_util.tree_map_with_path(cast, params, logical_axes(cfg),
                                             is_leaf=lambda x: isinstance(x, tuple))
-
-
-def logical_axes(cfg: ModelConfig) -> dict:
-    """Logical axis names of every parameter, as a pure dict matching `init_params`."""
-    return abstract_model(cfg)[2]

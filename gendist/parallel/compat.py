@@ -30,6 +30,14 @@ def shard_map(f, *, mesh, in_specs, out_specs, check: bool = True):
                       **{_CHECK_KW: check})
 
 
+def shard_map_manual(f, *, mesh, in_specs, out_specs, axis_names: frozenset[str]):
+    """`shard_map` manual over `axis_names` only (the other axes stay with the compiler),
+    with the varying-axes check off: the pipeline executors move values between stages
+    with ppermute and pick branches per stage, and reduce gradients explicitly."""
+    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                      axis_names=frozenset(axis_names), **{_CHECK_KW: False})
+
+
 def to_varying(x, axis_name):
     """Mark an axis-invariant value as varying over `axis_name` (identity on the values).
 

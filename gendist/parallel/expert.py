@@ -13,6 +13,7 @@ column/row split), so each expert's output is a partial sum completed by a psum 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -20,9 +21,9 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from gendist.config import ModelConfig
 from gendist.models.moe import (
     MoEAux,
-    MoEConfig,
     check_expert_axis,
     combine,
     dispatch,
@@ -31,20 +32,18 @@ from gendist.models.moe import (
     moe_logical_axes,
     route_group,
 )
-
-try:  # jax >= 0.7 has the stable name; older releases only the experimental one.
-    from jax import shard_map as _shard_map
-except ImportError:  # pragma: no cover - depends on the installed jax
-    from jax.experimental.shard_map import shard_map as _shard_map
+from gendist.parallel.compat import shard_map
+from gendist.sharding import BATCH_AXES, DEFAULT_RULES, logical_to_spec
 
 
-def _param_specs(cfg: MoEConfig, expert_axis: str, tensor_axis: str | None) -> dict[str, P]:
-    """PartitionSpecs of the expert weights from their logical names."""
-    to_mesh = {"experts": expert_axis, "mlp": tensor_axis, "embed": None, None: None}
-    return {k: P(*(to_mesh[a] for a in names)) for k, names in moe_logical_axes(cfg).items()}
+def _param_specs(cfg: ModelConfig, expert_axis: str, tensor_axis: str | None) -> dict[str, P]:
+    """PartitionSpecs of the expert weights: the one table, with the experts and their
+    hidden width on the axes this call names."""
+    rules = DEFAULT_RULES.with_overrides(experts=expert_axis, mlp=tensor_axis)
+    return {k: logical_to_spec(names, rules) for k, names in moe_logical_axes(cfg).items()}
 
 
-def _check(cfg: MoEConfig, mesh: Mesh, x_BTD, expert_axis: str, data_axes: tuple[str, ...],
+def _check(cfg: ModelConfig, mesh: Mesh, x_BTD, expert_axis: str, data_axes: tuple[str, ...],
            tensor_axis: str | None) -> None:
     for name in (expert_axis, *data_axes, *(() if tensor_axis is None else (tensor_axis,))):
         if name not in mesh.shape:
@@ -53,20 +52,61 @@ def _check(cfg: MoEConfig, mesh: Mesh, x_BTD, expert_axis: str, data_axes: tuple
     if expert_axis not in data_axes:
         raise ValueError(f"data_axes={data_axes} must include expert_axis={expert_axis!r}: "
                          "tokens are data parallel over the expert axis.")
-    check_expert_axis(cfg.num_experts, mesh.shape[expert_axis], expert_axis)
-    if tensor_axis is not None and cfg.d_ff % mesh.shape[tensor_axis]:
-        raise ValueError(f"MoEConfig.d_ff={cfg.d_ff} is not divisible by the size "
-                         f"{mesh.shape[tensor_axis]} of mesh axis {tensor_axis!r}; pick d_ff "
-                         "as a multiple of it.")
+    check_expert_axis(cfg.moe_experts, mesh.shape[expert_axis], expert_axis)
+    if tensor_axis is not None and cfg.moe_expert_d_ff % mesh.shape[tensor_axis]:
+        raise ValueError(f"expert width d_ff={cfg.moe_expert_d_ff} (model.moe_d_ff, or "
+                         "model.d_ff when it is 0) is not divisible by the size "
+                         f"{mesh.shape[tensor_axis]} of mesh axis {tensor_axis!r}; pick a "
+                         "multiple of it.")
     shards = math.prod(mesh.shape[a] for a in data_axes)
     if x_BTD.ndim != 3 or x_BTD.shape[0] % shards:
         raise ValueError(f"x_BTD shape {x_BTD.shape}: the batch must be divisible by the "
                          f"{shards} shards of mesh axes {data_axes}; change the batch size.")
 
 
-def moe_ffn_sharded(params: dict[str, jax.Array], x_BTD: jax.Array, cfg: MoEConfig,
+def moe_local(p: dict, x_bTD: jax.Array, cfg: ModelConfig, *, expert_axis: str,
+              data_axes: tuple[str, ...], tensor_axis: str | None, mean_aux: bool = True):
+    """The per-device body (inside a shard_map where these axes are manual): route this
+    device's tokens as one group, all-to-all to the experts' owners, run the local experts,
+    all-to-all back, combine. Expert weights are this device's [E/ep, ...] slice.
+
+    `tensor_axis`: the experts' hidden F is split over it and the partial outputs are
+    summed here (None: leave them to the caller, e.g. Megatron's g after the block).
+    `mean_aux`: average the router losses/metrics over `data_axes` (False: this group's).
+    """
+    b_loc, T, D = x_bTD.shape
+    ep = jax.lax.axis_size(expert_axis)
+    E = cfg.moe_experts
+    E_loc = E // ep
+    capacity = cfg.moe_capacity(b_loc * T)
+    x_GD = x_bTD.reshape(b_loc * T, D)
+    r = route_group(p["router"], x_GD, cfg, capacity)
+    buf_ECD = dispatch(x_GD, r, E, capacity)
+    # Dispatch: row j of [ep, E_loc, C, D] goes to the device holding experts of shard j;
+    # afterwards row j holds the slots that device j of the expert axis filled.
+    buf_SLCD = jax.lax.all_to_all(buf_ECD.reshape(ep, E_loc, capacity, D), expert_axis,
+                                  split_axis=0, concat_axis=0)
+    x_LMD = buf_SLCD.transpose(1, 0, 2, 3).reshape(E_loc, ep * capacity, D)
+    y_LMD = expert_ffn(p, x_LMD, cfg.mlp)
+    if tensor_axis is not None:
+        y_LMD = jax.lax.psum(y_LMD, tensor_axis)  # F was split over tensor: sum partials
+    y_SLCD = y_LMD.reshape(E_loc, ep, capacity, D).transpose(1, 0, 2, 3)
+    # Combine: send each source device its slots back, in [E, C, D] order.
+    y_ECD = jax.lax.all_to_all(y_SLCD, expert_axis, split_axis=0, concat_axis=0)
+    y_GD = combine(y_ECD.reshape(E, capacity, D), r)
+    aux = group_aux(r, cfg, b_loc, T)
+    if mean_aux:
+        aux = aux._replace(
+            load_balance_loss=jax.lax.pmean(aux.load_balance_loss, data_axes),
+            z_loss=jax.lax.pmean(aux.z_loss, data_axes),
+            drop_fraction=jax.lax.pmean(aux.drop_fraction, data_axes),
+            expert_load_E=jax.lax.psum(aux.expert_load_E, data_axes))
+    return y_GD.reshape(b_loc, T, D), aux
+
+
+def moe_ffn_sharded(params: dict[str, jax.Array], x_BTD: jax.Array, cfg: ModelConfig,
                     mesh: Mesh, *, expert_axis: str = "expert",
-                    data_axes: Sequence[str] = ("data", "expert"),
+                    data_axes: Sequence[str] = BATCH_AXES,
                     tensor_axis: str | None = "tensor") -> tuple[jax.Array, MoEAux]:
     """Expert-parallel MoE FFN; equals `moe_ffn(params, x, cfg, num_groups=shards)` where
     shards is the product of the `data_axes` sizes (one routing group per batch shard).
@@ -75,38 +115,10 @@ def moe_ffn_sharded(params: dict[str, jax.Array], x_BTD: jax.Array, cfg: MoEConf
     """
     data_axes = tuple(data_axes)
     _check(cfg, mesh, x_BTD, expert_axis, data_axes, tensor_axis)
-    B, T, D = x_BTD.shape
-    ep = mesh.shape[expert_axis]
-    E, E_loc = cfg.num_experts, cfg.num_experts // ep
-    b_loc = B // math.prod(mesh.shape[a] for a in data_axes)
-    capacity = cfg.capacity(b_loc * T)
-
-    def local(p, x_bTD):
-        x_GD = x_bTD.reshape(b_loc * T, D)
-        r = route_group(p["router"], x_GD, cfg, capacity)
-        buf_ECD = dispatch(x_GD, r, E, capacity)
-        # Dispatch: row j of [ep, E_loc, C, D] goes to the device holding experts of shard j;
-        # afterwards row j holds the slots that device j of the expert axis filled.
-        buf_SLCD = jax.lax.all_to_all(buf_ECD.reshape(ep, E_loc, capacity, D), expert_axis,
-                                      split_axis=0, concat_axis=0)
-        x_LMD = buf_SLCD.transpose(1, 0, 2, 3).reshape(E_loc, ep * capacity, D)
-        y_LMD = expert_ffn(p, x_LMD, cfg.activation)
-        if tensor_axis is not None:
-            y_LMD = jax.lax.psum(y_LMD, tensor_axis)  # F was split over tensor: sum partials
-        y_SLCD = y_LMD.reshape(E_loc, ep, capacity, D).transpose(1, 0, 2, 3)
-        # Combine: send each source device its slots back, in [E, C, D] order.
-        y_ECD = jax.lax.all_to_all(y_SLCD, expert_axis, split_axis=0, concat_axis=0)
-        y_GD = combine(y_ECD.reshape(E, capacity, D), r)
-        aux = group_aux(r, cfg, b_loc, T)
-        aux = aux._replace(
-            load_balance_loss=jax.lax.pmean(aux.load_balance_loss, data_axes),
-            z_loss=jax.lax.pmean(aux.z_loss, data_axes),
-            drop_fraction=jax.lax.pmean(aux.drop_fraction, data_axes),
-            expert_load_E=jax.lax.psum(aux.expert_load_E, data_axes))
-        return y_GD.reshape(b_loc, T, D), aux
-
+    local = functools.partial(moe_local, cfg=cfg, expert_axis=expert_axis, data_axes=data_axes,
+                              tensor_axis=tensor_axis)
     batch = P(data_axes)
     aux_specs = MoEAux(P(), P(), P(), P(), batch, batch)
-    fn = _shard_map(local, mesh=mesh, in_specs=(_param_specs(cfg, expert_axis, tensor_axis),
-                                                batch), out_specs=(batch, aux_specs))
+    fn = shard_map(local, mesh=mesh, in_specs=(_param_specs(cfg, expert_axis, tensor_axis),
+                                               batch), out_specs=(batch, aux_specs))
     return fn({k: params[k] for k in moe_logical_axes(cfg)}, x_BTD)

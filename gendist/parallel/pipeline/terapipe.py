@@ -9,11 +9,12 @@ slices before it; each stage adds them to a K/V-gradient buffer that the backwar
 slices reads. The slice sizes come from TeraPipe's dynamic programme over measured costs
 (a slice costs more the longer its context), against equal slices as the baseline.
 
-Like `pipeline.py`, one `shard_map` over `pipeline` walks a static table with one
-`lax.switch` and two `ppermute`s per step; here a branch is (kind, role, slice), so every
-slice runs at its exact shape and context length (activations travel padded to the
-longest slice). The block math is `block_forward` of gendist's transformer, whose
-`cache.attend` hook lets a slice attend to its stage's cached K/V with positions.
+The engine is the one executor (`core.run_table`): a branch per (kind, role, slice), so
+every slice runs at its exact shape and context length (activations travel padded to the
+longest slice), and the stage's K/V cache and K/V gradient are its extra carry. The layers
+are the transformer's `run_layers` with a cache (`SliceCache`) whose `attend` lets a slice
+attend to its stage's cached K/V with positions; stage bodies are manual over every mesh
+axis (`ManualOps`), so tensor parallelism splits the heads of the cache too.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from gendist.models import transformer
 from gendist.models.attention import xla_attention
-from gendist.models.transformer import DTYPES, block_forward
-from gendist.parallel import pipeline as pl
-from gendist.parallel import pipeline_model as pm
 from gendist.parallel import schedule as sched_lib
+from gendist.parallel.partition import profile_fwd_bwd
+from gendist.parallel.pipeline import core
+from gendist.parallel.pipeline import model as stage_model
+from gendist.parallel.pipeline.stages import Out, accumulate, accumulators
+from gendist.sharding import rules_for
 
 
 def terapipe_schedule(num_stages: int, num_slices: int) -> sched_lib.Schedule:
@@ -59,14 +63,23 @@ def equal_slices(seq_len: int, num_slices: int) -> tuple[int, ...]:
     return tuple(q + (j < r) for j in range(num_slices))
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _SliceContext:
-    """The `cache` block_forward attends through: this stage's K/V of the earlier slices.
+class SliceCache:
+    """The cache a slice's layers attend through: this stage's K/V of the earlier slices.
 
-    `layer_state` is (k, v) of positions [0, c); the slice's own keys follow them, so key
-    index = absolute position and xla_attention's causal mask by positions is exact.
-    Returns the slice's own K/V as the new layer state.
+    `kv` is (k, v), each [layers, B, c, K, H] for positions [0, c); the slice's own keys
+    follow them, so key index = absolute position and the causal mask by positions is
+    exact. After `run_layers`, `kv` holds the slice's own K/V.
     """
+
+    kv: tuple
+
+    def layer_state(self):
+        return self.kv
+
+    def with_layer_state(self, kv):
+        return SliceCache(kv)
 
     def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
         k_ctx, v_ctx = layer_state
@@ -77,152 +90,126 @@ class _SliceContext:
         return out, (k_BTKH, v_BTKH)
 
 
+def slice_forward(cfg, lp, x_BLD, kv_ctx, c: int, ops=None):
+    """A stage's layers on one slice at positions [c, c + L), attending to kv_ctx's [0, c).
+
+    `lp` is the stage's {'blocks': ...}; kv_ctx [2, layers, B, c, K, H]; returns (y_BLD, the slice's K/V [2, layers, B, L, K, H]).
+    """
+    B, L = x_BLD.shape[:2]
+    pos_BL = jnp.broadcast_to(c + jnp.arange(L, dtype=jnp.int32), (B, L))
+    ops = transformer.DEFAULT_OPS if ops is None else ops
+    y_BLD, cache, _ = transformer.run_layers(lp, x_BLD, pos_BL, cfg, ops,
+                                             cache=SliceCache((kv_ctx[0], kv_ctx[1])))
+    return y_BLD, jnp.stack(cache.kv)
+
+
 def terapipe_loss_and_grads(cfg, params: dict, batch: dict, *, mesh, slices,
-                            batch_axes=pm.BATCH_AXES, bubble_value: float = 0.0):
+                            bubble_value: float = 0.0, zero3: bool = False, rules=None):
     """Mean next-token loss and model-shaped grads of gendist's transformer, TeraPipe-style.
 
     `cfg` is a gendist Config; `slices` are token counts summing to the sequence length.
-    Equals `jax.value_and_grad(gendist.train.loss_fn)` for any slicing. Jit from outside.
+    Equals plain autodiff of the model's loss for any slicing. Jit from outside.
+    Returns (loss, grads).
     """
     model = cfg.model
-    fns = pm.model_fns(model)
-    stage_params = pm.to_stage_params(model, params)
     tokens, targets = batch["inputs"], batch["targets"]
     if tokens.shape != targets.shape or tokens.ndim != 2:
         raise ValueError(f"batch: inputs {tokens.shape} and targets {targets.shape} must both "
                          "be [batch, seq]")
     slices = check_slices(slices, tokens.shape[1])
-    p = mesh.shape[pl.PIPELINE]
-    counts = pl.stage_layer_split(model.num_layers, p)
-    sched = terapipe_schedule(p, len(slices))
-    batch_axes = tuple(a for a in batch_axes if a in mesh.axis_names)
-    shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
+    st = stage_model.stage_setup(model, mesh, rules_for(cfg.mesh) if rules is None else rules,
+                                 zero3=zero3)
+    if len(set(st.counts)) > 1:
+        raise ValueError(f"TeraPipe needs an even split of the layers: {st.counts}")
+    if st.ops.sequence_parallel:
+        raise ValueError("mesh.sequence_parallel with train.terapipe_slices: TeraPipe cuts the "
+                         "sequence into slices itself; turn sequence parallelism off")
+    if model.num_moe_layers:
+        raise ValueError("model.moe_experts with train.terapipe_slices: TeraPipe runs dense "
+                         "models; set model.moe_experts=0 or train.terapipe_slices=0")
+    sched = terapipe_schedule(mesh.shape[core.PIPELINE], len(slices))
+    shards = int(np.prod([mesh.shape[a] for a in st.batch_axes]))
     if tokens.shape[0] % shards:
         raise ValueError(f"batch: {tokens.shape[0]} sequences do not split over the {shards} "
-                         f"shards of {batch_axes}; use a multiple of {shards}")
-    body = functools.partial(_body, cfg=model, sched=sched, slices=slices,
-                             layers_per_stage=counts[0], fns=fns, batch_axes=batch_axes,
+                         f"shards of {st.batch_axes}; use a multiple of {shards}")
+    w = stage_model.stage_weights(model, params)
+    body = functools.partial(_body, cfg=model, ops=st.ops, sched=sched, slices=slices,
+                             specs=st.specs, reduce_axes=(core.PIPELINE, *st.batch_axes),
                              bubble_value=bubble_value)
-    spec = P(batch_axes if batch_axes else None)
-    fn = pl._shard_map(body, mesh=mesh, in_specs=(P(), P(pl.PIPELINE), P(), spec, spec),
-                       out_specs=(P(), (P(), P(pl.PIPELINE), P())),
-                       axis_names=frozenset({pl.PIPELINE, *batch_axes}), **pl._NO_CHECK)
-    loss, (d_e, d_l, d_h) = fn(stage_params["embed"], stage_params["layers"],
-                               stage_params["head"], tokens, targets)
-    return loss, pm.from_stage_grads(model, {"embed": d_e, "layers": d_l, "head": d_h})
+    spec = P(st.batch_axes if st.batch_axes else None)
+    fn = core.manual(body, mesh, in_specs=(st.specs, spec, spec),
+                     out_specs=(P(), st.specs), axes=st.manual_axes)
+    loss, grads = fn(w, tokens, targets)
+    return loss, stage_model.model_grads(model, grads)
 
 
-def slice_forward(cfg, lp, x_BLD, kv_ctx, c: int):
-    """A stage's layers on one slice at positions [c, c + L), attending to kv_ctx's [0, c).
+def _branches(cfg, ops, slices, fill, w, tokens, targets):
+    """(make(kind, role, j), idle): branches f(extra, x, g, row) at each slice's shape.
 
-    kv_ctx [2, layers, B, c, K, H]; returns (y_BLD, the slice's K/V [2, layers, B, L, K, H]).
-    """
-    B, L = x_BLD.shape[:2]
-    pos_BL = jnp.broadcast_to(c + jnp.arange(L, dtype=jnp.int32), (B, L))
-
-    def one(x, layer):
-        lpl, kc, vc = layer
-        x, (k, v) = block_forward(lpl, x, pos_BL, cfg, cache=_SliceContext(), layer_state=(kc, vc))
-        return x, jnp.stack([k, v])
-    y_BLD, kv_new = jax.lax.scan(one, x_BLD, (lp, kv_ctx[0], kv_ctx[1]))
-    return y_BLD, jnp.moveaxis(kv_new, 1, 0)
-
-
-def _stage_branches(cfg, slices, fns, fill):
-    """{(kind, role, slice): f(w, kv, gkv, x, g, tok, tgt)}, each at the slice's own shape.
-
-    kv / gkv [2, layers, B, T, K, H]: this stage's K/V cache and the gradient arriving for
-    it from later slices. Returns (d_embed, d_layers, d_head, loss, count, kv, gkv, act, cot).
+    extra = (kv, gkv, acc): this stage's K/V cache [2, layers, B, T, K, H], the gradient
+    arriving for it from later slices, and the (grads, loss, count, metrics) accumulators.
     """
     starts = np.cumsum((0,) + slices[:-1])
-    width = fill().shape[1]
+    width = fill.shape[1]
     pad = lambda x: jnp.pad(x, ((0, 0), (0, width - x.shape[1]), (0, 0)))
-    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
     kv_cols = lambda kv, a, b: jax.lax.slice_in_dim(kv, a, b, axis=3)
-
-    stage_fwd = functools.partial(slice_forward, cfg)
+    embed = lambda e, tok: transformer.embed(e, tok, cfg, ops)
+    layers = lambda lp, x, kv_ctx, c: slice_forward(cfg, lp, x, kv_ctx, c, ops)
+    head_loss = lambda hp, y, tgt: transformer.head_loss(hp, y, tgt, cfg, ops)
 
     def make(kind, role, j):
         c, n = int(starts[j]), slices[j]
         first, last = role in ("first", "only"), role in ("last", "only")
+        tok, tgt = tokens[:, c:c + n], targets[:, c:c + n]
 
-        def apply(e, lp, hp, x, kv_ctx, tok, tgt):
-            x = fns["embed_fn"](e, tok[:, c:c + n]) if first else x[:, :n]
-            y, kv_new = stage_fwd(lp, x, kv_ctx, c)
+        def apply(e, lp, hp, x, kv_ctx):
+            x = embed(e, tok) if first else x[:, :n]
+            y, kv_new = layers(lp, x, kv_ctx, c)
             if last:
-                loss, count = fns["head_loss_fn"](hp, y, tgt[:, c:c + n])
+                loss, count = head_loss(hp, y, tgt)
                 return (loss, kv_new), count
             return (y, kv_new), 0
 
-        def forward(w, kv, gkv, x, g, tok, tgt):
-            e, lp, hp = w
-            xs = fns["embed_fn"](e, tok[:, c:c + n]) if first else x[:, :n]
-            y, kv_new = stage_fwd(lp, xs, kv_cols(kv, 0, c), c)
+        def forward(extra, x, g, row):
+            kv, gkv, acc = extra
+            (y, kv_new), _ = apply(*w, x, kv_cols(kv, 0, c))
             kv = jax.lax.dynamic_update_slice_in_dim(kv, kv_new.astype(kv.dtype), c, axis=3)
-            act = fill() if last else pad(y)
-            return (*zeros(w), jnp.float32(0), jnp.float32(0), kv, gkv, act, fill())
+            return (kv, gkv, acc), (fill if last else pad(y)), fill
 
-        def backward(w, kv, gkv, x, g, tok, tgt):
-            kv_ctx = kv_cols(kv, 0, c)
-            (out, _), vjp, count = jax.vjp(
-                lambda e, lp, hp, x, kvc: apply(e, lp, hp, x, kvc, tok, tgt), *w, x, kv_ctx,
-                has_aux=True)
+        def backward(extra, x, g, row):
+            kv, gkv, acc = extra
+            (out, _), vjp, count = jax.vjp(apply, *w, x, kv_cols(kv, 0, c), has_aux=True)
             seed = jnp.ones_like(out) if last else g[:, :n]
             d_e, d_l, d_h, d_x, d_kv = vjp((seed, kv_cols(gkv, c, c + n).astype(kv.dtype)))
             gkv = gkv.at[:, :, :, :c].add(d_kv.astype(gkv.dtype))
-            loss = out if last else jnp.float32(0)
-            return (d_e, d_l, d_h, jnp.asarray(loss, jnp.float32), jnp.asarray(count, jnp.float32),
-                    kv, gkv, fill(), fill() if first else d_x)
+            acc = accumulate(acc, Out(grads=(d_e, d_l, d_h), loss=out if last else None,
+                                      count=count if last else None))
+            return (kv, gkv, acc), fill, (fill if first else d_x)
 
         return forward if kind == sched_lib.FORWARD else backward
 
-    def idle(w, kv, gkv, x, g, tok, tgt):
-        return (*zeros(w), jnp.float32(0), jnp.float32(0), kv, gkv, fill(), fill())
+    def idle(extra, x, g, row):
+        return extra, fill, fill
 
     return make, idle
 
 
-def _body(embed, layers, head, tokens, targets, *, cfg, sched, slices, layers_per_stage, fns,
-          batch_axes, bubble_value):
-    """Per device: scan over the table; the K/V cache and its gradient stay on the stage."""
-    p = sched.num_stages
-    stage = jax.lax.axis_index(pl.PIPELINE)
-    dt = DTYPES[cfg.dtype]
+def _body(w, tokens, targets, *, cfg, ops, sched, slices, specs, reduce_axes, bubble_value):
+    """Per device: the executor's table; the K/V cache and its gradient stay on the stage."""
+    dt = transformer.compute_dtype(cfg)
     B, T = tokens.shape
-    fill = lambda: jnp.full((B, max(slices), cfg.d_model), bubble_value, dt)
-    make, idle = _stage_branches(cfg, slices, fns, fill)
-    roles = ["only"] if p == 1 else ["first"] + ["mid"] * (p - 2) + ["last"]
-    keys = sorted({(int(sched.kind[t, s]), roles[s], int(sched.microbatch[t, s]))
-                   for t, s in itertools.product(range(sched.num_steps), range(p))})
-    index = {key: i for i, key in enumerate(keys)}
-    table = np.array([[index[(int(sched.kind[t, s]), roles[s], int(sched.microbatch[t, s]))]
-                       for s in range(p)] for t in range(sched.num_steps)], np.int32)
+    wk = w[1]["blocks"]["wk"]  # [stage layers, D, local kv heads, H]
+    kv_shape = (2, wk.shape[0], B, T, wk.shape[2], cfg.head_dim)
+    fill = jnp.full((B, max(slices), cfg.d_model), bubble_value, dt)
+    make, idle = _branches(cfg, ops, slices, fill, w, tokens, targets)
+    table, keys = core.branch_table(sched, lambda kind, role, mb, s: (kind, role, mb))
     branch_fns = [idle if kd == sched_lib.IDLE else make(kd, r, j) for kd, r, j in keys]
-    plan = sched_lib.buffer_plan(sched)
-    w = (embed, layers, head)
-
-    def step(carry, row):
-        kv, gkv, act_buf, cot_buf, recv_act, recv_cot, acc = carry
-        branch, slot, act_slot, cot_slot = (r[stage] for r in row)
-        act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, recv_act, act_slot, 0)
-        cot_buf = jax.lax.dynamic_update_index_in_dim(cot_buf, recv_cot, cot_slot, 0)
-        *deltas, kv, gkv, send_act, send_cot = jax.lax.switch(
-            branch, branch_fns, w, kv, gkv, act_buf[slot], cot_buf[slot], tokens, targets)
-        acc = jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, tuple(deltas))
-        if p > 1:
-            send_act = jax.lax.ppermute(send_act, pl.PIPELINE, [(s, s + 1) for s in range(p - 1)])
-            send_cot = jax.lax.ppermute(send_cot, pl.PIPELINE, [(s + 1, s) for s in range(p - 1)])
-        return (kv, gkv, act_buf, cot_buf, send_act, send_cot, acc), None
-
-    kv0 = jnp.zeros((2, layers_per_stage, B, T, cfg.num_kv_heads, cfg.head_dim), dt)
-    buf = jnp.full((plan.num_slots + 1, *fill().shape), bubble_value, dt)
-    wide = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
-    acc0 = (wide(embed), wide(layers), wide(head), jnp.float32(0), jnp.float32(0))
-    rows = tuple(jnp.asarray(a) for a in (table, plan.slot, plan.recv_act_slot,
-                                           plan.recv_cot_slot))
-    carry = (kv0, jnp.zeros(kv0.shape, jnp.float32), buf, buf, fill(), fill(), acc0)
-    (*_, acc), _ = jax.lax.scan(step, carry, rows)
-    return pl.mean_loss_and_grads(acc, (embed, layers, head), batch_axes)
+    kv0 = jnp.zeros(kv_shape, dt)
+    extra = (kv0, jnp.zeros(kv0.shape, jnp.float32), accumulators(w, ()))
+    _, _, acc = core.run_table(sched, table, branch_fns, extra, act_shape=fill.shape,
+                               act_dtype=dt, fill_value=bubble_value)
+    loss, grads, _, _ = core.finish(acc, w, specs, reduce_axes)
+    return loss, grads
 
 
 # --- slice sizes: TeraPipe's dynamic programme (Li et al. 2021, section 3.3) -------------
@@ -297,12 +284,10 @@ def measure_slice_costs(cfg, layers: dict, batch: int, seq_len: int, granularity
     """(cost[l, c], fwd[l, c]) in seconds: forward+backward, and the forward alone, of one
     stage's `layers` on a slice of l*granularity tokens after c*granularity tokens of cached
     context, timed on the device."""
-    from gendist.parallel.partition import profile_fwd_bwd
-
     if seq_len % granularity:
         raise ValueError(f"granularity={granularity} must divide seq_len={seq_len}")
     n = seq_len // granularity
-    dt = DTYPES[cfg.dtype]
+    dt = transformer.compute_dtype(cfg)
     nl = jax.tree.leaves(layers)[0].shape[0]
     cost, fwd = np.full((n + 1, n + 1), np.inf), np.full((n + 1, n + 1), np.inf)
     for l, c in itertools.product(range(1, n + 1), range(n)):
@@ -310,7 +295,7 @@ def measure_slice_costs(cfg, layers: dict, batch: int, seq_len: int, granularity
             continue
         x = jnp.ones((batch, l * granularity, cfg.d_model), dt)
         kv = jnp.ones((2, nl, batch, c * granularity, cfg.num_kv_heads, cfg.head_dim), dt)
-        fn = lambda lp, x, kv, c=c: slice_forward(cfg, lp, x, kv, c * granularity)
+        fn = lambda lp, x, kv, c=c: slice_forward(cfg, {"blocks": lp}, x, kv, c * granularity)
         measured = profile_fwd_bwd(fn, layers, x, kv, repeats=repeats)
         cost[l, c], fwd[l, c] = measured.time_s, measured.fwd_time_s
     return cost, fwd

@@ -1,0 +1,181 @@
+"""The one schedule executor: a static table walked by a `lax.scan` on every stage.
+
+Each device on the `pipeline` mesh axis is a stage. A schedule (`gendist.parallel.schedule`)
+says, for every step t and stage s, what the stage does (forward, backward or idle) and on
+which microbatch; `buffer_plan` says in which slot of its activation / cotangent buffers a
+stage keeps each microbatch it holds. `run_table` turns that into one per-device program:
+
+    for each step:                                  (lax.scan over the table's rows)
+        store the activation and cotangent that arrived last step into their slots
+        extra, send_act, send_cot = branch[t, s](extra, x[slot], g[slot], row)   (lax.switch)
+        extra = hook(extra, row)                    (optional: e.g. PipeDream's update)
+        send_act -> stage s+1, send_cot -> stage s-1                             (ppermute)
+
+A branch is picked per (kind, role, ...) key - role = first / mid / last / only stage - and
+`extra` is whatever the engine carries: gradient accumulators (GPipe, 1F1B), a ring of
+weight versions and optimizer state (PipeDream), a stage's K/V cache and its gradient
+(TeraPipe). Extra per-step columns (`columns`) reach the branches and the hook. This is
+the only scan over a schedule in gendist; the engines in this package differ only in
+their branches, carry and hook.
+
+The program runs inside one `shard_map` (`manual`), manual over the pipeline axis and
+whatever other axes the engine takes into its own hands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from gendist.parallel import schedule as sched_lib
+from gendist.parallel.compat import shard_map_manual
+
+PIPELINE = "pipeline"
+ROLES = ("first", "mid", "last", "only")
+
+
+def stage_roles(num_stages: int) -> list[str]:
+    """'only' for one stage; else 'first', 'mid'..., 'last'."""
+    if num_stages == 1:
+        return ["only"]
+    return ["first"] + ["mid"] * (num_stages - 2) + ["last"]
+
+
+def branch_table(sched: sched_lib.Schedule, key: Callable[[int, str, int, int], object]
+                 ) -> tuple[np.ndarray, list]:
+    """Static [steps, stages] index into the sorted distinct `key(kind, role, microbatch,
+    stage)`s that the schedule uses (e.g. (kind, role); for TeraPipe (kind, role, slice);
+    for an uneven split (kind, role, stage))."""
+    roles = stage_roles(sched.num_stages)
+    cell = lambda t, s: key(int(sched.kind[t, s]), roles[s], int(sched.microbatch[t, s]), s)
+    keys = sorted({cell(t, s) for t in range(sched.num_steps) for s in range(sched.num_stages)},
+                  key=repr)
+    index = {k: i for i, k in enumerate(keys)}
+    table = np.array([[index[cell(t, s)] for s in range(sched.num_stages)]
+                      for t in range(sched.num_steps)], np.int32).reshape(-1, sched.num_stages)
+    return table, keys
+
+
+def run_table(sched: sched_lib.Schedule, table: np.ndarray, branches: Sequence[Callable],
+              extra, *, act_shape: tuple[int, ...], act_dtype, fill_value: float = 0.0,
+              columns: Mapping[str, np.ndarray] | None = None, hook: Callable | None = None):
+    """Runs the schedule on this stage (call inside a shard_map manual over `pipeline`).
+
+    `branches[table[t, s]](extra, x, g, row) -> (extra, send_act, send_cot)`, where x / g
+    are the activation / cotangent slot of the microbatch it acts on and `row` holds this
+    stage's entries of every column at step t ('mb', 'slot', and `columns`). Messages have
+    shape `act_shape`; everything a stage holds or sends while idle is `fill_value` (tests
+    pass NaN to prove no bubble leaks into a result). Returns the final `extra`.
+    """
+    p = sched.num_stages
+    stage = jax.lax.axis_index(PIPELINE)
+    plan = sched_lib.buffer_plan(sched)
+    cols = {"branch": table, "mb": np.maximum(sched.microbatch, 0), "slot": plan.slot,
+            "recv_act": plan.recv_act_slot, "recv_cot": plan.recv_cot_slot, **(columns or {})}
+    fwd_perm = [(s, s + 1) for s in range(p - 1)]
+    bwd_perm = [(s + 1, s) for s in range(p - 1)]
+
+    def step(carry, cols_t):
+        extra, act_buf, cot_buf, recv_act, recv_cot = carry
+        row = {k: v[stage] for k, v in cols_t.items()}
+        act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, recv_act, row["recv_act"], 0)
+        cot_buf = jax.lax.dynamic_update_index_in_dim(cot_buf, recv_cot, row["recv_cot"], 0)
+        extra, send_act, send_cot = jax.lax.switch(
+            row["branch"], list(branches), extra, act_buf[row["slot"]], cot_buf[row["slot"]],
+            row)
+        if hook is not None:
+            extra = hook(extra, row)
+        if p > 1:
+            send_act = jax.lax.ppermute(send_act, PIPELINE, fwd_perm)
+            send_cot = jax.lax.ppermute(send_cot, PIPELINE, bwd_perm)
+        return (extra, act_buf, cot_buf, send_act, send_cot), None
+
+    fill = jnp.full(act_shape, fill_value, act_dtype)
+    buf = jnp.full((plan.num_slots + 1, *act_shape), fill_value, act_dtype)
+    carry = (extra, buf, buf, fill, fill)
+    (extra, *_), _ = jax.lax.scan(step, carry, {k: jnp.asarray(v) for k, v in cols.items()})
+    return extra
+
+
+def manual(body: Callable, mesh, in_specs, out_specs, axes: Sequence[str]):
+    """`body` as a shard_map manual over `axes` (the rest stay with the compiler)."""
+    return shard_map_manual(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                            axis_names=frozenset(axes))
+
+
+def spec_axes(spec: P) -> set[str]:
+    """Mesh axes a PartitionSpec names."""
+    out = set()
+    for entry in spec:
+        if entry is None:
+            continue
+        out.update((entry,) if isinstance(entry, str) else entry)
+    return out
+
+
+def finish(acc, params, specs, reduce_axes: Sequence[str]):
+    """(mean loss, grads, metric sums, token count) from a stage's accumulators.
+
+    `acc = (grads, loss_sum, count, metrics)` with grads shaped like `params`. Each value
+    is summed over the `reduce_axes` it is not split over (an embedding lives on one stage;
+    a batch shard saw its own tokens; a ZeRO-3 shard or an expert's weights were already
+    reduced by the transpose of their all-gather / all-to-all), then divided by the token
+    count (in at least fp32). Metrics are summed everywhere; the engine normalises them.
+    """
+    grads, loss, count, metrics = acc
+    everywhere = tuple(reduce_axes)
+    loss, count, metrics = jax.lax.psum((loss, count, metrics), everywhere)
+
+    def reduce(g, like, spec):
+        axes = tuple(a for a in everywhere if a not in spec_axes(spec))
+        g = jax.lax.psum(g, axes) if axes else g
+        return (g / count).astype(jnp.promote_types(like.dtype, jnp.float32))
+
+    grads = jax.tree.map(reduce, grads, params, specs)
+    return loss / count, grads, metrics, count
+
+
+def wide_zeros(tree):
+    """Accumulators shaped like `tree`, in at least fp32 (small bf16 deltas are kept)."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)),
+                        tree)
+
+
+def stage_layer_split(num_units: int, num_stages: int, stage_layer_counts=None
+                      ) -> tuple[int, ...]:
+    """Layer units per stage: `stage_layer_counts`, or an even split when it is None."""
+    if num_units < num_stages:
+        raise ValueError(
+            f"layers: the model has {num_units} layers but the pipeline has {num_stages} "
+            "stages; use a pipeline mesh axis of at most the number of layers")
+    if stage_layer_counts is None:
+        if num_units % num_stages:
+            raise ValueError(
+                f"layers: {num_units} layers do not split evenly over {num_stages} stages; "
+                "pass stage_layer_counts (e.g. from gendist.parallel.partition)")
+        return (num_units // num_stages,) * num_stages
+    counts = tuple(int(c) for c in stage_layer_counts)
+    if len(counts) != num_stages or min(counts) < 1 or sum(counts) != num_units:
+        raise ValueError(
+            f"stage_layer_counts={counts} must give each of the {num_stages} stages at least "
+            f"one layer and sum to the {num_units} layers")
+    return counts
+
+
+def stage_layout(counts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Uneven splits as a [p * max_count] layout: `gather` picks each stage's layers (padding
+    with layer 0, which a mask skips) and `inverse` brings gradients back to [L]."""
+    maxc = max(counts)
+    starts = np.cumsum((0,) + counts[:-1])
+    valid = np.arange(maxc)[None, :] < np.asarray(counts)[:, None]
+    gather = np.where(valid, starts[:, None] + np.arange(maxc)[None, :], 0).ravel()
+    return gather, np.flatnonzero(valid.ravel())
+
+
+def microbatches(x_B, m: int):
+    """[B, ...] -> [m, B/m, ...] (this device's rows, cut into m contiguous microbatches)."""
+    return x_B.reshape(m, x_B.shape[0] // m, *x_B.shape[1:])

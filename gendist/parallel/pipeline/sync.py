@@ -1,0 +1,244 @@
+"""Synchronous pipeline schedules (GPipe, 1F1B, any validated table): loss and gradients.
+
+GPipe (Huang et al. 2019) runs all forwards, then all backwards; 1F1B with a flush
+(PipeDream-Flush, Narayanan et al. 2019; Megatron-LM's default, Narayanan et al. 2021)
+interleaves them so a stage holds at most p microbatches. Both compute exactly the
+gradient of the mean loss over all microbatches: each stage accumulates its weights'
+gradients over the schedule (by hand, not by differentiating the scan, so no per-step
+residuals are kept) and `core.finish` reduces them. Borrowed from praxis/MaxText: layers
+stacked on a leading axis and sharded over stages, a shift between neighbouring stages as
+the only communication, and NaN-polluted bubbles as a test for leaks.
+
+`pipeline_loss_and_grads` takes any model given as embed / layer / head-loss functions
+over `{'embed', 'layers', 'head'}`; `gendist.parallel.pipeline.model` runs gendist's
+transformer through the same `run_sync`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from gendist.parallel import schedule as sched_lib
+from gendist.parallel.pipeline import core
+from gendist.parallel.pipeline.stages import (
+    StageFns,
+    accumulate,
+    accumulators,
+    computations,
+    from_layer_fn,
+    residual_plan,
+    saved_computations,
+)
+from gendist.sharding import BATCH_AXES
+
+PARAM_KEYS = ("embed", "layers", "head")
+
+
+def resolve_schedule(schedule, num_stages: int, num_microbatches) -> sched_lib.Schedule:
+    """A Schedule for `num_stages` stages from a Schedule or a name plus microbatches."""
+    if isinstance(schedule, str):
+        if num_microbatches is None:
+            raise ValueError("num_microbatches is required when schedule is given by name")
+        return sched_lib.make(schedule, num_stages, num_microbatches)
+    if num_microbatches is not None and num_microbatches != schedule.num_microbatches:
+        raise ValueError(
+            f"num_microbatches={num_microbatches} disagrees with the schedule's "
+            f"{schedule.num_microbatches}; pass one or the other")
+    if schedule.num_stages != num_stages:
+        raise ValueError(
+            f"schedule has {schedule.num_stages} stages but the mesh axis '{core.PIPELINE}' has "
+            f"{num_stages}; build the schedule with num_stages={num_stages}")
+    return schedule
+
+
+def check_inputs(params, tokens_BT, targets_BT, mesh, schedule, num_microbatches,
+                 num_units: int, stage_layer_counts, batch_axes):
+    """Validates a call; returns (schedule, units per stage, batch axes in the mesh)."""
+    if core.PIPELINE not in mesh.axis_names:
+        raise ValueError(f"mesh axes {mesh.axis_names} lack '{core.PIPELINE}'; add a pipeline "
+                         "axis")
+    if any(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ())):
+        raise ValueError(f"mesh axis_types {mesh.axis_types}: the pipeline needs Auto axes; "
+                         "build the mesh with jax.sharding.Mesh(devices, names) or "
+                         "gendist.sharding.make_mesh")
+    if set(params) != set(PARAM_KEYS):
+        raise ValueError(f"params has keys {sorted(params)}; pass exactly {list(PARAM_KEYS)}")
+    p = mesh.shape[core.PIPELINE]
+    sched = resolve_schedule(schedule, p, num_microbatches)
+    counts = core.stage_layer_split(num_units, p, stage_layer_counts)
+    batch_axes = tuple(a for a in batch_axes if a in mesh.axis_names)
+    shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
+    if tokens_BT.shape != targets_BT.shape:
+        raise ValueError(f"targets_BT {targets_BT.shape} must match tokens_BT {tokens_BT.shape}")
+    m = sched.num_microbatches
+    if tokens_BT.shape[0] % (shards * m):
+        raise ValueError(
+            f"num_microbatches={m}: the batch of {tokens_BT.shape[0]} split over {batch_axes} "
+            f"(size {shards}) must divide into {m} equal microbatches; use a batch that is a "
+            f"multiple of {shards * m} or another num_microbatches")
+    return sched, counts, batch_axes
+
+
+def num_units_of(layers) -> int:
+    leaves = jax.tree.leaves(layers)
+    if not leaves or len({a.shape[0] for a in leaves}) != 1:
+        raise ValueError("params['layers'] must be a pytree of arrays stacked on one leading "
+                         "layers axis [L, ...]")
+    return leaves[0].shape[0]
+
+
+def _by_unit(tree, index, unit_sizes):
+    """a[units] along the leading axis, where a unit is `unit_sizes` consecutive entries."""
+    def one(a, k):
+        if k == 0:  # an empty stack (e.g. no dense blocks between MoE blocks)
+            return a
+        u = a.reshape(-1, k, *a.shape[1:])[index]
+        return u.reshape(-1, *a.shape[1:])
+    sizes = jax.tree.map(lambda _: 1, tree) if unit_sizes is None else unit_sizes
+    return jax.tree.map(one, tree, sizes)
+
+
+def pad_layers(layers, counts, unit_sizes=None):
+    """The layers in the executor's [p * max count] layout of units (a no-op for an even
+    split). `unit_sizes` (a tree like `layers`, default 1): leading entries per unit."""
+    if len(set(counts)) == 1:
+        return layers
+    return _by_unit(layers, core.stage_layout(counts)[0], unit_sizes)
+
+
+def unpad_layers(g_layers, counts, unit_sizes=None):
+    """Gradients in the padded layout back to the layers' own."""
+    if len(set(counts)) == 1:
+        return g_layers
+    return _by_unit(g_layers, core.stage_layout(counts)[1], unit_sizes)
+
+
+def run_sync(w, tokens_BT, targets_BT, *, mesh: Mesh, sched: sched_lib.Schedule,
+             fns: StageFns, specs, manual_axes: Sequence[str], batch_axes: Sequence[str],
+             bubble_value: float = 0.0, uneven: bool = False, recompute: bool = True):
+    """(mean loss, grads of w, summed metrics, token count) of a synchronous schedule.
+
+    `w = (embed, layers, head)` with layers already in the executor's layout; `specs` are
+    their PartitionSpecs over `manual_axes` (the layers' leading axis on `pipeline`).
+    `uneven`: stages hold different numbers of layers, so each gets its own branches.
+    `recompute=False` keeps each forward's residuals until its backward instead of
+    recomputing the forward there (even splits; the memory of the slots it holds).
+    """
+    batch_spec = P(tuple(batch_axes) if batch_axes else None)
+    body = functools.partial(_sync_body, sched=sched, fns=fns, specs=specs,
+                             reduce_axes=(core.PIPELINE, *batch_axes),
+                             bubble_value=bubble_value, uneven=uneven,
+                             recompute=recompute or uneven)
+    fn = core.manual(body, mesh, in_specs=(specs, batch_spec, batch_spec),
+                     out_specs=(P(), specs, P(), P()), axes=manual_axes)
+    return fn(tuple(w), tokens_BT, targets_BT)
+
+
+def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, bubble_value,
+               uneven, recompute):
+    """The per-device program: accumulate gradients over the schedule, then reduce."""
+    m = sched.num_microbatches
+    tokens_M, targets_M = core.microbatches(tokens, m), core.microbatches(targets, m)
+    x_spec = jax.eval_shape(fns.embed, w[0], tokens_M[0])
+    fill = jnp.full(x_spec.shape, bubble_value, x_spec.dtype)
+    table, keys = core.branch_table(
+        sched, lambda kind, role, mb, s: (kind, role, s if uneven else None))
+    if recompute:
+        comps = {k: computations(fns, k[2])[k[:2]] for k in keys}
+        bufs = []
+    else:  # residual buffers, one slot per microbatch a stage holds (+ the spare)
+        plan = residual_plan(fns, w[1], x_spec)
+        slots = sched_lib.buffer_plan(sched).num_slots + 1
+        bufs = [jnp.zeros((slots, *r.shape), r.dtype) for r in plan.shapes]
+        saved = saved_computations(fns, plan)
+        comps = {k: saved[k[:2]] for k in keys}
+
+    def branch(compute):
+        def run(extra, x, g, row):
+            acc, bufs = extra
+            tok, tgt = tokens_M[row["mb"]], targets_M[row["mb"]]
+            if recompute:
+                out, keep = compute(w, x, g, tok, tgt), None
+            else:
+                out, keep = compute(w, x, g, tok, tgt, _Slot(bufs, row["slot"]))
+            if keep is not None:
+                bufs = [b.at[row["slot"]].set(r.astype(b.dtype)) for b, r in zip(bufs, keep,
+                                                                               strict=True)]
+            act = fill if out.act is None else out.act
+            cot = fill if out.cot is None else out.cot
+            return (accumulate(acc, out), bufs), act, cot
+        return run
+
+    acc, _ = core.run_table(sched, table, [branch(comps[k]) for k in keys],
+                            (accumulators(w, fns.metrics), bufs), act_shape=x_spec.shape,
+                            act_dtype=x_spec.dtype, fill_value=bubble_value)
+    return core.finish(acc, w, specs, reduce_axes)
+
+
+class _Slot:
+    """The residuals of one slot, read from the buffers only where a branch iterates them."""
+
+    def __init__(self, bufs, slot):
+        self.bufs, self.slot = bufs, slot
+
+    def __iter__(self):
+        return (b[self.slot] for b in self.bufs)
+
+
+def pipeline_loss_and_grads(
+    params: Mapping[str, Any],
+    tokens_BT: jax.Array,
+    targets_BT: jax.Array,
+    *,
+    mesh: Mesh,
+    schedule: sched_lib.Schedule | str,
+    embed_fn: Callable,
+    layer_fn: Callable,
+    head_loss_fn: Callable,
+    num_microbatches: int | None = None,
+    stage_layer_counts: Sequence[int] | None = None,
+    batch_axes: Sequence[str] = BATCH_AXES,
+    bubble_value: float = 0.0,
+    recompute: bool = True,
+):
+    """Mean loss and its gradients for `params = {'embed', 'layers', 'head'}` by pipelining.
+
+    `embed_fn(embed, tokens_BT) -> x_BTD`, `layer_fn(layer, x_BTD) -> x_BTD` for one slice
+    of `params['layers']` (a pytree of arrays [L, ...]), and
+    `head_loss_fn(head, x_BTD, targets_BT) -> (sum_loss, count)`. The loss is the total sum
+    over all microbatches divided by the total count. `schedule` is a Schedule for the
+    mesh's pipeline size, or 'gpipe'/'1f1b' with `num_microbatches`. `stage_layer_counts`
+    gives an uneven split (e.g. from `partition.partition_layers`). `bubble_value` fills
+    everything a stage holds or sends while it has nothing to do (tests pass NaN).
+    `recompute=False` keeps each forward's vjp residuals for its backward (see run_sync).
+    Only `pipeline` and the batch axes are manual: other axes (`tensor`) stay with XLA, so
+    weights sharded over them stay sharded. Returns (loss, grads). Jit it from outside.
+    """
+    sched, counts, batch_axes = check_inputs(
+        params, tokens_BT, targets_BT, mesh, schedule, num_microbatches,
+        num_units_of(params["layers"]), stage_layer_counts, batch_axes)
+    fns = from_layer_fn(embed_fn, layer_fn, head_loss_fn, counts)
+    w = (params["embed"], pad_layers(params["layers"], counts), params["head"])
+    specs = (jax.tree.map(lambda _: P(), w[0]), jax.tree.map(lambda _: P(core.PIPELINE), w[1]),
+             jax.tree.map(lambda _: P(), w[2]))
+    loss, (g_e, g_l, g_h), _, _ = run_sync(
+        w, tokens_BT, targets_BT, mesh=mesh, sched=sched, fns=fns, specs=specs,
+        manual_axes=(core.PIPELINE, *batch_axes), batch_axes=batch_axes,
+        bubble_value=bubble_value, uneven=len(set(counts)) > 1, recompute=recompute)
+    return loss, {"embed": g_e, "layers": unpad_layers(g_l, counts), "head": g_h}
+
+
+def sequential_loss(params, tokens_BT, targets_BT, *, embed_fn, layer_fn, head_loss_fn):
+    """The plain, non-pipelined model: the oracle every pipelined run must equal."""
+    x_BTD = embed_fn(params["embed"], tokens_BT)
+    x_BTD = jax.lax.scan(lambda x, lp: (layer_fn(lp, x), None), x_BTD, params["layers"])[0]
+    loss, count = head_loss_fn(params["head"], x_BTD, targets_BT)
+    return loss / count

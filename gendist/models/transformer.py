@@ -87,7 +87,7 @@ def block_forward(p: dict, x_BTD, pos_BT, cfg: ModelConfig, *, cache=None, layer
     q_BTNH = constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
     k_BTKH = constrain(k_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
     v_BTKH = constrain(v_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
-    cos, sin = rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
     q_BTNH, k_BTKH = apply_rope(q_BTNH, cos, sin), apply_rope(k_BTKH, cos, sin)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     if cache is None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 
 import jax
@@ -150,7 +149,7 @@ def _layer(name: str) -> str:
 
 def weight_map(cfg: ModelConfig) -> dict:
     """gendist path -> (HF name pattern, to_gendist(w), to_hf(w)) for one (layer's) tensor."""
-    D, N, K, H, F = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_ff
+    D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def proj(heads):  # [heads·H, D] <-> [D, heads, H]
         return (lambda w: w.T.reshape(D, heads, H), lambda w: w.reshape(D, heads * H).T)
@@ -314,6 +313,3 @@ def with_runtime(cfg: ModelConfig, **kw) -> ModelConfig:
                          f"{RUNTIME_FIELDS + ('max_seq_len',)} can differ from config.json.")
     return dataclasses.replace(cfg, **kw)
 
-
-def num_bytes(params: dict) -> int:
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))

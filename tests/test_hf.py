@@ -9,9 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_fixtures import LLAMA3, hf_inv_freq, hf_llama_logits, llama_config, random_weights, \
-    write_llama
 from helpers import mesh_of
+from hf_fixtures import (
+    LLAMA3,
+    hf_inv_freq,
+    hf_llama_logits,
+    llama_config,
+    random_weights,
+    write_llama,
+)
 
 from gendist import hf
 from gendist.inference.generate import generate_tokens

@@ -18,7 +18,6 @@ from gendist.config import ModelConfig
 from gendist.models.moe import MoEAux, init_moe_params, moe_ffn, moe_logical_axes
 from gendist.sharding import current_mesh
 
-
 ATTN_PARAM_NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm")
 
 

@@ -14,7 +14,7 @@ from gendist.cli_data import resolve_train
 from gendist.config import DataConfig, replace
 from gendist.corpus import documents, expand, load_tokens
 from gendist.data import TextData, load_corpus
-from gendist.tokenfiles import TokenStream, open_token_dir, prepare
+from gendist.tokenfiles import TokenStream, open_token_dir
 from gendist.tokenizer import ByteTokenizer, load_tokenizer
 
 TEXT = bytes(load_corpus()[:120_000]).decode("utf-8", errors="ignore")

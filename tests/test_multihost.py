@@ -2,6 +2,9 @@
 
 Oracles: the same run as 1 process x 8 devices in this pytest process (losses and the final
 checkpoint), and the uninterrupted run for resumes. Failures are real SIGKILLed processes.
+The 2-process run trains on token files written by `prepare` from the bundled corpus
+(memory-mapped shards of 2^20 tokens, so windows straddle shards); the 1-process oracle
+trains on the text itself, so equal losses also show that token files equal the text.
 """
 
 import functools
@@ -22,6 +25,7 @@ from helpers import mesh_of, small_config
 from gendist import distributed, loop, train
 from gendist.checkpoint import Checkpointer
 from gendist.data import rows_of_shards
+from gendist.tokenfiles import prepare
 
 WORKER = str(Path(__file__).with_name("multihost_worker.py"))
 STEPS, EVERY = 6, 3
@@ -53,9 +57,14 @@ assert_trees_close = functools.partial(trees_close, rtol=RTOL, atol=ATOL)
 
 @pytest.fixture(scope="module")
 def two_process(tmp_path_factory):
-    """2 processes x 4 devices, mesh data=4 x tensor=2, checkpoints at steps 3 and 6."""
+    """2 processes x 4 devices, mesh data=4 x tensor=2, checkpoints at steps 3 and 6, on
+    token files."""
+    tokens = tmp_path_factory.mktemp("mh") / "tokens"
+    meta = prepare((), "bytes", tokens, shard_tokens=1 << 20, progress=False)
+    assert len(meta["train"]) == 5
     out = tmp_path_factory.mktemp("mh") / "two"
-    rc, log = launch(out, "--steps", str(STEPS), "--checkpoint-every", str(EVERY))
+    rc, log = launch(out, "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
+                     "--tokens", str(tokens))
     assert rc == 0, log[-4000:]
     return out, log
 
@@ -70,8 +79,8 @@ def one_process(tmp_path_factory):
 
 def test_two_processes_equal_one_process(two_process, one_process):
     (two, log), (one, r1) = two_process, one_process
-    assert "[0] process 0/2: 4 local of 8 devices" in log
-    assert "[1] process 1/2: 4 local of 8 devices" in log
+    assert "[0] process 0/2: 4 local of 8 devices; data: TokenStream" in log
+    assert "[1] process 1/2: 4 local of 8 devices; data: TokenStream" in log
     a, b = losses(two), losses(one)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(b)],

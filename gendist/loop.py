@@ -122,6 +122,7 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
         config_yaml.save(cfg, out / config_yaml.YAML_NAME)  # --config accepts it back
     writer = MetricsWriter(out, t.tensorboard, t.wandb, t.wandb_project, cfg)
     rows = process_rows(setup.mesh, t.batch_size)
+    unit = "byte" if getattr(data, "tokenizer", "bytes") == "bytes" else "token"
     end = t.steps if stop_after is None else min(t.steps, stop_after)
     history: list[dict] = []
     val_loss = None
@@ -169,7 +170,7 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
                     pending = None
                     val_loss = evaluate(setup, data, state["params"])
                     writer.write(done, {"val_loss": val_loss})
-                    log(f"step {done}: val_loss {val_loss:.4f} nats/byte")
+                    log(f"step {done}: val_loss {val_loss:.4f} nats/{unit}")
                     beat(f"step {done} and its validation")
                 if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == end:
                     if pending is not None:  # never checkpoint before seeing it was finite

@@ -56,12 +56,18 @@ assert_trees_close = functools.partial(trees_close, rtol=RTOL, atol=ATOL)
 
 
 @pytest.fixture(scope="module")
-def two_process(tmp_path_factory):
+def tokens(tmp_path_factory):
+    """The bundled corpus as token files: 5 train shards of 2^20 bytes-as-uint16."""
+    out = tmp_path_factory.mktemp("mh") / "tokens"
+    meta = prepare((), "bytes", out, shard_tokens=1 << 20, progress=False)
+    assert len(meta["train"]) == 5
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_process(tmp_path_factory, tokens):
     """2 processes x 4 devices, mesh data=4 x tensor=2, checkpoints at steps 3 and 6, on
     token files."""
-    tokens = tmp_path_factory.mktemp("mh") / "tokens"
-    meta = prepare((), "bytes", tokens, shard_tokens=1 << 20, progress=False)
-    assert len(meta["train"]) == 5
     out = tmp_path_factory.mktemp("mh") / "two"
     rc, log = launch(out, "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
                      "--tokens", str(tokens))
@@ -154,11 +160,12 @@ def survivor_outcome(victim, survivor, limit):
     return rc, time.monotonic() - died, survivor.communicate()[0]
 
 
-def test_killed_process_ends_the_other_and_rerun_resumes(tmp_path, two_process):
+def test_killed_process_ends_the_other_and_rerun_resumes(tmp_path, two_process, tokens):
     """Process 1 is SIGKILLed as it starts step 5 (after checkpoint 4): process 0 exits
-    non-zero within the heartbeat timeout naming task 1; a rerun resumes from step 4."""
+    non-zero within the heartbeat timeout naming task 1; a rerun resumes from step 4 and
+    continues exactly (token files: memory-mapped batches are a function of the step)."""
     out = tmp_path / "killed"
-    args = ["--steps", str(STEPS), "--checkpoint-every", "2"]
+    args = ["--steps", str(STEPS), "--checkpoint-every", "2", "--tokens", str(tokens)]
     p0, p1 = start_pair(out, args, {"GENDIST_TEST_DIE_AT": "4", "GENDIST_TEST_DIE_RANK": "1"})
     rc, after, log = survivor_outcome(p1, p0, HEARTBEAT + 30)
     assert p1.returncode == -9

@@ -101,10 +101,12 @@ def resolve_train(cfg: Config, init_from: str | None = None):
             m = hf.model_config_from_hf(hf.read_config(src), m)
             init = lambda shardings: hf.load_params(src, m, shardings)  # noqa: E731
         else:
+            import jax
+
             from gendist.serialize import load_params
             loaded_cfg, params, _ = load_params(src)
             m = dataclasses.replace(loaded_cfg, **{f: getattr(m, f) for f in hf.RUNTIME_FIELDS})
-            init = params
+            init = jax.device_get(params)  # host arrays: placed per shard by loop.run
         if d.tokenizer == "bytes" and not d.tokens and find_tokenizer_file(src):
             d = dataclasses.replace(d, tokenizer=str(src))
     tok = load_tokenizer(d.tokenizer)

@@ -86,6 +86,18 @@ def test_init_from_hf_on_zero3_mesh(models, tmp_path, monkeypatch):
     assert (tmp_path / "export" / "tokenizer.json").is_file()
 
 
+def test_loaded_model_refuses_a_larger_tokenizer(models, tmp_path):
+    root, _, _ = models
+    from tokenizers import Tokenizer, trainers
+    from tokenizers import models as tm
+    tok = Tokenizer(tm.BPE())
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=200, show_progress=False))
+    tok.save(str(tmp_path / "big.json"))
+    cfg = replace(small_config(str(tmp_path)), **{"data.tokenizer": str(tmp_path / "big.json")})
+    with pytest.raises(ValueError, match=r"has 200 tokens but the model .* embeds only 96"):
+        resolve_train(cfg, str(root / "target"))
+
+
 def test_config_yaml_round_trip_and_cli_overrides(tmp_path):
     cfg = replace(Config(), **{"model.d_model": 64, "model.rope_scaling": "llama3",
                                "data.corpus": ("a.txt", "b/"), "train.zero_stage": 2,

@@ -97,6 +97,14 @@ def test_export_then_load_is_bitwise(tmp_path, case):
     assert set(reader.where) == set(w)
     for name, t in w.items():
         assert np.array_equal(reader.get(name), t), name
+    # bfloat16 export: half the bytes; loads back as the bf16-rounded fp32 params.
+    hf.save(tmp_path / "bf16", cfg, params, dtype="bfloat16")
+    _, params3 = hf.load(tmp_path / "bf16")
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params3), strict=True):
+        assert b.dtype == np.float32
+        assert np.array_equal(np.asarray(a).astype(jnp.bfloat16).astype(np.float32), b)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == \
+        "bfloat16"
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     for k in ("num_key_value_heads", "head_dim", "rope_theta", "tie_word_embeddings",
               "rms_norm_eps", "rope_scaling"):

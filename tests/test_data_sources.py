@@ -162,18 +162,29 @@ def test_prepare_writes_shards_meta_and_tokenizer(prepared, corpus, bpe):
 
 
 def test_prepare_then_train_equals_training_on_text(prepared, corpus, bpe, tmp_path):
-    """Same tokenizer, same split, same windows: the losses are the same numbers."""
+    """Same tokenizer, same split, same windows: the same losses, step by step (one compiled
+    step fed by both sources)."""
+    from gendist import train
+    from gendist.data import shard_batch
     data_cfg = DataConfig(corpus=(str(corpus / "books"), str(corpus / "rec.jsonl")),
                           text_field="body", tokenizer=bpe, val_fraction=0.1)
-    runs = []
-    for name, d in (("text", data_cfg), ("files", DataConfig(tokens=str(prepared)))):
-        cfg = replace(small_config(str(tmp_path / name), steps=3, eval_every=3), data=d)
-        cfg, _, tok = resolve_train(cfg)
-        assert cfg.model.vocab_size == 320 and tok.vocab_size == 320  # follows the tokenizer
-        runs.append(loop.run(cfg, mesh=mesh_of(2, data=2), log=lambda *a: None))
-    a, b = ([h["loss"] for h in r.history] for r in runs)
-    assert len(a) == 3 and a == b
-    assert runs[0].val_loss == runs[1].val_loss
+    cfg = replace(small_config(str(tmp_path)), data=data_cfg)
+    cfg, _, tok = resolve_train(cfg)
+    assert cfg.model.vocab_size == 320 and tok.vocab_size == 320  # follows the tokenizer
+    files_cfg, _, _ = resolve_train(replace(cfg, data=DataConfig(tokens=str(prepared))))
+    assert files_cfg.model == cfg.model and files_cfg.data.tokenizer.endswith("tokenizer.json")
+    setup = train.build(cfg, mesh_of(1))
+    losses = []
+    for data in (TextData.from_config(cfg.data), TextData.from_config(files_cfg.data)):
+        data.check_vocab(cfg.model.vocab_size)
+        state, run = setup.init_state(), []
+        for step in range(3):
+            batch = shard_batch(data.global_batch(step, 8, 16), setup.mesh)
+            state, m = setup.step_fn(state, batch)
+            run.append(float(m["loss"]))
+        losses.append(run)
+    assert losses[0] == losses[1] and losses[0][2] < losses[0][0]
+    assert setup.traces["step"] == 1
 
 
 def test_token_ids_beyond_vocab_refused_before_any_step(prepared, tmp_path):

@@ -27,6 +27,11 @@ class ModelConfig:
     mlp: Literal["swiglu", "gelu"] = "swiglu"  # MLP kind
     tie_embeddings: bool = True  # output layer reuses the token embedding
     rope_theta: float = 10_000.0  # RoPE base frequency
+    rope_scaling: Literal["none", "llama3"] = "none"  # RoPE frequency scaling (Llama 3.1+: llama3)
+    rope_scaling_factor: float = 8.0  # llama3: low frequencies are divided by this
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_len/this are scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_len/this are kept
+    rope_original_max_len: int = 8192  # llama3: context length of pre-training before scaling
     norm_eps: float = 1e-6  # RMSNorm epsilon
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (params stay fp32)
     attention: Literal["xla", "cudnn", "pallas"] = "xla"  # attention backend
@@ -49,6 +54,11 @@ class ModelConfig:
             raise ValueError(f"model.mlp={self.mlp!r}; choose 'swiglu' or 'gelu'.")
         if self.moe_experts:
             _check_moe(self)
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError(
+                f"model.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                f"model.rope_low_freq_factor={self.rope_low_freq_factor} (llama3 RoPE scaling "
+                "blends between the two); Llama 3.1 uses 4 and 1.")
         if self.moe_experts and self.num_layers % self.moe_every:
             raise ValueError(
                 f"model.num_layers={self.num_layers} is not a multiple of model.moe_every="
@@ -69,6 +79,14 @@ class ModelConfig:
         """Buffer slots per expert for a routing group of `group_tokens` tokens (GShard)."""
         return math.ceil(group_tokens * self.moe_top_k * self.moe_capacity_factor
                          / self.moe_experts)
+
+    @property
+    def rope_llama3(self) -> tuple[float, float, float, int] | None:
+        """(factor, low_freq_factor, high_freq_factor, original_max_len), or None."""
+        if self.rope_scaling == "none":
+            return None
+        return (self.rope_scaling_factor, self.rope_low_freq_factor,
+                self.rope_high_freq_factor, self.rope_original_max_len)
 
     @property
     def num_moe_layers(self) -> int:
@@ -121,7 +139,10 @@ class MeshConfig:
 class DataConfig:
     """Where the text comes from and how it is cut into windows."""
 
-    corpus: tuple[str, ...] = ()  # text files to train on; empty = bundled Shakespeare
+    corpus: tuple[str, ...] = ()  # text files, dirs, globs, .jsonl, .parquet/.arrow; empty = bundled Shakespeare
+    text_field: str = "text"  # the field holding the text in .jsonl/.parquet/.arrow records
+    tokenizer: str = "bytes"  # bytes, a tokenizer.json, a SentencePiece .model, or a dir with one
+    tokens: str = ""  # a directory of token files from `prepare` (instead of corpus/tokenizer)
     val_fraction: float = 0.05  # last fraction of the corpus held out for validation
     seed: int = 0  # batches are a pure function of (seed, step)
 
@@ -159,6 +180,8 @@ class TrainConfig:
     debug_nan_step: int = -1  # testing: make this step's loss NaN to exercise `nonfinite`
     zero_stage: Literal[0, 1, 2, 3] = 0  # ZeRO stage over `data` (0 = replicated state)
     tensorboard: bool = True  # write TensorBoard event files
+    wandb: Literal["off", "online", "offline"] = "off"  # Weights & Biases logging (extra [wandb])
+    wandb_project: str = "gendist"  # W&B project name
     progress: bool = True  # show a progress bar
 
 

@@ -1,73 +1,88 @@
-"""Byte-level text data: the bundled Shakespeare corpus or any text files.
+"""Training data: token windows from text (any tokenizer) or from token files.
 
 Batches are a pure function of (seed, step, split), so a resumed run sees exactly the
 batches it would have seen, on any number of devices or processes. Each batch lands on
-the mesh sharded over the `batch` logical axis (mesh axes `data` and `expert`).
+the mesh sharded over the `batch` logical axis (mesh axes `data` and `expert`). Where the
+tokens come from: `gendist.corpus` (text files, .jsonl, Parquet/Arrow, tokenized in
+memory) or `gendist.tokenfiles` (shards written by `prepare`, memory-mapped).
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 
 import jax
 import numpy as np
 
 from gendist.config import DataConfig
+from gendist.corpus import load_tokens
 from gendist.sharding import named_sharding
-
-BUNDLED = "shakespeare.txt.gz"
+from gendist.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def encode(text: str) -> np.ndarray:
     """UTF-8 bytes as uint8 token ids (vocabulary of 256)."""
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    return ByteTokenizer().encode(text)
 
 
 def decode(tokens) -> str:
-    return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+    return ByteTokenizer().decode(tokens)
 
 
 def load_corpus(paths: tuple[str, ...] = ()) -> np.ndarray:
     """All bytes of the given text files (.gz read transparently), or the bundled corpus."""
-    if not paths:
-        with resources.files("gendist.assets").joinpath(BUNDLED).open("rb") as f:
-            return np.frombuffer(gzip.decompress(f.read()), dtype=np.uint8)
-    chunks = []
-    for p in paths:
-        path = Path(p)
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"data.corpus: {str(path)!r} is not a file; give existing text files, or "
-                "leave data.corpus empty to train on the bundled Shakespeare corpus.")
-        raw = path.read_bytes()
-        chunks.append(np.frombuffer(gzip.decompress(raw) if p.endswith(".gz") else raw,
-                                    dtype=np.uint8))
-    return np.concatenate(chunks)
+    return load_tokens(tuple(paths), ByteTokenizer())
 
 
 @dataclass
 class TextData:
-    """Train/validation split of a byte corpus with deterministic random windows."""
+    """Train/validation token streams with deterministic random windows.
+
+    `train`/`val` are arrays or `tokenfiles.TokenStream`s (anything with len and slices);
+    `tokenizer` is the data.tokenizer string the tokens came from; `max_id` the largest
+    token id when known (token files record it), else computed on first need.
+    """
 
     train: np.ndarray
     val: np.ndarray
     seed: int
+    tokenizer: str = "bytes"
+    max_id: int | None = None
 
     @classmethod
     def from_config(cls, cfg: DataConfig) -> TextData:
-        tokens = load_corpus(cfg.corpus)
         if not 0.0 < cfg.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction={cfg.val_fraction} must be in (0, 1).")
+        if cfg.tokens:
+            return cls.from_token_files(cfg.tokens, cfg.seed)
+        tokens = load_tokens(tuple(cfg.corpus), load_tokenizer(cfg.tokenizer), cfg.text_field)
         n_val = int(len(tokens) * cfg.val_fraction)
-        return cls(tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:], cfg.seed)
+        return cls(tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:], cfg.seed,
+                   cfg.tokenizer)
+
+    @classmethod
+    def from_token_files(cls, path: str, seed: int = 0) -> TextData:
+        """Memory-mapped shards from `python -m gendist prepare` (or nanoGPT's .bin files)."""
+        from gendist.tokenfiles import open_token_dir, tokenizer_of
+        train, val, meta = open_token_dir(path)
+        return cls(train, val, seed, tokenizer_of(path, meta) if meta.get("tokenizer")
+                   else "", meta.get("max_token_id"))
 
     @property
     def fingerprint(self) -> str:
         return hashlib.sha256(self.train[:1 << 20].tobytes()).hexdigest()[:16]
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse token ids the model has no embedding for (they would turn into NaN)."""
+        if self.max_id is None:
+            self.max_id = max(_max_id(self.train), _max_id(self.val))
+        if self.max_id >= vocab_size:
+            raise ValueError(
+                f"the data holds token id {self.max_id} but model.vocab_size={vocab_size}: "
+                f"ids must be below vocab_size. Use the tokenizer the model was trained with "
+                f"(data.tokenizer={self.tokenizer!r}), or raise model.vocab_size to at least "
+                f"{self.max_id + 1}.")
 
     def batch_indices(self, step: int, batch_size: int, seq_len: int, split: str) -> np.ndarray:
         """Start offsets of the windows of one global batch: a function of (seed, step)."""
@@ -91,6 +106,12 @@ class TextData:
             starts = starts[rows]
         win = np.stack([data[s: s + seq_len + 1] for s in starts]).astype(np.int32)
         return {"inputs": win[:, :-1], "targets": win[:, 1:]}
+
+
+def _max_id(tokens) -> int:
+    if hasattr(tokens, "max_id"):
+        return tokens.max_id()
+    return int(np.max(tokens)) if len(tokens) else -1
 
 
 def shard_batch(batch: dict[str, np.ndarray], mesh, global_batch_size: int | None = None):

@@ -24,12 +24,16 @@ from gendist.train import NonFiniteLoss, Setup, build, host_metrics, throughput
 class MetricsWriter:
     """Metrics to a JSONL file and (optionally) TensorBoard; only process 0 writes."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool):
+    def __init__(self, out_dir: Path, tensorboard: bool, wandb: str = "off",
+                 wandb_project: str = "gendist", cfg: Config | None = None):
         self.active = jax.process_index() == 0
-        self.tb = None
+        self.tb = self.wandb = None
         if not self.active:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
+        if wandb != "off":
+            from gendist.wandb_logger import WandbLogger
+            self.wandb = WandbLogger(out_dir, cfg, wandb, wandb_project)
         self.jsonl = open(out_dir / "metrics.jsonl", "a")  # noqa: SIM115
         if tensorboard:
             try:
@@ -47,12 +51,16 @@ class MetricsWriter:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.write(step, metrics)
 
     def close(self):
         if self.active:
             self.jsonl.close()
             if self.tb is not None:
                 self.tb.close()
+            if self.wandb is not None:
+                self.wandb.close()
 
 
 @dataclasses.dataclass
@@ -77,17 +85,22 @@ STEP_TIMEOUT_ENV = "GENDIST_STEP_TIMEOUT"
 
 
 def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | None = None,
-        log=print, step_timeout: float | None = None) -> RunResult:
+        log=print, step_timeout: float | None = None, init_params=None) -> RunResult:
     """Train `cfg.train.steps` steps (resuming from out_dir's latest checkpoint).
 
     `stop_after` ends the loop early at that step (after checkpointing it), as if the
     process had been killed there: used by the exact-resume test. `step_timeout` (or
     $GENDIST_STEP_TIMEOUT) seconds without a finished step, eval or checkpoint after the
     first step end the process with a message instead of a hang (see distributed.Watchdog).
+    `init_params` starts a fresh run from given weights instead of a random init (fine-tuning;
+    a resumed run ignores it): a params dict, or a function of the params' shardings that
+    returns one placed on them (e.g. `hf.load_params` onto a ZeRO-3 mesh).
     """
     t = cfg.train
     setup = build(cfg, mesh)
     data = TextData.from_config(cfg.data) if data is None else data
+    if hasattr(data, "check_vocab"):  # a token id >= vocab_size would be NaN at step 0
+        data.check_vocab(cfg.model.vocab_size)
     out = Path(t.out_dir)
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints)
     state = None
@@ -99,11 +112,17 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
     if t.resume and ckpt.latest_step() is not None:
         state, meta, at = ckpt.restore(setup.abstract_state())
         log(f"resumed from {ckpt.directory} step {at} (val_loss {meta.get('val_loss')})")
+    if state is None and init_params is not None:
+        state = setup.init_state(params=init_params)
     if state is None:
         state = setup.init_state()
     start = int(jax.device_get(state["step"]))
-    writer = MetricsWriter(out, t.tensorboard)
+    if jax.process_index() == 0:
+        from gendist import config_yaml
+        config_yaml.save(cfg, out / config_yaml.YAML_NAME)  # --config accepts it back
+    writer = MetricsWriter(out, t.tensorboard, t.wandb, t.wandb_project, cfg)
     rows = process_rows(setup.mesh, t.batch_size)
+    unit = "byte" if getattr(data, "tokenizer", "bytes") == "bytes" else "token"
     end = t.steps if stop_after is None else min(t.steps, stop_after)
     history: list[dict] = []
     val_loss = None
@@ -151,7 +170,7 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
                     pending = None
                     val_loss = evaluate(setup, data, state["params"])
                     writer.write(done, {"val_loss": val_loss})
-                    log(f"step {done}: val_loss {val_loss:.4f} nats/byte")
+                    log(f"step {done}: val_loss {val_loss:.4f} nats/{unit}")
                     beat(f"step {done} and its validation")
                 if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == end:
                     if pending is not None:  # never checkpoint before seeing it was finite

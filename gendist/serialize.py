@@ -8,7 +8,7 @@ import jax
 from jax.sharding import SingleDeviceSharding
 
 from gendist import optim
-from gendist.checkpoint import CheckpointError, Checkpointer
+from gendist.checkpoint import Checkpointer, CheckpointError
 from gendist.config import ModelConfig, config_from_dict
 from gendist.models import transformer
 

@@ -374,21 +374,36 @@ class Setup:
     traces: dict  # how many times each jitted function was traced (recompile guard)
     grad_sharding: dict | None = None  # where the gradients live (ZeRO-2/3: split on data)
 
-    def init_state(self, seed: int | None = None) -> dict:
-        seed = self.cfg.train.seed if seed is None else seed
+    def init_state(self, seed: int | None = None, params=None) -> dict:
+        """A step-0 state: random params from `seed` (default train.seed), or `params`
+        (fine-tuning: a params dict of host or device arrays, or a function of the params'
+        shardings returning arrays placed on them), with a fresh optimizer state."""
+        p_sh = self.state_sharding["params"]
 
-        def init():
-            params = transformer.init_params(self.cfg.model, seed)
-            return {"step": jnp.zeros((), jnp.int32), "params": params,
-                    "opt_state": self.optimizer.init(params)}
+        def state(p):
+            return {"step": jnp.zeros((), jnp.int32), "params": p,
+                    "opt_state": self.optimizer.init(p)}
 
         with use_mesh(self.mesh):
-            return jax.jit(init, out_shardings=self.state_sharding)()
+            if params is None:
+                seed = self.cfg.train.seed if seed is None else seed
+                init = lambda: state(transformer.init_params(self.cfg.model, seed))
+                return jax.jit(init, out_shardings=self.state_sharding)()
+            given = params(p_sh) if callable(params) else jax.tree.map(_place, params, p_sh)
+            return jax.jit(state, in_shardings=(p_sh,), out_shardings=self.state_sharding)(given)
 
     def abstract_state(self):
         shapes = jax.eval_shape(self.init_state)
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, self.state_sharding)
+
+
+def _place(x, sharding):
+    """A host array placed on `sharding`, each process writing its own devices' slices."""
+    if isinstance(x, jax.Array):
+        return x
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
 def metric_names(cfg: Config, asynchronous: bool) -> tuple[str, ...]:

@@ -1,11 +1,12 @@
 """One process of a multi-process test job (started by tests/test_multihost.py).
 
     python -m gendist launch --nproc 2 --devices-per-process 4 -- \
-        python tests/multihost_worker.py OUT_DIR --steps 6 --checkpoint-every 3
+        python tests/multihost_worker.py OUT_DIR --steps 6 --checkpoint-every 3 [--tokens DIR]
 
 Joins the job (gendist.distributed), checks that per-process batches assemble into the
 global batch on a contiguous and an interleaved mesh, then trains the small test model on
-a data=4 x tensor=2 mesh through gendist.loop.run. GENDIST_TEST_DIE_AT=S makes process
+a data=4 x tensor=2 mesh through gendist.loop.run, on the bundled text or, with --tokens, on
+token files from `prepare` (memory-mapped; each process reads only its rows' windows). GENDIST_TEST_DIE_AT=S makes process
 GENDIST_TEST_DIE_RANK (default 1) SIGKILL itself when it starts step S (or tick S of
 --collectives-only, a model-free loop of all-reduces).
 """
@@ -100,17 +101,19 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--checkpoint-every", type=int, default=3)
     ap.add_argument("--collectives-only", action="store_true")
+    ap.add_argument("--tokens", default="", help="a `prepare` folder to train on")
     args = ap.parse_args()
     die_at = int(os.environ.get("GENDIST_TEST_DIE_AT", "-1"))
     die_rank = int(os.environ.get("GENDIST_TEST_DIE_RANK", "1"))
     if args.collectives_only:
         return collectives_only(die_at, die_rank)
     cfg = small_config(args.out, steps=args.steps, checkpoint_every=args.checkpoint_every)
-    data = DyingData.from_config(cfg.data)
+    data = DyingData.from_token_files(args.tokens) if args.tokens else \
+        DyingData.from_config(cfg.data)
     data.die_at, data.die_rank = die_at, die_rank
     pid = jax.process_index()
     print(f"process {pid}/{jax.process_count()}: {jax.local_device_count()} local of "
-          f"{jax.device_count()} devices", flush=True)
+          f"{jax.device_count()} devices; data: {type(data.train).__name__}", flush=True)
     report = check_batches(data, cfg.train.batch_size, cfg.train.seq_len)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"data_check_{pid}.json").write_text(json.dumps(report))

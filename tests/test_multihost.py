@@ -2,6 +2,9 @@
 
 Oracles: the same run as 1 process x 8 devices in this pytest process (losses and the final
 checkpoint), and the uninterrupted run for resumes. Failures are real SIGKILLed processes.
+The 2-process run trains on token files written by `prepare` from the bundled corpus
+(memory-mapped shards of 2^20 tokens, so windows straddle shards); the 1-process oracle
+trains on the text itself, so equal losses also show that token files equal the text.
 """
 
 import functools
@@ -22,6 +25,7 @@ from helpers import mesh_of, small_config
 from gendist import distributed, loop, train
 from gendist.checkpoint import Checkpointer
 from gendist.data import rows_of_shards
+from gendist.tokenfiles import prepare
 
 WORKER = str(Path(__file__).with_name("multihost_worker.py"))
 STEPS, EVERY = 6, 3
@@ -52,10 +56,21 @@ assert_trees_close = functools.partial(trees_close, rtol=RTOL, atol=ATOL)
 
 
 @pytest.fixture(scope="module")
-def two_process(tmp_path_factory):
-    """2 processes x 4 devices, mesh data=4 x tensor=2, checkpoints at steps 3 and 6."""
+def tokens(tmp_path_factory):
+    """The bundled corpus as token files: 5 train shards of 2^20 bytes-as-uint16."""
+    out = tmp_path_factory.mktemp("mh") / "tokens"
+    meta = prepare((), "bytes", out, shard_tokens=1 << 20, progress=False)
+    assert len(meta["train"]) == 5
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_process(tmp_path_factory, tokens):
+    """2 processes x 4 devices, mesh data=4 x tensor=2, checkpoints at steps 3 and 6, on
+    token files."""
     out = tmp_path_factory.mktemp("mh") / "two"
-    rc, log = launch(out, "--steps", str(STEPS), "--checkpoint-every", str(EVERY))
+    rc, log = launch(out, "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
+                     "--tokens", str(tokens))
     assert rc == 0, log[-4000:]
     return out, log
 
@@ -70,8 +85,8 @@ def one_process(tmp_path_factory):
 
 def test_two_processes_equal_one_process(two_process, one_process):
     (two, log), (one, r1) = two_process, one_process
-    assert "[0] process 0/2: 4 local of 8 devices" in log
-    assert "[1] process 1/2: 4 local of 8 devices" in log
+    assert "[0] process 0/2: 4 local of 8 devices; data: TokenStream" in log
+    assert "[1] process 1/2: 4 local of 8 devices; data: TokenStream" in log
     a, b = losses(two), losses(one)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(b)],
@@ -145,11 +160,12 @@ def survivor_outcome(victim, survivor, limit):
     return rc, time.monotonic() - died, survivor.communicate()[0]
 
 
-def test_killed_process_ends_the_other_and_rerun_resumes(tmp_path, two_process):
+def test_killed_process_ends_the_other_and_rerun_resumes(tmp_path, two_process, tokens):
     """Process 1 is SIGKILLed as it starts step 5 (after checkpoint 4): process 0 exits
-    non-zero within the heartbeat timeout naming task 1; a rerun resumes from step 4."""
+    non-zero within the heartbeat timeout naming task 1; a rerun resumes from step 4 and
+    continues exactly (token files: memory-mapped batches are a function of the step)."""
     out = tmp_path / "killed"
-    args = ["--steps", str(STEPS), "--checkpoint-every", "2"]
+    args = ["--steps", str(STEPS), "--checkpoint-every", "2", "--tokens", str(tokens)]
     p0, p1 = start_pair(out, args, {"GENDIST_TEST_DIE_AT": "4", "GENDIST_TEST_DIE_RANK": "1"})
     rc, after, log = survivor_outcome(p1, p0, HEARTBEAT + 30)
     assert p1.returncode == -9

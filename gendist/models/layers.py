@@ -18,11 +18,36 @@ def rms_norm(x_BTD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
     return (y * scale).astype(x_BTD.dtype)
 
 
-def rope_angles(positions_BT: jax.Array, head_dim: int, theta: float):
-    """cos, sin of the rotary angles (Su et al. 2021), shapes [B, T, H/2], fp32."""
+def rope_angles(positions_BT: jax.Array, head_dim: int, theta: float, llama3=None):
+    """cos, sin of the rotary angles (Su et al. 2021), shapes [B, T, H/2], fp32.
+
+    `llama3`: (factor, low_freq_factor, high_freq_factor, original_max_len) rescales the
+    frequencies as Llama 3.1 does (`ModelConfig.rope_llama3`); None leaves them alone.
+    """
     inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if llama3 is not None:
+        inv_freq = llama3_inv_freq(inv_freq, *llama3)
     ang_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
     return jnp.cos(ang_BTh), jnp.sin(ang_BTh)
+
+
+def llama3_inv_freq(inv_freq, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_len: int):
+    """Llama 3.1's RoPE scaling (Meta's `apply_scaling`, HF's `rope_type: llama3`).
+
+    Wavelengths longer than original_len/low_freq_factor (the slow dimensions, which never
+    completed a turn in pre-training) are stretched by `factor`; those shorter than
+    original_len/high_freq_factor are kept; in between the two are blended linearly in
+    original_len/wavelength. No attention rescaling (HF's attention_factor is 1 here).
+    """
+    wavelen = 2 * jnp.pi / inv_freq
+    low_wavelen = original_max_len / low_freq_factor
+    high_wavelen = original_max_len / high_freq_factor
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, blended, scaled)
 
 
 def apply_rope(x_BTNH: jax.Array, cos_BTh: jax.Array, sin_BTh: jax.Array) -> jax.Array:

@@ -95,7 +95,7 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     q_BTNH = ops.constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
     k_BTKH = ops.constrain(k_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
     v_BTKH = ops.constrain(v_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
-    cos, sin = rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
     q_BTNH, k_BTKH = apply_rope(q_BTNH, cos, sin), apply_rope(k_BTKH, cos, sin)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     if cache is None:

@@ -107,6 +107,7 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
     bk, st, c, rows = plan.block_k, plan.stages, plan.per_copy, plan.group_rows
     copies = bk // c
     split_pages = plan.split_tokens // page_size
+    table_chunks = [(lo, min(256, split_pages - lo)) for lo in range(0, split_pages, 256)]
     scale2 = sm_scale * _LOG2E
 
     def kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, lse_ref,
@@ -189,7 +190,9 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
         @pl.when(wg == 1)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            plgpu.copy_gmem_to_smem(bt_ref.at[bi, pl.ds(si * split_pages, split_pages)], bt_smem, bt_bar)
+            for lo, size in table_chunks:  # TMA copies at most 256 elements per dimension
+                plgpu.copy_gmem_to_smem(bt_ref.at[bi, pl.ds(si * split_pages + lo, size)],
+                                        bt_smem.at[pl.ds(lo, size)], bt_bar)
             plgpu.barrier_wait(bt_bar)
 
             @pl.loop(0, n_steps)
@@ -221,7 +224,7 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
         plgpu.SMEM((split_pages,), jnp.int32),  # this split's block-table slice
         None if plan.regs else tiled_smem((_ROWS, bk), dtype),  # P, when staged in smem
         plgpu.Barrier(),  # Q loaded
-        plgpu.Barrier(),  # block table loaded
+        plgpu.Barrier(num_arrivals=len(table_chunks)),  # block table loaded
         plgpu.Barrier(num_arrivals=copies, num_barriers=st),  # K slot filled
         plgpu.Barrier(num_arrivals=copies, num_barriers=st),  # V slot filled
         plgpu.Barrier(num_barriers=st),  # slot free again

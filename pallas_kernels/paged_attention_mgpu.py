@@ -120,9 +120,9 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
         n_tok = jnp.clip(length - split_lo, 0, plan.split_tokens)
         n_steps = lax.div(n_tok + (bk - 1), bk)
 
+        # Two warpgroups: each thread may hold up to 255 registers, so no setmaxnreg.
         @pl.when(wg == 0)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
             q_smem[...] = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), dtype), WGMMA)
             plgpu.commit_smem()  # the zero rows land before the TMA fills the group's rows
             plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh], q_smem.at[pl.ds(0, rows)], q_bar)
@@ -189,7 +189,6 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
 
         @pl.when(wg == 1)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
             for lo, size in table_chunks:  # TMA copies at most 256 elements per dimension
                 plgpu.copy_gmem_to_smem(bt_ref.at[bi, pl.ds(si * split_pages + lo, size)],
                                         bt_smem.at[pl.ds(lo, size)], bt_bar)

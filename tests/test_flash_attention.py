@@ -200,7 +200,8 @@ def _mosaic_gpu_cases():
         if h in (64, 128):
             dtype = dtype if dtype != F32 else (BF16, F16)[i % 2]
             cases.append((b, t, s, n, kh, h, causal, dtype, off, seg, None))
-    return cases + MOSAIC_INTERPRET
+    orphan = (1, 24, 40, 2, 2, 64, False, BF16, 0, "orphan", None)  # rows that see no key
+    return cases + MOSAIC_INTERPRET + [orphan]
 
 
 class TestMosaicFlashAttention:

@@ -72,22 +72,25 @@ class MosaicBlockSizes:
             return cls(stages=3)
         return cls()
 
-    def check_smem(self, head_dim: int, itemsize: int = 2):
-        """Raises if a kernel's shared memory would exceed what one sm90 block has."""
-        d, w = head_dim, _COMPUTE_WGS
+    def check_smem(self, head_dim: int, regs: bool):
+        """Raises if a kernel's shared memory would exceed what one sm90 block has
+        (bf16/fp16 tiles; regs=False adds the P / dS staging buffers)."""
+        d, w, h = head_dim, _COMPUTE_WGS, jnp.float16
+        staged = lambda shape: [] if regs else [(shape, h)]
         need = {
-            "forward": smem_bytes(((w, self.block_q, d), jnp.float16),
-                                  ((2 * self.stages, self.block_kv, d), jnp.float16),
-                                  ((w, self.block_q, self.block_kv), jnp.float16)),
-            "dq": smem_bytes(((2 * w, self.block_q_dq, d), jnp.float16),
-                             ((2 * self.stages_bwd, self.block_kv_dq, d), jnp.float16),
-                             ((w, self.block_q_dq, self.block_kv_dq), jnp.float16)),
-            "dkv": smem_bytes(((2 * w, self.block_kv_dkv, d), jnp.float16),
-                              ((2 * self.stages_bwd, self.block_q_dkv, d), jnp.float16),
-                              ((w, self.block_kv_dkv, self.block_q_dkv), jnp.float16)),
+            "forward": smem_bytes(((w, self.block_q, d), h), ((2 * self.stages, self.block_kv, d), h),
+                                  ((w, self.block_q), jnp.float32),
+                                  *staged((w, self.block_q, self.block_kv))),
+            "dq": smem_bytes(((2 * w, self.block_q_dq, d), h),
+                             ((2 * self.stages_bwd, self.block_kv_dq, d), h),
+                             *staged((w, self.block_q_dq, self.block_kv_dq))),
+            "dkv": smem_bytes(((2 * w, self.block_kv_dkv, d), h),
+                              ((2 * self.stages_bwd, self.block_q_dkv, d), h),
+                              ((2 * self.stages_bwd, self.block_q_dkv), jnp.float32),
+                              *staged((w, self.block_kv_dkv, self.block_q_dkv))),
         }
         for name, n in need.items():
-            if n * itemsize // 2 > SMEM_LIMIT - 2048:
+            if n > SMEM_LIMIT - 8192:  # barriers and alignment take a few KiB more
                 raise ValueError(f"MosaicBlockSizes: the {name} kernel needs {n} bytes of shared "
                                  f"memory at head_dim={head_dim}; shrink its tiles or stages.")
 
@@ -731,12 +734,12 @@ def flash_attention_mgpu(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = False,
         raise ValueError(f"flash_attention_mgpu: dtype {q_BTNH.dtype} / head_dim={h} unsupported; "
                          f"use one of {SUPPORTED_DTYPES} with head_dim in {SUPPORTED_HEAD_DIMS}.")
     blocks = block_sizes or MosaicBlockSizes.for_head_dim(h)
-    blocks.check_smem(h)
+    regs = (not interpret) if regs is None else bool(regs)
+    blocks.check_smem(h, regs)
     cfg = MosaicConfig(
         causal=bool(causal), sm_scale=float(1 / math.sqrt(h) if sm_scale is None else sm_scale),
         blocks=blocks, q_len=t, kv_len=s, groups=n // kh,
-        segments=q_segment_ids is not None, regs=(not interpret) if regs is None else bool(regs),
-        interpret=bool(interpret))
+        segments=q_segment_ids is not None, regs=regs, interpret=bool(interpret))
     qoff = jnp.asarray(q_offset, jnp.int32).reshape(1)
     q_seg = kv_seg = None
     if cfg.segments:

@@ -45,8 +45,8 @@ _TARGET_BLOCKS = 264  # two waves of an H200's 132 SMs; fewer blocks: split the 
 class PagedBlockSizes:
     """Tiling of the Mosaic GPU paged kernel; None picks a default from the shapes."""
 
-    block_k: int = 64  # tokens per pipeline step (a multiple of 64)
-    stages: int = 4  # steps in flight (each block_k tokens of K and of V)
+    block_k: int = 128  # tokens per pipeline step (a multiple of 64)
+    stages: int = 2  # steps in flight (each block_k tokens of K and of V)
     num_splits: int | None = None  # context splits per sequence; None: fill the GPU
 
     def __post_init__(self):

@@ -106,7 +106,7 @@ def run_fa(args, res, save):
                 t, out = timed(fwd, q, k, v, n=args.iters)
                 row.update(fwd_ms=t * 1e3, fwd_tflops=flops / t / 1e12)
 
-                def loss(q, k, v, do):  # do is an argument: a closed-over array would be folded
+                def loss(q, k, v, do, fn=fn, causal=causal):  # do is an argument: not folded
                     return jnp.sum(fn(q, k, v, causal).astype(jnp.float32) * do.astype(jnp.float32))
 
                 grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -125,7 +125,7 @@ def run_fa(args, res, save):
                     continue
                 if row["impl"] in peer_out and row["impl"] != ref_name:
                     row["rel_err_vs_" + ref_name] = [rel(x, r) for x, r in
-                                                      zip(peer_out[row["impl"]], peer_out[ref_name])]
+                                                      zip(peer_out[row["impl"]], peer_out[ref_name], strict=True)]
             save()
 
 
@@ -143,7 +143,7 @@ def paged_inputs(batch, ctx, hq, hkv, page, head_dim=128, seed=0):
 def run_paged(args, res, save):
     shapes = [(2, 256, 8, 2, 16)] if args.smoke else PAGED_SHAPES
     head_dim = 64 if args.smoke else 128
-    for i, shape in enumerate(shapes):
+    for shape in shapes:
         if time.time() > args.deadline:
             print("deadline: skipping", shape, flush=True)
             continue

@@ -36,7 +36,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import flash_attention_mgpu as mgpu
-from pallas_kernels._mgpu import on_sm90
 from pallas_kernels._compat import (
     dot_f32,
     is_pow2,
@@ -46,6 +45,7 @@ from pallas_kernels._compat import (
     round_up,
     triton_params,
 )
+from pallas_kernels._mgpu import on_sm90
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)

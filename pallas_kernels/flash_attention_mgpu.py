@@ -33,7 +33,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import COL, ROW, SMEM_LIMIT, WGMMA, interpret_params, smem_bytes, tiled_smem
+from pallas_kernels._mgpu import (
+    COL,
+    ROW,
+    SMEM_LIMIT,
+    WGMMA,
+    interpret_params,
+    smem_bytes,
+    tiled_smem,
+)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)

@@ -274,8 +274,8 @@ class TestMemoryIsLinear:
         assert _largest_intermediate(jax.make_jaxpr(ref)(q, k, v).jaxpr) >= t * s  # the check bites
         assert _largest_intermediate(jax.make_jaxpr(ours)(q, k, v).jaxpr) < t * s // 8
 
-    @pytest.mark.skipif(not ON_GPU, reason="compiled temp memory is only meaningful for the "
-                        "Triton kernels; on CPU the traced-jaxpr check above stands in")
+    @pytest.mark.skipif(not ON_GPU, reason="compiled temp memory is only meaningful for the compiled "
+                        "(Triton or Mosaic GPU) kernels; on CPU the traced-jaxpr check above stands in")
     def test_compiled_temp_memory_grows_linearly_on_gpu(self):
         def temp_bytes(attention, seq):
             x = jax.ShapeDtypeStruct((1, seq, 8, 128), jnp.bfloat16)

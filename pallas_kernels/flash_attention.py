@@ -1,5 +1,9 @@
 """FlashAttention forward and backward in Pallas (Triton on GPU, interpret mode on CPU).
 
+This file holds the portable Triton-lowered kernels, the public `flash_attention` (which
+dispatches to the Mosaic GPU kernels of `flash_attention_mgpu.py` on a Hopper GPU) and the
+reference `mha_reference` that both are tested against.
+
 Forward (Dao et al. 2022, FlashAttention; Dao 2023, FlashAttention-2): one program per
 (query tile, batch, head) keeps its Q tile on chip and sweeps the K/V tiles, folding each
 into fp32 accumulators with the online softmax (Milakov & Gimelshein 2018): a running row
@@ -31,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import flash_attention_mgpu as mgpu
 from pallas_kernels._compat import (
     dot_f32,
     is_pow2,
@@ -40,6 +45,7 @@ from pallas_kernels._compat import (
     round_up,
     triton_params,
 )
+from pallas_kernels._mgpu import on_sm90
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -478,10 +484,32 @@ def _check_inputs(q, k, v, segment_ids, q_offset):
     return segment_ids
 
 
+IMPLEMENTATIONS = ("triton", "mosaic")
+
+
+def pick_implementation(implementation: str | None, dtype, head_dim: int, block_sizes,
+                        interpret: bool) -> str:
+    """None picks Mosaic GPU when compiling on an sm90 GPU for bf16/fp16 at head dim 64 or
+    128 (and no Triton BlockSizes were given), Triton otherwise (the portable path)."""
+    if implementation is None:
+        mosaic = (not interpret and on_sm90() and mgpu.supports(dtype, head_dim)
+                  and not isinstance(block_sizes, BlockSizes))
+        return "mosaic" if mosaic else "triton"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"flash_attention: implementation={implementation!r}; use one of "
+                         f"{IMPLEMENTATIONS} or None (automatic).")
+    if implementation == "mosaic" and not mgpu.supports(dtype, head_dim):
+        raise ValueError(f"flash_attention: implementation='mosaic' takes bfloat16/float16 with "
+                         f"head_dim in {mgpu.SUPPORTED_HEAD_DIMS}, got {jnp.dtype(dtype).name} / "
+                         f"{head_dim}; use implementation='triton'.")
+    return implementation
+
+
 def flash_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = False,
                     sm_scale: float | None = None, q_offset=0,
                     segment_ids: SegmentIds | jax.Array | None = None,
-                    block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+                    block_sizes: BlockSizes | mgpu.MosaicBlockSizes | None = None,
+                    interpret: bool | None = None, implementation: str | None = None):
     """Exact softmax attention, O(seq) memory, differentiable (custom VJP).
 
     q_BTNH [batch, q_len, heads, head_dim]; k_BSKH, v_BSKH [batch, kv_len, kv_heads,
@@ -489,11 +517,26 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = False,
     Query i sits at absolute position q_offset + i (an int or a traced int scalar, e.g. a
     decode position); causal means key_pos <= query_pos. segment_ids: SegmentIds(q, kv)
     or one [batch, seq] array when q_len == kv_len. Rows that see no key return 0.
-    interpret=None: interpret mode unless running on a GPU.
+    interpret=None: interpret mode unless running on a GPU. implementation: "triton" (the
+    kernels in this file), "mosaic" (`flash_attention_mgpu`, Hopper; interpreted on a CPU)
+    or None: Mosaic GPU on an sm90 GPU where it applies, Triton otherwise.
     """
     segment_ids = _check_inputs(q_BTNH, k_BSKH, v_BSKH, segment_ids, q_offset)
     t, s, h = q_BTNH.shape[1], k_BSKH.shape[1], q_BTNH.shape[3]
     interpret = resolve_interpret(interpret)
+    impl = pick_implementation(implementation, q_BTNH.dtype, h, block_sizes, interpret)
+    if impl == "mosaic":
+        if block_sizes is not None and not isinstance(block_sizes, mgpu.MosaicBlockSizes):
+            raise ValueError("flash_attention: implementation='mosaic' takes "
+                             "MosaicBlockSizes, not BlockSizes.")
+        return mgpu.flash_attention_mgpu(
+            q_BTNH, k_BSKH, v_BSKH, causal=causal, sm_scale=sm_scale, q_offset=q_offset,
+            q_segment_ids=None if segment_ids is None else segment_ids.q,
+            kv_segment_ids=None if segment_ids is None else segment_ids.kv,
+            block_sizes=block_sizes, interpret=interpret)
+    if isinstance(block_sizes, mgpu.MosaicBlockSizes):
+        raise ValueError("flash_attention: MosaicBlockSizes apply to implementation='mosaic'; "
+                         "pass BlockSizes for the Triton kernels.")
     blocks = (block_sizes or BlockSizes.for_shape(h, q_BTNH.dtype, on_gpu=not interpret)).clipped(t, s)
     q_mult = max(blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)
     kv_mult = max(blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)

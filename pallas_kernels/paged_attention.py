@@ -19,6 +19,10 @@ K/V tiles are gathered token by token straight into [block_k, H] (a page id per 
 as [pages, Z, H] reshaped: with the reshape between load and dot the same kernel read 1.4 TB/s
 on an H200, without it 2.4-2.7 TB/s at batch 64, context 4096, 32q/8kv heads, page 16, where
 JAX's own Pallas paged op reads 1.6 (experiments/bench_paged_attention.py, benchmarks/README.md).
+
+On a Hopper GPU `paged_attention` dispatches to the Mosaic GPU kernel of
+`paged_attention_mgpu.py` (TMA page copies, wgmma); this kernel stays the portable path and
+serves `paged_attention_chunk` everywhere.
 """
 from __future__ import annotations
 
@@ -31,6 +35,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import paged_attention_mgpu as mgpu
+from pallas_kernels._mgpu import on_sm90
 
 # Finite "minus infinity": exp2(NEG - m) underflows to 0 without producing inf - inf = nan.
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -263,17 +270,40 @@ def _resolve(sm_scale, head_dim, interpret):
     return scale, interpret
 
 
+IMPLEMENTATIONS = ("triton", "mosaic")
+
+
+def _pick_implementation(implementation, q, k_pages, triton_tiling: bool, interpret: bool) -> str:
+    """None: Mosaic GPU when compiling on an sm90 GPU for a cache it takes (and no Triton
+    tiling was asked for); Triton otherwise, the portable path."""
+    heads, head_dim = q.shape[1:]
+    kv_heads, _, page_size, _ = k_pages.shape
+    ok = mgpu.supports(q.dtype, head_dim, page_size, heads // kv_heads)
+    if implementation is None:
+        return "mosaic" if ok and not interpret and not triton_tiling and on_sm90() else "triton"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}; use one of {IMPLEMENTATIONS} or None")
+    if implementation == "mosaic" and not ok:
+        raise ValueError(f"implementation='mosaic' takes bfloat16/float16 with head_dim in "
+                         f"{mgpu.SUPPORTED_HEAD_DIMS}, page_size a power of two >= 8 and at most 64 "
+                         f"query heads per kv head; use implementation='triton'")
+    return implementation
+
+
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "pages_per_compute_block", "num_splits", "interpret", "block_k", "num_warps",
-    "num_stages"))
+    "num_stages", "implementation", "mosaic_block_sizes"))
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None,
                     pages_per_compute_block=None, num_splits=None, interpret=None, block_k=None,
-                    num_warps=4, num_stages=3):
+                    num_warps=4, num_stages=3, implementation=None, mosaic_block_sizes=None):
     """Decode attention of one query token per sequence against a paged KV cache.
 
     q [B, N, H]; k_pages, v_pages [K, P, Z, H]; block_tables [B, pages_per_sequence] int32 (page
     ids into P); lengths [B] int32, the number of valid tokens (the query sees positions < length;
     length 0 gives zeros). Returns [B, N, H]. `interpret=None` interprets off-GPU.
+    implementation: "triton" (this file's kernel), "mosaic" (`paged_attention_mgpu`, Hopper,
+    tiled by `mosaic_block_sizes`; interpreted on a CPU) or None: Mosaic GPU on an sm90 GPU
+    unless block_k / pages_per_compute_block ask for a Triton tiling, Triton otherwise.
     """
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, heads, head_dim]; got shape {q.shape}")
@@ -283,6 +313,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None
     if heads % kv_heads:
         raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads} (GQA groups)")
     scale, interpret = _resolve(sm_scale, head_dim, interpret)
+    triton_tiling = block_k is not None or pages_per_compute_block is not None
+    if _pick_implementation(implementation, q, k_pages, triton_tiling, interpret) == "mosaic":
+        sizes = mosaic_block_sizes or mgpu.PagedBlockSizes(num_splits=num_splits)
+        return mgpu.paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, sm_scale=scale,
+                                         block_sizes=sizes, regs=not interpret, interpret=interpret)
     group = heads // kv_heads
     block_r = max(16, _next_pow2(group))
     q_BKGH = q.reshape(batch, kv_heads, group, head_dim)

@@ -1,8 +1,10 @@
 """FlashAttention (Pallas) against the pure-jnp reference: outputs and dq, dk, dv.
 
-Interpret mode on CPU, compiled Triton when a GPU is present (same cases). Each case is one
-compile of forward + backward; on CPU the interpret-mode program is compiled at XLA
-optimisation level 0, which only shortens the compile.
+Triton kernels: interpret mode on CPU, compiled when a GPU is present (same cases). Mosaic
+GPU kernels (`flash_attention_mgpu`): a few small cases through Mosaic GPU's interpreter on
+CPU (it simulates every warpgroup, so it is slow), the whole shape suite in bf16 and fp16
+compiled on an sm90 GPU. Each case is one compile of forward + backward; on CPU the program
+is compiled at XLA optimisation level 0, which only shortens the compile.
 """
 import math
 
@@ -12,16 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels._mgpu import on_sm90
 from pallas_kernels.flash_attention import (
     BlockSizes,
     SegmentIds,
     flash_attention,
     mha_reference,
+    pick_implementation,
 )
+from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes, flash_attention_mgpu
 
 ON_GPU = jax.default_backend() == "gpu"
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
-F32, BF16 = jnp.float32, jnp.bfloat16
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 SMALL = BlockSizes(16, 16, 16, 16, 16, 16)  # many tiles per sequence: every loop runs
 MIXED = BlockSizes(32, 16, 16, 32, 32, 16)
 MIXED_T = BlockSizes(16, 32, 32, 16, 16, 32)
@@ -109,41 +114,45 @@ def compile_and_run(fn, *args):
     return lowered.compile(compiler_options=options)(*args)
 
 
+def check_case(case, attention):
+    """Output and the three gradients of `attention(q, k, v, blocks, **kw)` vs the reference."""
+    b, t, s, n, kh, h, causal, dtype, q_offset, seg, blocks = case
+    rng = np.random.default_rng(t * 1009 + s * 13 + n + h)
+    q = normal(rng, (b, t, n, h), dtype)
+    k = normal(rng, (b, s, kh, h), dtype)
+    v = normal(rng, (b, s, kh, h), dtype)
+    do = normal(rng, (b, t, n, h), dtype)
+    segment_ids = make_segments(seg, rng, b, t, s)
+    kw = dict(causal=causal, q_offset=q_offset, segment_ids=segment_ids)
+
+    def ours(q, k, v, do):
+        out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, blocks, **kw), q, k, v)
+        return (out, *vjp(do))
+
+    def reference(q, k, v, do):  # fp32 math on the same (already rounded) inputs
+        up = lambda x: x.astype(jnp.float32)
+        out, vjp = jax.vjp(lambda q, k, v: mha_reference(q, k, v, **kw), up(q), up(k), up(v))
+        return (out, *vjp(up(do)))
+
+    got = compile_and_run(ours, q, k, v, do)
+    want = compile_and_run(reference, q, k, v, do)
+    for name, x, ref, like in zip(("out", "dq", "dk", "dv"), got, want, (q, q, k, v), strict=True):
+        assert x.shape == like.shape and x.dtype == dtype, name
+        assert np.all(np.isfinite(np.asarray(x, np.float32))), name
+        err = rel_err(x, ref)
+        assert err < TOL[dtype], f"{name}: relative error {err:.2e}"
+    if seg == "orphan":  # rows with no visible key: exactly zero output and dq
+        rows = np.asarray(segment_ids.q[0] == 5)
+        assert np.all(np.asarray(got[0])[:, rows] == 0) and np.all(np.asarray(got[1])[:, rows] == 0)
+
+
 class TestFlashAttention:
     INTERPRET = not ON_GPU
 
     @pytest.mark.parametrize("case", CASES, ids=case_id)
     def test_forward_and_gradients_match_reference(self, case):
-        b, t, s, n, kh, h, causal, dtype, q_offset, seg, blocks = case
-        rng = np.random.default_rng(t * 1009 + s * 13 + n + h)
-        q = normal(rng, (b, t, n, h), dtype)
-        k = normal(rng, (b, s, kh, h), dtype)
-        v = normal(rng, (b, s, kh, h), dtype)
-        do = normal(rng, (b, t, n, h), dtype)
-        segment_ids = make_segments(seg, rng, b, t, s)
-        kw = dict(causal=causal, q_offset=q_offset, segment_ids=segment_ids)
-
-        def ours(q, k, v, do):
-            out, vjp = jax.vjp(lambda q, k, v: flash_attention(
-                q, k, v, block_sizes=blocks, interpret=self.INTERPRET, **kw), q, k, v)
-            return (out, *vjp(do))
-
-        def reference(q, k, v, do):  # fp32 math on the same (already rounded) inputs
-            up = lambda x: x.astype(jnp.float32)
-            out, vjp = jax.vjp(lambda q, k, v: mha_reference(q, k, v, **kw), up(q), up(k), up(v))
-            return (out, *vjp(up(do)))
-
-        got = compile_and_run(ours, q, k, v, do)
-        want = compile_and_run(reference, q, k, v, do)
-        for name, x, ref, like in zip(("out", "dq", "dk", "dv"), got, want, (q, q, k, v),
-                                      strict=True):
-            assert x.shape == like.shape and x.dtype == dtype, name
-            assert np.all(np.isfinite(np.asarray(x, np.float32))), name
-            err = rel_err(x, ref)
-            assert err < TOL[dtype], f"{name}: relative error {err:.2e}"
-        if seg == "orphan":  # rows with no visible key: exactly zero output and dq
-            rows = np.asarray(segment_ids.q[0] == 5)
-            assert np.all(np.asarray(got[0])[:, rows] == 0) and np.all(np.asarray(got[1])[:, rows] == 0)
+        check_case(case, lambda q, k, v, blocks, **kw: flash_attention(
+            q, k, v, block_sizes=blocks, interpret=self.INTERPRET, implementation="triton", **kw))
 
     def test_traced_q_offset_compiles_once(self):
         # A decode loop passes its position as a traced scalar; no recompile per position.
@@ -171,6 +180,65 @@ class TestFlashAttention:
         assert rel_err(out, mha_reference(q, k, v, sm_scale=0.3)) < TOL[F32]
         # And the scale matters: the default 1/sqrt(32) gives a different answer.
         assert rel_err(out, mha_reference(q, k, v)) > 1e-2
+
+
+# Mosaic GPU kernels. On CPU, three small cases in the interpreter (P and dS staged through
+# shared memory, the one path it runs): ragged lengths with the length mask, GQA with the
+# in-kernel dK/dV group sum, causal with an offset, segment ids, both head dims and dtypes.
+MOSAIC_INTERPRET = [
+    (1, 100, 130, 4, 2, 64, False, BF16, 0, None, None),
+    (1, 40, 170, 2, 1, 128, True, F16, 130, None, None),
+    (1, 64, 64, 4, 2, 64, True, BF16, 0, "random", None),
+]
+
+
+def _mosaic_gpu_cases():
+    """On the GPU: every suite case with head dim 64/128 in bf16 (fp32 cases as bf16 and
+    fp16 in turn), the kernels' default tiles, plus the interpreter's cases."""
+    cases = []
+    for i, (b, t, s, n, kh, h, causal, dtype, off, seg, _) in enumerate(CASES):
+        if h in (64, 128):
+            dtype = dtype if dtype != F32 else (BF16, F16)[i % 2]
+            cases.append((b, t, s, n, kh, h, causal, dtype, off, seg, None))
+    orphan = (1, 24, 40, 2, 2, 64, False, BF16, 0, "orphan", None)  # rows that see no key
+    return cases + MOSAIC_INTERPRET + [orphan]
+
+
+class TestMosaicFlashAttention:
+    """`flash_attention(..., implementation="mosaic")`: the Hopper kernels."""
+
+    pytestmark = pytest.mark.skipif(ON_GPU and not on_sm90(),
+                                    reason="Mosaic GPU kernels need an sm90 GPU (or the CPU interpreter)")
+
+    @pytest.mark.parametrize("case", _mosaic_gpu_cases() if ON_GPU else MOSAIC_INTERPRET, ids=case_id)
+    def test_forward_and_gradients_match_reference(self, case):
+        check_case(case, lambda q, k, v, blocks, **kw: flash_attention(
+            q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
+
+    @pytest.mark.skipif(not ON_GPU, reason="the interpreter runs this path in the test above")
+    @pytest.mark.parametrize("case", MOSAIC_INTERPRET, ids=case_id)
+    def test_shared_memory_path_on_gpu(self, case):
+        """regs=False (P and dS through shared memory), the path the CPU tests run, compiled."""
+        def attention(q, k, v, blocks, *, segment_ids=None, **kw):
+            seg = (None, None) if segment_ids is None else segment_ids
+            return flash_attention_mgpu(q, k, v, q_segment_ids=seg[0], kv_segment_ids=seg[1],
+                                        regs=False, **kw)
+        check_case(case, attention)
+
+    @pytest.mark.skipif(not ON_GPU, reason="small tiles: many steps, too slow to interpret")
+    def test_small_tiles_and_three_stages(self):
+        blocks = MosaicBlockSizes(64, 64, 3, 64, 64, 64, 64, 3)
+        check_case((2, 300, 300, 4, 1, 128, True, BF16, 0, None, blocks),
+                   lambda q, k, v, blocks, **kw: flash_attention(
+                       q, k, v, block_sizes=blocks, implementation="mosaic", **kw))
+
+    def test_auto_picks_mosaic_only_on_sm90(self):
+        want = "mosaic" if ON_GPU and on_sm90() else "triton"
+        assert pick_implementation(None, BF16, 128, None, interpret=not ON_GPU) == want
+        assert pick_implementation(None, F32, 128, None, interpret=False) == "triton"
+        assert pick_implementation(None, BF16, 32, None, interpret=False) == "triton"
+        with pytest.raises(ValueError, match="implementation='triton'"):
+            pick_implementation("mosaic", F32, 128, None, interpret=False)
 
 
 def _largest_intermediate(jaxpr) -> int:
@@ -206,8 +274,8 @@ class TestMemoryIsLinear:
         assert _largest_intermediate(jax.make_jaxpr(ref)(q, k, v).jaxpr) >= t * s  # the check bites
         assert _largest_intermediate(jax.make_jaxpr(ours)(q, k, v).jaxpr) < t * s // 8
 
-    @pytest.mark.skipif(not ON_GPU, reason="compiled temp memory is only meaningful for the "
-                        "Triton kernels; on CPU the traced-jaxpr check above stands in")
+    @pytest.mark.skipif(not ON_GPU, reason="compiled temp memory is only meaningful for the compiled "
+                        "(Triton or Mosaic GPU) kernels; on CPU the traced-jaxpr check above stands in")
     def test_compiled_temp_memory_grows_linearly_on_gpu(self):
         def temp_bytes(attention, seq):
             x = jax.ShapeDtypeStruct((1, seq, 8, 128), jnp.bfloat16)

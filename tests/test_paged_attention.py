@@ -5,28 +5,33 @@ Every page slot that the query must not see (past a length, pages no sequence ow
 and block-table entries past a length are garbage, so a read outside the contract shows."""
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from gendist.inference import page_allocator as pa
+from pallas_kernels._mgpu import on_sm90
 from pallas_kernels.paged_attention import (
     paged_attention,
     paged_attention_chunk,
     paged_attention_chunk_reference,
     paged_attention_reference,
 )
+from pallas_kernels.paged_attention_mgpu import PagedBlockSizes
 
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}  # fixed per dtype, never loosened
+ON_GPU = jax.default_backend() == "gpu"
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}  # fixed per dtype, never loosened
 HEAD_DIM = 32
 
 
-def make_cache(rng, lengths, kv_heads, page_size, dtype, spare_pages=3):
+def make_cache(rng, lengths, kv_heads, page_size, dtype, spare_pages=3, head_dim=HEAD_DIM):
     """Random K/V pools with shuffled pages; everything outside the lengths is NaN/garbage."""
     batch = len(lengths)
     per_seq = max(-(-max(lengths) // page_size), 1) + 1  # one column past the longest sequence
     num_pages = batch * per_seq + spare_pages
-    shape = (kv_heads, num_pages, page_size, HEAD_DIM)
+    shape = (kv_heads, num_pages, page_size, head_dim)
     k = rng.standard_normal(shape).astype(np.float32)
     v = rng.standard_normal(shape).astype(np.float32)
     live = np.zeros((num_pages, page_size), bool)
@@ -72,6 +77,47 @@ def test_decode_matches_reference(page_size, group, dtype, lengths, splits, bloc
     ref = paged_attention_reference(q, k, v, tables, lens)
     assert_close(out, ref, dtype)
     assert not np.asarray(out[np.asarray(lens) == 0], np.float32).any()  # nothing to see: zeros
+
+
+# Mosaic GPU decode kernel (`implementation="mosaic"`): on CPU two cases in Mosaic GPU's
+# interpreter (P staged through shared memory); on an sm90 GPU all of them, compiled.
+# (page size, GQA ratio, dtype, head dim, lengths, num_splits, block_k, stages)
+MOSAIC_DECODE_INTERPRET = [
+    (16, 4, jnp.bfloat16, 64, [37, 0, 16, 130], None, 64, 2),  # 4 pages a step, empty sequence
+    (64, 8, jnp.float16, 128, [150, 63], 2, 64, 3),  # a page a step, context split in two
+]
+MOSAIC_DECODE_GPU = MOSAIC_DECODE_INTERPRET + [
+    (8, 1, jnp.bfloat16, 128, [13, 1, 40, 300], None, 64, 4),  # 8 pages a step, G = 1
+    (128, 2, jnp.bfloat16, 64, [129, 500, 7], 3, 64, 2),  # half a page a step
+    (16, 64, jnp.float16, 128, [1000, 17], None, 128, 2),  # 64 query heads per kv head
+    (32, 4, jnp.bfloat16, 128, [2049, 4000, 1], 5, 128, 2),
+]
+
+
+@pytest.mark.skipif(ON_GPU and not on_sm90(), reason="Mosaic GPU needs an sm90 GPU (or the CPU interpreter)")
+@pytest.mark.parametrize("page_size,group,dtype,head_dim,lengths,splits,block_k,stages",
+                         MOSAIC_DECODE_GPU if ON_GPU else MOSAIC_DECODE_INTERPRET)
+def test_mosaic_decode_matches_reference(page_size, group, dtype, head_dim, lengths, splits,
+                                         block_k, stages):
+    rng = np.random.default_rng(page_size * 10 + group)
+    kv_heads = 2
+    k, v, tables, lens = make_cache(rng, lengths, kv_heads, page_size, dtype, head_dim=head_dim)
+    q = jnp.asarray(rng.standard_normal((len(lengths), kv_heads * group, head_dim)), dtype)
+    sizes = PagedBlockSizes(block_k=block_k, stages=stages, num_splits=splits)
+    out = paged_attention(q, k, v, tables, lens, implementation="mosaic", mosaic_block_sizes=sizes)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, paged_attention_reference(q, k, v, tables, lens), dtype)
+    assert not np.asarray(out[np.asarray(lens) == 0], np.float32).any()
+
+
+def test_mosaic_is_picked_only_on_sm90():
+    rng = np.random.default_rng(1)
+    k, v, tables, lens = make_cache(rng, [20], 1, 16, jnp.bfloat16, head_dim=64)
+    q = jnp.asarray(rng.standard_normal((1, 4, 64)), jnp.bfloat16)
+    hlo = paged_attention.lower(q, k, v, tables, lens).as_text()
+    assert ("mosaic_gpu" in hlo) == (ON_GPU and on_sm90())
+    with pytest.raises(ValueError, match="implementation='triton'"):
+        paged_attention(q[..., :32], k[..., :32], v[..., :32], tables, lens, implementation="mosaic")
 
 
 # (page size, GQA ratio, dtype, tokens, lengths, positions kind, num_splits, block_k)

@@ -1,0 +1,66 @@
+"""Shared pieces of the Mosaic GPU (Hopper) kernels: where they run, shared-memory tiles.
+
+Both jax 0.11.2 and 0.12 expose the names used here under
+`jax.experimental.pallas.mosaic_gpu`. On a host without an sm90 GPU the kernels run in
+Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`), which simulates warpgroups,
+barriers, TMA copies and wgmma on the CPU. Two constructs have no interpreter support in
+either version: `pl.run_state` over a wgmma accumulator and wgmma with its left operand
+in registers. Each kernel therefore has a `regs` switch: True (the GPU default) feeds
+P / dS to the tensor core from registers; False stages them through shared memory, which
+the interpreter runs (and which the GPU also runs, so both paths are tested there).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# Layouts of a wgmma accumulator and of one value per accumulator row / column.
+WGMMA = plgpu.Layout.WGMMA
+ROW = plgpu.Layout.WGMMA.reduce(1)
+COL = plgpu.Layout.WGMMA.reduce(0)
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm90
+
+
+@functools.cache
+def on_sm90() -> bool:
+    """True when the default device is a Hopper GPU (compute capability 9.x)."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def interpret_params(interpret: bool):
+    """`interpret=` argument of `plgpu.kernel`: the GPU interpreter, or compile."""
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def swizzle_for(row_bytes: int) -> int:
+    """Largest TMA/wgmma swizzle (128, 64 or 32 bytes) that divides a tile row."""
+    for swizzle in (128, 64, 32):
+        if row_bytes % swizzle == 0:
+            return swizzle
+    raise ValueError(f"a tile row of {row_bytes} bytes is not a multiple of 32 bytes")
+
+
+def tiled_smem(shape, dtype):
+    """A shared-memory buffer in the tiled, swizzled layout that TMA and wgmma read."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = swizzle_for(shape[-1] * itemsize)
+    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    return plgpu.SMEM(tuple(shape), dtype, transforms=transforms)
+
+
+def smem_bytes(*buffers) -> int:
+    """Shared memory taken by buffers given as (shape, dtype), each rounded to 1 KiB."""
+    total = 0
+    for shape, dtype in buffers:
+        n = jnp.dtype(dtype).itemsize
+        for d in shape:
+            n *= d
+        total += -(-n // 1024) * 1024
+    return total

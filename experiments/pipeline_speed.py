@@ -1,0 +1,108 @@
+"""Pipeline parallelism on real GPUs: tokens/s of pipeline stages against one GPU, per run.
+
+Each variant runs in its own process (its own devices and XLA flags) through
+`bench_train.bench_preset`, and the results land in one JSON with a table:
+
+    python experiments/pipeline_speed.py --out $OUT                      # the default sweep
+    python experiments/pipeline_speed.py --variants one_gpu pp2_1f1b_m16 --out $OUT
+
+A variant is (visible GPUs, preset, config overrides). The default sweep, on a machine with
+two GPUs: the 1b preset on one GPU (batch 24) against 1F1B over two stages (m = 16,
+batch 48), GPipe at the same m, the three attention backends on a 4-layer cut of 1b
+(that they compile and run inside pipeline stages), and the 8b preset (Llama-3-8B's shape,
+which does not fit one GPU) for 20 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+PP2 = ["mesh.pipeline=2", "mesh.data=1"]
+CUT = ["model.num_layers=4", "model.scan_unroll=4", "train.batch_size=16",
+       "train.pipeline_microbatches=4"]
+# name: (CUDA_VISIBLE_DEVICES, preset, overrides, timed steps)
+VARIANTS = {
+    "one_gpu": ("0", "1b", ["train.batch_size=24"], 5),
+    "pp2_1f1b_m16": ("0,1", "1b", PP2 + ["train.batch_size=48", "train.pipeline_microbatches=16",
+                                         "train.pipeline_schedule=1f1b"], 5),
+    "pp2_gpipe_m16": ("0,1", "1b", PP2 + ["train.batch_size=48", "train.pipeline_microbatches=16",
+                                          "train.pipeline_schedule=gpipe", "model.remat=full"], 5),
+    "dp2": ("0,1", "1b", ["mesh.data=2", "train.batch_size=48"], 5),
+    "cut_pp2_cudnn": ("0,1", "1b", PP2 + CUT + ["model.attention=cudnn"], 3),
+    "cut_pp2_pallas": ("0,1", "1b", PP2 + CUT + ["model.attention=pallas"], 3),
+    "cut_pp2_xla": ("0,1", "1b", PP2 + CUT + ["model.attention=xla"], 3),
+    "8b_pp2": ("0,1", "8b", ["train.batch_size=16", "train.pipeline_microbatches=16"], 20),
+}
+
+CHILD = """
+import json, sys
+sys.path.insert(0, {here!r})
+import bench_train
+r = bench_train.bench_preset({preset!r}, bench_train.parse_overrides({sets!r}), {steps}, 2)
+print("RESULT " + json.dumps(r))
+"""
+
+
+def run_variant(name: str, timeout: float) -> dict:
+    gpus, preset, sets, steps = VARIANTS[name]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus)
+    code = CHILD.format(here=str(HERE), preset=preset, sets=sets, steps=steps)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as log:
+        try:
+            proc = subprocess.run([sys.executable, "-c", code], env=env, stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=timeout, text=True)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        log.seek(0)
+        out = log.read()
+    row = {"variant": name, "gpus": gpus, "preset": preset, "overrides": sets, "rc": rc,
+           "wall_s": time.perf_counter() - t0}
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    if lines:
+        row.update(json.loads(lines[-1][7:]))
+    else:
+        row["error"] = out[-1500:]
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--timeout", type=float, default=240, help="seconds per variant")
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
+    ap.add_argument("--name", default="pipeline_speed")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.variants:
+        rows.append(run_variant(name, args.timeout))
+        r = rows[-1]
+        print(json.dumps({k: v for k, v in r.items() if k != "error"}), flush=True)
+        if "error" in r:
+            print("  error:", r["error"][-600:], flush=True)
+        (out / f"{args.name}.json").write_text(json.dumps({"runs": rows}, indent=1))
+    base = next((r for r in rows if r["variant"] == "one_gpu" and "tokens_per_s" in r), None)
+    print(f"\n{'variant':16} {'tokens/s':>10} {'vs 1 GPU':>9} {'MFU':>6} {'step s':>7}")
+    for r in rows:
+        if "tokens_per_s" not in r:
+            print(f"{r['variant']:16} FAILED ({r['rc']})")
+            continue
+        ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        print(f"{r['variant']:16} {r['tokens_per_s']:10.0f} {ratio:9.2f} "
+              f"{r['mfu_datasheet']:6.1%} {r['step_s']:7.3f}")
+
+
+if __name__ == "__main__":
+    main()

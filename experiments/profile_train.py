@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -53,10 +52,9 @@ def main():
     kinds = profiling.classify_hlo(compiled.as_text())
     state, _, _ = run_steps(compiled, state, batches, 2)  # warm-up
     state, _, step_s = run_steps(compiled, state, batches, args.steps)
-    trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="profile_")
-    with jax.profiler.trace(trace_dir) as session:
+    with profiling.trace(args.trace_dir or None) as prof:
         run_steps(compiled, state, batches, args.steps)
-    split = profiling.time_by_kind(profiling.load_profile(session, trace_dir), kinds)
+    split = profiling.time_by_kind(prof.profile_data, kinds)
 
     mc, t = cfg.model, cfg.train
     tokens = t.batch_size * t.seq_len

@@ -9,8 +9,9 @@ Each variant runs in its own process (its own devices and XLA flags) through
 A variant is (visible GPUs, preset, config overrides). The default sweep, on a machine with
 two GPUs: the 1b preset on one GPU (batch 24) against 1F1B over two stages (m = 16,
 batch 48), GPipe at the same m, the three attention backends on a 4-layer cut of 1b
-(that they compile and run inside pipeline stages), and the 8b preset (Llama-3-8B's shape,
-which does not fit one GPU) for 20 steps.
+(that they compile and run inside pipeline stages), the 8b preset (Llama-3-8B's shape,
+which does not fit one GPU) for 20 steps, the split-backward schedules (1F1B-split, ZB-H1)
+and TeraPipe's step time against its number of token slices at 4k-16k tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +43,17 @@ VARIANTS = {
     "cut_pp2_xla": ("0,1", "1b", PP2 + CUT + ["model.attention=xla"], 3),
     "8b_pp2": ("0,1", "8b", ["train.batch_size=16", "train.pipeline_microbatches=16"], 20),
 }
+# The split-backward schedules at the same m, and ZB-H1.
+for _name in ("1f1b-split", "zb-h1"):
+    VARIANTS[f"pp2_{_name}_m16"] = ("0,1", "1b", PP2 + [
+        "train.batch_size=48", "train.pipeline_microbatches=16",
+        f"train.pipeline_schedule={_name}"], 5)
+# TeraPipe: a 4-layer cut of 350m (2 layers a stage), one sequence, k equal token slices.
+for _seq, _ks in ((4096, (1, 2, 4, 8)), (8192, (1, 2, 4, 8)), (16384, (2, 8))):
+    for _k in _ks:
+        VARIANTS[f"terapipe_{_seq // 1024}k_{_k}"] = ("0,1", "350m", PP2 + [
+            "model.num_layers=4", f"model.max_seq_len={_seq}", f"train.seq_len={_seq}",
+            "train.batch_size=1", f"train.terapipe_slices={_k}", "model.attention=xla"], 3)
 
 CHILD = """
 import json, sys

@@ -34,8 +34,9 @@ from gendist.parallel.pipeline.stages import (
     accumulators,
     computations,
     from_layer_fn,
-    residual_plan,
     saved_computations,
+    slot_buffers,
+    unit_plan,
 )
 from gendist.sharding import BATCH_AXES
 
@@ -129,14 +130,14 @@ def run_sync(w, tokens_BT, targets_BT, *, mesh: Mesh, sched: sched_lib.Schedule,
     `w = (embed, layers, head)` with layers already in the executor's layout; `specs` are
     their PartitionSpecs over `manual_axes` (the layers' leading axis on `pipeline`).
     `uneven`: stages hold different numbers of layers, so each gets its own branches.
-    `recompute=False` keeps each forward's residuals until its backward instead of
-    recomputing the forward there (even splits; the memory of the slots it holds).
+    `recompute=False` keeps each forward's residuals until its backward (or its weight
+    step, in a split schedule) instead of recomputing the forward there.
     """
     batch_spec = P(tuple(batch_axes) if batch_axes else None)
     body = functools.partial(_sync_body, sched=sched, fns=fns, specs=specs,
                              reduce_axes=(core.PIPELINE, *batch_axes),
                              bubble_value=bubble_value, uneven=uneven,
-                             recompute=recompute or uneven)
+                             recompute=recompute and not sched.split)
     fn = core.manual(body, mesh, in_specs=(specs, batch_spec, batch_spec),
                      out_specs=(P(), specs, P(), P()), axes=manual_axes)
     return fn(tuple(w), tokens_BT, targets_BT)
@@ -152,26 +153,22 @@ def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, 
     table, keys = core.branch_table(
         sched, lambda kind, role, mb, s: (kind, role, s if uneven else None))
     if recompute:
-        comps = {k: computations(fns, k[2])[k[:2]] for k in keys}
-        bufs = []
-    else:  # residual buffers, one slot per microbatch a stage holds (+ the spare)
-        plan = residual_plan(fns, w[1], x_spec)
+        comps = {k: _no_slots(computations(fns, k[2])[k[:2]]) for k in keys}
+        bufs = {}
+    else:  # a slot per microbatch a stage holds (+ the spare) for the forward's residuals
+        plan = unit_plan(fns, w[1], x_spec)
         slots = sched_lib.buffer_plan(sched).num_slots + 1
-        bufs = [jnp.zeros((slots, *r.shape), r.dtype) for r in plan.shapes]
-        saved = saved_computations(fns, plan)
-        comps = {k: saved[k[:2]] for k in keys}
+        bufs = slot_buffers(fns, plan, w[1], x_spec, slots, sched.split)
+        tables = {st: saved_computations(fns, plan, st, sched.split) for st in {k[2] for k in keys}}
+        comps = {k: tables[k[2]][k[:2]] for k in keys}
 
     def branch(compute):
         def run(extra, x, g, row):
             acc, bufs = extra
-            tok, tgt = tokens_M[row["mb"]], targets_M[row["mb"]]
-            if recompute:
-                out, keep = compute(w, x, g, tok, tgt), None
-            else:
-                out, keep = compute(w, x, g, tok, tgt, _Slot(bufs, row["slot"]))
-            if keep is not None:
-                bufs = [b.at[row["slot"]].set(r.astype(b.dtype)) for b, r in zip(bufs, keep,
-                                                                               strict=True)]
+            out, kept = compute(w, x, g, tokens_M[row["mb"]], targets_M[row["mb"]],
+                                _Slot(bufs, row["slot"]))
+            if kept is not None:
+                bufs = _write(bufs, kept, row["slot"])
             act = fill if out.act is None else out.act
             cot = fill if out.cot is None else out.cot
             return (accumulate(acc, out), bufs), act, cot
@@ -183,14 +180,27 @@ def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, 
     return core.finish(acc, w, specs, reduce_axes)
 
 
+def _no_slots(compute):
+    return lambda w, x, g, tok, tgt, res: (compute(w, x, g, tok, tgt), None)
+
+
+def _write(bufs: dict, kept: dict, slot):
+    """The slot's buffers updated with what an action kept (the rest untouched)."""
+    out = dict(bufs)
+    for name, value in kept.items():
+        out[name] = jax.tree.map(lambda b, v: b.at[slot].set(v.astype(b.dtype)), bufs[name],
+                                 value)
+    return out
+
+
 class _Slot:
-    """The residuals of one slot, read from the buffers only where a branch iterates them."""
+    """One slot of the buffers, read only where a branch asks for a part (res['units'])."""
 
     def __init__(self, bufs, slot):
         self.bufs, self.slot = bufs, slot
 
-    def __iter__(self):
-        return (b[self.slot] for b in self.bufs)
+    def __getitem__(self, name):
+        return jax.tree.map(lambda b: b[self.slot], self.bufs[name])
 
 
 def pipeline_loss_and_grads(

@@ -62,17 +62,46 @@ def _pop_flag(argv: list[str], name: str) -> bool:
     return found
 
 
+def _box_text(text: str) -> str:
+    """The message inside tyro's error box, as one line (its help footer dropped)."""
+    lines = []
+    for raw in text.splitlines():
+        line = raw.strip().strip("│").strip()
+        if raw.strip().startswith(("╭", "╰")):
+            continue
+        if line and set(line) <= {"─"}:
+            break  # below the rule: argument help and "For full helptext, ..."
+        if line:
+            lines.append(line)
+    return " ".join(lines) or " ".join(text.split())
+
+
+def tyro_cli(cls, argv: list[str], prog: str, **kw):
+    """`tyro.cli`, with a rejected command line raised as one UsageError line, not a box."""
+    import contextlib
+    import io
+
+    import tyro
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return tyro.cli(cls, args=argv, prog=prog, **kw)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        raise UsageError(f"{_box_text(err.getvalue())} (`{prog} --help` lists every flag)"
+                         ) from None
+
+
 def parse_config(argv: list[str], command: str = "train", default_preset: str = "tiny",
                  extra_help: str = ""):
     """A Config from `--preset NAME` plus field overrides (tyro reads the field comments)."""
-    import tyro
-
     from gendist.config import Config, deferred_checks, preset
     name = _pop_option(argv, "--preset", default_preset)
     description = (f"gendist {command}. --preset NAME picks the starting config ({PRESETS}; "
                    f"here {name!r}); every field below can be set.{extra_help}")
     with deferred_checks():  # tyro would wrap our ValueErrors in a box: check afterwards
-        cfg = tyro.cli(Config, default=preset(name), args=argv, prog=f"{PROG} {command}",
+        cfg = tyro_cli(Config, argv, f"{PROG} {command}", default=preset(name),
                        description=description)
     cfg.check()
     return cfg
@@ -122,14 +151,12 @@ class GenerateArgs:
 
 def cmd_generate(argv: list[str]) -> int:
     """Sample from a checkpoint: --checkpoint DIR [--prompt TEXT] [--generate.* ...]."""
-    import tyro
-
     argv = list(argv)
     prompt = _pop_option(argv, "--prompt")
     fields = {f.name.replace("_", "-") for f in dataclasses.fields(GenerateConfig)}
     argv = [f"--generate.{a[2:]}" if a.startswith("--") and a[2:].split("=")[0] in fields
             else a for a in argv]  # `--top-k 5` is accepted as `--generate.top-k 5`
-    args = tyro.cli(GenerateArgs, args=argv, prog=f"{PROG} generate")
+    args = tyro_cli(GenerateArgs, argv, f"{PROG} generate")
     if not args.checkpoint:
         raise UsageError("generate needs --checkpoint DIR: a run's train.out_dir "
                          "(e.g. runs/default) or its checkpoints/ folder")

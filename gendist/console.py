@@ -3,7 +3,7 @@
 - `say(line)` prints on process 0 only (under `launch` the other ranks stay quiet); while a
   bar is shown the line goes above it (`tqdm.write`) instead of into the bar's line.
 - `Progress(steps, enabled)` shows a tqdm bar on a terminal and one widget in a notebook
-  (when ipywidgets is installed). When the output is a file or a pipe there is no bar (no
+  (when ipywidgets is installed). When stdout or stderr is a file or a pipe there is no bar (no
   `\\r` frames in the log); `step_lines` then tells the loop to print a plain line every
   `train.log_every` steps instead. A notebook without widgets gets neither.
 - `route_logging()` sends the `gendist` logger (e.g. the attention fallback) through `say`.
@@ -49,7 +49,7 @@ def bar_kind(enabled: bool) -> str | None:
         except ImportError:
             return None
         return "notebook"
-    return "terminal" if sys.stderr.isatty() else None
+    return "terminal" if sys.stdout.isatty() and sys.stderr.isatty() else None
 
 
 class Progress:

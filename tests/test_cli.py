@@ -97,6 +97,11 @@ BAD_INPUT = [
     ("generate from a directory without checkpoints", ["generate", "--checkpoint", "empty"],
      ["no checkpoint found", "--train.out-dir"]),
     ("plan with a malformed device count", ["plan", "--devices", "x"], ["--devices 'x'"]),
+    ("unknown attention backend", ["train", "--model.attention", "flash"],
+     ["'flash'", "--model.attention", "('xla', 'cudnn', 'pallas')"]),
+    ("steps that are not a number", ["train", "--train.steps", "many"],
+     ["--train.steps", "'many'", "--help"]),
+    ("unknown flag", ["train", "--train.stepz", "5"], ["--train.stepz", "--help"]),
 ]
 
 

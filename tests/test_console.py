@@ -83,3 +83,27 @@ def test_cudnn_attention_falls_back_to_xla_off_gpu_once(monkeypatch, caplog):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["model.attention='cudnn' needs an NVIDIA GPU; using 'xla' attention on cpu"]
+
+
+@pytest.mark.slow
+def test_a_notebook_training_cell_has_at_most_one_progress_output(tmp_path):
+    """Executed by a real kernel (as nbmake and Colab do): no stream of bar frames, no step
+    lines; at most one widget where ipywidgets is installed."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    from pathlib import Path
+    tests = str(Path(__file__).parent)
+    cell = (f"import sys; sys.path.insert(0, {tests!r})\n"
+            "from helpers import small_config\n"
+            "from gendist import loop\n"
+            f"r = loop.run(small_config({str(tmp_path)!r}, steps=4, eval_every=2, "
+            "log_every=1, progress=True))")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3").execute()
+    outputs = nb.cells[0].outputs
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    widgets = [o for o in outputs if "application/vnd.jupyter.widget-view+json"
+               in o.get("data", {})]
+    assert "done: 4 steps" in text and "step 2: val_loss" in text  # the log lines are there
+    assert "\r" not in text and "it/s" not in text and "step 1/4" not in text
+    assert len(widgets) <= 1

@@ -234,16 +234,21 @@ class Config:
         """Every section's checks, then the ones across sections (mesh against model)."""
         self.model.check()
         self.train.check()
-        m, pipe = self.model, self.mesh.pipeline
-        if pipe > 1 and m.num_layers % pipe:
-            raise ValueError(
-                f"mesh.pipeline={pipe} does not divide model.num_layers={m.num_layers}: each "
-                "pipeline stage holds an equal slice of the layer stack; choose mesh.pipeline "
-                f"in {[p for p in range(1, m.num_layers + 1) if m.num_layers % p == 0]}.")
-        if pipe > 1 and m.moe_experts:
-            raise ValueError(
-                f"mesh.pipeline={pipe} with model.moe_experts={m.moe_experts}: the pipeline "
-                "runs dense blocks only; set --model.moe-experts 0 or --mesh.pipeline 1.")
+        if self.mesh.pipeline > 1:
+            check_pipeline(self.model, self.mesh.pipeline)
+
+
+def check_pipeline(m: ModelConfig, pipe: int) -> None:
+    """The model must split into `pipe` equal stages of dense blocks."""
+    if m.num_layers % pipe:
+        raise ValueError(
+            f"mesh.pipeline={pipe} does not divide model.num_layers={m.num_layers}: each "
+            "pipeline stage holds an equal slice of the layer stack; choose mesh.pipeline "
+            f"in {[p for p in range(1, m.num_layers + 1) if m.num_layers % p == 0]}.")
+    if m.moe_experts:
+        raise ValueError(
+            f"mesh.pipeline={pipe} with model.moe_experts={m.moe_experts}: the pipeline "
+            "runs dense blocks only; set --model.moe-experts 0 or --mesh.pipeline 1.")
 
 
 _deferred: ContextVar[bool] = ContextVar("gendist_config_checks_deferred", default=False)

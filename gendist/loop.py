@@ -16,10 +16,11 @@ import numpy as np
 
 from gendist import console, report
 from gendist.checkpoint import Checkpointer
-from gendist.config import Config, ModelConfig
+from gendist.config import Config, ModelConfig, check_pipeline
 from gendist.data import TextData, process_rows, shard_batch
 from gendist.distributed import Watchdog, is_runtime_error, lost_peer_message
 from gendist.rundir import check_resume, fresh_dir
+from gendist.sharding import make_mesh
 from gendist.train import NonFiniteLoss, Setup, build, host_metrics, throughput
 
 
@@ -105,6 +106,10 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
     t = cfg.train
     data = TextData.from_config(cfg.data) if data is None else data
     check_vocab(cfg.model, data)
+    if mesh is None:  # a mesh axis of -1 is only known now
+        mesh = make_mesh(cfg.mesh)
+    if mesh.shape["pipeline"] > 1:
+        check_pipeline(cfg.model, mesh.shape["pipeline"])
     setup = build(cfg, mesh)  # checks the config against the mesh; compiles nothing yet
     out = Path(t.out_dir)
     saved = _saved_run(cfg, out)

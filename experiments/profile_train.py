@@ -58,7 +58,7 @@ def main():
 
     mc, t = cfg.model, cfg.train
     tokens = t.batch_size * t.seq_len
-    matmul_flops = 6.0 * (mc.num_nonembedding_params + mc.vocab_size * mc.d_model) * tokens
+    matmul_flops = 6.0 * mc.num_matmul_params_per_token * tokens
     total_flops = mc.flops_per_token(t.seq_len) * tokens
     attn_flops = total_flops - matmul_flops
     per_step = {k: v / args.steps for k, v in split["seconds"].items()}

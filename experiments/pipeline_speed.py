@@ -43,6 +43,8 @@ VARIANTS = {
     "cut_pp2_xla": ("0,1", "1b", PP2 + CUT + ["model.attention=xla"], 3),
     "8b_pp2": ("0,1", "8b", ["train.batch_size=16", "train.pipeline_microbatches=16"], 20),
 }
+VARIANTS["pp2_gpipe_m16_keep"] = ("0,1", "1b", PP2 + [
+    "train.batch_size=48", "train.pipeline_microbatches=16", "train.pipeline_schedule=gpipe"], 5)
 # The split-backward schedules at the same m, and ZB-H1.
 for _name in ("1f1b-split", "zb-h1"):
     VARIANTS[f"pp2_{_name}_m16"] = ("0,1", "1b", PP2 + [

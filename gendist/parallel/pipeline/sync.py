@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from gendist.parallel import schedule as sched_lib
 from gendist.parallel.pipeline import core
 from gendist.parallel.pipeline.stages import (
+    Out,
     StageFns,
     accumulate,
     accumulators,
@@ -145,62 +146,75 @@ def run_sync(w, tokens_BT, targets_BT, *, mesh: Mesh, sched: sched_lib.Schedule,
 
 def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, bubble_value,
                uneven, recompute):
-    """The per-device program: accumulate gradients over the schedule, then reduce."""
+    """The per-device program: accumulate gradients over the schedule, then reduce.
+
+    The accumulators and the slot buffers stay out of the executor's branches (a branch
+    would copy them whole at every step): a branch returns this step's gradient and what it
+    keeps for its microbatch, which are added and written in place after it.
+    """
     m = sched.num_microbatches
     tokens_M, targets_M = core.microbatches(tokens, m), core.microbatches(targets, m)
     x_spec = jax.eval_shape(fns.embed, w[0], tokens_M[0])
     fill = jnp.full(x_spec.shape, bubble_value, x_spec.dtype)
     table, keys = core.branch_table(
         sched, lambda kind, role, mb, s: (kind, role, s if uneven else None))
+    plan = sched_lib.buffer_plan(sched)
+    spare = plan.num_slots
     if recompute:
         comps = {k: _no_slots(computations(fns, k[2])[k[:2]]) for k in keys}
         bufs = {}
     else:  # a slot per microbatch a stage holds (+ the spare) for the forward's residuals
-        plan = unit_plan(fns, w[1], x_spec)
-        slots = sched_lib.buffer_plan(sched).num_slots + 1
-        bufs = slot_buffers(fns, plan, w[1], x_spec, slots, sched.split)
-        tables = {st: saved_computations(fns, plan, st, sched.split) for st in {k[2] for k in keys}}
+        uplan = unit_plan(fns, w[1], x_spec)
+        bufs = slot_buffers(fns, uplan, w[1], x_spec, plan.num_slots + 1, sched.split)
+        tables = {st: saved_computations(fns, uplan, st, sched.split)
+                  for st in {k[2] for k in keys}}
         comps = {k: tables[k[2]][k[:2]] for k in keys}
+    # Where each step writes each buffer: its slot if it fills that buffer, else the spare.
+    fills = {"units": sched_lib.FORWARD, "y": sched_lib.FORWARD, "g": sched_lib.BACKWARD}
+    columns = {f"write_{name}": np.where(sched.kind == kind, plan.slot, spare).astype(np.int32)
+               for name, kind in fills.items() if name in bufs}
+    zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+    grad_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w)
+    slot_shapes = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), bufs)
 
     def branch(compute):
-        def run(extra, x, g, row):
-            acc, bufs = extra
-            out, kept = compute(w, x, g, tokens_M[row["mb"]], targets_M[row["mb"]],
-                                _Slot(bufs, row["slot"]))
-            if kept is not None:
-                bufs = _write(bufs, kept, row["slot"])
-            act = fill if out.act is None else out.act
-            cot = fill if out.cot is None else out.cot
-            return (accumulate(acc, out), bufs), act, cot
+        def run(res, x, g, row):
+            out, kept = compute(w, x, g, tokens_M[row["mb"]], targets_M[row["mb"]], res)
+            grads = out.grads or (None, None, None)
+            grads = tuple(zeros(s) if d is None else d for s, d in zip(grad_shapes, grads,
+                                                                        strict=True))
+            kept = {k: (kept or {}).get(k, zeros(v)) for k, v in slot_shapes.items()}
+            result = (grads, _or0(out.loss), _or0(out.count),
+                      zeros(fns.metrics) if out.metrics is None else out.metrics, kept)
+            return (result, fill if out.act is None else out.act,
+                    fill if out.cot is None else out.cot)
         return run
+
+    def read(extra, row):
+        return jax.tree.map(lambda b: b[row["slot"]], extra[1])
+
+    def write(extra, result, row):
+        acc, bufs = extra
+        grads, loss, count, metrics, kept = result
+        acc = accumulate(acc, Out(grads, loss, count, metrics))
+        bufs = {k: jax.tree.map(lambda b, v, at=row[f"write_{k}"]:
+                                jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), at, 0),
+                                bufs[k], kept[k]) for k in bufs}
+        return acc, bufs
 
     acc, _ = core.run_table(sched, table, [branch(comps[k]) for k in keys],
                             (accumulators(w, fns.metrics), bufs), act_shape=x_spec.shape,
-                            act_dtype=x_spec.dtype, fill_value=bubble_value)
+                            act_dtype=x_spec.dtype, fill_value=bubble_value, columns=columns,
+                            read=read, write=write)
     return core.finish(acc, w, specs, reduce_axes)
+
+
+def _or0(value):
+    return jnp.float32(0) if value is None else jnp.asarray(value, jnp.float32)
 
 
 def _no_slots(compute):
     return lambda w, x, g, tok, tgt, res: (compute(w, x, g, tok, tgt), None)
-
-
-def _write(bufs: dict, kept: dict, slot):
-    """The slot's buffers updated with what an action kept (the rest untouched)."""
-    out = dict(bufs)
-    for name, value in kept.items():
-        out[name] = jax.tree.map(lambda b, v: b.at[slot].set(v.astype(b.dtype)), bufs[name],
-                                 value)
-    return out
-
-
-class _Slot:
-    """One slot of the buffers, read only where a branch asks for a part (res['units'])."""
-
-    def __init__(self, bufs, slot):
-        self.bufs, self.slot = bufs, slot
-
-    def __getitem__(self, name):
-        return jax.tree.map(lambda b: b[self.slot], self.bufs[name])
 
 
 def pipeline_loss_and_grads(

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from gendist.models.moe import MoEConfig, init_moe_params, moe_ffn
+from gendist.config import ModelConfig
+from gendist.models.moe import init_moe_params, moe_ffn
 
 CAPACITY_FACTORS = (0.5, 1.0, 1.25, 2.0, 4.0)
 EXPERT_COUNTS = (4, 8, 16)
@@ -58,7 +59,7 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def measure(cfg: MoEConfig, args) -> dict:
+def measure(cfg: ModelConfig, args) -> dict:
     """Drop rate over several random batches and the median fwd+bwd step time."""
     shape = (args.batch, args.seq, args.d_model)
 
@@ -70,7 +71,7 @@ def measure(cfg: MoEConfig, args) -> dict:
     drops, loads = [], []
     for seed in range(args.seeds):
         kp, kx = jax.random.split(jax.random.key(seed))
-        params = init_moe_params(kp, args.d_model, cfg)
+        params = init_moe_params(kp, cfg)
         x = jax.random.normal(kx, shape)
         (_, aux), grads = step(params, x)
         jax.block_until_ready(grads)
@@ -83,15 +84,15 @@ def measure(cfg: MoEConfig, args) -> dict:
         jax.block_until_ready(step(params, x))
         times.append(time.perf_counter() - t0)
     tokens = args.batch * args.seq
-    slots = cfg.num_experts * cfg.capacity(tokens)
-    matmuls = 3 if cfg.activation == "swiglu" else 2
+    slots = cfg.moe_experts * cfg.moe_capacity(tokens)
+    matmuls = 3 if cfg.mlp == "swiglu" else 2
     # Expert matmul FLOPs on the padded buffers: 2 per MAC, x3 for forward + backward.
     expert_flops = 6 * matmuls * slots * args.d_model * args.d_ff
     return {
-        "num_experts": cfg.num_experts,
-        "capacity_factor": cfg.capacity_factor,
-        "capacity": cfg.capacity(tokens),
-        "padded_slots_per_choice": cfg.num_experts * cfg.capacity(tokens) / (tokens * cfg.top_k),
+        "num_experts": cfg.moe_experts,
+        "capacity_factor": cfg.moe_capacity_factor,
+        "capacity": cfg.moe_capacity(tokens),
+        "padded_slots_per_choice": slots / (tokens * cfg.moe_top_k),
         "drop_fraction": statistics.mean(drops),
         "drop_fraction_per_seed": drops,
         "max_over_mean_load": statistics.mean(loads),
@@ -135,7 +136,8 @@ def main(argv=None) -> dict:
     grid = [(E, cf) for E in EXPERT_COUNTS for cf in CAPACITY_FACTORS]
     rows = []
     for E, cf in tqdm(grid, desc="moe capacity"):
-        cfg = MoEConfig(num_experts=E, top_k=args.top_k, capacity_factor=cf, d_ff=args.d_ff)
+        cfg = ModelConfig(d_model=args.d_model, num_layers=2, num_heads=2, num_kv_heads=2, moe_experts=E,
+                          moe_top_k=args.top_k, moe_capacity_factor=cf, moe_d_ff=args.d_ff)
         rows.append(measure(cfg, args))
     result = {
         "experiment": "moe_capacity",

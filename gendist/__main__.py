@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from gendist.cli_data import UsageError
+from gendist.cli_data import pop_option as _pop_option
 from gendist.config import PRESETS as _PRESETS
 from gendist.config import GenerateConfig
 
@@ -41,24 +43,6 @@ Every config field is a flag: `{PROG} train --help` lists them with their meanin
 A CPU is one device: XLA_FLAGS=--xla_force_host_platform_device_count=8 simulates 8 for the
 multi-device examples. Mistakes in the input print one line (exit code 2);
 {TRACEBACK_ENV}=1 adds the traceback."""
-
-
-class UsageError(ValueError):
-    """A command line that cannot run (a missing or malformed option)."""
-
-
-def _pop_option(argv: list[str], name: str, default: str | None = None) -> str | None:
-    for i, a in enumerate(argv):
-        if a == name:
-            if i + 1 >= len(argv):
-                raise UsageError(f"{name} needs a value")
-            value = argv[i + 1]
-            del argv[i: i + 2]
-            return value
-        if a.startswith(name + "="):
-            del argv[i]
-            return a.split("=", 1)[1]
-    return default
 
 
 def _pop_flag(argv: list[str], name: str) -> bool:

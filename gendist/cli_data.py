@@ -19,10 +19,16 @@ from pathlib import Path
 from gendist.config import Config, DataConfig, GenerateConfig
 
 
+class UsageError(ValueError):
+    """A command line that cannot run (a missing or malformed option)."""
+
+
 def pop_option(argv: list[str], name: str, default: str | None = None) -> str | None:
     """Remove `name VALUE` or `name=VALUE` from argv and return VALUE."""
     for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
+        if a == name:
+            if i + 1 >= len(argv):
+                raise UsageError(f"{name} needs a value")
             value = argv[i + 1]
             del argv[i: i + 2]
             return value

@@ -126,8 +126,14 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
         check_pipeline(cfg.model, mesh.shape["pipeline"], cfg.train.pipeline_stage_layers)
     setup = build(cfg, mesh)  # checks the config against the mesh; compiles nothing yet
     out = Path(t.out_dir)
-    saved = _saved_run(cfg, out)
+    # One Checkpointer, before the resume check: creating one is a barrier of all processes,
+    # so every process must create the same ones whatever the file system shows it.
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints)
+    try:
+        saved = _saved_run(cfg, ckpt, out)
+    except BaseException:
+        ckpt.close()
+        raise
     state = None
     if saved is not None:
         state, meta, _ = ckpt.restore(setup.abstract_state(), saved)
@@ -225,20 +231,14 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
     return RunResult(state, history, val_loss, setup)
 
 
-def _saved_run(cfg: Config, out: Path) -> int | None:
+def _saved_run(cfg: Config, ckpt: Checkpointer, out: Path) -> int | None:
     """The step to resume from (None: a fresh run), after checking that `cfg` may continue
     the run in `out` (`rundir.check_resume`); reads only the metadata, changes nothing."""
-    if not (out / "checkpoints").is_dir():
+    step = ckpt.latest_step()
+    if step is None:
         return None
-    ckpt = Checkpointer(out / "checkpoints")
-    try:
-        step = ckpt.latest_step()
-        if step is None:
-            return None
-        check_resume(cfg, ckpt.read_meta(step).get("config"), step, out)
-        return step
-    finally:
-        ckpt.close()
+    check_resume(cfg, ckpt.read_meta(step).get("config"), step, out)
+    return step
 
 
 def _cfg_json(cfg: Config) -> dict:

@@ -58,7 +58,10 @@ class Request:
     token_times: list = dataclasses.field(default_factory=list)  # seconds after the start
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sp"))
+# The cache is donated: its page pools are updated in place (without donation every call
+# would copy every pool). A failed call (status != OK) returns the cache unchanged: the
+# allocator commits all-or-nothing and no row is written.
+@functools.partial(jax.jit, static_argnames=("cfg", "sp"), donate_argnums=(2,))
 def _prefill(cfg, params, cache, tokens_BT, pos_BT, key, *, sp):
     logits, cache = transformer.forward(cfg, params, tokens_BT, pos_BT, cache)
     last = jnp.argmax(pos_BT, axis=1)
@@ -66,10 +69,14 @@ def _prefill(cfg, params, cache, tokens_BT, pos_BT, key, *, sp):
     return cache, tok
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sp"))
+@functools.partial(jax.jit, static_argnames=("cfg", "sp"), donate_argnums=(2,))
 def _step(cfg, params, cache, tok_B, pos_B, key, *, sp):
+    """One token for every active slot; on success the slots' lengths advance by one."""
+    key, sub = jax.random.split(key)
     logits, cache = transformer.forward(cfg, params, tok_B[:, None], pos_B[:, None], cache)
-    return cache, sample(key, logits[:, 0], sp)
+    ok = cache.status == pa.OK
+    cache = cache.advance(jnp.where(ok & cache.alloc.active, 1, 0))
+    return cache, sample(sub, logits[:, 0], sp), key
 
 
 class Engine:
@@ -94,8 +101,9 @@ class Engine:
             num_pages=ecfg.num_pages, page_size=ecfg.page_size,
             dtype=transformer.DTYPES[cfg.dtype], backend=backend, active=False,
             per_layer=fast)
+        # page_steps / token_steps: pages held / tokens cached, summed over steps (means).
         self.stats = {"steps": 0, "prefills": 0, "preemptions": 0, "peak_pages": 0,
-                      "tokens": 0, "page_steps": 0}
+                      "tokens": 0, "page_steps": 0, "token_steps": 0}
         self._len = np.zeros(ecfg.max_slots, np.int32)  # host mirror of cache.lengths
         self._t0 = time.perf_counter()
         self._on_token = None
@@ -112,6 +120,20 @@ class Engine:
     def _release(self, slot: int):
         self.cache = self.cache.free_slot(slot)
         self._len[slot] = 0
+
+    def warmup(self) -> None:
+        """Compile prefill (both widths) and step without touching any sequence, so that a
+        timed run pays no compile."""
+        e = self.ecfg
+        for T in sorted({e.max_prompt_len, e.max_len}):
+            tokens = jnp.zeros((e.max_slots, T), jnp.int32)
+            pos = jnp.full((e.max_slots, T), -1, jnp.int32)
+            self.cache, _ = _prefill(self.cfg, self.params, self.cache, tokens, pos,
+                                     self._next_key(), sp=self.sp)  # writes nothing
+        zeros = jnp.zeros((e.max_slots,), jnp.int32)
+        self.cache, _, _ = _step(self.cfg, self.params, self.cache, zeros, zeros,
+                                 self._next_key(), sp=self.sp)  # no slot is active
+        jax.block_until_ready(self.cache)
 
     def run(self, requests: list[Request], realtime: bool = False, on_token=None
             ) -> list[Request]:
@@ -143,19 +165,21 @@ class Engine:
             if not active.any():
                 continue
             pos = np.where(active, self._len, 0).astype(np.int32)
-            cache, tok = _step(self.cfg, self.params, self.cache, jnp.asarray(last),
-                               jnp.asarray(pos), self._next_key(), sp=self.sp)
+            self.cache, tok, self.key = _step(self.cfg, self.params, self.cache,
+                                              jnp.asarray(last), jnp.asarray(pos), self.key,
+                                              sp=self.sp)
             # One transfer per step: status, tokens and free pages together.
-            status, tok, free = jax.device_get((cache.status, tok, cache.alloc.num_free))
+            status, tok, free = jax.device_get((self.cache.status, tok,
+                                                self.cache.alloc.num_free))
             if int(status) != pa.OK:
                 self._on_full(queue, slots, order)
                 continue
-            self.cache = cache.advance(jnp.asarray(active.astype(np.int32)))
             self._len += active.astype(np.int32)
             self.stats["steps"] += 1
             in_use = e.num_pages - int(free)
             self.stats["peak_pages"] = max(self.stats["peak_pages"], in_use)
             self.stats["page_steps"] += in_use
+            self.stats["token_steps"] += int(self._len[active].sum())
             stamp = time.perf_counter() - self._t0
             for s, req in enumerate(slots):
                 if req is None:
@@ -208,6 +232,7 @@ class Engine:
             pos[s, : len(seq)] = np.arange(len(seq))
         cache, tok = _prefill(self.cfg, self.params, self.cache, jnp.asarray(tokens),
                               jnp.asarray(pos), self._next_key(), sp=self.sp)
+        self.cache = cache  # the old one was donated; on failure this one is unchanged
         status, tok = jax.device_get((cache.status, tok))
         if int(status) != pa.OK:
             raise pa.PagePoolExhausted(

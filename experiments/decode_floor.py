@@ -158,7 +158,7 @@ def main():
         p, b, v = spec.split(":")
         cases.append((p, int(b), v))
     current, params = None, {}
-    for i, (name, batch, variant) in enumerate(cases):
+    for name, batch, variant in cases:
         if time.perf_counter() - t_start > args.budget_s:
             res["cases"].append(dict(preset=name, batch=batch, variant=variant,
                                      skipped="time budget"))

@@ -176,17 +176,21 @@ def main():
     tag = res["device"].replace(" ", "_").lower() + args.tag
     specs = [(g, SpecConfig(gamma=g)) for g in args.gammas]
     c_greedy = {}
+    sets_of = {}
     for B in args.batches:
         # Batch 1 is measured over several prompts (times and counts summed): one prompt's
         # acceptance rate varies a lot with its text.
-        n_sets = args.prompts_b1 if B == 1 else 1
         rng = np.random.default_rng(B)
-        sets = []
-        for _ in range(n_sets):
+        sets_of[B] = []
+        for _ in range(args.prompts_b1 if B == 1 else 1):
             starts = rng.integers(0, len(data.val) - 64, B)
             prompts = np.stack([data.val[s : s + 32] for s in starts]).astype(np.int32)
-            sets.append((jnp.asarray(prompts), jnp.full((B,), 32, jnp.int32)))
-        for temp in args.temperatures:
+            sets_of[B].append((jnp.asarray(prompts), jnp.full((B,), 32, jnp.int32)))
+    # Temperature outermost: every batch's greedy rows come before any T > 0 row, so a run
+    # cut by --budget-s keeps the greedy figures of every batch.
+    for temp in args.temperatures:
+        for B in args.batches:
+            sets, n_sets = sets_of[B], len(sets_of[B])
             if time.perf_counter() - t0 > args.budget_s:
                 res["runs"].append(dict(batch=B, temperature=temp, skipped="time budget"))
                 continue
@@ -199,7 +203,8 @@ def main():
             )
             if B not in c_greedy:  # c is a ratio of step costs: measured once per batch
                 t_small = sum(
-                    timed(functools.partial(generate_tokens, dm, dp, pb, lb, key, **common))[0]
+                    timed(functools.partial(generate_tokens, dm, dp, pb, lb, key,
+                                            **common))[0]
                     for pb, lb in sets
                 )
                 c_greedy[B] = t_small / t_plain
@@ -254,8 +259,8 @@ def main():
                     speedup=t_plain / t_spec,
                     predicted=pred,
                     target_calls=st["steps"],
-                    tokens_per_target_call=n_sets * B * args.new_tokens / max(st["steps"], 1)
-                    / B,
+                    new_tokens_per_target_call=n_sets * args.new_tokens
+                    / max(st["steps"], 1),
                 )
                 res["runs"].append(row)
                 print(json.dumps(row), flush=True)

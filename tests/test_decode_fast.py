@@ -2,6 +2,7 @@
 contiguous cache) gives the reference path's greedy tokens, in plain, continuous-batching and
 speculative decoding; adaptive γ stays exact; the serving benchmark runs."""
 
+import dataclasses
 import importlib.util
 import pathlib
 
@@ -48,6 +49,12 @@ def test_decode_layout_logits_equal_the_model(params):
     assert transformer.decode_params(CFG, dp) is dp  # already in the layout
     np.testing.assert_allclose(transformer.forward(CFG, dp, tokens),
                                transformer.forward(CFG, params, tokens), rtol=1e-5, atol=1e-5)
+    gelu = dataclasses.replace(CFG, mlp="gelu", tie_embeddings=False)  # the other layouts
+    gp = transformer.init_params(gelu, 3)
+    gdp = transformer.decode_params(gelu, gp)
+    assert "head_VD" in gdp and "w_up_FD" in gdp["blocks"][1]
+    np.testing.assert_allclose(transformer.forward(gelu, gdp, tokens),
+                               transformer.forward(gelu, gp, tokens), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])

@@ -79,6 +79,8 @@ def generate_tokens(cfg: ModelConfig, params, prompt_BT, prompt_len_B, key, *,
 
     def cond(carry):
         i, _, _, _, done_B, _, _ = carry
+        if eos_id < 0:  # nothing stops early: a plain count, which XLA sees as a known trip
+            return i < max_new_tokens  # count (on a GPU, no predicate read back per step)
         return (i < max_new_tokens) & ~jnp.all(done_B)
 
     def body(carry):

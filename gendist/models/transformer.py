@@ -230,7 +230,10 @@ def head_logits(params: dict, x_BTD, cfg: ModelConfig, ops: Ops = DEFAULT_OPS):
     final_norm = ops.weights({"final_norm": params["final_norm"]},
                              {"final_norm": ("embed",)}, x_BTD.dtype)["final_norm"]
     h_BTD = rms_norm(x_BTD, final_norm, cfg.norm_eps)
-    w_DV = params["embed"].T if cfg.tie_embeddings else params["head"]
+    if cfg.tie_embeddings:
+        w_DV = params["embed"].T
+    else:  # the decode layout stores the output layer output-major (`decode_params`)
+        w_DV = params["head_VD"].T if "head_VD" in params else params["head"]
     return ops.logits(h_BTD, w_DV)
 
 
@@ -311,6 +314,7 @@ def decode_params(cfg: ModelConfig, params: dict) -> dict:
 
         wqkv_CHD [N+2K, H, D]   wo_DNH [D, N, H]   w_gate_up_GD [2F, D] (SwiGLU) or
         w_up_FD [F, D] (GELU)   w_down_DF [D, F]   attn_norm, mlp_norm [D] (fp32)
+        head_VD [V, D] (untied output layer; a tied one is the token table [V, D] already)
 
     The math is the model's: the same sums over the same products (the order of a float sum
     may differ, so logits agree to rounding and greedy tokens are tested equal). MoE models
@@ -325,7 +329,10 @@ def decode_params(cfg: ModelConfig, params: dict) -> dict:
     stacked = base["blocks"]
     num = jax.tree.leaves(stacked)[0].shape[0]
     layers = tuple(decode_layer({k: w[i] for k, w in stacked.items()}, cfg) for i in range(num))
-    return {**{k: v for k, v in base.items() if k != "blocks"}, "blocks": layers}
+    out = {k: v for k, v in base.items() if k not in ("blocks", "head")}
+    if "head" in base:
+        out["head_VD"] = base["head"].T
+    return {**out, "blocks": layers}
 
 
 def decode_layer(p: dict, cfg: ModelConfig) -> dict:

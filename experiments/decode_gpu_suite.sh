@@ -19,10 +19,10 @@ mkdir -p "$OUT"
   python3 -c "import jax; print(jax.__version__, jax.devices())"
   echo "== 1. decode floor"
   timeout 185 python3 experiments/decode_floor.py --presets 350m 1b --batches 1 8 64 \
-      --extra 1b:64:fast_xla 1b:1:reference --profile --budget-s 150 --out "$OUT"
+      --extra 1b:64:fast_xla 1b:2:fast 1b:1:reference --profile --budget-s 150 --out "$OUT"
   echo "== 2. serving trace"
   timeout 110 python3 experiments/serve_trace.py --preset 350m --requests 200 --rate 50 \
-      --max-len 1024 --max-prompt 512 --budget-seqs 16 --slots 64 --page-size 64 --out "$OUT"
+      --max-len 1024 --max-prompt 256 --budget-seqs 16 --slots 64 --page-size 64 --out "$OUT"
   echo "== 3. speculative decoding"
   timeout 290 python3 experiments/speculative_speedup.py --target 350m --steps 1500 \
       --seq-len 256 --batch-size 32 --draft-width 1024 --draft-layers 2 \

@@ -28,6 +28,12 @@ def enabled(fast: bool | None) -> bool:
     return jax.default_backend() == "gpu" if fast is None else bool(fast)
 
 
+def per_layer(cfg: ModelConfig, fast: bool | None) -> bool:
+    """Whether the model runs as separate per-layer buffers (then caches are per-layer too):
+    the fast path for a dense model. MoE blocks stay stacked (`decode_params` leaves them)."""
+    return enabled(fast) and not cfg.num_moe_layers
+
+
 def attention_backend(cfg: ModelConfig, backend: str | None = None) -> str:
     """'pallas' (paged kernel, reads only valid tokens) on a GPU when the kernels take the
     head dim (a power of two >= 16), else 'xla'; an explicit `backend` wins."""
@@ -49,7 +55,7 @@ def make_cache(cfg: ModelConfig, batch: int, max_len: int, fast: bool | None = N
                backend: str | None = None):
     """An empty cache for `batch` sequences of up to `max_len` tokens on the chosen path."""
     dt = transformer.DTYPES[cfg.dtype]
-    if enabled(fast):
+    if per_layer(cfg, fast):
         return LayerKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
                                    cfg.head_dim, dt, backend=attention_backend(cfg, backend))
     return ContiguousKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,

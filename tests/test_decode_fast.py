@@ -144,3 +144,33 @@ def test_serving_benchmark_runs_tiny(tmp_path):
     row = mod.summarize(reqs, 1, dict(mean_kv_tokens_reserved=1.0, mean_kv_tokens_used=1.0))
     assert row["output_tokens"] == sum(r.max_new_tokens for r in trace)
     assert row["ttft_ms_p50"] <= row["ttft_ms_p99"]
+
+
+LOOP_HLO = """
+%body (c: (s32[], bf16[4,8,64,64])) -> (s32[], bf16[4,8,64,64]) {
+  %c = (s32[], bf16[4,8,64,64]) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %q = bf16[4,8,64,64]{3,2,1,0} get-tuple-element(%c), index=1
+  %attn = (f32[1,4,8,64]{3,2,1,0}) custom-call(%q), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(generate_tokens)/while/body/jit(paged_attention)/jit(paged_attention_mgpu)/kernel/mpmd_map"}
+  %mm = bf16[4,8,64,64]{3,2,1,0} custom-call(%q), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/my_matmul/kernel"}
+  ROOT %t = (s32[], bf16[4,8,64,64]) tuple(%i, %q)
+}
+
+%cond (c: (s32[], bf16[4,8,64,64])) -> pred[] {
+  %c = (s32[], bf16[4,8,64,64]) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: (s32[], bf16[4,8,64,64])) -> (s32[], bf16[4,8,64,64]) {
+  %x = (s32[], bf16[4,8,64,64]) parameter(0)
+  ROOT %w = (s32[], bf16[4,8,64,64]) while(%x), condition=%cond, body=%body
+}
+"""
+
+
+def test_loop_body_kinds_and_mosaic_kernels_named_by_their_caller():
+    from gendist import profiling
+    assert profiling.loop_body_kinds(LOOP_HLO) == {"attention": 1, "matmul": 1}
+    assert profiling.loop_body_kinds("ENTRY %main () -> f32[] {\n}\n") == {}

@@ -100,7 +100,7 @@ class Engine:
             cfg.num_layers, ecfg.max_slots, ecfg.max_len, cfg.num_kv_heads, cfg.head_dim,
             num_pages=ecfg.num_pages, page_size=ecfg.page_size,
             dtype=transformer.DTYPES[cfg.dtype], backend=backend, active=False,
-            per_layer=fastpath.per_layer(cfg, fast))
+            per_layer=fastpath.per_layer(cfg, fast), share_pages=False)  # nothing forks
         # page_steps / token_steps: pages held / tokens cached, summed over steps (means).
         self.stats = {"steps": 0, "prefills": 0, "preemptions": 0, "peak_pages": 0,
                       "tokens": 0, "page_steps": 0, "token_steps": 0}

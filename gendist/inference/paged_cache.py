@@ -34,10 +34,15 @@ class PagedKVCache(KVCache):
     lengths: jax.Array  # [B] tokens committed per slot (alloc.lengths may reserve more)
     status: jax.Array  # [] int32 allocator status of the last prepare (pa.OK or an error)
     backend: str = dataclasses.field(default="xla", metadata=dict(static=True))
+    # Pages may be shared (`page_allocator.fork`): a write first copies a shared page. False
+    # when nothing forks (the engine): `prepare` then skips copy-on-write, whose gather and
+    # scatter of the written pages read every page pool in full on every call.
+    share_pages: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     @classmethod
     def create(cls, num_layers, batch, max_len, num_kv_heads, head_dim, *, num_pages,
-               page_size=16, dtype=jnp.float32, backend="xla", active=True, per_layer=False):
+               page_size=16, dtype=jnp.float32, backend="xla", active=True, per_layer=False,
+               share_pages=True):
         """A pool of `num_pages` pages per layer shared by `batch` slots of up to max_len.
 
         per_layer: one pool buffer per layer (tuples of L arrays [K, P, Z, H]) instead of one
@@ -55,7 +60,8 @@ class PagedKVCache(KVCache):
         else:
             shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
             k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
-        return cls(k, v, alloc, jnp.zeros((batch,), jnp.int32), jnp.int32(pa.OK), backend)
+        return cls(k, v, alloc, jnp.zeros((batch,), jnp.int32), jnp.int32(pa.OK), backend,
+                   share_pages)
 
     @property
     def page_size(self) -> int:
@@ -92,6 +98,8 @@ class PagedKVCache(KVCache):
         need_B = jnp.maximum(jnp.max(q_pos_BT, axis=1) + 1 - self.alloc.lengths, 0)
         need_B = jnp.where(self.alloc.active, need_B, 0)
         alloc, status = pa.grow_batch(self.alloc, need_B)
+        if not self.share_pages:
+            return dataclasses.replace(self, alloc=alloc, status=status)
         B, T = q_pos_BT.shape
         live = self.alloc.active[:, None] & (q_pos_BT >= 0) & (status == pa.OK)
         slots = jnp.where(live, jnp.arange(B)[:, None], -1).reshape(-1)

@@ -35,7 +35,7 @@ def train(cfg, name, steps, out):
 
     r = loop.run(cfg, log=log)
     m = cfg.model
-    active = m.num_params if not m.moe_experts else _active_params(m)
+    active = m.num_active_params
     return {"name": name, "total_params": _total_params(r.state["params"]),
             "active_params": active, "val_loss": r.val_loss, "evals": evals,
             "train_loss": [h["loss"] for h in r.history],
@@ -46,15 +46,6 @@ def train(cfg, name, steps, out):
 def _total_params(params):
     import jax
     return int(sum(x.size for x in jax.tree.leaves(params)))
-
-
-def _active_params(m):
-    """Parameters a token touches: top_k experts' weights instead of all E."""
-    dense_equiv = replace(m, moe_experts=0)
-    per_expert = m.d_model * (m.moe_d_ff or m.d_ff) * (3 if m.mlp == "swiglu" else 2)
-    mlp = m.d_model * m.d_ff * (3 if m.mlp == "swiglu" else 2)
-    router = m.d_model * m.moe_experts
-    return dense_equiv.num_params + m.num_moe_layers * (m.moe_top_k * per_expert - mlp + router)
 
 
 def main():

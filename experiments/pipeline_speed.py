@@ -9,8 +9,9 @@ Each variant runs in its own process (its own devices and XLA flags) through
 A variant is (visible GPUs, preset, config overrides). The default sweep, on a machine with
 two GPUs: the 1b preset on one GPU (batch 24) against 1F1B over two stages (m = 16,
 batch 48), GPipe at the same m, the three attention backends on a 4-layer cut of 1b
-(that they compile and run inside pipeline stages), and the 8b preset (Llama-3-8B's shape,
-which does not fit one GPU) for 20 steps.
+(that they compile and run inside pipeline stages), the 8b preset (Llama-3-8B's shape,
+which does not fit one GPU) for 20 steps, the split-backward schedules (1F1B-split, ZB-H1)
+and TeraPipe's step time against its number of token slices at 4k-16k tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +43,19 @@ VARIANTS = {
     "cut_pp2_xla": ("0,1", "1b", PP2 + CUT + ["model.attention=xla"], 3),
     "8b_pp2": ("0,1", "8b", ["train.batch_size=16", "train.pipeline_microbatches=16"], 20),
 }
+VARIANTS["pp2_gpipe_m16_keep"] = ("0,1", "1b", PP2 + [
+    "train.batch_size=48", "train.pipeline_microbatches=16", "train.pipeline_schedule=gpipe"], 5)
+# The split-backward schedules at the same m, and ZB-H1.
+for _name in ("1f1b-split", "zb-h1"):
+    VARIANTS[f"pp2_{_name}_m16"] = ("0,1", "1b", PP2 + [
+        "train.batch_size=48", "train.pipeline_microbatches=16",
+        f"train.pipeline_schedule={_name}"], 5)
+# TeraPipe: a 4-layer cut of 350m (2 layers a stage), one sequence, k equal token slices.
+for _seq, _ks in ((4096, (1, 2, 4, 8)), (8192, (1, 2, 4, 8)), (16384, (2, 8))):
+    for _k in _ks:
+        VARIANTS[f"terapipe_{_seq // 1024}k_{_k}"] = ("0,1", "350m", PP2 + [
+            "model.num_layers=4", f"model.max_seq_len={_seq}", f"train.seq_len={_seq}",
+            "train.batch_size=1", f"train.terapipe_slices={_k}", "model.attention=xla"], 3)
 
 CHILD = """
 import json, sys
@@ -76,13 +90,47 @@ def run_variant(name: str, timeout: float) -> dict:
     return row
 
 
+def plot_terapipe(rows: list[dict], path: Path) -> None:
+    """TeraPipe's step time against its number of token slices, one line per length."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    by_seq: dict[int, list] = {}
+    for r in rows:
+        if r["variant"].startswith("terapipe_") and "step_s" in r:
+            k = int(r["variant"].rsplit("_", 1)[1])
+            by_seq.setdefault(r["seq_len"], []).append((k, r["step_s"] * 1e3))
+    if not by_seq:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for seq, pts in sorted(by_seq.items()):
+        pts.sort()
+        ax.plot([k for k, _ in pts], [t for _, t in pts], "o-", label=f"{seq // 1024}k tokens")
+        for (k, t), (k0, t0) in zip(pts[1:], pts[:1] * len(pts[1:])):
+            ax.annotate(f"{t0 / t:.2f}x", (k, t), textcoords="offset points", xytext=(4, 4),
+                        fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("token slices per sequence")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title("TeraPipe on 2 stages (2 H200s): gain over the fewest slices")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     ap.add_argument("--timeout", type=float, default=240, help="seconds per variant")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
     ap.add_argument("--name", default="pipeline_speed")
+    ap.add_argument("--replot", help="only redraw the TeraPipe plot of this JSON")
     args = ap.parse_args()
+    if args.replot:
+        src = Path(args.replot)
+        plot_terapipe(json.loads(src.read_text())["runs"], src.with_name(f"{src.stem}_terapipe.png"))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -102,6 +150,7 @@ def main():
         ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         print(f"{r['variant']:16} {r['tokens_per_s']:10.0f} {ratio:9.2f} "
               f"{r['mfu_datasheet']:6.1%} {r['step_s']:7.3f}")
+    plot_terapipe(rows, out / f"{args.name}_terapipe.png")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import jax
@@ -41,10 +40,9 @@ def profile(fn, args, iterations_of):
     compiled = jax.jit(fn).lower(*args).compile()
     kinds = profiling.classify_hlo(compiled.as_text())
     times, out = call_times(compiled, *args, n=3, warm=1)
-    trace_dir = tempfile.mkdtemp(prefix="profile_decode_")
-    with jax.profiler.trace(trace_dir) as session:
+    with profiling.trace() as prof:
         jax.block_until_ready(compiled(*args))
-    split = profiling.time_by_kind(profiling.load_profile(session, trace_dir), kinds)
+    split = profiling.time_by_kind(prof.profile_data, kinds)
     n = max(iterations_of(out), 1)
     return {"wall_s": sorted(times)[1], "iterations": n,
             "kernel_s_per_iteration": split["total_s"] / n,

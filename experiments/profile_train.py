@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -53,14 +52,13 @@ def main():
     kinds = profiling.classify_hlo(compiled.as_text())
     state, _, _ = run_steps(compiled, state, batches, 2)  # warm-up
     state, _, step_s = run_steps(compiled, state, batches, args.steps)
-    trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="profile_")
-    with jax.profiler.trace(trace_dir) as session:
+    with profiling.trace(args.trace_dir or None) as prof:
         run_steps(compiled, state, batches, args.steps)
-    split = profiling.time_by_kind(profiling.load_profile(session, trace_dir), kinds)
+    split = profiling.time_by_kind(prof.profile_data, kinds)
 
     mc, t = cfg.model, cfg.train
     tokens = t.batch_size * t.seq_len
-    matmul_flops = 6.0 * (mc.num_nonembedding_params + mc.vocab_size * mc.d_model) * tokens
+    matmul_flops = 6.0 * mc.num_matmul_params_per_token * tokens
     total_flops = mc.flops_per_token(t.seq_len) * tokens
     attn_flops = total_flops - matmul_flops
     per_step = {k: v / args.steps for k, v in split["seconds"].items()}

@@ -1,37 +1,57 @@
-"""`python -m gendist {train,generate,prepare,export,plan,launch} [--preset NAME | --config FILE]
-[--section.field VALUE ...]`.
+"""`python -m gendist COMMAND ...`: train, generate, prepare, export, plan, launch.
 
-Every config field is a flag (tyro reads the field comments as help): try
-`python -m gendist train --help`.
+One function per command (`cmd_*`, registered in `COMMANDS`); `main` runs it through
+`run_command`, which turns a mistake in the input (config, data, checkpoint, run directory)
+into one line on stderr and exit code 2. GENDIST_TRACEBACK=1 shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
+from pathlib import Path
 
-USAGE = """usage: python -m gendist COMMAND [--preset NAME] [overrides]
+from gendist.config import PRESETS as _PRESETS
+from gendist.config import GenerateConfig
+
+PROG = "python -m gendist"
+TRACEBACK_ENV = "GENDIST_TRACEBACK"
+PRESETS = ", ".join(_PRESETS)
+
+USAGE = f"""usage: {PROG} COMMAND [--preset NAME] [--section.field VALUE ...]
 
 commands:
   train      train a model (default: the `tiny` preset on the bundled Shakespeare corpus,
              all devices data-parallel), checkpoint it, print validation loss and a sample
-  generate   sample from a checkpoint: --checkpoint DIR --prompt TEXT [--generate.* ...],
+             (--no-sample skips it)
+  generate   sample from a checkpoint: --checkpoint DIR [--prompt TEXT] [--generate.top-k K ...],
              or from a Hugging Face Llama directory: --model-dir DIR [--draft-dir DIR]
   prepare    tokenize a corpus into token files: --out DIR --data.corpus ... --data.tokenizer T
   export     write a checkpoint as a Hugging Face Llama directory: --checkpoint RUN --out DIR
   plan       predicted vs compiled per-device memory and communication (and the pipeline
              bubble) for a config: plan [--devices N] [--no-compile] [overrides]
   launch     run N local processes of one multi-process job:
-             launch --nproc N [--devices-per-process D] -- python -m gendist train ...
+             launch --nproc N [--devices-per-process D] -- {PROG} train ...
 
-`train --init-from DIR` fine-tunes a Hugging Face Llama directory (or a gendist run);
-`--config run.yaml` starts from a run's saved config (flags after it override it).
-`python -m gendist COMMAND --help` lists every field and its meaning."""
+--preset NAME starts from a named config ({PRESETS}; default tiny); --config FILE from a
+run's saved config.yaml (flags after it override it). `train --init-from DIR` fine-tunes a
+Hugging Face Llama directory (or a gendist run).
+Every config field is a flag: `{PROG} train --help` lists them with their meaning.
+A CPU is one device: XLA_FLAGS=--xla_force_host_platform_device_count=8 simulates 8 for the
+multi-device examples. Mistakes in the input print one line (exit code 2);
+{TRACEBACK_ENV}=1 adds the traceback."""
+
+
+class UsageError(ValueError):
+    """A command line that cannot run (a missing or malformed option)."""
 
 
 def _pop_option(argv: list[str], name: str, default: str | None = None) -> str | None:
     for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
+        if a == name:
+            if i + 1 >= len(argv):
+                raise UsageError(f"{name} needs a value")
             value = argv[i + 1]
             del argv[i: i + 2]
             return value
@@ -41,71 +61,222 @@ def _pop_option(argv: list[str], name: str, default: str | None = None) -> str |
     return default
 
 
-def parse_config(argv: list[str], default_preset: str = "tiny"):
-    """A Config from `--preset NAME` plus field overrides (tyro)."""
-    import tyro
+def _pop_flag(argv: list[str], name: str) -> bool:
+    found = name in argv
+    argv[:] = [a for a in argv if a != name]
+    return found
 
+
+def _box_text(text: str) -> str:
+    """The message inside tyro's error box, as one line (its help footer dropped)."""
+    lines = []
+    for raw in text.splitlines():
+        line = raw.strip().strip("│").strip()
+        if raw.strip().startswith(("╭", "╰")):
+            continue
+        if line and set(line) <= {"─"}:
+            break  # below the rule: argument help and "For full helptext, ..."
+        if line:
+            lines.append(line)
+    return " ".join(lines) or " ".join(text.split())
+
+
+def tyro_cli(cls, argv: list[str], prog: str, **kw):
+    """`tyro.cli`, with a rejected command line raised as one UsageError line, not a box."""
+    import contextlib
+    import io
+
+    import tyro
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return tyro.cli(cls, args=argv, prog=prog, **kw)
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        raise UsageError(f"{_box_text(err.getvalue())} (`{prog} --help` lists every flag)"
+                         ) from None
+
+
+def parse_config(argv: list[str], command: str = "train", default_preset: str = "tiny",
+                 extra_help: str = ""):
+    """A Config from `--preset NAME` (or `--config FILE`) plus field overrides (tyro reads
+    the field comments)."""
     from gendist.cli_data import base_config
-    from gendist.config import Config
-    base, what = base_config(argv, default_preset)
-    return tyro.cli(Config, default=base, args=argv,
-                    description=f"gendist config ({what}); every field can be set.")
+    from gendist.config import Config, deferred_checks
+    with deferred_checks():  # tyro would wrap our ValueErrors in a box: check afterwards
+        base, what = base_config(argv, default_preset)
+        description = (f"gendist {command}. --preset NAME picks the starting config "
+                       f"({PRESETS}), --config FILE a saved one; here {what}. Every field "
+                       f"below can be set.{extra_help}")
+        cfg = tyro_cli(Config, argv, f"{PROG} {command}", default=base,
+                       description=description)
+    cfg.check()
+    return cfg
 
 
 def cmd_train(argv: list[str]) -> int:
-    from gendist import loop
-    from gendist.cli_data import loss_unit, resolve_train, sample
-
+    """Train (resuming train.out_dir's checkpoint of the same config), then print a sample."""
+    argv = list(argv)
+    sample = not _pop_flag(argv, "--no-sample")
     init_from = _pop_option(argv, "--init-from")
-    cfg = parse_config(argv)
+    cfg = parse_config(argv, "train", extra_help=" --no-sample (or --generate.max-new-tokens"
+                       " 0) skips the sample printed at the end; --init-from DIR fine-tunes a"
+                       " Hugging Face Llama directory or a gendist run.")
+    from gendist.cli_data import resolve_train
     cfg, init_params, tok = resolve_train(cfg, init_from)
-    from gendist import distributed
+    from gendist import console, distributed
     distributed.maybe_initialize()  # a multi-process job (launch, SLURM, MPI): join it first
-    import jax
-    print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; "
-          f"model: {cfg.model.num_params / 1e6:.2f}M params")
+    console.route_logging()
+    from gendist import loop
     result = loop.run(cfg, init_params=init_params)
-    g = cfg.generate
-    print(f"final validation loss: {result.val_loss:.4f} {loss_unit(tok)}")
-    params = result.state["params"]
+    if sample and cfg.generate.max_new_tokens > 0:
+        _print_sample(cfg, result.state["params"], tok)
+    return 0
+
+
+def _print_sample(cfg, params, tok) -> None:
+    import jax
+
+    from gendist import console
+    from gendist.cli_data import sample
     if jax.process_count() > 1:  # every process takes part in gathering the shards
         from jax.experimental import multihost_utils
         params = multihost_utils.process_allgather(params, tiled=True)
     if jax.process_index() == 0:
+        g = cfg.generate
         text = sample(cfg.model, jax.device_get(params), tok, g, [g.prompt])[0]
-        print("sample:\n" + g.prompt + text)
-    return 0
+        console.say("sample:\n" + g.prompt + text)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateArgs:
+    """Sample from a trained checkpoint. --prompt TEXT is short for --generate.prompt TEXT."""
+
+    checkpoint: str = ""  # a run's train.out_dir (e.g. runs/default) or its checkpoints/ folder
+    generate: GenerateConfig = dataclasses.field(default_factory=GenerateConfig)
 
 
 def cmd_generate(argv: list[str]) -> int:
-    import jax
-    import tyro
-
-    from gendist.cli_data import run_tokenizer, sample
-    from gendist.config import GenerateConfig
-    from gendist.serialize import load_params
-
+    """Sample from a checkpoint: --checkpoint DIR [--prompt TEXT] [--generate.* ...], or
+    from a Hugging Face directory: --model-dir DIR [--draft-dir DIR]."""
+    argv = list(argv)
     model_dir = _pop_option(argv, "--model-dir")
     if model_dir is not None:
         from gendist.cli_data import cmd_generate_model_dir
         return cmd_generate_model_dir(argv, model_dir)
-    ckpt = _pop_option(argv, "--checkpoint")
-    if ckpt is None:
-        print("generate needs --checkpoint DIR (a run's out_dir or its checkpoints/ folder) "
-              "or --model-dir DIR (a Hugging Face Llama directory)", file=sys.stderr)
-        return 2
     prompt = _pop_option(argv, "--prompt")
-    g = tyro.cli(GenerateConfig, args=argv, description="sampling options")
-    if prompt is not None:
-        g = dataclasses.replace(g, prompt=prompt)
-    model_cfg, params, step = load_params(ckpt)
-    print(f"checkpoint step {step}; {model_cfg.num_params / 1e6:.2f}M params")
-    text = sample(model_cfg, jax.device_get(params), run_tokenizer(ckpt), g, [g.prompt])[0]
+    fields = {f.name.replace("_", "-") for f in dataclasses.fields(GenerateConfig)}
+    argv = [f"--generate.{a[2:]}" if a.startswith("--") and a[2:].split("=")[0] in fields
+            else a for a in argv]  # `--top-k 5` is accepted as `--generate.top-k 5`
+    args = tyro_cli(GenerateArgs, argv, f"{PROG} generate")
+    if not args.checkpoint:
+        raise UsageError("generate needs --checkpoint DIR: a run's train.out_dir "
+                         "(e.g. runs/default) or its checkpoints/ folder")
+    g = args.generate if prompt is None else dataclasses.replace(args.generate, prompt=prompt)
+
+    import jax
+
+    from gendist.cli_data import run_tokenizer, sample
+    from gendist.serialize import load_params
+    model_cfg, params, step = load_params(args.checkpoint)
+    print(f"checkpoint {Path(args.checkpoint)} step {step}; {model_cfg.params_text()}",
+          flush=True)
+    text = sample(model_cfg, jax.device_get(params), run_tokenizer(args.checkpoint), g,
+                  [g.prompt])[0]
     print(g.prompt + text)
     return 0
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate}
+def cmd_plan(argv: list[str]) -> int:
+    """Predicted vs compiled memory and communication: [--devices N] [--no-compile] [overrides]."""
+    argv = list(argv)
+    devices = _pop_option(argv, "--devices")
+    if devices is not None:
+        if not devices.isdigit() or int(devices) < 1:
+            raise UsageError(f"--devices {devices!r}: give a number of devices, e.g. 8")
+        # Simulated CPU devices; must be set before the first backend call.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={devices}")
+    compile_step = not _pop_flag(argv, "--no-compile")
+    cfg = parse_config(argv, "plan", extra_help=" --devices N simulates N CPU devices; "
+                       "--no-compile prints the predictions only.")
+    from gendist.accounting import plan_report
+    print(plan_report(cfg, compile_step=compile_step))
+    return 0
+
+
+def cmd_launch(argv: list[str]) -> int:
+    """N local processes of one job: --nproc N [options] -- COMMAND ..."""
+    from gendist.distributed import cmd_launch as launch
+    return launch(argv)
+
+
+def cmd_prepare(argv: list[str]) -> int:
+    """Tokenize a corpus into token-file shards: --out DIR --data.corpus ... --data.tokenizer T."""
+    from gendist.cli_data import cmd_prepare as prepare
+    return prepare(argv)
+
+
+def cmd_export(argv: list[str]) -> int:
+    """A checkpoint as a Hugging Face Llama directory: --checkpoint RUN --out DIR."""
+    from gendist.cli_data import cmd_export as export
+    return export(argv)
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "prepare": cmd_prepare,
+            "export": cmd_export, "plan": cmd_plan, "launch": cmd_launch}
+
+
+def _user_error_types():
+    from gendist.checkpoint import CheckpointError
+    return (ValueError, FileNotFoundError, NotADirectoryError, CheckpointError)
+
+
+def _failure_types():
+    """Runs that stopped for a reason worth one line, not a traceback (exit code 1)."""
+    from gendist.distributed import DistributedError
+    from gendist.train import NonFiniteLoss
+    return (NonFiniteLoss, DistributedError)
+
+
+_OURS = (str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] /
+                                                    "pallas_kernels"))
+
+
+def _raised_by_gendist(e: BaseException) -> bool:
+    """The exception came from a check in gendist's own code, not from inside a library
+    (a ValueError deep in jax is a bug to report, with its traceback)."""
+    tb = e.__traceback__
+    last = None
+    while tb is not None:
+        last = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    return last is not None and str(Path(last).resolve()).startswith(_OURS)
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def run_command(command: str, argv: list[str]) -> int:
+    """Run one command; input mistakes end it with one line on stderr and exit code 2."""
+    try:
+        return COMMANDS[command](argv)
+    except KeyboardInterrupt:
+        print(f"{PROG} {command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        if isinstance(e, _failure_types()):
+            code = 1
+        elif isinstance(e, _user_error_types()) and _raised_by_gendist(e):
+            code = 2
+        else:
+            raise
+        print(f"{PROG} {command}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,20 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "plan":
-        from gendist.accounting import cmd_plan
-        return cmd_plan(rest, parse_config)
-    if cmd in ("prepare", "export"):
-        from gendist import cli_data
-        return {"prepare": cli_data.cmd_prepare, "export": cli_data.cmd_export}[cmd](rest)
-    if cmd == "launch":
-        from gendist.distributed import cmd_launch
-        return cmd_launch(rest)
-    if cmd not in COMMANDS:
-        print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"{PROG}: unknown command {command!r}; choose one of {', '.join(COMMANDS)} "
+              f"(`{PROG} --help`)", file=sys.stderr)
         return 2
-    return COMMANDS[cmd](rest)
+    return run_command(command, rest)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ five per layer instead of Megatron's one per f operator, and two for a tied embe
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 
@@ -363,8 +362,8 @@ def plan_report(cfg, compile_step: bool = True) -> str:
     comp = compiled_figures(setup) if compile_step else {"memory": {}, "comm": {}}
     mesh = dict(setup.mesh.shape)
     lines = [f"mesh {mesh}, sequence_parallel={cfg.mesh.sequence_parallel}, "
-             f"zero_stage={cfg.train.zero_stage}, model {cfg.model.num_params / 1e6:.2f}M "
-             f"params, dtype {cfg.model.dtype}",
+             f"zero_stage={cfg.train.zero_stage}, model {cfg.model.params_text()}, "
+             f"dtype {cfg.model.dtype}",
              f"{'memory per device':34s} {'predicted':>14s} {'compiled':>14s}"]
     keys = list(pred["memory"]) + [k for k in comp["memory"] if k not in pred["memory"]]
     for k in keys:
@@ -377,26 +376,3 @@ def plan_report(cfg, compile_step: bool = True) -> str:
         lines.append(f"  {kind + ' over ' + axes:32s} {_mb(p):>14s} {_mb(c):>14s}")
     return "\n".join(lines + bubble_lines(cfg, setup.mesh))
 
-
-# --- the command line -----------------------------------------------------------------------
-
-def cmd_plan(argv: list[str], parse_config) -> int:
-    """`python -m gendist plan [--preset P] [--devices N] [--no-compile] [overrides]`;
-    `parse_config(argv) -> Config` is the command line's (passed in: no import of it)."""
-    argv = list(argv)
-    if "-h" in argv or "--help" in argv:
-        print("plan options: --devices N (simulate N CPU devices), --no-compile (predictions "
-              "only); then any config field, as for `train`:\n")
-    devices = None
-    if "--devices" in argv:
-        i = argv.index("--devices")
-        devices = int(argv[i + 1])
-        del argv[i:i + 2]
-        # Simulated CPU devices; must be set before the first backend call.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={devices}")
-    compile_step = "--no-compile" not in argv
-    argv = [a for a in argv if a != "--no-compile"]
-    cfg = parse_config(argv)
-    print(plan_report(cfg, compile_step=compile_step))
-    return 0

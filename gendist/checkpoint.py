@@ -7,6 +7,9 @@ shardings, so a checkpoint written on one mesh (or process count) loads onto ano
 
 from __future__ import annotations
 
+import logging
+import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -36,6 +39,15 @@ class Checkpointer:
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
         self.manager.wait_until_finished()
 
+    def read_meta(self, step: int | None = None) -> dict:
+        """The JSON metadata saved with a step (val_loss, config), without the arrays."""
+        step = self.latest_step() if step is None else step
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 - orbax raises many kinds; name the fix
+            raise CheckpointError(self._unreadable(step, e)) from e
+
     def restore(self, target_state, step: int | None = None):
         """Restore onto the shardings of `target_state` (arrays or ShapeDtypeStructs)."""
         step = self.latest_step() if step is None else step
@@ -43,16 +55,69 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint in {self.directory}")
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target_state)
+        _quiet_orbax_leftovers()  # before: a failing read reports while the others still run
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 - orbax raises many kinds; name the fix
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} is partial or corrupt "
-                f"({type(e).__name__}: {str(e)[:300]}). Delete {self.directory / str(step)} to "
-                "fall back to the previous checkpoint, or start fresh with --train.resume "
-                "False or another --train.out-dir.") from e
+            raise CheckpointError(self._unreadable(step, e)) from e
         return out["state"], out["meta"], step
+
+    def _unreadable(self, step: int, e: Exception) -> str:
+        earlier = [s for s in self.all_steps() if s < step]
+        back = (f"move {self.directory / str(step)} out of {self.directory} to resume from "
+                f"step {max(earlier)}, or " if earlier else "")
+        detail = " ".join(str(e).split())[:300]
+        return (f"checkpoint step {step} in {self.directory} cannot be read, it looks partial "
+                f"or damaged ({type(e).__name__}: {detail}); {back}start fresh with another "
+                "--train.out-dir.")
 
     def close(self):
         self.manager.close()
+
+
+_quieted = False
+
+
+def _is_leftover(value, tb, obj=None) -> bool:
+    """An error of orbax's abandoned reads: raised in orbax, or an "Event loop is closed"
+    from a read finishing after orbax closed its loop."""
+    closed = isinstance(value, RuntimeError) and "Event loop is closed" in str(value)
+    return closed or "orbax" in repr(obj) or _from_orbax(tb)
+
+
+def _from_orbax(tb) -> bool:
+    while tb is not None:
+        if "orbax" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class _DropOrbaxLeftovers(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and _is_leftover(*record.exc_info[1:]))
+
+
+def _quiet_orbax_leftovers() -> None:
+    """When one read of a restore fails, orbax closes its event loop while the other reads
+    still run; each of them then reports ("Event loop is closed" from tensorstore's threads,
+    "Exception ignored in" when collected, "exception was never retrieved"): dozens of
+    tracebacks around the one real message. Drop exactly those, for the rest of the
+    process (installed before a restore); anything else still prints."""
+    global _quieted
+    if _quieted:
+        return
+    _quieted = True
+    unraisable, thread_hook = sys.unraisablehook, threading.excepthook
+
+    def on_unraisable(u):
+        if not _is_leftover(u.exc_value, u.exc_traceback, u.object):
+            unraisable(u)
+
+    def on_thread_error(args):
+        if not _is_leftover(args.exc_value, args.exc_traceback):
+            thread_hook(args)
+
+    sys.unraisablehook, threading.excepthook = on_unraisable, on_thread_error
+    logging.getLogger("asyncio").addFilter(_DropOrbaxLeftovers())

@@ -110,7 +110,9 @@ def resolve_train(cfg: Config, init_from: str | None = None):
         if d.tokenizer == "bytes" and not d.tokens and find_tokenizer_file(src):
             d = dataclasses.replace(d, tokenizer=str(src))
     tok = load_tokenizer(d.tokenizer)
-    if m.vocab_size < tok.vocab_size:
+    # Bytes: the model's vocabulary is the user's (text that uses only ASCII trains with 128;
+    # the data check refuses ids it cannot embed). A tokenizer's vocabulary is followed.
+    if m.vocab_size < tok.vocab_size and tok.name != "bytes":
         if init is not None:
             raise ValueError(
                 f"data.tokenizer={d.tokenizer!r} has {tok.vocab_size} tokens but the model "

@@ -6,8 +6,10 @@ the comment after each field becomes its help text.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -48,6 +50,10 @@ class ModelConfig:
     moe_z_loss_weight: float = 1e-3  # router z-loss coefficient
 
     def __post_init__(self):
+        _check_unless_deferred(self)
+
+    def check(self) -> None:
+        """Raise ValueError naming the field and the fix for values the model cannot take."""
         _check_positive(self, "vocab_size", "d_model", "num_layers", "num_heads",
                         "num_kv_heads", "head_dim", "d_ff", "max_seq_len", "scan_unroll")
         if self.mlp not in ("swiglu", "gelu"):
@@ -92,29 +98,60 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return self.num_layers // self.moe_every if self.moe_experts else 0
 
+    def _mlp_params(self, width: int) -> int:
+        return self.d_model * width * (3 if self.mlp == "swiglu" else 2)
+
+    def _params(self, experts_per_moe_layer: int) -> int:
+        """Parameters with each MoE layer holding this many experts (and its router)."""
+        d, v = self.d_model, self.vocab_size
+        attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + self._mlp_params(self.d_ff) + 2 * d
+        head = 0 if self.tie_embeddings else d * v
+        moe = 0
+        if self.moe_experts:  # those layers swap the dense MLP for experts + router
+            expert = self._mlp_params(self.moe_d_ff or self.d_ff)
+            moe = self.num_moe_layers * (experts_per_moe_layer * expert
+                                         - self._mlp_params(self.d_ff) + d * self.moe_experts)
+        return v * d + self.num_layers * per_layer + d + head + moe
+
     @property
     def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
-        d, f, v = self.d_model, self.d_ff, self.vocab_size
-        attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = d * f * (3 if self.mlp == "swiglu" else 2)
-        per_layer = attn + mlp + 2 * d
-        head = 0 if self.tie_embeddings else d * v
-        return v * d + self.num_layers * per_layer + d + head
+        """Parameters stored (every expert of an MoE model; embedding counted once when tied)."""
+        return self._params(self.moe_experts)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token uses: top-k experts per MoE layer (= num_params when dense)."""
+        return self._params(self.moe_top_k)
 
     @property
     def num_nonembedding_params(self) -> int:
         return self.num_params - self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
 
+    @property
+    def num_matmul_params_per_token(self) -> int:
+        """Weights in a token's matmuls: active parameters less the embedding lookup, plus the
+        output layer (V·D, tied or not)."""
+        embed = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+        return self.num_active_params - embed + self.vocab_size * self.d_model
+
+    def params_text(self) -> str:
+        """'0.89M params', or '2.95M params (1.18M active per token)' for MoE."""
+        text = f"{self.num_params / 1e6:.2f}M params"
+        if self.moe_experts:
+            text += f" ({self.num_active_params / 1e6:.2f}M active per token)"
+        return text
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per matmul parameter plus causal attention.
 
-        Matmul parameters exclude the embedding lookup but include the output layer (V·D,
-        tied or not). Attention scores and values cost 2·2·T·N·H FLOPs per token and layer
-        in the forward pass, halved by the causal mask, ×3 for forward + backward
-        (the PaLM paper's MFU accounting, appendix B).
+        Matmul parameters (`num_matmul_params_per_token`) exclude the embedding lookup and the
+        experts a token is not routed to, and include the output layer (V·D, tied or not).
+        Attention scores and values cost 2·2·T·N·H FLOPs per token and layer in the forward
+        pass, halved by the causal mask, ×3 for forward + backward (the PaLM paper's MFU
+        accounting, appendix B).
         """
-        matmul_params = self.num_nonembedding_params + self.vocab_size * self.d_model
+        matmul_params = self.num_matmul_params_per_token
         attn = 3 * self.num_layers * 4 * seq_len * self.num_heads * self.head_dim * 0.5
         return 6.0 * matmul_params + attn
 
@@ -171,8 +208,9 @@ class TrainConfig:
     out_dir: str = "runs/default"  # metrics, TensorBoard and checkpoints go here
     resume: bool = True  # resume from the latest checkpoint in out_dir/checkpoints
     nonfinite: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop the run or skip the step
-    pipeline_schedule: Literal["gpipe", "1f1b", "pipedream", "pipedream-nostash", "2bw"] = (
-        "1f1b")  # schedule when mesh.pipeline > 1 (pipedream*/2bw: asynchronous updates)
+    pipeline_schedule: Literal["gpipe", "1f1b", "1f1b-split", "zb-h1", "pipedream",
+                               "pipedream-nostash", "2bw"] = (
+        "1f1b")  # schedule when mesh.pipeline > 1 (*-split, zb-h1: B and W steps; pipedream*/2bw: async)
     pipeline_microbatches: int = 0  # microbatches per step in the pipeline (0 = 2 x stages)
     pipedream_window: int = 0  # 2bw: microbatches per update window (0 = mesh.pipeline - 1, min 1)
     terapipe_slices: int = 0  # TeraPipe: token slices per sequence through the pipeline (0 = off)
@@ -182,7 +220,18 @@ class TrainConfig:
     tensorboard: bool = True  # write TensorBoard event files
     wandb: Literal["off", "online", "offline"] = "off"  # Weights & Biases logging (extra [wandb])
     wandb_project: str = "gendist"  # W&B project name
-    progress: bool = True  # show a progress bar
+    progress: bool = True  # show a progress bar (on a terminal; step lines in a log file)
+
+    def __post_init__(self):
+        _check_unless_deferred(self)
+
+    def check(self) -> None:
+        """Raise ValueError naming the field and the fix for values training cannot take."""
+        _check_positive(self, "batch_size", "seq_len", "steps", "grad_accum", "eval_every",
+                        "eval_batches", "log_every", "keep_checkpoints")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"train.checkpoint_every={self.checkpoint_every} must be >= 0 "
+                             "(0 = only at the end); pass --train.checkpoint-every 0 or more.")
 
 
 @dataclass(frozen=True)
@@ -207,6 +256,59 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+
+    def __post_init__(self):
+        _check_unless_deferred(self)
+
+    def check(self) -> None:
+        """Every section's checks, then the ones across sections (mesh against model)."""
+        self.model.check()
+        self.train.check()
+        if self.mesh.pipeline > 1:
+            check_pipeline(self.model, self.mesh.pipeline, self.train.pipeline_stage_layers)
+
+
+def check_pipeline(m: ModelConfig, pipe: int, stage_layers: tuple[int, ...] = ()) -> None:
+    """The layer stack must split into `pipe` stages of whole units (layers; with MoE, groups
+    of moe_every layers): evenly, or as `train.pipeline_stage_layers` says."""
+    units = m.num_layers // m.moe_every if m.moe_experts else m.num_layers
+    what = (f"{units} MoE groups (model.num_layers={m.num_layers} / model.moe_every="
+            f"{m.moe_every})" if m.moe_experts else f"model.num_layers={m.num_layers} layers")
+    if stage_layers:
+        if len(stage_layers) != pipe or sum(stage_layers) != units or min(stage_layers) < 1:
+            raise ValueError(
+                f"train.pipeline_stage_layers={tuple(stage_layers)} must give each of the "
+                f"mesh.pipeline={pipe} stages at least one of the {what}.")
+        return
+    if units % pipe:
+        raise ValueError(
+            f"mesh.pipeline={pipe} does not divide the {what}: each pipeline stage holds an "
+            f"equal slice of the layer stack; choose mesh.pipeline in "
+            f"{[p for p in range(1, units + 1) if units % p == 0]}, or give "
+            "train.pipeline_stage_layers.")
+
+
+_deferred: ContextVar[bool] = ContextVar("gendist_config_checks_deferred", default=False)
+
+
+@contextlib.contextmanager
+def deferred_checks():
+    """Build configs without running their checks (the CLI parses all flags first, then
+    calls `Config.check()` once, so that a mistake gets our one-line error)."""
+    token = _deferred.set(True)
+    try:
+        yield
+    finally:
+        _deferred.reset(token)
+
+
+def _check_unless_deferred(cfg) -> None:
+    if not _deferred.get():
+        cfg.check()
+
+
+_SECTIONS = {"ModelConfig": "model", "MeshConfig": "mesh", "DataConfig": "data",
+             "TrainConfig": "train", "GenerateConfig": "generate"}
 
 
 def _check_moe(m: ModelConfig) -> None:
@@ -233,7 +335,9 @@ def _check_positive(cfg, *names):
     for n in names:
         v = getattr(cfg, n)
         if v <= 0:
-            raise ValueError(f"{type(cfg).__name__}.{n}={v} must be positive.")
+            section = _SECTIONS[type(cfg).__name__]
+            raise ValueError(f"{section}.{n}={v} must be positive; pass "
+                             f"--{section}.{n.replace('_', '-')} with a value of 1 or more.")
 
 
 def _model(**kw) -> ModelConfig:
@@ -284,7 +388,8 @@ PRESETS: dict[str, Config] = {
 def preset(name: str) -> Config:
     """A named preset; raises with the list of names on a typo."""
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise ValueError(f"unknown preset {name!r}; pass --preset with one of "
+                         f"{', '.join(PRESETS)}.")
     return PRESETS[name]
 
 

@@ -78,11 +78,12 @@ class TextData:
         if self.max_id is None:
             self.max_id = max(_max_id(self.train), _max_id(self.val))
         if self.max_id >= vocab_size:
+            need = max(self.max_id + 1, 256) if self.tokenizer == "bytes" else self.max_id + 1
             raise ValueError(
-                f"the data holds token id {self.max_id} but model.vocab_size={vocab_size}: "
-                f"ids must be below vocab_size. Use the tokenizer the model was trained with "
-                f"(data.tokenizer={self.tokenizer!r}), or raise model.vocab_size to at least "
-                f"{self.max_id + 1}.")
+                f"model.vocab_size={vocab_size} is too small for the data, which holds token "
+                f"id {self.max_id} (data.tokenizer={self.tokenizer!r}); pass "
+                f"--model.vocab-size {need} or more, or the tokenizer the model was trained "
+                "with.")
 
     def batch_indices(self, step: int, batch_size: int, seq_len: int, split: str) -> np.ndarray:
         """Start offsets of the windows of one global batch: a function of (seed, step)."""

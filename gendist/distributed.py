@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -346,8 +347,14 @@ def launch(command: list[str], nproc: int, devices_per_process: int | None = Non
     return 0 if failed is None else (128 - rc if rc < 0 else rc)
 
 
+# Gloo prints one line per pair of connected devices at start-up (C++, not maskable).
+_GLOO_CONNECTED = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+
+
 def _pump(rank: int, proc: subprocess.Popen, out):
     for line in iter(proc.stdout.readline, b""):
+        if _GLOO_CONNECTED.match(line):
+            continue
         out.write(f"[{rank}] " + line.decode(errors="replace"))
         out.flush()
 

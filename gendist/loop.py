@@ -14,10 +14,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from gendist import console, report
 from gendist.checkpoint import Checkpointer
-from gendist.config import Config
+from gendist.config import Config, ModelConfig, check_pipeline
 from gendist.data import TextData, process_rows, shard_batch
 from gendist.distributed import Watchdog, is_runtime_error, lost_peer_message
+from gendist.rundir import check_resume, fresh_dir
+from gendist.sharding import make_mesh
 from gendist.train import NonFiniteLoss, Setup, build, host_metrics, throughput
 
 
@@ -84,10 +87,26 @@ def evaluate(setup: Setup, data: TextData, params) -> float:
 STEP_TIMEOUT_ENV = "GENDIST_STEP_TIMEOUT"
 
 
+def check_vocab(model: ModelConfig, data) -> None:
+    """Every token id of the data must be below model.vocab_size (else NaN at step 0)."""
+    if hasattr(data, "check_vocab"):  # gendist.data.TextData: text or token files
+        data.check_vocab(model.vocab_size)
+        return
+    top = int(max(data.train.max(initial=0), data.val.max(initial=0)))
+    if top >= model.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={model.vocab_size} is too small for the data, whose largest "
+            f"token id is {top}; pass --model.vocab-size {max(top + 1, 256)} or more.")
+
+
 def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | None = None,
-        log=print, step_timeout: float | None = None, init_params=None) -> RunResult:
+        log=None, step_timeout: float | None = None, init_params=None) -> RunResult:
     """Train `cfg.train.steps` steps (resuming from out_dir's latest checkpoint).
 
+    Prints a header (model, mesh, batch per device, output paths), validation losses and a
+    footer through `log` (default: `console.say`, process 0 only, above the progress bar).
+    Refuses, before any step, a data set with token ids >= model.vocab_size and an out_dir
+    whose checkpoint was written by another config (`gendist.rundir`).
     `stop_after` ends the loop early at that step (after checkpointing it), as if the
     process had been killed there: used by the exact-resume test. `step_timeout` (or
     $GENDIST_STEP_TIMEOUT) seconds without a finished step, eval or checkpoint after the
@@ -96,37 +115,41 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
     a resumed run ignores it): a params dict, or a function of the params' shardings that
     returns one placed on them (e.g. `hf.load_params` onto a ZeRO-3 mesh).
     """
+    t0 = time.perf_counter()
+    log = console.say if log is None else log
     t = cfg.train
-    setup = build(cfg, mesh)
     data = TextData.from_config(cfg.data) if data is None else data
-    if hasattr(data, "check_vocab"):  # a token id >= vocab_size would be NaN at step 0
-        data.check_vocab(cfg.model.vocab_size)
+    check_vocab(cfg.model, data)
+    if mesh is None:  # a mesh axis of -1 is only known now
+        mesh = make_mesh(cfg.mesh)
+    if mesh.shape["pipeline"] > 1:
+        check_pipeline(cfg.model, mesh.shape["pipeline"], cfg.train.pipeline_stage_layers)
+    setup = build(cfg, mesh)  # checks the config against the mesh; compiles nothing yet
     out = Path(t.out_dir)
+    saved = _saved_run(cfg, out)
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints)
     state = None
-    if not t.resume and ckpt.latest_step() is not None:
-        raise ValueError(
-            f"train.resume=False but {ckpt.directory} already holds checkpoints (latest step "
-            f"{ckpt.latest_step()}); choose a fresh train.out_dir, delete that folder, or "
-            "resume from it with train.resume=True.")
-    if t.resume and ckpt.latest_step() is not None:
-        state, meta, at = ckpt.restore(setup.abstract_state())
-        log(f"resumed from {ckpt.directory} step {at} (val_loss {meta.get('val_loss')})")
-    if state is None and init_params is not None:
-        state = setup.init_state(params=init_params)
+    if saved is not None:
+        state, meta, _ = ckpt.restore(setup.abstract_state(), saved)
+        log(f"resumed from {ckpt.directory} step {saved} (val_loss {meta.get('val_loss')})")
     if state is None:
-        state = setup.init_state()
+        state = setup.init_state(params=init_params)
     start = int(jax.device_get(state["step"]))
     if jax.process_index() == 0:
         from gendist import config_yaml
         config_yaml.save(cfg, out / config_yaml.YAML_NAME)  # --config accepts it back
     writer = MetricsWriter(out, t.tensorboard, t.wandb, t.wandb_project, cfg)
     rows = process_rows(setup.mesh, t.batch_size)
-    unit = "byte" if getattr(data, "tokenizer", "bytes") == "bytes" else "token"
     end = t.steps if stop_after is None else min(t.steps, stop_after)
     history: list[dict] = []
     val_loss = None
-    bar = _progress(range(start, end), t.progress and jax.process_index() == 0)
+    for line in report.header(cfg, setup.mesh, start, end, out):
+        log(line)
+    if start >= end:
+        log(f"WARNING: {out} is already at step {start} of train.steps={t.steps}: nothing to "
+            f"train. Raise --train.steps to continue it, or start a new run with "
+            f"--train.out-dir {fresh_dir(t.out_dir)}.")
+    bar = console.Progress(range(start, end), t.progress)
     pending = None  # (step, metrics) dispatched but not yet pulled to the host
     t_last, tokens_since = time.perf_counter(), 0
 
@@ -148,7 +171,10 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
             m.update(throughput(cfg, tokens_since, now - t_last))
             t_last, tokens_since = now, 0
             writer.write(step_no + 1, m)
-            bar.set_postfix(loss=f"{m['loss']:.3f}", refresh=False)
+            bar.set_postfix(loss=f"{m['loss']:.3f}")
+            if bar.step_lines:
+                log(f"step {step_no + 1}/{end}: loss {m['loss']:.4f}, "
+                    f"{m['tokens_per_s']:,.0f} tokens/s")
 
     if step_timeout is None and os.environ.get(STEP_TIMEOUT_ENV):
         step_timeout = float(os.environ[STEP_TIMEOUT_ENV])
@@ -170,7 +196,8 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
                     pending = None
                     val_loss = evaluate(setup, data, state["params"])
                     writer.write(done, {"val_loss": val_loss})
-                    log(f"step {done}: val_loss {val_loss:.4f} nats/{unit}")
+                    log(f"step {done}: val_loss "
+                        f"{report.loss_text(val_loss, cfg.model.vocab_size)}")
                     beat(f"step {done} and its validation")
                 if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == end:
                     if pending is not None:  # never checkpoint before seeing it was finite
@@ -182,34 +209,37 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
                 drain(pending)
             if val_loss is None:  # nothing left to train (resumed at the end): still report
                 val_loss = evaluate(setup, data, state["params"])
+            saved_step = ckpt.latest_step()
     except Exception as e:
         if jax.process_count() > 1 and is_runtime_error(e):
             print(lost_peer_message(e, ckpt.latest_step(), ckpt.directory), file=sys.stderr,
                   flush=True)
         raise
     finally:
+        bar.close()
         writer.close()
         ckpt.close()
+    for line in report.footer(cfg, start, end, time.perf_counter() - t0, history, val_loss,
+                              saved_step, out):
+        log(line)
     return RunResult(state, history, val_loss, setup)
+
+
+def _saved_run(cfg: Config, out: Path) -> int | None:
+    """The step to resume from (None: a fresh run), after checking that `cfg` may continue
+    the run in `out` (`rundir.check_resume`); reads only the metadata, changes nothing."""
+    if not (out / "checkpoints").is_dir():
+        return None
+    ckpt = Checkpointer(out / "checkpoints")
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            return None
+        check_resume(cfg, ckpt.read_meta(step).get("config"), step, out)
+        return step
+    finally:
+        ckpt.close()
 
 
 def _cfg_json(cfg: Config) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-
-
-def _progress(it, enabled: bool):
-    if enabled:
-        from tqdm.auto import tqdm
-        return tqdm(it, desc="train", dynamic_ncols=True)
-
-    class _Quiet:
-        def __init__(self, it):
-            self.it = it
-
-        def __iter__(self):
-            return iter(self.it)
-
-        def set_postfix(self, **_):
-            return None
-
-    return _Quiet(it)

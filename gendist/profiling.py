@@ -7,19 +7,28 @@ The lecture's question (Ivanov et al. 2021, "Data Movement Is All You Need": mat
   mapped to a kind: matmul (also one-row dots that XLA writes as a reduce of a product),
   attention, normalisation (other fusions with a reduction),
   elementwise, data movement (copies, transposes, slices, casts-only fusions), collective.
-- `time_by_kind(profile_data, kinds)`: device events of a `jax.profiler.trace` (each GPU
+- `time_by_kind(profile_data, kinds)`: device events of a profiler trace (each GPU
   kernel carries the `hlo_op` that launched it) summed per kind.
+- `trace(trace_dir=None)`: `jax.profiler.trace` that hands back the profile on every jax
+  this project supports (0.11 yields no session; the exported trace is read back instead).
 
     kinds = classify_hlo(step.lower(*args).compile().as_text())
-    with jax.profiler.trace(None) as session:
+    with trace() as prof:
         run_steps()
-    split = time_by_kind(session.profile_data, kinds)
+    split = time_by_kind(prof.profile_data, kinds)
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
 
 KINDS = ("matmul", "attention", "normalisation", "elementwise", "data movement",
          "collective", "other")
@@ -212,16 +221,41 @@ def load_profile(session, trace_dir: str):
     data = getattr(session, "profile_data", None)
     if data is not None:
         return data
-    from pathlib import Path
     files = sorted(Path(trace_dir).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
     if not files:
         raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}: was the trace exported?")
     try:
         from jax.profiler import ProfileData
-    except ImportError:  # older layout
+    except ImportError:  # jax 0.11 keeps it in jaxlib
         from jax._src.lib import _profile_data
         ProfileData = _profile_data.ProfileData
     return ProfileData.from_file(str(files[-1]))
+
+
+class Trace:
+    """What `trace()` yields: `profile_data` is set when the `with` block exits."""
+
+    def __init__(self, trace_dir: str | None):
+        self.trace_dir = trace_dir  # where the xplane trace was exported (None: not kept)
+        self.profile_data = None
+
+
+@contextlib.contextmanager
+def trace(trace_dir: str | None = None) -> Iterator[Trace]:
+    """Profile the block; afterwards `.profile_data` holds the ProfileData on jax 0.11 and 0.12.
+
+    With `trace_dir` the trace is also kept there (for xprof / TensorBoard); without one it
+    is exported to a temporary directory (jax 0.11 needs a file to read back) and removed.
+    """
+    out = Trace(trace_dir)
+    target = trace_dir or tempfile.mkdtemp(prefix="gendist_trace_")
+    try:
+        with jax.profiler.trace(target) as session:
+            yield out
+        out.profile_data = load_profile(session, target)
+    finally:
+        if trace_dir is None:
+            shutil.rmtree(target, ignore_errors=True)
 
 
 _MOVE_WORDS = {"copy", "transpose", "dynamic", "update", "slice", "concatenate", "pad",

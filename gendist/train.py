@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from gendist import optim
-from gendist.config import Config
+from gendist.config import Config, check_pipeline
 from gendist.models import transformer
 from gendist.models.ops import DEFAULT_OPS, Ops
 from gendist.parallel import schedule as sched_lib
@@ -229,19 +229,7 @@ def _refuse(cond: bool, first: str, second: str, why: str) -> None:
 def _validate_pipeline(cfg: Config, mesh) -> None:
     m, t = cfg.model, cfg.train
     p = mesh.shape["pipeline"]
-    units = transformer.layer_units(m)
-    unit = (f"MoE groups (model.num_layers={m.num_layers} / model.moe_every={m.moe_every})"
-            if m.num_moe_layers else f"layers (model.num_layers={m.num_layers})")
-    if t.pipeline_stage_layers:
-        if len(t.pipeline_stage_layers) != p or sum(t.pipeline_stage_layers) != units or min(
-                t.pipeline_stage_layers) < 1:
-            raise ValueError(
-                f"train.pipeline_stage_layers={t.pipeline_stage_layers} must give each of the "
-                f"mesh.pipeline={p} stages at least one of the {units} {unit}.")
-    elif units % p:
-        raise ValueError(
-            f"mesh.pipeline={p} does not divide the {units} {unit}; choose mesh.pipeline "
-            f"dividing {units}, change the layer count, or give train.pipeline_stage_layers.")
+    check_pipeline(m, p, t.pipeline_stage_layers)
     mb = pipeline_microbatches(cfg, mesh)
     per_step = t.batch_size // t.grad_accum
     if per_step % (batch_shards(mesh) * (1 if t.terapipe_slices else mb)):

@@ -51,6 +51,17 @@ def test_pipeline_tensor_data_zero3_sequence_parallel(data):
     assert params[0] == "pipeline" and "tensor" in params and "data" in str(params)
 
 
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b-split"])
+def test_split_backward_schedules_match_one_device(data, schedule):
+    """B and W as separate steps (ZB-H1 defers W into the bubbles), data 2 x pipeline 2 x
+    tensor 2, on the model's engine."""
+    cfg = replace(small_config(), **{"train.pipeline_schedule": schedule,
+                                     "train.pipeline_microbatches": 4})
+    got = run_steps_with_grads(cfg, mesh_of(8, data=2, pipeline=2, tensor=2), data, 1)
+    want = run_steps_with_grads(small_config(), mesh_of(1), data, 1)
+    assert_runs_match(got, want)
+
+
 def test_pipeline_with_gradient_accumulation(data):
     cfg = replace(small_config(), **{"train.grad_accum": 2, "train.pipeline_microbatches": 2,
                                      "train.pipeline_schedule": "gpipe"})

@@ -190,7 +190,7 @@ def test_prepare_then_train_equals_training_on_text(prepared, corpus, bpe, tmp_p
 def test_token_ids_beyond_vocab_refused_before_any_step(prepared, tmp_path):
     cfg = small_config(str(tmp_path / "bad"), steps=2)
     cfg = replace(cfg, data=DataConfig(tokens=str(prepared)))  # ids up to 319, vocab 256
-    with pytest.raises(ValueError, match=r"token id 319 but model.vocab_size=256.*tokenizer.json"):
+    with pytest.raises(ValueError, match=r"model.vocab_size=256 is too small.*token id 319.*tokenizer.json.*--model.vocab-size 320"):
         loop.run(cfg, mesh=mesh_of(1), log=lambda *a: None)
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
     assert not (tmp_path / "bad" / "checkpoints").exists() or \

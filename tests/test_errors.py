@@ -59,5 +59,6 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path):
     from gendist import loop
     cfg = small_config(str(tmp_path), steps=1, resume=False)
     loop.run(cfg, mesh=mesh_of(1), log=lambda *a: None)
-    with pytest.raises(ValueError, match=r"train.resume=False but .* already holds checkpoints"):
+    with pytest.raises(ValueError, match=r"train.resume=False but .* already holds a run .*"
+                                         r"--train.out-dir .*-2"):
         loop.run(cfg, mesh=mesh_of(1), log=lambda *a: None)

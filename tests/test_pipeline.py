@@ -84,6 +84,9 @@ CASES = [
     (2, 4, 1, "1f1b", 4),
     (2, 4, 1, "gpipe", 8),
     (2, 4, 1, "1f1b", 13),
+    (4, 2, 1, "1f1b-split", 4),  # backwards split into B and W: kept residuals
+    (2, 4, 1, "zb-h1", 8),
+    (2, 2, 2, "zb-h1", 5),
 ]
 
 

@@ -62,23 +62,33 @@ def test_time_by_kind_on_a_cpu_profile():
     kinds = profiling.classify_hlo(f.lower(*args).compile().as_text())
     assert "matmul" in kinds.values() and "control" in kinds.values()
     jax.block_until_ready(f(*args))
-    with jax.profiler.trace(None) as session:
+    with profiling.trace() as prof:  # jax 0.11 yields no session: the helper reads the file
         jax.block_until_ready(f(*args))
-    split = profiling.time_by_kind(session.profile_data, kinds)
+    split = profiling.time_by_kind(prof.profile_data, kinds)
     assert split["seconds"]["matmul"] > 0
     assert abs(sum(split["seconds"].values()) - split["total_s"]) < 1e-9
     assert all(op["kind"] != "control" for op in split["top_ops"])  # the loop is not counted
 
 
-def test_load_profile_reads_the_exported_trace_when_the_session_has_none(tmp_path):
+def test_trace_keeps_the_exported_trace_and_reads_it_back_without_a_session(tmp_path):
     f = jax.jit(lambda a: jnp.tanh(a @ a))
     a = jnp.ones((128, 128))
+    kinds = profiling.classify_hlo(f.lower(a).compile().as_text())
     jax.block_until_ready(f(a))
-    with jax.profiler.trace(str(tmp_path)):
+    with profiling.trace(str(tmp_path)) as prof:
         jax.block_until_ready(f(a))
-    data = profiling.load_profile(None, str(tmp_path))  # jax 0.11 yields no session
-    split = profiling.time_by_kind(data, profiling.classify_hlo(f.lower(a).compile().as_text()))
-    assert split["seconds"]["matmul"] > 0
+    assert list(tmp_path.rglob("*.xplane.pb"))  # kept for xprof when a directory is given
+    assert profiling.time_by_kind(prof.profile_data, kinds)["seconds"]["matmul"] > 0
+    data = profiling.load_profile(None, str(tmp_path))  # the jax 0.11 path, on any jax
+    assert profiling.time_by_kind(data, kinds)["seconds"]["matmul"] > 0
+
+
+def test_trace_without_a_directory_leaves_no_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(profiling.tempfile, "tempdir", str(tmp_path))
+    with profiling.trace() as prof:
+        jax.block_until_ready(jnp.ones(8) + 1)
+    assert prof.profile_data is not None and prof.trace_dir is None
+    assert list(tmp_path.iterdir()) == []
 
 
 class _Event:

@@ -56,7 +56,11 @@ class KVCache(abc.ABC):
         return dataclasses.replace(self, lengths=self.lengths + num_new_B.astype(jnp.int32))
 
     def rollback(self, lengths_B: jax.Array) -> KVCache:
-        """Forget everything past `lengths_B` (speculative decoding rejects drafts)."""
+        """Forget everything past `lengths_B` (speculative decoding rejects drafts).
+
+        Required by speculative decoding, which carries the cache through
+        `lax.while_loop`: the cache must be a pytree of fixed shapes, and rolling back must
+        not change them (only `lengths`, and what attention reads, moves)."""
         return dataclasses.replace(self, lengths=lengths_B.astype(jnp.int32))
 
 

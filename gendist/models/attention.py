@@ -7,12 +7,28 @@ keys at positions <= p and < kv_len of its sequence.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
 import jax.numpy as jnp
 
 BACKENDS = ("xla", "cudnn", "pallas")
+_fell_back: set[str] = set()  # platforms already told about the cuDNN fallback
+
+
+def resolve_backend(backend: str) -> str:
+    """`backend`, except "cudnn" off-GPU: cuDNN exists only on NVIDIA GPUs, so attention
+    falls back to "xla" there (the presets ask for cuDNN), saying so once per process.
+    "pallas" stays: off-GPU its kernels run in interpret mode (slow, but exact)."""
+    platform = jax.default_backend()
+    if backend != "cudnn" or platform == "gpu":
+        return backend
+    if platform not in _fell_back:
+        _fell_back.add(platform)
+        logging.getLogger("gendist").warning(
+            f"model.attention='cudnn' needs an NVIDIA GPU; using 'xla' attention on {platform}")
+    return "xla"
 
 
 def xla_attention(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, kv_len_B, sm_scale):
@@ -47,6 +63,7 @@ def attention(q_BTNH, k_BSKH, v_BSKH, *, q_pos_BT=None, kv_len_B=None,
     plain = q_pos_BT is None and kv_len_B is None
     if backend not in BACKENDS:
         raise ValueError(f"model.attention={backend!r}; choose one of {BACKENDS}.")
+    backend = resolve_backend(backend)
     if backend == "cudnn" and plain:
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
                                             scale=sm_scale, implementation="cudnn")

@@ -148,32 +148,30 @@ def layers_of(params: dict) -> dict:
     return {k: params[k] for k in ("blocks", "moe_blocks") if k in params}
 
 
-def run_layers(layers: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS,
-               cache=None):
-    """The stack: a scan of `block` over units of `layers` (a contiguous slice of the
-    model's layer units, stacked on their leading axis), threading the cache's per-layer
-    state. Returns (x, cache, MoEStats or None)."""
-    dense = layers["blocks"]
+def unit_params(layers: dict, cfg: ModelConfig):
+    """The layers as a stack of units on one leading axis: a dense model's blocks, or
+    (dense blocks [G, moe_every - 1, ...], MoE blocks [G, ...]) for MoE groups."""
     moe = layers.get("moe_blocks")
-    if isinstance(dense, (list, tuple)):  # the decode layout: one buffer per layer
-        return _run_layer_list(dense, x_BTD, pos_BT, cfg, ops, cache)
-    states = None if cache is None else cache.layer_state()
-    unroll = max(1, min(cfg.scan_unroll, jax.tree.leaves(layers)[0].shape[0]))
-
     if moe is None:
+        return layers["blocks"]
+    G = jax.tree.leaves(moe)[0].shape[0]
+    dense = jax.tree.map(lambda a: a.reshape(G, cfg.moe_every - 1, *a.shape[1:]),
+                         layers["blocks"])
+    return (dense, moe)
+
+
+def _unit_fn(cfg: ModelConfig, ops: Ops, pos_BT, cache, moe: bool):
+    """unit(x, (unit params, unit cache states)) -> (x, (states, MoE stats or None))."""
+    if not moe:
         def unit(x, inp):
             p, ls = inp
             x, ls, _ = block(p, x, pos_BT, cfg, ops, cache=cache, layer_state=ls)
-            return x, ls
-        xs = (dense, states)
+            return x, (ls, None)
     else:
-        G = jax.tree.leaves(moe)[0].shape[0]
         n = cfg.moe_every
-        regroup = lambda t, k: jax.tree.map(lambda a: a.reshape(G, k, *a.shape[1:]), t)
-        xs = (regroup(dense, n - 1), moe, None if states is None else regroup(states, n))
 
         def unit(x, inp):
-            dp, mp, ls = inp
+            (dp, mp), ls = inp
             sl = lambda a, b: None if ls is None else jax.tree.map(lambda s: s[a:b], ls)
 
             def dense_body(x, q):
@@ -190,11 +188,35 @@ def run_layers(layers: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT
 
     if cfg.remat != "none":
         unit = jax.checkpoint(unit, policy=remat_policy(cfg.remat), prevent_cse=False)
-    x_BTD, out = jax.lax.scan(unit, x_BTD, xs, unroll=unroll)
-    if moe is None:
-        new_states, stats = out, None
-    else:
-        (new_states, stats) = out
+    return unit
+
+
+def apply_unit(pu, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS):
+    """One unit of `unit_params` (one layer, or one MoE group), without a cache:
+    (x, (weighted router loss, drop fraction, load [E]) or None)."""
+    unit = _unit_fn(cfg, ops, pos_BT, None, isinstance(pu, tuple))
+    x_BTD, (_, stats) = unit(x_BTD, (pu, None))
+    return x_BTD, stats
+
+
+def run_layers(layers: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS,
+               cache=None):
+    """The stack: a scan of `block` over units of `layers` (a contiguous slice of the
+    model's layer units, stacked on their leading axis), threading the cache's per-layer
+    state. Returns (x, cache, MoEStats or None)."""
+    if isinstance(layers["blocks"], (list, tuple)):  # the decode layout: one buffer per layer
+        return _run_layer_list(layers["blocks"], x_BTD, pos_BT, cfg, ops, cache)
+    units = unit_params(layers, cfg)
+    moe = isinstance(units, tuple)
+    num_units = jax.tree.leaves(units)[0].shape[0]
+    states = None if cache is None else cache.layer_state()
+    if states is not None and moe:
+        states = jax.tree.map(lambda a: a.reshape(num_units, cfg.moe_every, *a.shape[1:]),
+                              states)
+    unit = _unit_fn(cfg, ops, pos_BT, cache, moe)
+    unroll = max(1, min(cfg.scan_unroll, num_units))
+    x_BTD, (new_states, stats) = jax.lax.scan(unit, x_BTD, (units, states), unroll=unroll)
+    if moe:
         stats = MoEStats(*stats)
         if new_states is not None:
             new_states = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), new_states)

@@ -15,8 +15,8 @@ import dataclasses
 
 import numpy as np
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
-_LETTER = {IDLE: ".", FORWARD: "F", BACKWARD: "B"}
+IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
+_LETTER = {IDLE: ".", FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -39,6 +39,11 @@ class Schedule:
     @property
     def num_stages(self) -> int:
         return int(self.kind.shape[1])
+
+    @property
+    def split(self) -> bool:
+        """Whether backwards are split into B (input gradient) and W (weight gradient)."""
+        return bool(np.any(self.kind == WEIGHT))
 
 
 def _check_sizes(num_stages: int, num_microbatches: int) -> None:
@@ -77,8 +82,11 @@ def from_stage_orders(
                 dep = (s - 1, FORWARD, mb) if s > 0 else None
             elif kind == BACKWARD:
                 dep = (s + 1, BACKWARD, mb) if s < p - 1 else (s, FORWARD, mb)
+            elif kind == WEIGHT:
+                dep = (s, BACKWARD, mb)
             else:
-                raise ValueError(f"orders[{s}] holds kind={kind}; use FORWARD or BACKWARD")
+                raise ValueError(f"orders[{s}] holds kind={kind}; use FORWARD, BACKWARD or "
+                                 "WEIGHT")
             if dep is None or done.get(dep, t) < t:
                 row_k[s], row_m[s] = kind, mb
         for s in range(p):
@@ -143,33 +151,44 @@ def sequential(num_stages: int, num_microbatches: int) -> Schedule:
 
 def validate(schedule: Schedule) -> None:
     """Raises ValueError unless every stage forwards then backwards each microbatch once,
-    after its neighbour did (F after stage s-1's F, B after stage s+1's B)."""
+    after its neighbour did (F after stage s-1's F, B after stage s+1's B), and - in a split
+    schedule - runs its weight step W once, after its B."""
     kind, mb = schedule.kind, schedule.microbatch
     if kind.ndim != 2 or kind.shape != mb.shape:
         raise ValueError(f"schedule {schedule.name!r}: kind and microbatch must be [steps, stages]")
     p, m = schedule.num_stages, schedule.num_microbatches
-    times = np.full((2, p, m), -1)
+    times = np.full((3, p, m), -1)
     for t, s in zip(*np.nonzero(kind != IDLE), strict=True):
         k, i = int(kind[t, s]), int(mb[t, s])
-        if k not in (FORWARD, BACKWARD) or not 0 <= i < m:
+        if k not in (FORWARD, BACKWARD, WEIGHT) or not 0 <= i < m:
             raise ValueError(f"schedule {schedule.name!r}: bad action ({k}, {i}) at step {t}")
         if times[k - 1, s, i] >= 0:
             raise ValueError(f"schedule {schedule.name!r}: stage {s} repeats ({k}, {i})")
         times[k - 1, s, i] = t
-    if (times < 0).any():
+    fwd, bwd, wgt = times
+    if (fwd < 0).any() or (bwd < 0).any() or (schedule.split and (wgt < 0).any()):
         raise ValueError(f"schedule {schedule.name!r} misses some (stage, microbatch) action")
-    fwd, bwd = times
     if (fwd[1:] <= fwd[:-1]).any() or (bwd[:-1] <= bwd[1:]).any() or (bwd[-1] <= fwd[-1]).any():
         raise ValueError(f"schedule {schedule.name!r} breaks a cross-stage dependency")
+    if schedule.split and (wgt <= bwd).any():
+        raise ValueError(f"schedule {schedule.name!r} runs a weight step before its backward")
 
 
 def action_times(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
     """(forward_step, backward_step), each [stages, microbatches]."""
+    fwd, bwd, _ = all_action_times(schedule)
+    return fwd, bwd
+
+
+def all_action_times(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(forward, backward, weight step) [stages, microbatches]; weight = backward when the
+    schedule does not split its backwards (the weight gradient comes with B)."""
     p, m = schedule.num_stages, schedule.num_microbatches
-    times = np.zeros((3, p, m), np.int64)
+    times = np.zeros((4, p, m), np.int64)
     t, s = np.nonzero(schedule.kind != IDLE)
     times[schedule.kind[t, s], s, schedule.microbatch[t, s]] = t
-    return times[FORWARD], times[BACKWARD]
+    weight = times[WEIGHT] if schedule.split else times[BACKWARD]
+    return times[FORWARD], times[BACKWARD], weight
 
 
 def bubble_fraction(schedule: Schedule) -> float:
@@ -183,32 +202,40 @@ def analytic_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
-def weighted_timeline(schedule: Schedule, fwd_cost, bwd_cost) -> tuple[float, float]:
+def weighted_timeline(schedule: Schedule, fwd_cost, bwd_cost, wgt_cost=0.0
+                      ) -> tuple[float, float]:
     """(makespan, idle fraction) when actions take real times instead of one step each.
 
-    fwd_cost / bwd_cost: [microbatches] or [stages, microbatches]. Each stage runs its
-    actions in table order, each as soon as its stage is free and its input has arrived
-    (communication free), so unequal slices or microbatches show their own bubbles.
+    fwd_cost / bwd_cost / wgt_cost: [microbatches] or [stages, microbatches] (a split
+    schedule's B costs bwd_cost, its W wgt_cost). Each stage runs its actions in table
+    order, each as soon as its stage is free and its input has arrived (communication
+    free), so unequal slices or microbatches show their own bubbles.
     """
     p, m = schedule.num_stages, schedule.num_microbatches
-    cost = {FORWARD: np.broadcast_to(np.asarray(fwd_cost, np.float64), (p, m)),
-            BACKWARD: np.broadcast_to(np.asarray(bwd_cost, np.float64), (p, m))}
+    cost = {k: np.broadcast_to(np.asarray(c, np.float64), (p, m))
+            for k, c in ((FORWARD, fwd_cost), (BACKWARD, bwd_cost), (WEIGHT, wgt_cost))}
     end: dict[tuple[int, int, int], float] = {}
     free = np.zeros(p)
     for t, s in zip(*np.nonzero(schedule.kind != IDLE), strict=True):
         k, i = int(schedule.kind[t, s]), int(schedule.microbatch[t, s])
-        dep = (s - 1, FORWARD, i) if k == FORWARD else (s + 1, BACKWARD, i)
-        ready = end.get(dep, 0.0) if (k == FORWARD or s < p - 1) else end[(s, FORWARD, i)]
+        if k == FORWARD:
+            ready = end.get((s - 1, FORWARD, i), 0.0)
+        elif k == BACKWARD:
+            ready = end[(s + 1, BACKWARD, i)] if s < p - 1 else end[(s, FORWARD, i)]
+        else:
+            ready = end[(s, BACKWARD, i)]
         start = max(free[s], ready)
         free[s] = end[(s, k, i)] = start + cost[k][s, i]
     makespan = float(free.max())
-    busy = float(cost[FORWARD].sum() + cost[BACKWARD].sum())
+    busy = sum(float(cost[k].sum()) for k in (FORWARD, BACKWARD)) + (
+        float(cost[WEIGHT].sum()) if schedule.split else 0.0)
     return makespan, 1.0 - busy / (p * makespan)
 
 
 def in_flight_per_stage(schedule: Schedule) -> np.ndarray:
-    """[stages] the most microbatches forwarded but not yet backwarded at any step."""
-    fwd, bwd = action_times(schedule)
+    """[stages] the most microbatches forwarded but not yet done (backward, or weight step
+    when split) at any step: what a stage holds."""
+    fwd, _, bwd = all_action_times(schedule)
     steps = np.arange(schedule.num_steps)[:, None, None]
     live = (fwd[None] <= steps) & (steps < bwd[None])  # [steps, stages, microbatches]
     return live.sum(-1).max(0)
@@ -240,7 +267,7 @@ def plot(schedule: Schedule, ax=None):
 
     if ax is None:
         _, ax = plt.subplots(figsize=(max(4.0, 0.32 * schedule.num_steps), 0.5 * schedule.num_stages + 1))
-    colors = {FORWARD: "#4c72b0", BACKWARD: "#dd8452"}
+    colors = {FORWARD: "#4c72b0", BACKWARD: "#dd8452", WEIGHT: "#55a868"}
     for t, s in zip(*np.nonzero(schedule.kind != IDLE), strict=True):
         k = int(schedule.kind[t, s])
         ax.add_patch(plt.Rectangle((t, s), 1, 1, facecolor=colors[k], edgecolor="white"))
@@ -253,7 +280,8 @@ def plot(schedule: Schedule, ax=None):
     ax.set_ylabel("stage")
     ax.set_yticks(np.arange(schedule.num_stages) + 0.5, [str(s) for s in range(schedule.num_stages)])
     ax.set_title(f"{schedule.name}: p={schedule.num_stages}, m={schedule.num_microbatches}, "
-                 f"bubble {bubble_fraction(schedule):.2f} (blue F, orange B)")
+                 f"bubble {bubble_fraction(schedule):.2f} (blue F, orange B"
+                 + (", green W)" if schedule.split else ")"))
     return ax
 
 
@@ -278,7 +306,7 @@ def buffer_plan(schedule: Schedule) -> BufferPlan:
     """Assigns buffer slots to a validated schedule by greedy interval colouring."""
     validate(schedule)
     p, m, n = schedule.num_stages, schedule.num_microbatches, schedule.num_steps
-    fwd, bwd = action_times(schedule)
+    fwd, bwd, done = all_action_times(schedule)
     start = np.concatenate([fwd[:1], fwd[:-1] + 1], axis=0)  # arrival step [stages, mbs]
     slot_of = np.zeros((p, m), np.int64)
     num_slots = 1
@@ -288,7 +316,7 @@ def buffer_plan(schedule: Schedule) -> BufferPlan:
             k = next((k for k, f in enumerate(free_at) if f <= start[s, i]), len(free_at))
             if k == len(free_at):
                 free_at.append(0)
-            free_at[k] = bwd[s, i] + 1
+            free_at[k] = done[s, i] + 1  # held until its backward (weight step if split)
             slot_of[s, i] = k
         num_slots = max(num_slots, len(free_at))
     spare = num_slots
@@ -304,11 +332,85 @@ def buffer_plan(schedule: Schedule) -> BufferPlan:
     return BufferPlan(num_slots, slot, recv_act[:n], recv_cot[:n])
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "sequential": sequential}
+def list_schedule(num_stages: int, num_microbatches: int, *, priority: str, limit,
+                  name: str, until: str = "W") -> Schedule:
+    """A split schedule (B and W separate) by list scheduling, one action per stage-step.
+
+    At every step each stage runs the first action of `priority` (a string of 'F', 'B',
+    'W') that is ready: B(i) once stage s+1 ran B(i) (the last stage: once it ran F(i)),
+    F(i) once stage s-1 ran F(i) and fewer than `limit(s)` microbatches are in flight
+    (forwarded, and `until` = 'W': weight step not yet run, or 'B': backward not yet run),
+    W for the oldest microbatch whose B ran. B and F go in microbatch order.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    kinds = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT}
+    done: dict[tuple[int, int, int], int] = {}
+    nf, nb, nw = [0] * p, [0] * p, [0] * p
+    rows_kind, rows_mb = [], []
+    t = 0
+    while min(nw) < m:
+        row_k, row_m = [IDLE] * p, [-1] * p
+        for s in range(p):
+            ready = {}
+            i = nb[s]
+            dep = (s + 1, BACKWARD, i) if s < p - 1 else (s, FORWARD, i)
+            if i < nf[s] and done.get(dep, t) < t:
+                ready["B"] = i
+            j = nf[s]
+            held = nf[s] - (nw[s] if until == "W" else nb[s])
+            if j < m and (s == 0 or done.get((s - 1, FORWARD, j), t) < t) and held < limit(s):
+                ready["F"] = j
+            if nw[s] < nb[s]:
+                ready["W"] = nw[s]
+            for c in priority:
+                if c in ready:
+                    row_k[s], row_m[s] = kinds[c], ready[c]
+                    break
+        for s in range(p):
+            k = row_k[s]
+            if k == IDLE:
+                continue
+            done[(s, k, row_m[s])] = t
+            nf[s] += k == FORWARD
+            nb[s] += k == BACKWARD
+            nw[s] += k == WEIGHT
+        if all(k == IDLE for k in row_k):
+            raise ValueError(f"schedule {name!r} deadlocks at step {t}")
+        rows_kind.append(row_k)
+        rows_mb.append(row_m)
+        t += 1
+    sched = Schedule(name, np.asarray(rows_kind, np.int32).reshape(-1, p),
+                     np.asarray(rows_mb, np.int32).reshape(-1, p), int(m))
+    validate(sched)
+    return sched
+
+
+def one_f_one_b_split(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B with each backward split into B and W run back to back (W first when both are
+    ready): 1F1B's order and memory (p - s in flight), every action about one unit of work,
+    so stages in lock step do not wait on each other's longer backwards."""
+    return list_schedule(num_stages, num_microbatches, priority="WBF",
+                         limit=lambda s: num_stages - s, name="1f1b-split")
+
+
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): the weight steps W
+    deferred into the bubbles - a stage prefers B, then F, and runs W when neither is ready
+    - at 1F1B's peak memory (at most p microbatches held by any stage, as 1F1B's first
+    stage). With equal F, B and W the bubble approaches (p-1) step units against
+    1F1B's 3(p-1): 3m + p - 1 steps. This greedy construction reaches it at p = 2 and is a
+    step or two longer at p = 4 (tested)."""
+    return list_schedule(num_stages, num_microbatches, priority="BFW",
+                         limit=lambda s: num_stages, name="zb-h1")
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "sequential": sequential,
+             "1f1b-split": one_f_one_b_split, "zb-h1": zb_h1}
 
 
 def make(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Builds a named schedule: 'gpipe', '1f1b' or 'sequential'."""
+    """Builds a named schedule: 'gpipe', '1f1b', '1f1b-split', 'zb-h1' or 'sequential'."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} is unknown; use one of {sorted(SCHEDULES)}")
     return SCHEDULES[name](num_stages, num_microbatches)

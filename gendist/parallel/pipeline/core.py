@@ -62,14 +62,20 @@ def branch_table(sched: sched_lib.Schedule, key: Callable[[int, str, int, int], 
 
 def run_table(sched: sched_lib.Schedule, table: np.ndarray, branches: Sequence[Callable],
               extra, *, act_shape: tuple[int, ...], act_dtype, fill_value: float = 0.0,
-              columns: Mapping[str, np.ndarray] | None = None, hook: Callable | None = None):
+              columns: Mapping[str, np.ndarray] | None = None, hook: Callable | None = None,
+              read: Callable | None = None, write: Callable | None = None):
     """Runs the schedule on this stage (call inside a shard_map manual over `pipeline`).
 
-    `branches[table[t, s]](extra, x, g, row) -> (extra, send_act, send_cot)`, where x / g
+    `branches[table[t, s]](operand, x, g, row) -> (result, send_act, send_cot)`, where x / g
     are the activation / cotangent slot of the microbatch it acts on and `row` holds this
-    stage's entries of every column at step t ('mb', 'slot', and `columns`). Messages have
-    shape `act_shape`; everything a stage holds or sends while idle is `fill_value` (tests
-    pass NaN to prove no bubble leaks into a result). Returns the final `extra`.
+    stage's entries of every column at step t ('mb', 'slot', and `columns`). By default the
+    operand is the carry `extra` and the result its new value. A carry too large to pass
+    through the branch (a conditional copies what its branches pass through: buffers of
+    residuals, gradient accumulators) stays outside: `read(extra, row)` makes the operand
+    (e.g. one slot of the buffers) and `write(extra, result, row)` the new carry (e.g. in
+    place updates). Messages have shape `act_shape`; everything a stage holds or sends while
+    idle is `fill_value` (tests pass NaN to prove no bubble leaks into a result). Returns
+    the final `extra`.
     """
     p = sched.num_stages
     stage = jax.lax.axis_index(PIPELINE)
@@ -84,9 +90,11 @@ def run_table(sched: sched_lib.Schedule, table: np.ndarray, branches: Sequence[C
         row = {k: v[stage] for k, v in cols_t.items()}
         act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, recv_act, row["recv_act"], 0)
         cot_buf = jax.lax.dynamic_update_index_in_dim(cot_buf, recv_cot, row["recv_cot"], 0)
-        extra, send_act, send_cot = jax.lax.switch(
-            row["branch"], list(branches), extra, act_buf[row["slot"]], cot_buf[row["slot"]],
+        operand = extra if read is None else read(extra, row)
+        result, send_act, send_cot = jax.lax.switch(
+            row["branch"], list(branches), operand, act_buf[row["slot"]], cot_buf[row["slot"]],
             row)
+        extra = result if write is None else write(extra, result, row)
         if hook is not None:
             extra = hook(extra, row)
         if p > 1:

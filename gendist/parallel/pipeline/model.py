@@ -28,7 +28,7 @@ from gendist.models import transformer
 from gendist.parallel import zero
 from gendist.parallel.manual import ManualOps
 from gendist.parallel.pipeline import core, pipedream
-from gendist.parallel.pipeline.stages import StageFns, own_units
+from gendist.parallel.pipeline.stages import StageFns
 from gendist.parallel.pipeline.sync import pad_layers, run_sync, unpad_layers
 from gendist.sharding import BATCH_AXES, PIPELINE_STAGES, Rules, logical_to_spec
 
@@ -97,28 +97,39 @@ def moe_zeros(cfg: ModelConfig):
 
 def stage_fns(cfg: ModelConfig, ops: ManualOps, seq_len: int, counts: tuple[int, ...]
               ) -> StageFns:
-    """The model's embed / layers / head-loss for a stage body.
+    """The model's embed / unit / head-loss for a stage body (a unit is a layer, or an MoE
+    group: `transformer.unit_params`).
 
     A stage's MoE router losses join the objective scaled by its microbatch's tokens (the
     executor divides everything by the token count, so they come out averaged over routing
     groups and microbatches, as a plain step averages them); the metrics are such sums too.
     """
-    def layers(lp, x_BTD, stage):
+    def unit(pu, x_BTD):
         b = x_BTD.shape[0]
         pos_BT = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (b, seq_len))
-        lp = own_units(lp, counts, stage, unit_sizes(cfg, lp))
-        y_BTD, _, stats = transformer.run_layers(lp, x_BTD, pos_BT, cfg, ops)
+        y_BTD, stats = transformer.apply_unit(pu, x_BTD, pos_BT, cfg, ops)
         if stats is None:
             return y_BTD, jnp.float32(0), ()
         tokens = jnp.float32(b * seq_len)
-        loss = jnp.sum(stats.loss_G) * tokens
-        return y_BTD, loss, (loss, jnp.sum(stats.drop_G) * tokens, jnp.sum(stats.load_GE, 0))
+        loss, drop, load = stats
+        return y_BTD, loss * tokens, (loss * tokens, drop * tokens, load.astype(jnp.float32))
+
+    def from_units(g):
+        if not cfg.num_moe_layers:
+            return {"blocks": g}
+        dense, moe = g
+        return {"blocks": jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), dense),
+                "moe_blocks": moe}
 
     return StageFns(
         embed=lambda e, tok: transformer.embed(e, tok, cfg, ops),
-        layers=layers,
+        unit=unit,
         head_loss=lambda hp, x, tgt: transformer.head_loss(hp, x, tgt, cfg, ops),
-        metrics=moe_zeros(cfg))
+        counts=tuple(counts),
+        units=lambda lp: transformer.unit_params(lp, cfg),
+        from_units=from_units,
+        metrics=moe_zeros(cfg),
+        unroll=cfg.scan_unroll)
 
 
 def moe_metrics(cfg: ModelConfig, sums, num_microbatches: int) -> dict:

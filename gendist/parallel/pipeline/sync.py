@@ -29,13 +29,15 @@ from jax.sharding import PartitionSpec as P
 from gendist.parallel import schedule as sched_lib
 from gendist.parallel.pipeline import core
 from gendist.parallel.pipeline.stages import (
+    Out,
     StageFns,
     accumulate,
     accumulators,
     computations,
     from_layer_fn,
-    residual_plan,
     saved_computations,
+    slot_buffers,
+    unit_plan,
 )
 from gendist.sharding import BATCH_AXES
 
@@ -129,14 +131,14 @@ def run_sync(w, tokens_BT, targets_BT, *, mesh: Mesh, sched: sched_lib.Schedule,
     `w = (embed, layers, head)` with layers already in the executor's layout; `specs` are
     their PartitionSpecs over `manual_axes` (the layers' leading axis on `pipeline`).
     `uneven`: stages hold different numbers of layers, so each gets its own branches.
-    `recompute=False` keeps each forward's residuals until its backward instead of
-    recomputing the forward there (even splits; the memory of the slots it holds).
+    `recompute=False` keeps each forward's residuals until its backward (or its weight
+    step, in a split schedule) instead of recomputing the forward there.
     """
     batch_spec = P(tuple(batch_axes) if batch_axes else None)
     body = functools.partial(_sync_body, sched=sched, fns=fns, specs=specs,
                              reduce_axes=(core.PIPELINE, *batch_axes),
                              bubble_value=bubble_value, uneven=uneven,
-                             recompute=recompute or uneven)
+                             recompute=recompute and not sched.split)
     fn = core.manual(body, mesh, in_specs=(specs, batch_spec, batch_spec),
                      out_specs=(P(), specs, P(), P()), axes=manual_axes)
     return fn(tuple(w), tokens_BT, targets_BT)
@@ -144,53 +146,75 @@ def run_sync(w, tokens_BT, targets_BT, *, mesh: Mesh, sched: sched_lib.Schedule,
 
 def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, bubble_value,
                uneven, recompute):
-    """The per-device program: accumulate gradients over the schedule, then reduce."""
+    """The per-device program: accumulate gradients over the schedule, then reduce.
+
+    The accumulators and the slot buffers stay out of the executor's branches (a branch
+    would copy them whole at every step): a branch returns this step's gradient and what it
+    keeps for its microbatch, which are added and written in place after it.
+    """
     m = sched.num_microbatches
     tokens_M, targets_M = core.microbatches(tokens, m), core.microbatches(targets, m)
     x_spec = jax.eval_shape(fns.embed, w[0], tokens_M[0])
     fill = jnp.full(x_spec.shape, bubble_value, x_spec.dtype)
     table, keys = core.branch_table(
         sched, lambda kind, role, mb, s: (kind, role, s if uneven else None))
+    plan = sched_lib.buffer_plan(sched)
+    spare = plan.num_slots
     if recompute:
-        comps = {k: computations(fns, k[2])[k[:2]] for k in keys}
-        bufs = []
-    else:  # residual buffers, one slot per microbatch a stage holds (+ the spare)
-        plan = residual_plan(fns, w[1], x_spec)
-        slots = sched_lib.buffer_plan(sched).num_slots + 1
-        bufs = [jnp.zeros((slots, *r.shape), r.dtype) for r in plan.shapes]
-        saved = saved_computations(fns, plan)
-        comps = {k: saved[k[:2]] for k in keys}
+        comps = {k: _no_slots(computations(fns, k[2])[k[:2]]) for k in keys}
+        bufs = {}
+    else:  # a slot per microbatch a stage holds (+ the spare) for the forward's residuals
+        uplan = unit_plan(fns, w[1], x_spec)
+        bufs = slot_buffers(fns, uplan, w[1], x_spec, plan.num_slots + 1, sched.split)
+        tables = {st: saved_computations(fns, uplan, st, sched.split)
+                  for st in {k[2] for k in keys}}
+        comps = {k: tables[k[2]][k[:2]] for k in keys}
+    # Where each step writes each buffer: its slot if it fills that buffer, else the spare.
+    fills = {"units": sched_lib.FORWARD, "y": sched_lib.FORWARD, "g": sched_lib.BACKWARD}
+    columns = {f"write_{name}": np.where(sched.kind == kind, plan.slot, spare).astype(np.int32)
+               for name, kind in fills.items() if name in bufs}
+    zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+    grad_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w)
+    slot_shapes = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), bufs)
 
     def branch(compute):
-        def run(extra, x, g, row):
-            acc, bufs = extra
-            tok, tgt = tokens_M[row["mb"]], targets_M[row["mb"]]
-            if recompute:
-                out, keep = compute(w, x, g, tok, tgt), None
-            else:
-                out, keep = compute(w, x, g, tok, tgt, _Slot(bufs, row["slot"]))
-            if keep is not None:
-                bufs = [b.at[row["slot"]].set(r.astype(b.dtype)) for b, r in zip(bufs, keep,
-                                                                               strict=True)]
-            act = fill if out.act is None else out.act
-            cot = fill if out.cot is None else out.cot
-            return (accumulate(acc, out), bufs), act, cot
+        def run(res, x, g, row):
+            out, kept = compute(w, x, g, tokens_M[row["mb"]], targets_M[row["mb"]], res)
+            grads = out.grads or (None, None, None)
+            grads = tuple(zeros(s) if d is None else d for s, d in zip(grad_shapes, grads,
+                                                                        strict=True))
+            kept = {k: (kept or {}).get(k, zeros(v)) for k, v in slot_shapes.items()}
+            result = (grads, _or0(out.loss), _or0(out.count),
+                      zeros(fns.metrics) if out.metrics is None else out.metrics, kept)
+            return (result, fill if out.act is None else out.act,
+                    fill if out.cot is None else out.cot)
         return run
+
+    def read(extra, row):
+        return jax.tree.map(lambda b: b[row["slot"]], extra[1])
+
+    def write(extra, result, row):
+        acc, bufs = extra
+        grads, loss, count, metrics, kept = result
+        acc = accumulate(acc, Out(grads, loss, count, metrics))
+        bufs = {k: jax.tree.map(lambda b, v, at=row[f"write_{k}"]:
+                                jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), at, 0),
+                                bufs[k], kept[k]) for k in bufs}
+        return acc, bufs
 
     acc, _ = core.run_table(sched, table, [branch(comps[k]) for k in keys],
                             (accumulators(w, fns.metrics), bufs), act_shape=x_spec.shape,
-                            act_dtype=x_spec.dtype, fill_value=bubble_value)
+                            act_dtype=x_spec.dtype, fill_value=bubble_value, columns=columns,
+                            read=read, write=write)
     return core.finish(acc, w, specs, reduce_axes)
 
 
-class _Slot:
-    """The residuals of one slot, read from the buffers only where a branch iterates them."""
+def _or0(value):
+    return jnp.float32(0) if value is None else jnp.asarray(value, jnp.float32)
 
-    def __init__(self, bufs, slot):
-        self.bufs, self.slot = bufs, slot
 
-    def __iter__(self):
-        return (b[self.slot] for b in self.bufs)
+def _no_slots(compute):
+    return lambda w, x, g, tok, tgt, res: (compute(w, x, g, tok, tgt), None)
 
 
 def pipeline_loss_and_grads(

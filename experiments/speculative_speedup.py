@@ -1,14 +1,22 @@
-"""Speculative decoding speedup: train a target and a ~10x smaller draft on the corpus, then
-measure acceptance α, cost ratio c and wall-clock speedup over plain jitted decoding, next to
-Leviathan et al.'s prediction (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
+"""Speculative decoding speedup: train a target and a small draft on the corpus, then measure
+acceptance α, cost ratio c and wall-clock speedup over plain jitted decoding (the decode fast
+path on a GPU: `fastpath`), next to Leviathan et al.'s prediction
+(1 − α^(γ+1)) / ((1 − α)(γc + 1)).
+
+The target must be clearly better than its draft, as in real use: the draft is trained in
+rounds of `--draft-round-steps` and the last round whose validation loss is still at least
+`--min-gap` nats/byte above the target's is kept (`gap_met` says whether any was). Rows: γ
+fixed (`--gammas`) and, with `--adaptive`, γ chosen each step from the running acceptance
+rate (`SpecConfig.adaptive`, at most max(--gammas) + 2), for each batch and temperature.
+`--budget-s` stops starting rows after that many seconds (training included); the JSON is
+written after every row.
 
     python experiments/speculative_speedup.py --target small --steps 300 --out benchmarks
 
-On the H200 (batch 1 alone, about 6 minutes with training): a deep target and a shallow
-draft, since at batch 1 a decode step costs about one kernel chain per layer:
-    python experiments/speculative_speedup.py --target 350m --draft-width 1024 \
-        --draft-layers 2 --steps 500 --draft-steps 1500 --seq-len 512 --batch-size 32 \
-        --target-unroll 24 --batches 1 --out $OUT
+On the H200 (about 5 minutes with training):
+    python experiments/speculative_speedup.py --target 350m --steps 1500 --seq-len 256 \
+        --draft-width 1024 --draft-layers 2 --draft-round-steps 300 --draft-rounds 5 \
+        --gammas 4 --adaptive --batches 1 8 --temperatures 0 1 --budget-s 300 --out $OUT
 
 On a CPU use `--target tiny --draft-width 32 --steps 150 --new-tokens 32` (indicative only).
 """
@@ -32,6 +40,7 @@ import numpy as np
 from gendist import loop
 from gendist.config import preset, replace
 from gendist.data import TextData
+from gendist.inference import fastpath
 from gendist.inference.generate import generate_tokens
 from gendist.inference.lm import draft_config, transformer_lm
 from gendist.inference.sampling import SamplingParams
@@ -39,23 +48,47 @@ from gendist.inference.speculative import SpecConfig, expected_tokens_per_cost, 
 from gendist.timing import call_times
 
 
-def train_model(cfg, steps, out_dir, seq_len, batch_size):
-    cfg = replace(
+def _train_cfg(cfg, steps, out_dir, seq_len, batch_size, resume=False):
+    return replace(
         cfg,
         **{
             "train.seq_len": seq_len,
             "train.batch_size": batch_size,
             "train.steps": steps,
-            "train.out_dir": tempfile.mkdtemp(prefix=out_dir),
-            "train.resume": False,
+            "train.out_dir": out_dir,
+            "train.resume": resume,
             "train.eval_every": steps,
             "train.checkpoint_every": 0,
             "train.tensorboard": False,
+            "train.progress": False,
             "train.warmup_steps": min(50, steps // 5),
         },
     )
+
+
+def train_model(cfg, steps, out_dir, seq_len, batch_size):
+    cfg = _train_cfg(cfg, steps, tempfile.mkdtemp(prefix=out_dir), seq_len, batch_size)
     r = loop.run(cfg, log=lambda *a: None)
     return cfg.model, jax.device_get(r.state["params"]), r.val_loss
+
+
+def train_draft(cfg, round_steps, rounds, seq_len, batch_size, worst_allowed):
+    """Train in rounds (resuming); keep the last round whose val loss is >= worst_allowed
+    (the draft stays clearly worse than the target). Returns (model cfg, params, val loss,
+    steps, every round's (steps, val loss), whether the kept draft meets the bound)."""
+    out_dir = tempfile.mkdtemp(prefix="spec_draft_")
+    kept, history = None, []
+    for k in range(1, rounds + 1):
+        tc = _train_cfg(cfg, k * round_steps, out_dir, seq_len, batch_size, resume=True)
+        r = loop.run(tc, log=lambda *a: None)
+        history.append((k * round_steps, r.val_loss))
+        print(f"draft round {k}: {k * round_steps} steps, val {r.val_loss:.4f}", flush=True)
+        if r.val_loss < worst_allowed and kept is not None:
+            break  # crossed the bound: keep the previous round
+        kept = (tc.model, jax.device_get(r.state["params"]), r.val_loss, k * round_steps)
+        if r.val_loss < worst_allowed:
+            break  # even the first round is within the gap: keep it, flagged
+    return (*kept, history, kept[2] >= worst_allowed)
 
 
 def timed(fn, reps=3):
@@ -80,7 +113,14 @@ def main():
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--target-unroll", type=int, default=0,
                     help="decode with the target's layer loop unrolled this much (0: the "
-                         "preset's); plain and speculative decoding use the same setting")
+                         "preset's; the fast path runs its layers straight-line anyway)")
+    ap.add_argument("--draft-round-steps", type=int, default=0,
+                    help="train the draft in rounds of this many steps (0: --draft-steps once)")
+    ap.add_argument("--draft-rounds", type=int, default=5)
+    ap.add_argument("--min-gap", type=float, default=0.1,
+                    help="the draft's val loss stays at least this far above the target's")
+    ap.add_argument("--adaptive", action="store_true", help="also adaptive γ (max γ + 2)")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no row after this")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
     args = ap.parse_args()
@@ -91,9 +131,15 @@ def main():
     dcfg = replace(tcfg, model=dm)
     t0 = time.perf_counter()
     tm, tp, tval = train_model(tcfg, args.steps, "spec_target_", args.seq_len, args.batch_size)
-    dm, dp, dval = train_model(
-        dcfg, args.draft_steps or args.steps, "spec_draft_", args.seq_len, args.batch_size
-    )
+    print(f"target: {args.steps} steps, val {tval:.4f}", flush=True)
+    if args.draft_round_steps:
+        dm, dp, dval, dsteps, dhist, gap_met = train_draft(
+            dcfg, args.draft_round_steps, args.draft_rounds, args.seq_len, args.batch_size,
+            tval + args.min_gap)
+    else:
+        dsteps = args.draft_steps or args.steps
+        dm, dp, dval = train_model(dcfg, dsteps, "spec_draft_", args.seq_len, args.batch_size)
+        dhist, gap_met = [(dsteps, dval)], dval >= tval + args.min_gap
     # Keep the weights on the device: host arrays would be copied in on every timed call
     # (1.2 GB for the 350m target, ~60 ms), a fixed cost that hides the decoding speed.
     tp, dp = jax.device_put((tp, dp))
@@ -103,10 +149,12 @@ def main():
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "target_scan_unroll": tm.scan_unroll,
+        "fast_path": fastpath.enabled(None),
         "draft": {
             "d_model": dm.d_model,
             "num_layers": dm.num_layers,
-            "steps": args.draft_steps or args.steps,
+            "steps": dsteps,
+            "rounds": dhist,
         },
         "target_steps": args.steps,
         "new_tokens": args.new_tokens,
@@ -115,6 +163,8 @@ def main():
         "draft_params_M": dm.num_params / 1e6,
         "target_val_loss": tval,
         "draft_val_loss": dval,
+        "val_gap": dval - tval,
+        "gap_met": bool(gap_met),
         "train_s": time.perf_counter() - t0,
         "runs": [],
     }
@@ -124,17 +174,26 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = res["device"].replace(" ", "_").lower() + args.tag
+    specs = [(g, SpecConfig(gamma=g)) for g in args.gammas]
+    c_greedy = {}
+    sets_of = {}
     for B in args.batches:
         # Batch 1 is measured over several prompts (times and counts summed): one prompt's
         # acceptance rate varies a lot with its text.
-        n_sets = args.prompts_b1 if B == 1 else 1
         rng = np.random.default_rng(B)
-        sets = []
-        for _ in range(n_sets):
+        sets_of[B] = []
+        for _ in range(args.prompts_b1 if B == 1 else 1):
             starts = rng.integers(0, len(data.val) - 64, B)
             prompts = np.stack([data.val[s : s + 32] for s in starts]).astype(np.int32)
-            sets.append((jnp.asarray(prompts), jnp.full((B,), 32, jnp.int32)))
-        for temp in args.temperatures:
+            sets_of[B].append((jnp.asarray(prompts), jnp.full((B,), 32, jnp.int32)))
+    # Temperature outermost: every batch's greedy rows come before any T > 0 row, so a run
+    # cut by --budget-s keeps the greedy figures of every batch.
+    for temp in args.temperatures:
+        for B in args.batches:
+            sets, n_sets = sets_of[B], len(sets_of[B])
+            if time.perf_counter() - t0 > args.budget_s:
+                res["runs"].append(dict(batch=B, temperature=temp, skipped="time budget"))
+                continue
             sp = SamplingParams(temperature=temp)
             key = jax.random.key(0)
             common = dict(max_new_tokens=args.new_tokens, sp=sp)
@@ -142,13 +201,25 @@ def main():
                 timed(functools.partial(generate_tokens, tm, tp, pb, lb, key, **common))[0]
                 for pb, lb in sets
             )
-            t_small = sum(
-                timed(functools.partial(generate_tokens, dm, dp, pb, lb, key, **common))[0]
-                for pb, lb in sets
-            )
-            c = t_small / t_plain
-            for g in args.gammas:
+            if B not in c_greedy:  # c is a ratio of step costs: measured once per batch
+                t_small = sum(
+                    timed(functools.partial(generate_tokens, dm, dp, pb, lb, key,
+                                            **common))[0]
+                    for pb, lb in sets
+                )
+                c_greedy[B] = t_small / t_plain
+            c = c_greedy[B]
+            rows = list(specs)
+            if args.adaptive:
+                g = max(args.gammas) + 2
+                rows.append((g, SpecConfig(gamma=g, adaptive=True, cost_ratio=c)))
+            for g, spec in rows:
+                if time.perf_counter() - t0 > args.budget_s:
+                    res["runs"].append(dict(batch=B, temperature=temp, gamma=g,
+                                            adaptive=spec.adaptive, skipped="time budget"))
+                    continue
                 t_spec, st = 0.0, collections.Counter()
+                gammas_used = []
                 for pb, lb in sets:
                     fn = functools.partial(
                         speculative_generate,
@@ -159,7 +230,7 @@ def main():
                         pb,
                         lb,
                         key,
-                        spec=SpecConfig(gamma=g),
+                        spec=spec,
                         **common,
                     )
                     seconds, (_, _, stats) = timed(fn)  # same key every call: same stats
@@ -167,21 +238,29 @@ def main():
                     st.update(
                         {k: int(stats[k]) for k in ("accepted", "trials", "proposed", "steps")}
                     )
+                    gammas_used.append(int(stats["final_gamma"]))
                 alpha = st["accepted"] / max(st["trials"], 1)
-                pred = float(expected_tokens_per_cost(jnp.float32(alpha), g, c))
+                # Adaptive: the prediction at the γ it settled on (its last choice).
+                g_pred = int(np.median(gammas_used)) if spec.adaptive else g
+                pred = float(expected_tokens_per_cost(jnp.float32(alpha), g_pred, c))
                 row = dict(
                     batch=B,
                     prompts=n_sets * B,
                     temperature=temp,
                     gamma=g,
+                    adaptive=spec.adaptive,
+                    final_gamma=gammas_used,
                     alpha=alpha,
                     c=c,
                     kept_fraction=st["accepted"] / max(st["proposed"], 1),
                     plain_s=t_plain,
+                    plain_ms_per_token=t_plain / (n_sets * args.new_tokens) * 1e3,
                     spec_s=t_spec,
                     speedup=t_plain / t_spec,
                     predicted=pred,
                     target_calls=st["steps"],
+                    new_tokens_per_target_call=n_sets * args.new_tokens
+                    / max(st["steps"], 1),
                 )
                 res["runs"].append(row)
                 print(json.dumps(row), flush=True)
@@ -202,15 +281,20 @@ def plot(res: dict, path) -> None:
         print("plot skipped:", e)
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    settings = sorted({(r["batch"], r["temperature"]) for r in res["runs"]})
+    runs = [r for r in res["runs"] if "speedup" in r]
+    settings = sorted({(r["batch"], r["temperature"]) for r in runs})
     for i, (B, temp) in enumerate(settings):
-        rows = sorted((r for r in res["runs"] if (r["batch"], r["temperature"]) == (B, temp)),
-                      key=lambda r: r["gamma"])
+        rows = sorted((r for r in runs if (r["batch"], r["temperature"]) == (B, temp)
+                       and not r.get("adaptive")), key=lambda r: r["gamma"])
         g = [r["gamma"] for r in rows]
         ax.plot(g, [r["speedup"] for r in rows], "o-", color=f"C{i}",
                 label=f"measured B={B} T={temp:g}")
         ax.plot(g, [r["predicted"] for r in rows], "x--", color=f"C{i}", alpha=0.6,
                 label=f"predicted B={B} T={temp:g}")
+        for r in runs:
+            if r.get("adaptive") and (r["batch"], r["temperature"]) == (B, temp):
+                ax.plot([np.median(r["final_gamma"])], [r["speedup"]], "*", ms=12,
+                        color=f"C{i}", label=f"adaptive B={B} T={temp:g}")
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.set_xlabel("γ (draft tokens per step)")
     ax.set_ylabel("speedup over plain decoding")

@@ -80,6 +80,13 @@ def _custom_call_kind(line: str) -> str:
         return "attention"
     if _MATMUL_NAME.search(tgt) or ("triton" in tgt and _MATMUL_NAME.search(head)):
         return "matmul"
+    if tgt.startswith("mosaic_gpu"):  # a Pallas Mosaic GPU kernel: named only by its caller
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        caller = op_name.group(1) if op_name else ""
+        if _ATTN_NAME.search(caller):
+            return "attention"
+        if _MATMUL_NAME.search(caller):
+            return "matmul"
     return "other"
 
 
@@ -183,6 +190,26 @@ def classify_hlo(text: str) -> dict[str, str]:
             else:
                 kinds[name] = "elementwise"
     return kinds
+
+
+def loop_body_kinds(text: str) -> dict[str, int]:
+    """Kernel-launching instructions per kind in the while-loop body that launches the most
+    (a decode loop's step), read from a compiled module's HLO: how many kernels one step
+    starts, before any profile. {} when the module has no loop."""
+    comps = _parse(text)
+    kinds = classify_hlo(text)
+    bodies = set()
+    for ops in comps.values():
+        for _, op, line in ops:
+            if op == "while":
+                bodies.update(re.findall(r"body=%([\w.\-]+)", line))
+    best: dict[str, int] = {}
+    for body in bodies:
+        count = collections.Counter(kinds[name] for name, _, _ in comps.get(body, ())
+                                    if name in kinds)
+        if sum(count.values()) > sum(best.values()):
+            best = dict(count)
+    return best
 
 
 def load_profile(session, trace_dir: str):

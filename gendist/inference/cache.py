@@ -35,6 +35,18 @@ class KVCache(abc.ABC):
     def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
         """Write k, v at positions q_pos and attend; returns (out_BTNH, new_layer_state)."""
 
+    def layer_states(self) -> list:
+        """The per-layer arrays as a list, one entry per layer, for a model whose layers are
+        separate buffers (`transformer.decode_params`). Caches that keep one buffer per layer
+        return them as they are; the default slices the stacked arrays."""
+        state = self.layer_state()
+        num = jax.tree.leaves(state)[0].shape[0]
+        return [jax.tree.map(lambda a, i=i: a[i], state) for i in range(num)]
+
+    def with_layer_states(self, states: list) -> KVCache:
+        """This cache with new per-layer arrays given as a list (see `layer_states`)."""
+        return self.with_layer_state(jax.tree.map(lambda *a: jnp.stack(a), *states))
+
     def prepare(self, q_pos_BT: jax.Array) -> KVCache:
         """Called once per forward before the layer scan (a paged cache reserves pages)."""
         return self
@@ -79,13 +91,22 @@ class ContiguousKVCache(KVCache):
         return dataclasses.replace(self, k_LBSKH=k, v_LBSKH=v)
 
     def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
-        k_BSKH, v_BSKH = layer_state
-        # Rows are written at each sequence's own positions; positions past max_len are
-        # dropped by the scatter (callers check lengths against max_len on the host).
-        b_BT = jnp.broadcast_to(jnp.arange(q_BTNH.shape[0])[:, None], q_pos_BT.shape)
-        k_BSKH = k_BSKH.at[b_BT, q_pos_BT].set(k_BTKH.astype(k_BSKH.dtype), mode="drop")
-        v_BSKH = v_BSKH.at[b_BT, q_pos_BT].set(v_BTKH.astype(v_BSKH.dtype), mode="drop")
-        kv_len_B = jnp.max(q_pos_BT, axis=1) + 1
-        out = xla_attention(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
-                            q_pos_BT, kv_len_B, sm_scale)
-        return out, (k_BSKH, v_BSKH)
+        return contiguous_attend(layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale)
+
+
+def contiguous_attend(layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
+    """Write k, v into one layer's [B, S, K, H] buffers at q_pos, then attend over them."""
+    k_BSKH, v_BSKH = layer_state
+    # Rows are written at each sequence's own positions; positions past max_len are
+    # dropped by the scatter (callers check lengths against max_len on the host).
+    b_BT = jnp.broadcast_to(jnp.arange(q_BTNH.shape[0])[:, None], q_pos_BT.shape)
+    k_BSKH = k_BSKH.at[b_BT, q_pos_BT].set(k_BTKH.astype(k_BSKH.dtype), mode="drop")
+    v_BSKH = v_BSKH.at[b_BT, q_pos_BT].set(v_BTKH.astype(v_BSKH.dtype), mode="drop")
+    return contiguous_attention(k_BSKH, v_BSKH, q_BTNH, q_pos_BT, sm_scale), (k_BSKH, v_BSKH)
+
+
+def contiguous_attention(k_BSKH, v_BSKH, q_BTNH, q_pos_BT, sm_scale):
+    """Attention of q (at positions q_pos) over [B, S, K, H] buffers already written."""
+    kv_len_B = jnp.max(q_pos_BT, axis=1) + 1
+    return xla_attention(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
+                         q_pos_BT, kv_len_B, sm_scale)

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gendist.config import ModelConfig
-from gendist.inference.cache import ContiguousKVCache, KVCache
+from gendist.inference import fastpath
+from gendist.inference.cache import KVCache
 from gendist.inference.sampling import SamplingParams, sample
 from gendist.models import transformer
 
@@ -54,17 +55,21 @@ def decode_step(cfg: ModelConfig, params, tokens_B, cache: KVCache):
     return logits[:, 0], cache.advance(jnp.ones_like(cache.lengths))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "sp", "eos_id"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "sp", "eos_id", "fast"))
 def generate_tokens(cfg: ModelConfig, params, prompt_BT, prompt_len_B, key, *,
                     max_new_tokens: int, sp: SamplingParams, eos_id: int = -1,
-                    cache: KVCache | None = None):
-    """New tokens [B, max_new_tokens] (eos-padded after a sequence stops) and counts [B]."""
+                    cache: KVCache | None = None, fast: bool | None = None):
+    """New tokens [B, max_new_tokens] (eos-padded after a sequence stops) and counts [B].
+
+    `fast` (None: on for a GPU, off for a CPU; see `fastpath`): weights in the decode layout
+    and a per-layer cache (paged-kernel attention on a GPU). Params already in the decode
+    layout are used as given (build them once with `transformer.decode_params` to keep the
+    layout change out of every call).
+    """
     B, T = prompt_BT.shape
-    params = transformer.inference_params(cfg, params)  # cast once, not once per token
+    params = fastpath.prepare(cfg, params, fast)  # cast once, not once per token
     if cache is None:
-        cache = ContiguousKVCache.create(cfg.num_layers, B, T + max_new_tokens,
-                                         cfg.num_kv_heads, cfg.head_dim,
-                                         transformer.DTYPES[cfg.dtype])
+        cache = fastpath.make_cache(cfg, B, T + max_new_tokens, fast)
     logits_BV, cache = prefill(cfg, params, prompt_BT, prompt_len_B, cache)
     key, sub = jax.random.split(key)
     tok_B = sample(sub, logits_BV, sp)
@@ -74,6 +79,8 @@ def generate_tokens(cfg: ModelConfig, params, prompt_BT, prompt_len_B, key, *,
 
     def cond(carry):
         i, _, _, _, done_B, _, _ = carry
+        if eos_id < 0:  # nothing stops early: a plain count, which XLA sees as a known trip
+            return i < max_new_tokens  # count (on a GPU, no predicate read back per step)
         return (i < max_new_tokens) & ~jnp.all(done_B)
 
     def body(carry):

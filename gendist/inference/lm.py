@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from gendist.config import ModelConfig
-from gendist.inference.cache import ContiguousKVCache, KVCache
+from gendist.inference import fastpath
+from gendist.inference.cache import KVCache
 from gendist.models import transformer
 
 
@@ -29,22 +30,25 @@ class LM:
     prepare: Callable[[Any], Any] = lambda params: params  # once per generation (dtype casts)
 
 
-def transformer_lm(cfg: ModelConfig, name: str = "transformer", cache_factory=None) -> LM:
-    """A gendist transformer behind the LM interface (contiguous cache by default)."""
-    dt = transformer.DTYPES[cfg.dtype]
+def transformer_lm(cfg: ModelConfig, name: str = "transformer", cache_factory=None,
+                   fast: bool | None = None) -> LM:
+    """A gendist transformer behind the LM interface (contiguous cache by default).
+
+    fast (None: on a GPU only): the decode fast path (`fastpath`): weights in the decode
+    layout, a per-layer cache, paged-kernel attention on a GPU.
+    """
 
     def make_cache(batch, max_len):
         if cache_factory is not None:
             return cache_factory(cfg, batch, max_len)
-        return ContiguousKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
-                                        cfg.head_dim, dt)
+        return fastpath.make_cache(cfg, batch, max_len, fast)
 
     def apply(params, tokens_BT, pos_BT, cache):
         logits, cache = transformer.forward(cfg, params, tokens_BT, pos_BT, cache)
         return logits.astype(jnp.float32), cache
 
     return LM(apply, make_cache, cfg.vocab_size, name,
-              prepare=lambda params: transformer.inference_params(cfg, params))
+              prepare=lambda params: fastpath.prepare(cfg, params, fast))
 
 
 def draft_config(target: ModelConfig, width: int, num_layers: int) -> ModelConfig:

@@ -28,41 +28,78 @@ from pallas_kernels.paged_attention import (
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache(KVCache):
-    k_LKPZH: jax.Array
+    k_LKPZH: jax.Array  # [L, K, P, Z, H], or a tuple of L pools [K, P, Z, H] (per_layer)
     v_LKPZH: jax.Array
     alloc: pa.PageAllocatorState
     lengths: jax.Array  # [B] tokens committed per slot (alloc.lengths may reserve more)
     status: jax.Array  # [] int32 allocator status of the last prepare (pa.OK or an error)
     backend: str = dataclasses.field(default="xla", metadata=dict(static=True))
+    # Pages may be shared (`page_allocator.fork`): a write first copies a shared page. False
+    # when nothing forks (the engine): `prepare` then skips copy-on-write, whose gather and
+    # scatter of the written pages read every page pool in full on every call.
+    share_pages: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     @classmethod
     def create(cls, num_layers, batch, max_len, num_kv_heads, head_dim, *, num_pages,
-               page_size=16, dtype=jnp.float32, backend="xla", active=True):
-        """A pool of `num_pages` pages per layer shared by `batch` slots of up to max_len."""
+               page_size=16, dtype=jnp.float32, backend="xla", active=True, per_layer=False,
+               share_pages=True):
+        """A pool of `num_pages` pages per layer shared by `batch` slots of up to max_len.
+
+        per_layer: one pool buffer per layer (tuples of L arrays [K, P, Z, H]) instead of one
+        stacked [L, K, P, Z, H] array, for a model in the decode layout
+        (`transformer.decode_params`), which then writes each layer's pool in place.
+        """
         pages_per_seq = -(-max_len // page_size)
         alloc = pa.init_allocator(num_pages, page_size, batch, pages_per_seq)
         if active:
             alloc = dataclasses.replace(alloc, active=jnp.ones((batch,), bool))
-        shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), alloc,
-                   jnp.zeros((batch,), jnp.int32), jnp.int32(pa.OK), backend)
+        if per_layer:
+            shape = (num_kv_heads, num_pages, page_size, head_dim)
+            k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+            v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        else:
+            shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+            k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+        return cls(k, v, alloc, jnp.zeros((batch,), jnp.int32), jnp.int32(pa.OK), backend,
+                   share_pages)
 
     @property
     def page_size(self) -> int:
         return self.alloc.page_size
 
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k_LKPZH, tuple)
+
     def layer_state(self):
+        if self.per_layer:  # a scanned model over per-layer pools: a stacked copy
+            return (jnp.stack(self.k_LKPZH), jnp.stack(self.v_LKPZH))
         return (self.k_LKPZH, self.v_LKPZH)
 
     def with_layer_state(self, state):
         k, v = state
+        if self.per_layer:
+            k, v = tuple(k), tuple(v)
         return dataclasses.replace(self, k_LKPZH=k, v_LKPZH=v)
+
+    def layer_states(self):
+        if self.per_layer:
+            return list(zip(self.k_LKPZH, self.v_LKPZH, strict=True))
+        return super().layer_states()
+
+    def with_layer_states(self, states):
+        if self.per_layer:
+            return dataclasses.replace(self, k_LKPZH=tuple(s[0] for s in states),
+                                       v_LKPZH=tuple(s[1] for s in states))
+        return super().with_layer_states(states)
 
     def prepare(self, q_pos_BT):
         """Reserve pages up to the largest position each slot writes; copy shared pages."""
         need_B = jnp.maximum(jnp.max(q_pos_BT, axis=1) + 1 - self.alloc.lengths, 0)
         need_B = jnp.where(self.alloc.active, need_B, 0)
         alloc, status = pa.grow_batch(self.alloc, need_B)
+        if not self.share_pages:
+            return dataclasses.replace(self, alloc=alloc, status=status)
         B, T = q_pos_BT.shape
         live = self.alloc.active[:, None] & (q_pos_BT >= 0) & (status == pa.OK)
         slots = jnp.where(live, jnp.arange(B)[:, None], -1).reshape(-1)

@@ -54,8 +54,8 @@ def _draft(draft: LM, dparams, dcache, prev_B, last_B, n_B, key, sp, G, g_dyn, a
     """γ proposals d [B, G] and their distributions q [B, G, V].
 
     With a fixed γ the G − 1 draft calls are unrolled in the trace (no inner device loop,
-    whose trip test costs a host round-trip per iteration on GPU); an adaptive γ loops to
-    the dynamic `g_dyn`.
+    whose trip test costs a host round-trip per iteration on GPU); an adaptive γ picks one
+    of G unrolled chains (1 .. G calls) with one `switch` per step.
     """
     tok = jnp.stack([prev_B, last_B], 1)
     pos = jnp.stack([jnp.maximum(n_B - 1, 0), n_B], 1)
@@ -80,12 +80,19 @@ def _draft(draft: LM, dparams, dcache, prev_B, last_B, n_B, key, sp, G, g_dyn, a
                                      dcache)
         return (dcache, *propose(i, logits[:, 0], d_BG, q_BGV, key))
 
+    def unrolled(n):  # draft calls 1 .. n-1, straight-line
+        def run(carry):
+            for i in range(1, n):
+                carry = body(i, carry)
+            return carry
+        return run
+
     carry = (dcache, d_BG, q_BGV, key)
-    if adaptive:
-        carry = jax.lax.fori_loop(1, g_dyn, body, carry)
+    if adaptive:  # one branch per γ: a single branch choice per step, not a loop test per call
+        carry = jax.lax.switch(jnp.clip(g_dyn, 1, G) - 1,
+                               [unrolled(n) for n in range(1, G + 1)], carry)
     else:
-        for i in range(1, G):
-            carry = body(i, carry)
+        carry = unrolled(G)(carry)
     dcache, d_BG, q_BGV, key = carry
     return d_BG, q_BGV, dcache, key
 

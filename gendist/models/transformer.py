@@ -83,7 +83,12 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     # Weights in their compute layout: under ZeRO-3 this is the layer's just-in-time gather.
     p = ops.weights(p, _block_axes(cfg, moe), dt)
     h_BTD = ops.enter(rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps))  # Megatron f
-    if cfg.fused_projections:  # one [D, N+2K, H] matmul: fewer, larger GEMMs
+    if "wqkv_CHD" in p:  # the decode layout (`decode_params`): one output-major matrix
+        qkv_BTCH = jnp.einsum("BTD,CHD->BTCH", h_BTD, p["wqkv_CHD"].astype(dt))
+        k = cfg.num_kv_heads
+        n = qkv_BTCH.shape[2] - 2 * k
+        q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [n, n + k], axis=2)
+    elif cfg.fused_projections:  # one [D, N+2K, H] matmul: fewer, larger GEMMs
         w_DCH = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1).astype(dt)
         qkv_BTCH = jnp.einsum("BTD,DCH->BTCH", h_BTD, w_DCH)
         n, k = p["wq"].shape[1], p["wk"].shape[1]  # local heads (per tensor shard)
@@ -104,7 +109,11 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
         o_BTNH, layer_state = cache.attend(layer_state, q_BTNH, k_BTKH, v_BTKH, pos_BT,
                                            sm_scale)
     o_BTNH = ops.constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
-    x_BTD = x_BTD + ops.leave(jnp.einsum("BTNH,NHD->BTD", o_BTNH, p["wo"].astype(dt)))  # g
+    if "wo_DNH" in p:  # decode layout
+        attn_BTD = jnp.einsum("BTNH,DNH->BTD", o_BTNH, p["wo_DNH"].astype(dt))
+    else:
+        attn_BTD = jnp.einsum("BTNH,NHD->BTD", o_BTNH, p["wo"].astype(dt))
+    x_BTD = x_BTD + ops.leave(attn_BTD)  # g
     x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
     h_BTD = ops.enter(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps))  # Megatron f
     stats = None
@@ -195,6 +204,8 @@ def run_layers(layers: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT
     """The stack: a scan of `block` over units of `layers` (a contiguous slice of the
     model's layer units, stacked on their leading axis), threading the cache's per-layer
     state. Returns (x, cache, MoEStats or None)."""
+    if isinstance(layers["blocks"], (list, tuple)):  # the decode layout: one buffer per layer
+        return _run_layer_list(layers["blocks"], x_BTD, pos_BT, cfg, ops, cache)
     units = unit_params(layers, cfg)
     moe = isinstance(units, tuple)
     num_units = jax.tree.leaves(units)[0].shape[0]
@@ -214,6 +225,21 @@ def run_layers(layers: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT
     return x_BTD, cache, stats
 
 
+def _run_layer_list(blocks, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops, cache):
+    """The stack as straight-line code over separate per-layer weights (the decode layout):
+    no layer loop, and a cache with one buffer per layer is updated in place, layer by
+    layer, instead of being sliced and re-stacked around a scan."""
+    states = None if cache is None else cache.layer_states()
+    new_states = []
+    for i, p in enumerate(blocks):
+        ls = None if states is None else states[i]
+        x_BTD, ls, _ = block(p, x_BTD, pos_BT, cfg, ops, cache=cache, layer_state=ls)
+        new_states.append(ls)
+    if cache is not None:
+        cache = cache.with_layer_states(new_states)
+    return x_BTD, cache, None
+
+
 def head_params(params: dict, cfg: ModelConfig) -> dict:
     """What the output side reads: the final norm and the output matrix (the token table
     when tied)."""
@@ -226,7 +252,10 @@ def head_logits(params: dict, x_BTD, cfg: ModelConfig, ops: Ops = DEFAULT_OPS):
     final_norm = ops.weights({"final_norm": params["final_norm"]},
                              {"final_norm": ("embed",)}, x_BTD.dtype)["final_norm"]
     h_BTD = rms_norm(x_BTD, final_norm, cfg.norm_eps)
-    w_DV = params["embed"].T if cfg.tie_embeddings else params["head"]
+    if cfg.tie_embeddings:
+        w_DV = params["embed"].T
+    else:  # the decode layout stores the output layer output-major (`decode_params`)
+        w_DV = params["head_VD"].T if "head_VD" in params else params["head"]
     return ops.logits(h_BTD, w_DV)
 
 
@@ -279,6 +308,8 @@ def inference_params(cfg: ModelConfig, params: dict) -> dict:
     for every token. Casting once before the loop gives bitwise the same logits. Vectors
     (norm scales) and MoE routers stay fp32, as the model computes with them in fp32.
     """
+    if isinstance(params.get("blocks"), (list, tuple)):
+        return params  # the decode layout (`decode_params`) is cast already
     dt = DTYPES[cfg.dtype]
 
     def cast(path, w, axes):
@@ -288,3 +319,54 @@ def inference_params(cfg: ModelConfig, params: dict) -> dict:
 
     return jax.tree_util.tree_map_with_path(cast, params, logical_axes(cfg),
                                             is_leaf=lambda x: isinstance(x, tuple))
+
+
+def decode_params(cfg: ModelConfig, params: dict) -> dict:
+    """Parameters in the decode layout: built once per generation, read by the same `block`.
+
+    A decode step multiplies one token's vector by every weight matrix, so its time is the
+    time to read the weights. On a GPU, XLA turns each one-row matmul into a reduction, and
+    how well that reduction streams the matrix depends on its layout: with the reduced (input)
+    axis minor it is one fused row reduction per matrix; with the stored [input, output]
+    layout XLA wrote the whole elementwise product to memory and read it back (three times
+    the bytes; seen in the compiled HLO of `generate_tokens` for an H200). So every matrix is
+    stored output-major here, cast once to the compute dtype, q|k|v and gate|up are fused
+    into one matrix each, and every layer is its own buffer (a Python list, run
+    straight-line by `run_layers`): no slices of a stacked weight inside the loop.
+
+        wqkv_CHD [N+2K, H, D]   wo_DNH [D, N, H]   w_gate_up_GD [2F, D] (SwiGLU) or
+        w_up_FD [F, D] (GELU)   w_down_DF [D, F]   attn_norm, mlp_norm [D] (fp32)
+        head_VD [V, D] (untied output layer; a tied one is the token table [V, D] already)
+
+    The math is the model's: the same sums over the same products (the order of a float sum
+    may differ, so logits agree to rounding and greedy tokens are tested equal). MoE models
+    and params already in this layout are returned as `inference_params` / unchanged. Not
+    for a tensor-parallel mesh (the fused matrices mix sharded axes).
+    """
+    if isinstance(params.get("blocks"), (list, tuple)):
+        return params  # already in the decode layout
+    base = inference_params(cfg, params)
+    if "moe_blocks" in base:
+        return base
+    stacked = base["blocks"]
+    num = jax.tree.leaves(stacked)[0].shape[0]
+    layers = tuple(decode_layer({k: w[i] for k, w in stacked.items()}, cfg) for i in range(num))
+    out = {k: v for k, v in base.items() if k not in ("blocks", "head")}
+    if "head" in base:
+        out["head_VD"] = base["head"].T
+    return {**out, "blocks": layers}
+
+
+def decode_layer(p: dict, cfg: ModelConfig) -> dict:
+    """One layer's weights (compute dtype, no `layers` axis) in the decode layout."""
+    dt = DTYPES[cfg.dtype]
+    out = {"attn_norm": p["attn_norm"], "mlp_norm": p["mlp_norm"]}
+    wqkv_DCH = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1)
+    out["wqkv_CHD"] = wqkv_DCH.transpose(1, 2, 0).astype(dt)
+    out["wo_DNH"] = p["wo"].transpose(2, 0, 1).astype(dt)
+    if cfg.mlp == "swiglu":
+        out["w_gate_up_GD"] = jnp.concatenate([p["w_gate"], p["w_up"]], axis=1).T.astype(dt)
+    else:
+        out["w_up_FD"] = p["w_up"].T.astype(dt)
+    out["w_down_DF"] = p["w_down"].T.astype(dt)
+    return out

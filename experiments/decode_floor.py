@@ -1,0 +1,209 @@
+"""Decoding against its memory floor: ms per step of greedy `generate_tokens` beside the time to
+read the weights and the valid KV cache once at the read-only bandwidth XLA reaches in the
+same process.
+
+A decode step reads every weight matrix once, plus the keys and values of the tokens each
+sequence attends to. Floor per step = (weight bytes + mean valid KV bytes) / B_ro, where
+B_ro is a read-only XLA sum over a 2 GiB array (the anchors' measure), timed before and
+after the cases (the faster counts). Random weights, `--prompt` random tokens, greedy,
+`--new-tokens` new tokens; ms/step = wall time of the whole call / new tokens (the prefill
+and the first token included, so the figure is conservative by about one step in 256).
+
+    python experiments/decode_floor.py --presets 350m 1b --batches 1 8 64 --out $OUT
+
+Variants: `fast` (the GPU default: decode weight layout, per-layer cache, paged-kernel
+attention reading only valid tokens), `fast_xla` (the same with jnp attention over all
+max_len slots), `reference` (stacked weights, one stacked cache, the layer scan unrolled:
+the issue's baseline protocol). Each row also carries the kernels one loop iteration
+launches, by kind, read from the compiled HLO, and with `--profile` the device time per
+kind of the first case of each preset. Writes `decode_floor_<device>.json` after every case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gendist import profiling
+from gendist.config import preset
+from gendist.inference import fastpath
+from gendist.inference.generate import generate_tokens
+from gendist.inference.sampling import SamplingParams
+from gendist.models import transformer
+from gendist.timing import call_times
+
+VARIANTS = ("fast", "fast_xla", "reference")
+
+
+def read_only_tbps(gib: float = 2.0, n: int = 10) -> float:
+    """TB/s of a read-only XLA sum over `gib` GiB of bf16 (median of n calls)."""
+    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+    ts, _ = call_times(f, x, n=n, warm=2)
+    del x
+    return 2 * int(gib * 2**30) // 2 / float(np.median(ts)) / 1e12
+
+
+def warm_gpu(seconds: float) -> None:
+    """A few seconds of matmuls: an idle H200 sits at a low clock (benchmarks/README.md)."""
+    a = jnp.ones((4096, 4096), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        jax.block_until_ready(f(a))
+
+
+def step_bytes(cfg, dparams, batch: int, prompt: int, new: int) -> tuple[int, int]:
+    """(weight bytes read per step, mean valid KV bytes read per step).
+
+    Weights: every matrix and norm vector of the decode layout, and the token table when it
+    is also the output layer (tied); an untied table is read only at B rows (counted as
+    such). KV: the step producing token i attends to prompt + i positions (i = 1 .. new;
+    the first token comes from the prefill, counted like a step).
+    """
+    leaves = {k: v for k, v in dparams.items() if k != "embed"}
+    weights = sum(x.nbytes for x in jax.tree.leaves(leaves))
+    emb = dparams["embed"]
+    weights += emb.nbytes if cfg.tie_embeddings else batch * emb.shape[1] * emb.dtype.itemsize
+    mean_len = prompt + (new + 1) / 2
+    itemsize = jnp.dtype(transformer.DTYPES[cfg.dtype]).itemsize
+    kv = cfg.num_layers * batch * 2 * mean_len * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return int(weights), int(kv)
+
+
+def _floor(row: dict, tbps: float) -> None:
+    if "ms_per_step" in row:
+        row["floor_ms"] = (row["weight_bytes"] + row["kv_bytes_mean"]) / (tbps * 1e12) * 1e3
+        row["share_of_floor"] = row["floor_ms"] / row["ms_per_step"]
+
+
+def run_case(cfg, params, batch, variant, args, profile: bool):
+    P, N = args.prompt, args.new_tokens
+    prompt = jax.random.randint(jax.random.key(batch), (batch, P), 0, cfg.vocab_size)
+    lens = jnp.full((batch,), P, jnp.int32)
+    key = jax.random.key(1)
+    sp = SamplingParams(temperature=0.0)
+    if variant == "reference":
+        mcfg = dataclasses.replace(cfg, scan_unroll=cfg.num_layers)
+        kw = dict(fast=False)
+    else:
+        mcfg = cfg
+        backend = "xla" if variant == "fast_xla" else None
+        kw = dict(fast=True, cache=fastpath.make_cache(cfg, batch, P + N, True, backend=backend))
+    t0 = time.perf_counter()
+    compiled = generate_tokens.lower(mcfg, params, prompt, lens, key, max_new_tokens=N, sp=sp,
+                                     **kw).compile()
+    compile_s = time.perf_counter() - t0
+    kw.pop("fast")
+    ts, (out, count) = call_times(functools.partial(compiled, **kw), params, prompt, lens, key,
+                                  n=args.reps, warm=1)
+    wall = float(np.median(ts))
+    row = dict(variant=variant, batch=batch, compile_s=compile_s, wall_s=wall,
+               ms_per_step=wall / N * 1e3, tokens_per_s=batch * N / wall,
+               tokens_out=int(np.asarray(count).sum()),
+               kernels_per_step=profiling.loop_body_kinds(compiled.as_text()),
+               attention=kw["cache"].backend if "cache" in kw else "xla")
+    if profile:
+        trace_dir = tempfile.mkdtemp(prefix="decode_floor_")
+        with jax.profiler.trace(trace_dir) as session:
+            jax.block_until_ready(compiled(params, prompt, lens, key, **kw))
+        split = profiling.time_by_kind(profiling.load_profile(session, trace_dir),
+                                       profiling.classify_hlo(compiled.as_text()))
+        row["profile_ms_per_step"] = {k: v / N * 1e3 for k, v in split["seconds"].items()}
+        row["profile_launches_per_step"] = {k: v / N for k, v in split["launches"].items()}
+        row["profile_top_ops"] = split["top_ops"][:15]
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", nargs="+", default=["350m", "1b"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--variants", nargs="+", default=["fast"], choices=VARIANTS)
+    ap.add_argument("--extra", nargs="*", default=[],
+                    help="more cases as preset:batch:variant (e.g. 1b:64:fast_xla)")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="profile the first case per preset")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip cases after this long")
+    ap.add_argument("--warm-s", type=float, default=2.0)
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
+    args = ap.parse_args()
+
+    t_start = time.perf_counter()
+    dev = jax.devices()[0]
+    on_gpu = dev.platform == "gpu"
+    if on_gpu:
+        warm_gpu(args.warm_s)
+    res = {"device": dev.device_kind, "jax": jax.__version__, "prompt": args.prompt,
+           "new_tokens": args.new_tokens, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "read_only_TBps_before": read_only_tbps(2.0 if on_gpu else 0.25), "cases": []}
+    print({k: v for k, v in res.items() if k != "cases"}, flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"decode_floor_{res['device'].replace(' ', '_').lower()}.json"
+    cases = [(p, b, v) for p in args.presets for b in args.batches for v in args.variants]
+    for spec in args.extra:
+        p, b, v = spec.split(":")
+        cases.append((p, int(b), v))
+    current, params = None, {}
+    for name, batch, variant in cases:
+        if time.perf_counter() - t_start > args.budget_s:
+            res["cases"].append(dict(preset=name, batch=batch, variant=variant,
+                                     skipped="time budget"))
+            continue
+        try:
+            if name != current:  # one preset's weights at a time
+                params.clear()
+                current = name
+                cfg = preset(name).model
+                raw = transformer.init_params(cfg, 0)
+                params["fast"] = transformer.decode_params(cfg, raw)
+                params["reference"] = transformer.inference_params(cfg, raw)
+                del raw
+                first = True
+            cfg = preset(name).model
+            p = params["reference" if variant == "reference" else "fast"]
+            row = run_case(cfg, p, batch, variant, args, profile=args.profile and first)
+            first = False
+            w, kv = step_bytes(cfg, params["fast"], batch, args.prompt, args.new_tokens)
+            row.update(preset=name, weight_bytes=w, kv_bytes_mean=kv)
+            _floor(row, res["read_only_TBps_before"])  # final figures use the best of two
+        except Exception as e:  # one failing case must not lose the others
+            row = dict(preset=name, batch=batch, variant=variant, error=repr(e)[:2000])
+        res["cases"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if not k.startswith("profile_top")}),
+              flush=True)
+        path.write_text(json.dumps(res, indent=1))
+    params.clear()
+    res["read_only_TBps_after"] = read_only_tbps(2.0 if on_gpu else 0.25)
+    bw = max(res["read_only_TBps_before"], res["read_only_TBps_after"])
+    res["read_only_TBps"] = bw
+    for row in res["cases"]:
+        _floor(row, bw)
+    path.write_text(json.dumps(res, indent=1))
+    print(f"read-only bandwidth {bw:.2f} TB/s")
+    print("| preset | batch | variant | ms / step | floor ms | share of floor | tokens/s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in res["cases"]:
+        if "share_of_floor" in r:
+            print(f"| {r['preset']} | {r['batch']} | {r['variant']} | {r['ms_per_step']:.3f} | "
+                  f"{r['floor_ms']:.3f} | {r['share_of_floor']:.0%} | {r['tokens_per_s']:,.0f} |")
+        else:
+            print(f"| {r['preset']} | {r['batch']} | {r['variant']} | "
+                  f"{r.get('error', r.get('skipped'))} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The decode loop as XLA compiles it for an H200, on a machine without a GPU: kernels per step.
+
+XLA can compile for a GPU it does not have (deviceless ahead-of-time compilation through a
+PJRT topology with a target config), so the fused HLO that the H200 would run can be read
+on a CPU-only machine: how many kernels one decode step launches, of which kinds, and
+whether a step copies the KV cache or materialises a matrix-sized product. This is how the
+fast path's layout choices were made (benchmarks/README.md, issue 19); the times need the GPU
+(`decode_floor.py`).
+
+Setup (once; the CUDA plugin of the installed jax version, without its CUDA libraries):
+
+    pip install --no-deps --target /tmp/cuda_aot jax-cuda13-pjrt==$JAXVER jax-cuda13-plugin==$JAXVER
+    PYTHONPATH=.:/tmp/cuda_aot JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 \\
+        python experiments/decode_hlo_h200.py --cases 350m:1:fast 350m:1:reference --out benchmarks
+
+Autotuning needs a device, so GEMM configurations (batch > 1) are XLA's defaults, not what
+the GPU would pick; fusion decisions, reductions and copies are the GPU's. Pallas kernels
+are lowered for sm90 (Mosaic GPU for decode attention) by telling their dispatch that an
+H200 is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+H200 = """gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 4800000000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 150000000000
+  shared_memory_per_block_optin: 232448 cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 }
+runtime_version { major: 13 minor: 0 patch: 0 }
+device_description_str: "NVIDIA H200"
+"""
+
+
+def _pretend_h200():
+    """Make the Pallas dispatch lower for an H200 in this GPU-less process."""
+    from jax._src.pallas.triton import gpu_info
+
+    import pallas_kernels.paged_attention as pa_kernels
+    gpu_info.get_device_kind = lambda: "NVIDIA H200"
+    pa_kernels.on_sm90 = lambda: True
+    resolve = pa_kernels._resolve
+    pa_kernels._resolve = lambda sm, hd, interpret: (resolve(sm, hd, interpret)[0], False)
+
+
+def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep):
+    from gendist import profiling
+    from gendist.config import preset
+    from gendist.inference import fastpath
+    from gendist.inference.generate import generate_tokens
+    from gendist.inference.sampling import SamplingParams
+    from gendist.models import transformer
+
+    cfg = preset(name).model
+    S = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep)  # noqa: E731
+    raw = jax.eval_shape(lambda: transformer.init_params(cfg, 0))
+    kw = {}
+    if variant == "reference":
+        cfg = dataclasses.replace(cfg, scan_unroll=cfg.num_layers)
+        params = jax.eval_shape(lambda p: transformer.inference_params(cfg, p), raw)
+        kw["fast"] = False
+    else:
+        params = jax.eval_shape(lambda p: transformer.decode_params(cfg, p), raw)
+        backend = "xla" if variant == "fast_xla" else "pallas"
+        kw["fast"] = True
+        kw["cache"] = jax.tree.map(S, jax.eval_shape(
+            lambda: fastpath.make_cache(cfg, batch, prompt + new, True, backend=backend)))
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep)
+    args = (jax.tree.map(S, params), S(jnp.zeros((batch, prompt), jnp.int32)),
+            S(jnp.zeros((batch,), jnp.int32)), key)
+    t0 = time.perf_counter()
+    text = generate_tokens.lower(cfg, *args, max_new_tokens=new,
+                                 sp=SamplingParams(temperature=0.0), **kw).compile().as_text()
+    kinds = profiling.loop_body_kinds(text)
+    return dict(preset=name, batch=batch, variant=variant, compile_s=time.perf_counter() - t0,
+                kernels_per_step=kinds, total=sum(kinds.values()),
+                per_layer=sum(kinds.values()) / preset(name).model.num_layers,
+                written_MB_per_step=written_bytes(text) / 1e6)
+
+
+_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
+
+
+def written_bytes(text: str) -> int:
+    """Bytes the loop body's kernels write per step (their outputs), not counting in-place
+    row updates (dynamic-update-slice and scatter fusions write a row, not their shape)."""
+    bodies = set(re.findall(r"while\(.*?body=%([\w.\-]+)", text))
+    comps, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
+        if m:
+            cur = m.group(1)
+            comps[cur] = []
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None:
+            comps[cur].append(line)
+    best = 0
+    for body in bodies:
+        total = 0
+        for line in comps.get(body, ()):
+            m = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+"
+                         r"(fusion|custom-call|copy)\(", line)
+            if not m or "dynamic_update_slice" in m.group(1) or "scatter" in m.group(1):
+                continue
+            for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(2)):
+                n = 1
+                for d in filter(None, dims.split(",")):
+                    n *= int(d)
+                total += n * _BYTES.get(dt, 4)
+        best = max(best, total)
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="+", default=["350m:1:reference", "350m:1:fast",
+                                                   "1b:64:reference", "1b:64:fast"])
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
+    args = ap.parse_args()
+    from jax.experimental import topologies
+    topo = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1")
+    mesh = topologies.make_mesh(topo, (1,), ("x",))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    _pretend_h200()
+    rows = []
+    for spec in args.cases:
+        name, batch, variant = spec.split(":")
+        row = compile_case(name, int(batch), variant, args.prompt, args.new_tokens, rep)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_hlo_h200.json").write_text(json.dumps(
+        dict(jax=jax.__version__, target="H200 (deviceless compile)", prompt=args.prompt,
+             new_tokens=args.new_tokens, cases=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

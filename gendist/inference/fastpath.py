@@ -1,0 +1,62 @@
+"""Which decode path runs: the fast path on a GPU, the reference path on a CPU.
+
+The fast path is three choices made once per generation, none of which changes the math:
+
+* weights in the decode layout (`transformer.decode_params`: output-major, fused q|k|v and
+  gate|up, one buffer per layer, run straight-line);
+* a cache with one buffer per layer, written in place (`layer_cache.LayerKVCache`);
+* on a GPU, attention through the paged kernel over that cache, which reads only the
+  tokens below each sequence's length (`backend="pallas"`).
+
+`fast=None` everywhere means "the default": on for a GPU, off for a CPU, where the
+reference path (stacked weights, one stacked cache, jnp attention) stays as it was and the
+fast path is opt-in (`fast=True`; tests compare the two token for token).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from gendist.config import ModelConfig
+from gendist.inference.cache import ContiguousKVCache
+from gendist.inference.layer_cache import LayerKVCache
+from gendist.models import transformer
+
+
+def enabled(fast: bool | None) -> bool:
+    """`fast`, or the default for this machine's backend (GPU: on)."""
+    return jax.default_backend() == "gpu" if fast is None else bool(fast)
+
+
+def per_layer(cfg: ModelConfig, fast: bool | None) -> bool:
+    """Whether the model runs as separate per-layer buffers (then caches are per-layer too):
+    the fast path for a dense model. MoE blocks stay stacked (`decode_params` leaves them)."""
+    return enabled(fast) and not cfg.num_moe_layers
+
+
+def attention_backend(cfg: ModelConfig, backend: str | None = None) -> str:
+    """'pallas' (paged kernel, reads only valid tokens) on a GPU when the kernels take the
+    head dim (a power of two >= 16), else 'xla'; an explicit `backend` wins."""
+    if backend is not None:
+        return backend
+    h = cfg.head_dim
+    ok = h >= 16 and h & (h - 1) == 0
+    return "pallas" if ok and jax.default_backend() == "gpu" else "xla"
+
+
+def prepare(cfg: ModelConfig, params: dict, fast: bool | None = None) -> dict:
+    """Params as the chosen path reads them (cast once; the decode layout when fast)."""
+    if enabled(fast):
+        return transformer.decode_params(cfg, params)
+    return transformer.inference_params(cfg, params)
+
+
+def make_cache(cfg: ModelConfig, batch: int, max_len: int, fast: bool | None = None,
+               backend: str | None = None):
+    """An empty cache for `batch` sequences of up to `max_len` tokens on the chosen path."""
+    dt = transformer.DTYPES[cfg.dtype]
+    if per_layer(cfg, fast):
+        return LayerKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
+                                   cfg.head_dim, dt, backend=attention_backend(cfg, backend))
+    return ContiguousKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
+                                    cfg.head_dim, dt)

@@ -48,7 +48,8 @@ from gendist.inference.speculative import SpecConfig, expected_tokens_per_cost, 
 from gendist.timing import call_times
 
 
-def _train_cfg(cfg, steps, out_dir, seq_len, batch_size, resume=False):
+def _train_cfg(cfg, steps, out_dir, seq_len, batch_size, resume=False, warmup=None):
+    """`warmup` fixed across resumed rounds (a resume refuses a changed schedule)."""
     return replace(
         cfg,
         **{
@@ -61,7 +62,7 @@ def _train_cfg(cfg, steps, out_dir, seq_len, batch_size, resume=False):
             "train.checkpoint_every": 0,
             "train.tensorboard": False,
             "train.progress": False,
-            "train.warmup_steps": min(50, steps // 5),
+            "train.warmup_steps": min(50, steps // 5) if warmup is None else warmup,
         },
     )
 
@@ -79,7 +80,8 @@ def train_draft(cfg, round_steps, rounds, seq_len, batch_size, worst_allowed):
     out_dir = tempfile.mkdtemp(prefix="spec_draft_")
     kept, history = None, []
     for k in range(1, rounds + 1):
-        tc = _train_cfg(cfg, k * round_steps, out_dir, seq_len, batch_size, resume=True)
+        tc = _train_cfg(cfg, k * round_steps, out_dir, seq_len, batch_size, resume=True,
+                        warmup=min(50, round_steps // 5))
         r = loop.run(tc, log=lambda *a: None)
         history.append((k * round_steps, r.val_loss))
         print(f"draft round {k}: {k * round_steps} steps, val {r.val_loss:.4f}", flush=True)

@@ -1,9 +1,17 @@
-"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
+"""Test setup: 8 simulated CPU devices, set before jax is imported anywhere.
+
+The tests' programs are small: compiling them is most of the suite's time, so the CPU
+backend compiles without LLVM's optimisation passes (about 1.8x faster overall; codegen
+only, the same floating-point semantics). Subprocesses (CLI, multi-process, notebooks)
+inherit the flags. A flag already in $XLA_FLAGS wins.
+"""
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
+          "--xla_llvm_disable_expensive_passes=true")
+_given = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join(
+    [_given] + [f for f in _FLAGS if f.split("=")[0] not in _given]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -41,7 +41,7 @@ def assert_tree_close(a, b, rtol=RTOL, atol=1e-7):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("n_data", [8, 2])
+@pytest.mark.parametrize("n_data", [8])  # data 2 and 4: the ZeRO and tensor meshes
 def test_loss_grads_and_three_steps_match_single_device(data, n_data):
     cfg = small_config()
     batch = data.global_batch(0, cfg.train.batch_size, cfg.train.seq_len)

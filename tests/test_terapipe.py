@@ -36,7 +36,7 @@ assert_trees_close = functools.partial(trees_close, rtol=RTOL,
 
 # (pipeline stages, slices): 1, 2 and 4 equal slices, and uneven ones with a 1-token slice;
 # p = 4 once, for the middle stages' branches.
-CASES = [(2, (16,)), (4, (8, 8)), (2, (4, 4, 4, 4)), (2, (5, 3, 7, 1))]
+CASES = [(4, (8, 8)), (2, (5, 3, 7, 1))]  # 4 stages, and uneven slices (TeraPipe x tensor: test_compose)
 
 
 @pytest.mark.parametrize("stages, slices", CASES)

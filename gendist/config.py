@@ -217,6 +217,7 @@ class TrainConfig:
     pipeline_stage_layers: tuple[int, ...] = ()  # layers (MoE: groups) per stage; () = even split
     debug_nan_step: int = -1  # testing: make this step's loss NaN to exercise `nonfinite`
     zero_stage: Literal[0, 1, 2, 3] = 0  # ZeRO stage over `data` (0 = replicated state)
+    tp_comm: Literal["xla", "collective"] = "xla"  # sequence-parallel comm: XLA's, or collective matmuls (ppermute rings under the matmuls)
     tensorboard: bool = True  # write TensorBoard event files
     wandb: Literal["off", "online", "offline"] = "off"  # Weights & Biases logging (extra [wandb])
     wandb_project: str = "gendist"  # W&B project name
@@ -229,6 +230,9 @@ class TrainConfig:
         """Raise ValueError naming the field and the fix for values training cannot take."""
         _check_positive(self, "batch_size", "seq_len", "steps", "grad_accum", "eval_every",
                         "eval_batches", "log_every", "keep_checkpoints")
+        if self.tp_comm not in ("xla", "collective"):
+            raise ValueError(f"train.tp_comm={self.tp_comm!r}: choose 'xla' (XLA's collectives) "
+                             "or 'collective' (collective matmuls; needs mesh.sequence_parallel).")
         if self.checkpoint_every < 0:
             raise ValueError(f"train.checkpoint_every={self.checkpoint_every} must be >= 0 "
                              "(0 = only at the end); pass --train.checkpoint-every 0 or more.")

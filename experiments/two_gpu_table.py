@@ -10,7 +10,8 @@ out-of-memory recorded as the row's error while the rest go on):
     tp2_sp            tensor 2 + sequence parallelism, batch 2b
     tp2_collective    tensor 2 + sequence parallelism as collective matmuls
                       (train.tp_comm=collective), batch 2b
-    moe_one_gpu       the MoE model (8 experts, top-2, every 2nd layer) on 1 GPU, batch m
+    moe_one_gpu       --moe-preset (default `350m-moe`: 8 experts, top-2, every 2nd layer)
+                      on 1 GPU, batch m (`--moe-preset ""`: --preset with that MoE)
     moe_ep2           the same on expert 2, batch 2m (the same batch per GPU)
 
 Each two-GPU row is compared with its one-GPU row: `vs_2x` = tokens/s / (2 x one GPU's),
@@ -21,7 +22,7 @@ per device, with the time those take at the NVLink bus bandwidths measured on th
 (`benchmarks/collectives_2xh200.json`) - the lower bound that overlap can hide.
 
     python experiments/two_gpu_table.py --out $OUT                        # 1b, seq 2048, b 8
-    python experiments/two_gpu_table.py --preset tiny --cpu --steps 1 --out /tmp/t   # CPU
+    python experiments/two_gpu_table.py --preset tiny --moe-preset "" --cpu --steps 1 --out /tmp/t
 
 `--cpu` simulates the GPUs with CPU devices (XLA_FLAGS device count per row). Writes
 `two_gpu_table.json` and `two_gpu_table.png` (tokens/s per row, the 2x line, predicted
@@ -80,15 +81,20 @@ print("RESULT " + json.dumps(r), flush=True)
 """
 
 
-def row_overrides(name: str, batch: int, moe_batch: int, common: list[str]) -> list[str]:
+def row_setup(name: str, args) -> tuple[str, list[str]]:
+    """(preset, overrides) of a row: the MoE rows take --moe-preset when it is given."""
     _, sets, mult, _ = ROWS[name]
-    b = (moe_batch if name.startswith("moe") else batch) * mult
-    return [*common, *sets, f"train.batch_size={b}"]
+    moe = name.startswith("moe")
+    if moe and args.moe_preset:
+        sets = [s for s in sets if s not in MOE]
+    b = (args.moe_batch if moe else args.batch) * mult
+    preset = args.moe_preset if moe and args.moe_preset else args.preset
+    return preset, [*args.set, *sets, f"train.batch_size={b}"]
 
 
 def run_row(name: str, args) -> dict:
     devices = ROWS[name][0]
-    sets = row_overrides(name, args.batch, args.moe_batch, args.set)
+    preset, sets = row_setup(name, args)
     env = dict(os.environ)
     if args.cpu:
         env.update(JAX_PLATFORMS="cpu",
@@ -97,10 +103,10 @@ def run_row(name: str, args) -> dict:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(devices))
         if args.xla_flags:
             env["XLA_FLAGS"] = args.xla_flags
-    code = CHILD.format(here=str(HERE), preset=args.preset, sets=sets, steps=args.steps,
+    code = CHILD.format(here=str(HERE), preset=preset, sets=sets, steps=args.steps,
                         warmup=args.warmup)
     rc, results, tail, wall = run_child(code, env, args.timeout)
-    row = {"row": name, "devices": devices, "overrides": sets, "rc": rc, "wall_s": wall}
+    row = {"row": name, "preset": preset, "devices": devices, "overrides": sets, "rc": rc, "wall_s": wall}
     for r in results:
         row.update(r)
     if "tokens_per_s" not in row:
@@ -154,6 +160,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="1b")
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    ap.add_argument("--moe-preset", default="350m-moe", help='"": --preset with 8 experts')
     ap.add_argument("--batch", type=int, default=8, help="dense batch per GPU")
     ap.add_argument("--moe-batch", type=int, default=4, help="MoE batch per GPU")
     ap.add_argument("--set", nargs="*", default=[], help="overrides for every row")

@@ -386,6 +386,15 @@ PRESETS: dict[str, Config] = {
         mesh=MeshConfig(pipeline=2),
         train=TrainConfig(batch_size=16, seq_len=2048, lr=1.5e-4, steps=2000,
                           pipeline_microbatches=16)),
+    # 350m's shape with an MoE FFN in every 2nd block (8 experts, top-2, GShard): ~1.0B
+    # parameters, 0.41B active per token; `plan`: 15.4 GiB of state + compute copy and ~38 GiB
+    # of activations at batch 16 x 1024 (estimate), so it fits one H200 (the
+    # 1b shape with the same MoE is ~3.8B, ~68 GB of state before activations).
+    "350m-moe": Config(
+        model=_model(d_model=1024, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=64,
+                     d_ff=2816, max_seq_len=2048, dtype="bfloat16", attention="cudnn",
+                     moe_experts=8, moe_top_k=2, moe_every=2),
+        train=TrainConfig(batch_size=16, seq_len=1024, lr=3e-4, steps=2000)),
 }
 
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_two_gpu_table_runs_tiny_on_cpu(tmp_path):
-    cmd = [sys.executable, str(ROOT / "experiments" / "two_gpu_table.py"), "--preset", "tiny",
+    cmd = [sys.executable, str(ROOT / "experiments" / "two_gpu_table.py"), "--preset", "tiny", "--moe-preset", "",
            "--cpu", "--steps", "1", "--warmup", "1", "--batch", "4", "--moe-batch", "2",
            "--timeout", "120", "--out", str(tmp_path),
            "--rows", "one_gpu", "tp2_collective", "moe_ep2",

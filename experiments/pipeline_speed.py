@@ -66,10 +66,10 @@ print("RESULT " + json.dumps(r))
 """
 
 
-def run_variant(name: str, timeout: float) -> dict:
-    gpus, preset, sets, steps = VARIANTS[name]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus)
-    code = CHILD.format(here=str(HERE), preset=preset, sets=sets, steps=steps)
+def run_child(code: str, env: dict, timeout: float) -> tuple[object, list[dict], str, float]:
+    """Run `code` in a fresh Python process: (exit code or "timeout", the JSON of each line
+    it prints as "RESULT {...}", the tail of its output, wall seconds). A crash, an OOM or a
+    timeout is recorded, not raised, so a sweep goes on."""
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
         try:
@@ -80,13 +80,21 @@ def run_variant(name: str, timeout: float) -> dict:
             rc = "timeout"
         log.seek(0)
         out = log.read()
+    results = [json.loads(ln[7:]) for ln in out.splitlines() if ln.startswith("RESULT ")]
+    return rc, results, out[-1500:], time.perf_counter() - t0
+
+
+def run_variant(name: str, timeout: float) -> dict:
+    gpus, preset, sets, steps = VARIANTS[name]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus)
+    code = CHILD.format(here=str(HERE), preset=preset, sets=sets, steps=steps)
+    rc, results, tail, wall = run_child(code, env, timeout)
     row = {"variant": name, "gpus": gpus, "preset": preset, "overrides": sets, "rc": rc,
-           "wall_s": time.perf_counter() - t0}
-    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-    if lines:
-        row.update(json.loads(lines[-1][7:]))
+           "wall_s": wall}
+    if results:
+        row.update(results[-1])
     else:
-        row["error"] = out[-1500:]
+        row["error"] = tail
     return row
 
 

@@ -236,7 +236,14 @@ def predict(setup, backend: str | None = None) -> dict:
         comm[(kind, axis)] = comm.get((kind, axis), 0) + nbytes
 
     act = tokens * D * cc
-    if tp > 1:  # Megatron: f and g per block; vocab-parallel embedding, output layer, loss
+    if tp > 1 and sp and t.tp_comm == "collective":  # the blocks' f and g as ppermute rings
+        rings = 8 + (2 if remat_of(cfg) != "none" else 0) + (2 if remat_of(cfg) == "full" else 0)
+        add("collective-permute", "tensor", acc * L * rings * act * (tp - 1) / tp)
+        add("all-gather", "tensor", acc * 2 * act)  # output layer's f, embedding's backward
+        add("reduce-scatter", "tensor", acc * 2 * act)  # explicit (psum_scatter) here
+        add("all-reduce", "tensor", acc * 3 * tokens * 4)  # the vocabulary-parallel loss
+        add("all-reduce", "tensor", acc * (2 * L + 1) * D * 4)  # norm scales' gradients
+    elif tp > 1:  # Megatron: f and g per block; vocab-parallel embedding, output layer, loss
         red = "reduce-scatter" if sp and fused else "all-reduce"
         col_bwd = 2 if fused else 3 + (2 if m.mlp == "swiglu" else 1)
         add(red, "tensor", acc * L * (2 + col_bwd) * act + acc * act)
@@ -260,6 +267,14 @@ def predict(setup, backend: str | None = None) -> dict:
             if stage >= 1 and stored.shard_shape(s.shape) != compute.shard_shape(s.shape):
                 add("all-gather", "data", nbytes * (2 * acc if stage == 3 and "blocks" in path
                                                      else 1))
+    ep = mesh.shape["expert"]
+    if m.num_moe_layers and ep > 1:  # GShard: dispatch and combine, forward and backward
+        buf = m.moe_experts * m.moe_capacity(tokens) * D * cc
+        add("all-to-all", "expert", acc * 4 * m.num_moe_layers * buf)
+        if dp == 1:  # the weights not split over experts: one gradient all-reduce
+            add("all-reduce", "expert", acc * sum(
+                b // (cc if len(r[1].shape) >= 2 else 4) * (4 if len(r[1].shape) < 2 else cc)
+                for b, r in zip(copy, rows, strict=True) if "expert" not in str(r[3].spec)))
     assumes = ("XLA:CPU: no reduce-scatter/reassociation, fp32 collectives" if cpu else
                "Megatron/ZeRO ideal: fused reductions, collectives in model.dtype")
     return {"memory": mem, "comm": comm, "assumes": assumes}

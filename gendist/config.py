@@ -217,6 +217,7 @@ class TrainConfig:
     pipeline_stage_layers: tuple[int, ...] = ()  # layers (MoE: groups) per stage; () = even split
     debug_nan_step: int = -1  # testing: make this step's loss NaN to exercise `nonfinite`
     zero_stage: Literal[0, 1, 2, 3] = 0  # ZeRO stage over `data` (0 = replicated state)
+    tp_comm: Literal["xla", "collective"] = "xla"  # sequence-parallel comm: XLA's, or collective matmuls (ppermute rings under the matmuls)
     tensorboard: bool = True  # write TensorBoard event files
     wandb: Literal["off", "online", "offline"] = "off"  # Weights & Biases logging (extra [wandb])
     wandb_project: str = "gendist"  # W&B project name
@@ -229,6 +230,9 @@ class TrainConfig:
         """Raise ValueError naming the field and the fix for values training cannot take."""
         _check_positive(self, "batch_size", "seq_len", "steps", "grad_accum", "eval_every",
                         "eval_batches", "log_every", "keep_checkpoints")
+        if self.tp_comm not in ("xla", "collective"):
+            raise ValueError(f"train.tp_comm={self.tp_comm!r}: choose 'xla' (XLA's collectives) "
+                             "or 'collective' (collective matmuls; needs mesh.sequence_parallel).")
         if self.checkpoint_every < 0:
             raise ValueError(f"train.checkpoint_every={self.checkpoint_every} must be >= 0 "
                              "(0 = only at the end); pass --train.checkpoint-every 0 or more.")
@@ -382,6 +386,15 @@ PRESETS: dict[str, Config] = {
         mesh=MeshConfig(pipeline=2),
         train=TrainConfig(batch_size=16, seq_len=2048, lr=1.5e-4, steps=2000,
                           pipeline_microbatches=16)),
+    # 350m's shape with an MoE FFN in every 2nd block (8 experts, top-2, GShard): ~1.0B
+    # parameters, 0.41B active per token; `plan`: 15.4 GiB of state + compute copy and ~38 GiB
+    # of activations at batch 16 x 1024 (estimate), so it fits one H200 (the
+    # 1b shape with the same MoE is ~3.8B, ~68 GB of state before activations).
+    "350m-moe": Config(
+        model=_model(d_model=1024, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=64,
+                     d_ff=2816, max_seq_len=2048, dtype="bfloat16", attention="cudnn",
+                     moe_experts=8, moe_top_k=2, moe_every=2),
+        train=TrainConfig(batch_size=16, seq_len=1024, lr=3e-4, steps=2000)),
 }
 
 

@@ -22,7 +22,7 @@ MAY_CHANGE = {
     "train": {"steps", "out_dir", "resume", "eval_every", "eval_batches", "log_every",
               "checkpoint_every", "keep_checkpoints", "tensorboard", "progress", "nonfinite",
               "debug_nan_step", "zero_stage", "grad_accum", "pipeline_schedule",
-              "pipeline_microbatches"},
+              "pipeline_microbatches", "tp_comm"},
 }
 
 

@@ -120,6 +120,24 @@ def plain_engine(cfg: Config, mesh, rules) -> Callable:
     return engine
 
 
+def manual_engine(cfg: Config, mesh, rules) -> Callable:
+    """The model as one per-device program, every collective written out (`ManualOps`):
+    `train.tp_comm='collective'` runs the sequence-parallel gathers and reduce-scatters as
+    collective matmuls that overlap their matmuls (`parallel.collective_matmul`)."""
+    model = zero.model_for_stage(cfg.model, cfg.train.zero_stage)
+    st = stage_model.stage_setup(model, mesh, rules, zero3=cfg.train.zero_stage == 3)
+    st = dataclasses.replace(st, ops=dataclasses.replace(
+        st.ops, collective=cfg.train.tp_comm == "collective"))
+    axes = transformer.logical_axes(cfg.model)
+
+    def engine(params, batch):
+        compute = _cast_layers(cfg, compute_params(cfg, params, axes))
+        loss, metrics, grads = stage_model.manual_loss_and_grads(st, compute, batch)
+        return loss, _with_ce(loss, metrics), grads
+
+    return engine
+
+
 def _with_ce(loss, metrics):
     return {"ce_loss": loss - metrics["moe_aux_loss"], **metrics} if metrics else metrics
 
@@ -180,6 +198,8 @@ def pipedream_update(cfg: Config, mesh, rules, optimizer) -> Callable:
 def engine_for(cfg: Config, mesh, rules) -> Callable:
     """The configured synchronous engine: plain, pipeline schedule, or TeraPipe."""
     if mesh.shape["pipeline"] == 1:
+        if cfg.train.tp_comm == "collective":
+            return manual_engine(cfg, mesh, rules)
         return plain_engine(cfg, mesh, rules)
     if cfg.train.terapipe_slices:
         return terapipe_engine(cfg, mesh, rules)
@@ -209,6 +229,8 @@ def validate_config(cfg: Config, mesh) -> None:
             f"train.seq_len={t.seq_len} is not divisible by mesh.tensor={tp}, which "
             "mesh.sequence_parallel splits the sequence over; choose a multiple of it or "
             "turn sequence parallelism off.")
+    if t.tp_comm == "collective":
+        _validate_collective(cfg, mesh)
     if t.seq_len > m.max_seq_len:
         raise ValueError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len="
                          f"{m.max_seq_len}; raise model.max_seq_len or shorten train.seq_len.")
@@ -219,6 +241,20 @@ def validate_config(cfg: Config, mesh) -> None:
                 f"train.pipeline_schedule={t.pipeline_schedule}")
         raise ValueError(f"{what} needs pipeline stages, but mesh.pipeline=1; set "
                          "--mesh.pipeline to 2 or more.")
+
+
+def _validate_collective(cfg: Config, mesh) -> None:
+    """train.tp_comm='collective' rewrites sequence parallelism's collectives, one stage."""
+    what = "train.tp_comm=collective"
+    _refuse(mesh.shape["tensor"] < 2, what, f"mesh.tensor={mesh.shape['tensor']}",
+            "collective matmuls split tensor-parallel matmuls; set --mesh.tensor 2 or more, "
+            "or --train.tp-comm xla.")
+    _refuse(not cfg.mesh.sequence_parallel, what, "mesh.sequence_parallel=False",
+            "it overlaps sequence parallelism's all-gather and reduce-scatter with the "
+            "matmuls; pass --mesh.sequence-parallel, or --train.tp-comm xla.")
+    _refuse(mesh.shape["pipeline"] > 1, what, f"mesh.pipeline={mesh.shape['pipeline']}",
+            "pipeline stages run the explicit f/g form without it; use mesh.pipeline=1 or "
+            "--train.tp-comm xla.")
 
 
 def _refuse(cond: bool, first: str, second: str, why: str) -> None:

@@ -60,6 +60,24 @@ def apply_rope(x_BTNH: jax.Array, cos_BTh: jax.Array, sin_BTh: jax.Array) -> jax
     return out.astype(x_BTNH.dtype)
 
 
+def mlp_inputs(p: dict, kind: str, fused: bool = False) -> tuple:
+    """The MLP's input matrices [D, ...] (all multiply the same x): (w_gate, w_up) for
+    SwiGLU, their [D, 2F] concatenation when `fused`, (w_up,) for GELU."""
+    if kind == "swiglu" and fused:
+        return (jnp.concatenate([p["w_gate"], p["w_up"]], axis=1),)
+    if kind == "swiglu":
+        return (p["w_gate"], p["w_up"])
+    return (p["w_up"],)
+
+
+def mlp_hidden(outs: tuple, kind: str) -> jax.Array:
+    """The MLP's hidden activation [B, T, F] from x @ w for w in `mlp_inputs`."""
+    if kind != "swiglu":
+        return jax.nn.gelu(outs[0])
+    gate_BTF, up_BTF = outs if len(outs) == 2 else jnp.split(outs[0], 2, axis=-1)
+    return jax.nn.silu(gate_BTF) * up_BTF
+
+
 def mlp(x_BTD: jax.Array, p: dict, kind: str, fused: bool = False) -> jax.Array:
     """SwiGLU (Shazeer 2020) or GELU MLP; weights w_gate/w_up [D, F], w_down [F, D].
 
@@ -75,14 +93,6 @@ def mlp(x_BTD: jax.Array, p: dict, kind: str, fused: bool = False) -> jax.Array:
         else:
             h_BTF = jax.nn.gelu(jnp.einsum("BTD,FD->BTF", x_BTD, p["w_up_FD"].astype(dt)))
         return jnp.einsum("BTF,DF->BTD", h_BTF, p["w_down_DF"].astype(dt))
-    if kind == "swiglu" and fused:
-        w_DG = jnp.concatenate([p["w_gate"], p["w_up"]], axis=1).astype(dt)
-        gate_BTF, up_BTF = jnp.split(jnp.einsum("BTD,DG->BTG", x_BTD, w_DG), 2, axis=-1)
-        h_BTF = jax.nn.silu(gate_BTF) * up_BTF
-    elif kind == "swiglu":
-        up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, p["w_up"].astype(dt))
-        gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, p["w_gate"].astype(dt))
-        h_BTF = jax.nn.silu(gate_BTF) * up_BTF
-    else:
-        h_BTF = jax.nn.gelu(jnp.einsum("BTD,DF->BTF", x_BTD, p["w_up"].astype(dt)))
-    return jnp.einsum("BTF,FD->BTD", h_BTF, p["w_down"].astype(dt))
+    outs = tuple(jnp.einsum("BTD,DF->BTF", x_BTD, w.astype(dt))
+                 for w in mlp_inputs(p, kind, fused))
+    return jnp.einsum("BTF,FD->BTD", mlp_hidden(outs, kind), p["w_down"].astype(dt))

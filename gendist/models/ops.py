@@ -7,6 +7,8 @@ expert-parallel MoE layer - the model calls a method of an `Ops` object instead:
 
     enter(h)            Megatron f: the input of column-parallel matmuls
     leave(y)            Megatron g: the partial sums of row-parallel matmuls
+    column(h, ws)       f, then the column-parallel matmuls h @ w (q/k/v, MLP up/gate)
+    row(a, w, dims)     a row-parallel matmul (wo, MLP down), then g
     constrain(x, names) a layout hint by logical axis names
     weights(p, axes)    one layer's weights as its matmuls use them (dtype, gather)
     embed(table, tok)   the token lookup
@@ -39,6 +41,16 @@ class Ops:
 
     def leave(self, y_BTD: jax.Array) -> jax.Array:
         return row_output(y_BTD)
+
+    def column(self, h_BTD: jax.Array, ws: tuple) -> tuple:
+        """Megatron f, then h @ w for each w [D, ...] (the column-parallel matmuls that share
+        one input). A form may fuse the two (`parallel.collective_matmul`)."""
+        h_BTD = self.enter(h_BTD)
+        return tuple(jnp.tensordot(h_BTD, w.astype(h_BTD.dtype), axes=1) for w in ws)
+
+    def row(self, a: jax.Array, w: jax.Array, dims: int) -> jax.Array:
+        """A row-parallel matmul (a's last `dims` axes against w's first), then Megatron g."""
+        return self.leave(jnp.tensordot(a, w.astype(a.dtype), axes=dims))
 
     def constrain(self, x: jax.Array, names) -> jax.Array:
         return constrain(x, names)

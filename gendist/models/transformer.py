@@ -37,7 +37,14 @@ from gendist.config import ModelConfig
 from gendist.models import moe as moe_lib
 from gendist.models import params as P
 from gendist.models.attention import attention
-from gendist.models.layers import apply_rope, mlp, rms_norm, rope_angles
+from gendist.models.layers import (
+    apply_rope,
+    mlp,
+    mlp_hidden,
+    mlp_inputs,
+    rms_norm,
+    rope_angles,
+)
 from gendist.models.ops import DEFAULT_OPS, Ops
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -82,21 +89,19 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     dt = x_BTD.dtype
     # Weights in their compute layout: under ZeRO-3 this is the layer's just-in-time gather.
     p = ops.weights(p, _block_axes(cfg, moe), dt)
-    h_BTD = ops.enter(rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps))  # Megatron f
+    h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
     if "wqkv_CHD" in p:  # the decode layout (`decode_params`): one output-major matrix
-        qkv_BTCH = jnp.einsum("BTD,CHD->BTCH", h_BTD, p["wqkv_CHD"].astype(dt))
+        qkv_BTCH = jnp.einsum("BTD,CHD->BTCH", ops.enter(h_BTD), p["wqkv_CHD"].astype(dt))
         k = cfg.num_kv_heads
         n = qkv_BTCH.shape[2] - 2 * k
         q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [n, n + k], axis=2)
     elif cfg.fused_projections:  # one [D, N+2K, H] matmul: fewer, larger GEMMs
         w_DCH = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1).astype(dt)
-        qkv_BTCH = jnp.einsum("BTD,DCH->BTCH", h_BTD, w_DCH)
+        (qkv_BTCH,) = ops.column(h_BTD, (w_DCH,))  # Megatron f, then the matmul
         n, k = p["wq"].shape[1], p["wk"].shape[1]  # local heads (per tensor shard)
         q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [n, n + k], axis=2)
     else:
-        q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, p["wq"].astype(dt))
-        k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, p["wk"].astype(dt))
-        v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, p["wv"].astype(dt))
+        q_BTNH, k_BTKH, v_BTKH = ops.column(h_BTD, (p["wq"], p["wk"], p["wv"]))
     q_BTNH = ops.constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
     k_BTKH = ops.constrain(k_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
     v_BTKH = ops.constrain(v_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
@@ -110,19 +115,23 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
                                            sm_scale)
     o_BTNH = ops.constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
     if "wo_DNH" in p:  # decode layout
-        attn_BTD = jnp.einsum("BTNH,DNH->BTD", o_BTNH, p["wo_DNH"].astype(dt))
+        attn_BTD = ops.leave(jnp.einsum("BTNH,DNH->BTD", o_BTNH, p["wo_DNH"].astype(dt)))
     else:
-        attn_BTD = jnp.einsum("BTNH,NHD->BTD", o_BTNH, p["wo"].astype(dt))
-    x_BTD = x_BTD + ops.leave(attn_BTD)  # g
+        attn_BTD = ops.row(o_BTNH, p["wo"], 2)  # the row-parallel matmul, then g
+    x_BTD = x_BTD + attn_BTD
     x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
-    h_BTD = ops.enter(rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps))  # Megatron f
+    h_BTD = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
     stats = None
     if moe:
-        y_BTD, aux = ops.moe(moe_lib.layer_weights(p), h_BTD, cfg)
+        y_BTD, aux = ops.moe(moe_lib.layer_weights(p), ops.enter(h_BTD), cfg)  # f
         stats = (aux.weighted_loss(cfg), aux.drop_fraction, aux.expert_load_E)
+        y_BTD = ops.leave(y_BTD)  # g
+    elif "w_down_DF" in p:  # decode layout
+        y_BTD = ops.leave(mlp(ops.enter(h_BTD), p, cfg.mlp, cfg.fused_projections))
     else:
-        y_BTD = mlp(h_BTD, p, cfg.mlp, cfg.fused_projections)
-    x_BTD = x_BTD + ops.leave(y_BTD)  # g
+        outs = ops.column(h_BTD, mlp_inputs(p, cfg.mlp, cfg.fused_projections))
+        y_BTD = ops.row(mlp_hidden(outs, cfg.mlp), p["w_down"], 1)
+    x_BTD = x_BTD + y_BTD
     x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
     return x_BTD, layer_state, stats
 

@@ -7,6 +7,10 @@ model must say where data moves. `ManualOps` does, with the same block math:
 
     enter / leave   Megatron's f / g (`tensor.f_op`, `g_op`), or with sequence parallelism
                     `gather_seq` / `scatter_seq` (Korthikanti et al. 2022)
+    column / row    with `collective=True` (sequence parallel only): the gather and the
+                    column-parallel matmuls, and the row-parallel matmul and its
+                    reduce-scatter, as collective matmuls (`collective_matmul`): rings of
+                    ppermutes that overlap the partial products
     weights         matrices cast to the compute dtype, ZeRO-3 shards all-gathered just in
                     time (their gradient is the reduce-scatter, by transposition); under
                     sequence parallelism norm scales pass through f so that their partial
@@ -36,6 +40,7 @@ from gendist.config import ModelConfig
 from gendist.models import params as model_params
 from gendist.models.ops import Ops
 from gendist.models.transformer import block
+from gendist.parallel import collective_matmul as cm
 from gendist.parallel import tensor as tp
 from gendist.parallel.compat import shard_map
 from gendist.parallel.expert import moe_local
@@ -52,6 +57,7 @@ class ManualOps(Ops):
     zero_dims: tuple[tuple[str, int], ...] = ()  # ... on these dims (name, per-layer dim)
     expert: str = "expert"  # the MoE all-to-all axis
     batch_axes: tuple[str, ...] = BATCH_AXES  # the axes tokens are split over
+    collective: bool = False  # sequence-parallel matmuls as collective matmuls (ppermute rings)
 
     def __hash__(self):  # dataclass fields, not Ops' type-only hash
         return hash(dataclasses.astuple(self))
@@ -71,6 +77,19 @@ class ManualOps(Ops):
             return y_BTD
         op = tp.scatter_seq if self.sequence_parallel else tp.g_op
         return op(y_BTD, self.tensor)
+
+    def _ring(self) -> bool:
+        return self.collective and self.sequence_parallel and self.tensor is not None
+
+    def column(self, h_BTD, ws):
+        if not self._ring():
+            return super().column(h_BTD, ws)
+        return cm.all_gather_matmul(h_BTD, ws, self.tensor, jax.lax.axis_size(self.tensor))
+
+    def row(self, a, w, dims):
+        if not self._ring():
+            return super().row(a, w, dims)
+        return cm.matmul_reduce_scatter(a, w, dims, self.tensor, jax.lax.axis_size(self.tensor))
 
     def constrain(self, x, names):
         return x
@@ -116,11 +135,13 @@ def block_specs(cfg: ModelConfig, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> d
 
 
 def tp_block_forward(p: dict, x_BTD, pos_BT, cfg: ModelConfig, mesh: Mesh, *,
-                     sequence_parallel: bool = False, rules: Rules = DEFAULT_RULES):
+                     sequence_parallel: bool = False, collective: bool = False,
+                     rules: Rules = DEFAULT_RULES):
     """`transformer.block` (dense, no cache) as one shard_map with explicit f and g.
 
     Weights are split as the table says (heads, kv_heads, mlp -> `tensor`); x is split over
-    the batch axes, and with sequence parallelism also over the sequence on `tensor`.
+    the batch axes, and with sequence parallelism also over the sequence on `tensor`
+    (`collective`: its gathers and reduce-scatters as collective matmuls).
     """
     if sequence_parallel:
         rules = rules.with_overrides(**SEQUENCE_PARALLEL)
@@ -136,7 +157,7 @@ def tp_block_forward(p: dict, x_BTD, pos_BT, cfg: ModelConfig, mesh: Mesh, *,
                          f"{size}; sequence parallelism needs train.seq_len divisible by it.")
     x_spec = logical_to_spec(("batch", "act_seq", "embed"), rules, mesh)
     pos_spec = logical_to_spec(("batch", "seq"), rules, mesh)
-    ops = ManualOps(tensor=axis, sequence_parallel=sequence_parallel)
+    ops = ManualOps(tensor=axis, sequence_parallel=sequence_parallel, collective=collective)
     body = lambda p, x, pos: block(p, x, pos, cfg, ops)[0]
     specs = block_specs(cfg, mesh, rules)
     fn = shard_map(body, mesh=mesh, in_specs=(specs, x_spec, pos_spec), out_specs=x_spec)

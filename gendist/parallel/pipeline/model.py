@@ -201,6 +201,43 @@ def loss_and_grads(st: StageSetup, params: dict, batch: dict, sched, *,
     return loss, metrics, grads
 
 
+def manual_loss_and_grads(st: StageSetup, params: dict, batch: dict):
+    """(mean loss, metrics, model-shaped grads) of the whole model as ONE per-device program
+    (no pipeline stages, one microbatch): `st.ops` writes every collective out, e.g. the
+    collective matmuls of `train.tp_comm='collective'`. The layer scan and the gradient
+    reduction are the pipeline's (`StageFns`, `core.finish`); the mesh's pipeline axis must
+    be 1. Equals plain autodiff of the model's loss."""
+    if st.mesh.shape[core.PIPELINE] != 1:
+        raise ValueError("manual_loss_and_grads runs one stage; use loss_and_grads for "
+                         f"mesh.pipeline={st.mesh.shape[core.PIPELINE]}")
+    cfg = st.cfg
+    fns = stage_fns(cfg, st.ops, batch["inputs"].shape[1], st.counts)
+
+    def body(w, tokens, targets):
+        def objective(w):
+            def step(x, pu):
+                y, obj, metrics = fns.unit(pu, x)
+                return y, (obj, metrics)
+
+            x = fns.embed(w[0], tokens)
+            x, (objs, metrics) = jax.lax.scan(step, x, fns.units(w[1]), unroll=fns.unroll)
+            loss, count = fns.head_loss(w[2], x, targets)
+            loss = loss + jnp.sum(objs)  # router losses, already scaled by the tokens
+            return loss, (loss, count, jax.tree.map(lambda a: jnp.sum(a, 0), metrics))
+
+        (_, (loss, count, metrics)), grads = jax.value_and_grad(objective, has_aux=True)(w)
+        acc = (grads, loss, jnp.float32(count), metrics)
+        return core.finish(acc, w, st.specs, (core.PIPELINE, *st.batch_axes))
+
+    batch_spec = jax.sharding.PartitionSpec(st.batch_axes or None)
+    P0 = jax.sharding.PartitionSpec()
+    fn = core.manual(body, st.mesh, in_specs=(st.specs, batch_spec, batch_spec),
+                     out_specs=(P0, st.specs, P0, P0), axes=st.manual_axes)
+    loss, grads, sums, count = fn(stage_weights(cfg, params), batch["inputs"], batch["targets"])
+    sums = jax.tree.map(lambda a: a / count, sums[:2]) + sums[2:] if sums else ()
+    return loss, moe_metrics(cfg, sums, 1), model_grads(cfg, grads)
+
+
 def pipedream_engine(cfg: ModelConfig, mesh: Mesh, rules: Rules, optimizer, sched, mode: str,
                      window: int = 1):
     """update(params, opt_state, batch) -> (params, opt_state, per-microbatch losses [m]):

@@ -1,9 +1,10 @@
 """Test setup: 8 simulated CPU devices, set before jax is imported anywhere.
 
 The tests' programs are small: compiling them is most of the suite's time, so the CPU
-backend compiles without LLVM's optimisation passes (about 1.8x faster overall; codegen
-only, the same floating-point semantics). Subprocesses (CLI, multi-process, notebooks)
-inherit the flags. A flag already in $XLA_FLAGS wins.
+backend compiles without LLVM's optimisation passes (about 1.8x faster overall). Codegen
+only, no fast-math, but the order of a vectorised sum may differ from an optimised build:
+a bitwise comparison must compare two programs built with the same flags, so subprocesses
+(CLI, multi-process, notebooks) inherit them. A flag already in $XLA_FLAGS wins.
 """
 import os
 

@@ -225,8 +225,14 @@ def test_launcher_prefixes_output_and_stops_the_rest_on_failure():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 3 and time.monotonic() - t < 30, r
     lines = r.stdout.splitlines()
-    for rank in (0, 1):
-        assert f"[{rank}] hi {rank} 2 --xla_force_host_platform_device_count=3" in lines, lines
+    for rank in (0, 1):  # the launcher replaces the device count and keeps the other flags
+        head = f"[{rank}] hi {rank} 2 "
+        flags = next((line[len(head):].split() for line in lines if line.startswith(head)), None)
+        assert flags is not None, lines
+        assert flags[-1] == "--xla_force_host_platform_device_count=3", flags
+        assert sum(f.startswith("--xla_force_host_platform_device_count") for f in flags) == 1
+        assert set(os.environ["XLA_FLAGS"].split()) - set(flags) <= {
+            f for f in os.environ["XLA_FLAGS"].split() if "device_count" in f}, flags
     assert "[launch] process 1 exited with code 3; stopping the other 1" in lines
 
 

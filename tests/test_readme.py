@@ -88,6 +88,8 @@ def expectation(cmd: str) -> list[str]:
 def test_readme_commands_run_in_order_in_one_directory(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as a new shell
     env["JAX_PLATFORMS"] = "cpu"
+    # ... but compiled as the rest of the suite is (tests/conftest.py), device count aside
+    speed = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     cmds = commands()
     assert len(cmds) >= 9, cmds
     ran = 0
@@ -104,8 +106,9 @@ def test_readme_commands_run_in_order_in_one_directory(tmp_path):
             argv += TRAIN_SMALL + ([] if "sample" in comment else ["--no-sample"])
         elif "generate" in argv:
             argv += ["--generate.max-new-tokens", "16"]
-        r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
-                           timeout=600)
+        flags = " ".join(speed + env.get("XLA_FLAGS", "").split())
+        r = subprocess.run(argv, cwd=tmp_path, env={**env, "XLA_FLAGS": flags},
+                           capture_output=True, text=True, timeout=600)
         out = r.stdout + r.stderr
         assert r.returncode == 0, f"{cmd}\n{out[-3000:]}"
         assert "Traceback" not in out, f"{cmd}\n{out[-3000:]}"

@@ -45,8 +45,8 @@ VARIANTS = {
 }
 VARIANTS["pp2_gpipe_m16_keep"] = ("0,1", "1b", PP2 + [
     "train.batch_size=48", "train.pipeline_microbatches=16", "train.pipeline_schedule=gpipe"], 5)
-# The split-backward schedules at the same m, and ZB-H1.
-for _name in ("1f1b-split", "zb-h1"):
+# The split-backward schedules at the same m, ZB-H1, and 1F1B in phases (all F or all B).
+for _name in ("1f1b-split", "zb-h1", "1f1b-phased"):
     VARIANTS[f"pp2_{_name}_m16"] = ("0,1", "1b", PP2 + [
         "train.batch_size=48", "train.pipeline_microbatches=16",
         f"train.pipeline_schedule={_name}"], 5)
@@ -114,7 +114,7 @@ def plot_terapipe(rows: list[dict], path: Path) -> None:
     for seq, pts in sorted(by_seq.items()):
         pts.sort()
         ax.plot([k for k, _ in pts], [t for _, t in pts], "o-", label=f"{seq // 1024}k tokens")
-        for (k, t), (k0, t0) in zip(pts[1:], pts[:1] * len(pts[1:])):
+        for (k, t), (_, t0) in zip(pts[1:], pts[:1] * (len(pts) - 1), strict=True):
             ax.annotate(f"{t0 / t:.2f}x", (k, t), textcoords="offset points", xytext=(4, 4),
                         fontsize=8)
     ax.set_xscale("log", base=2)

@@ -109,7 +109,7 @@ def test_matches_sequential_model_with_nan_bubbles(data, pipe, tensor, name, m):
         assert "tensor" in tuple(grads["layers"]["w1"].sharding.spec)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "1f1b-phased"])
 def test_kept_residuals_match_sequential_model_with_nan_bubbles(name):
     """No recomputed forward: each stage keeps its forward's vjp residuals for the backward."""
     mesh = make_mesh(2, 4)

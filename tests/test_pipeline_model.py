@@ -54,6 +54,7 @@ CASES = [
     (4, 2, 1, "gpipe", 7, True),
     (2, 4, 1, "gpipe", 4, False),
     (2, 4, 1, "1f1b", 13, True),
+    (4, 2, 1, "1f1b-phased", 6, True),  # all stages F or all B per step
 ]
 
 

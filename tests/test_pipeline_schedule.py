@@ -6,7 +6,7 @@ import pytest
 from gendist.parallel import schedule as S
 
 GRID = [(p, m) for p in range(1, 7) for m in range(1, 13)]
-BUILDERS = [S.gpipe, S.one_f_one_b]
+BUILDERS = [S.gpipe, S.one_f_one_b, S.one_f_one_b_phased]
 
 
 def _times(sched):
@@ -83,6 +83,26 @@ def test_buffer_plan_never_overwrites_a_held_input(build):
                     assert holder[int(plan.slot[t, s])] == i, (p, m, s, t)
                 if k == S.IDLE:
                     assert plan.slot[t, s] == plan.num_slots
+
+
+def test_phased_1f1b_costs_gpipe_lockstep_time_at_bounded_memory():
+    """Every step runs one kind of action on all stages: on a lock-step executor (a step
+    lasts its slowest action, B = 2F) the table costs GPipe's time, below 1F1B's, while
+    stage s holds at most 2(p - s) - 1 microbatches (GPipe: m)."""
+    for p, m in GRID:
+        sched = S.one_f_one_b_phased(p, m)
+        for row in sched.kind:
+            assert len(set(row[row != S.IDLE].tolist())) == 1, (p, m)
+        assert S.lockstep_time(sched) == S.lockstep_time(S.gpipe(p, m)), (p, m)
+        assert S.lockstep_time(sched) <= S.lockstep_time(S.one_f_one_b(p, m)), (p, m)
+        limit = np.minimum(2 * (p - np.arange(p)) - 1, m)
+        assert (S.in_flight_per_stage(sched) <= limit).all(), (p, m)
+    # p = 2, m = 16: 51 units against 1F1B's 66; the one-device work is 3m = 48.
+    assert S.lockstep_time(S.one_f_one_b_phased(2, 16)) == 51
+    assert S.lockstep_time(S.one_f_one_b(2, 16)) == 66
+    text = S.to_text(S.one_f_one_b_phased(2, 4)).splitlines()[1:]
+    assert text == ["stage 0: F0 F1 .  F2 B0 F3 B1 .  B2 B3",
+                    "stage 1: .  F0 B0 F1 B1 F2 B2 F3 B3 . "]
 
 
 def test_1f1b_buffer_is_p_slots_gpipe_m():

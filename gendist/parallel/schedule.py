@@ -332,58 +332,79 @@ def buffer_plan(schedule: Schedule) -> BufferPlan:
     return BufferPlan(num_slots, slot, recv_act[:n], recv_cot[:n])
 
 
+class _ListState:
+    """Progress of a list scheduler: per stage, how many F, B and W it ran, and when."""
+
+    def __init__(self, num_stages: int, num_microbatches: int):
+        self.p, self.m = num_stages, num_microbatches
+        self.done: dict[tuple[int, int, int], int] = {}
+        self.nf, self.nb, self.nw = [0] * num_stages, [0] * num_stages, [0] * num_stages
+        self.rows_kind: list[list[int]] = []
+        self.rows_mb: list[list[int]] = []
+
+    def ready(self, s: int, t: int, limit, until: str) -> dict[str, int]:
+        """{'F'|'B'|'W': microbatch} that stage s may run at step t: B(i) once stage s+1 ran
+        B(i) (the last stage: once it ran F(i)), F(i) once stage s-1 ran F(i) and fewer than
+        `limit(s)` microbatches are in flight (forwarded and, with `until` = 'W', weight step
+        not yet run; 'B': backward not yet run), W for the oldest microbatch whose B ran."""
+        ready = {}
+        i = self.nb[s]
+        dep = (s + 1, BACKWARD, i) if s < self.p - 1 else (s, FORWARD, i)
+        if i < self.nf[s] and self.done.get(dep, t) < t:
+            ready["B"] = i
+        j = self.nf[s]
+        held = self.nf[s] - (self.nw[s] if until == "W" else self.nb[s])
+        if (j < self.m and (s == 0 or self.done.get((s - 1, FORWARD, j), t) < t)
+                and held < limit(s)):
+            ready["F"] = j
+        if self.nw[s] < self.nb[s]:
+            ready["W"] = self.nw[s]
+        return ready
+
+    def commit(self, row_k: list[int], row_m: list[int], t: int, name: str) -> None:
+        if all(k == IDLE for k in row_k):
+            raise ValueError(f"schedule {name!r} deadlocks at step {t}")
+        for s, (k, i) in enumerate(zip(row_k, row_m, strict=True)):
+            if k != IDLE:
+                self.done[(s, k, i)] = t
+                self.nf[s] += k == FORWARD
+                self.nb[s] += k == BACKWARD
+                self.nw[s] += k == WEIGHT
+        self.rows_kind.append(row_k)
+        self.rows_mb.append(row_m)
+
+    def schedule(self, name: str) -> Schedule:
+        sched = Schedule(name, np.asarray(self.rows_kind, np.int32).reshape(-1, self.p),
+                         np.asarray(self.rows_mb, np.int32).reshape(-1, self.p), int(self.m))
+        validate(sched)
+        return sched
+
+
+_KINDS = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT}
+
+
 def list_schedule(num_stages: int, num_microbatches: int, *, priority: str, limit,
                   name: str, until: str = "W") -> Schedule:
     """A split schedule (B and W separate) by list scheduling, one action per stage-step.
 
     At every step each stage runs the first action of `priority` (a string of 'F', 'B',
-    'W') that is ready: B(i) once stage s+1 ran B(i) (the last stage: once it ran F(i)),
-    F(i) once stage s-1 ran F(i) and fewer than `limit(s)` microbatches are in flight
-    (forwarded, and `until` = 'W': weight step not yet run, or 'B': backward not yet run),
-    W for the oldest microbatch whose B ran. B and F go in microbatch order.
+    'W') that is ready (`_ListState.ready`: dependencies met, fewer than `limit(s)`
+    microbatches in flight). B and F go in microbatch order.
     """
     _check_sizes(num_stages, num_microbatches)
-    p, m = num_stages, num_microbatches
-    kinds = {"F": FORWARD, "B": BACKWARD, "W": WEIGHT}
-    done: dict[tuple[int, int, int], int] = {}
-    nf, nb, nw = [0] * p, [0] * p, [0] * p
-    rows_kind, rows_mb = [], []
+    state = _ListState(num_stages, num_microbatches)
     t = 0
-    while min(nw) < m:
-        row_k, row_m = [IDLE] * p, [-1] * p
-        for s in range(p):
-            ready = {}
-            i = nb[s]
-            dep = (s + 1, BACKWARD, i) if s < p - 1 else (s, FORWARD, i)
-            if i < nf[s] and done.get(dep, t) < t:
-                ready["B"] = i
-            j = nf[s]
-            held = nf[s] - (nw[s] if until == "W" else nb[s])
-            if j < m and (s == 0 or done.get((s - 1, FORWARD, j), t) < t) and held < limit(s):
-                ready["F"] = j
-            if nw[s] < nb[s]:
-                ready["W"] = nw[s]
+    while min(state.nw) < num_microbatches:
+        row_k, row_m = [IDLE] * num_stages, [-1] * num_stages
+        for s in range(num_stages):
+            ready = state.ready(s, t, limit, until)
             for c in priority:
                 if c in ready:
-                    row_k[s], row_m[s] = kinds[c], ready[c]
+                    row_k[s], row_m[s] = _KINDS[c], ready[c]
                     break
-        for s in range(p):
-            k = row_k[s]
-            if k == IDLE:
-                continue
-            done[(s, k, row_m[s])] = t
-            nf[s] += k == FORWARD
-            nb[s] += k == BACKWARD
-            nw[s] += k == WEIGHT
-        if all(k == IDLE for k in row_k):
-            raise ValueError(f"schedule {name!r} deadlocks at step {t}")
-        rows_kind.append(row_k)
-        rows_mb.append(row_m)
+        state.commit(row_k, row_m, t, name)
         t += 1
-    sched = Schedule(name, np.asarray(rows_kind, np.int32).reshape(-1, p),
-                     np.asarray(rows_mb, np.int32).reshape(-1, p), int(m))
-    validate(sched)
-    return sched
+    return state.schedule(name)
 
 
 def one_f_one_b_split(num_stages: int, num_microbatches: int) -> Schedule:
@@ -405,12 +426,50 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
                          limit=lambda s: num_stages, name="zb-h1")
 
 
+def one_f_one_b_phased(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B in phases: at every step all stages run the same kind of action, forwards and
+    backwards alternating (a phase with nothing ready gives way to the other kind).
+
+    Made for a lock-step executor, where a step lasts as long as its slowest action: in
+    1F1B's steady state one stage's forward shares a step with its neighbour's backward
+    (about two forwards long), so every step costs a backward. Here F-steps cost a forward
+    and B-steps a backward, so the table's lock-step time (`lockstep_time`) equals GPipe's,
+    while stage s holds at most 2(p - s) - 1 microbatches (GPipe: m; 1F1B: p - s).
+    """
+    _check_sizes(num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    state = _ListState(p, m)
+    limit = lambda s: 2 * (p - s) - 1
+    t, phase = 0, "B"
+    while min(state.nb) < m:
+        ready = [state.ready(s, t, limit, until="B") for s in range(p)]
+        phase = "F" if phase == "B" else "B"
+        if not any(phase in r for r in ready):
+            phase = "F" if phase == "B" else "B"
+        row_k = [_KINDS[phase] if phase in r else IDLE for r in ready]
+        row_m = [r.get(phase, -1) for r in ready]
+        state.commit(row_k, row_m, t, "1f1b-phased")
+        t += 1
+    return state.schedule("1f1b-phased")
+
+
+def lockstep_time(schedule: Schedule, fwd_cost: float = 1.0, bwd_cost: float = 2.0,
+                  wgt_cost: float = 1.0) -> float:
+    """Time of the table on a lock-step executor (each step lasts its slowest action; a
+    backward costs about two forwards, a split one's B and W about one each)."""
+    cost = np.array([0.0, fwd_cost, bwd_cost, wgt_cost])
+    if schedule.split:
+        cost[BACKWARD] = bwd_cost - wgt_cost
+    return float(cost[schedule.kind].max(axis=1).sum())
+
+
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "sequential": sequential,
-             "1f1b-split": one_f_one_b_split, "zb-h1": zb_h1}
+             "1f1b-split": one_f_one_b_split, "zb-h1": zb_h1, "1f1b-phased": one_f_one_b_phased}
 
 
 def make(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Builds a named schedule: 'gpipe', '1f1b', '1f1b-split', 'zb-h1' or 'sequential'."""
+    """Builds a named schedule: 'gpipe', '1f1b', '1f1b-phased', '1f1b-split', 'zb-h1' or
+    'sequential'."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} is unknown; use one of {sorted(SCHEDULES)}")
     return SCHEDULES[name](num_stages, num_microbatches)

@@ -200,3 +200,28 @@ def test_bad_input_names_the_field(layers, kwargs, field):
     call = dict(mesh=mesh, schedule="1f1b", num_microbatches=4, **MODEL) | kwargs
     with pytest.raises(ValueError, match=field):
         pl.pipeline_loss_and_grads(params, tokens, targets, **call)
+
+
+def test_uniform_steps_run_without_branches_or_residual_copies():
+    """GPipe and 1F1B in phases run one kind of action per step, so the executor needs no
+    switch: the compiled loop writes and reads the kept residuals in place (an XLA
+    conditional would copy every buffer it passes through, each step)."""
+    from gendist.parallel.pipeline import uniform
+
+    assert uniform.segments(S.gpipe(2, 4)) == (4, 1, 4)  # F^4 (F B) B^4
+    assert uniform.segments(S.one_f_one_b_phased(2, 4)) == (1, 4, 1)
+    assert uniform.segments(S.one_f_one_b_phased(4, 8)) is not None
+    assert uniform.segments(S.one_f_one_b(2, 4)) is None
+    assert uniform.segments(S.zb_h1(2, 4)) is None
+    mesh = make_mesh(1, 2)
+    params = init_params(jax.random.key(0), 4)
+    tokens, targets = batch(1, 4)
+    run = jax.jit(functools.partial(pl.pipeline_loss_and_grads, mesh=mesh,
+                                    schedule="1f1b-phased", num_microbatches=4,
+                                    recompute=False, **MODEL))
+    hlo = run.lower(params, tokens, targets).compile().as_text()
+    body = hlo[:hlo.index("ENTRY")]  # every computation but the entry (loops, fusions)
+    # The residual buffers are [slots + 1, layers per stage, MB, T, ...] = [4, 2, 2, 8, ...].
+    assert "f32[4,2,2,8,32]" in hlo
+    copies = [ln for ln in body.splitlines() if " copy(" in ln and "[4,2,2,8," in ln]
+    assert not copies, copies[:3]

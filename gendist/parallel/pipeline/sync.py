@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from gendist.parallel import schedule as sched_lib
-from gendist.parallel.pipeline import core
+from gendist.parallel.pipeline import core, uniform
 from gendist.parallel.pipeline.stages import (
     Out,
     StageFns,
@@ -166,6 +166,11 @@ def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, 
     else:  # a slot per microbatch a stage holds (+ the spare) for the forward's residuals
         uplan = unit_plan(fns, w[1], x_spec)
         bufs = slot_buffers(fns, uplan, w[1], x_spec, plan.num_slots + 1, sched.split)
+        if not uneven and uniform.segments(sched) is not None:  # no branches, no copies
+            acc = uniform.run_uniform(w, tokens_M, targets_M, sched=sched, fns=fns, plan=uplan,
+                                      bufs=bufs, act_shape=x_spec.shape,
+                                      act_dtype=x_spec.dtype, fill_value=bubble_value)
+            return core.finish(acc, w, specs, reduce_axes)
         tables = {st: saved_computations(fns, uplan, st, sched.split)
                   for st in {k[2] for k in keys}}
         comps = {k: tables[k[2]][k[:2]] for k in keys}

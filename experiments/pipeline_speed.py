@@ -52,6 +52,8 @@ for _name in ("1f1b-split", "zb-h1", "1f1b-phased"):
         f"train.pipeline_schedule={_name}"], 5)
 VARIANTS["pp2_1f1b-phased_m8"] = ("0,1", "1b", PP2 + [
     "train.batch_size=48", "train.pipeline_microbatches=8", "train.pipeline_schedule=1f1b-phased"], 5)
+VARIANTS["pp2_1f1b-phased_m16_b96"] = ("0,1", "1b", PP2 + [
+    "train.batch_size=96", "train.pipeline_microbatches=16", "train.pipeline_schedule=1f1b-phased"], 5)
 # TeraPipe: a 4-layer cut of 350m (2 layers a stage), one sequence, k equal token slices.
 for _seq, _ks in ((4096, (1, 2, 4, 8)), (8192, (1, 2, 4, 8)), (16384, (2, 8))):
     for _k in _ks:

@@ -145,15 +145,18 @@ def run_uniform(w, tokens_M, targets_M, *, sched: sched_lib.Schedule, fns: Stage
 
         d_x, per_unit = jax.lax.scan(unit, g, (units_w, jnp.arange(n)), reverse=True,
                                      unroll=unroll)
-        d_e = jax.vjp(lambda e: fns.embed(e, tokens_M[row["mb"]]), w[0])[1](d_x)[0]
+        # The embedding's gradient once after the loop, from every microbatch's d_x (a
+        # scatter over the vocabulary per step cost more than the buffer of them).
+        dx_buf = jax.lax.dynamic_update_index_in_dim(
+            bufs["dx"], d_x.astype(bufs["dx"].dtype), jnp.where(on, row["mb"], m), 0)
         (g_e, g_l, g_h), tot, cnt, mets = acc
-        g_e = add(g_e, masked(on & first, d_e))
         g_l = add(g_l, masked(on, fns.from_units(per_unit)))
         g_h = add(g_h, masked(on & last, d_h))
         tot = tot + jnp.where(on & last, loss, 0.0)
         cnt = cnt + jnp.where(on & last, jnp.asarray(count, jnp.float32), 0.0)
         send = jax.lax.ppermute(d_x, core.PIPELINE, bwd_perm) if p > 1 else d_x
-        return ((g_e, g_l, g_h), tot, cnt, mets), bufs, act_buf, cot_buf, carry[4], send
+        return (((g_e, g_l, g_h), tot, cnt, mets), {**bufs, "dx": dx_buf}, act_buf, cot_buf,
+                carry[4], send)
 
     def b_scan_step(carry, row):
         return b_step(carry, row), None
@@ -162,8 +165,10 @@ def run_uniform(w, tokens_M, targets_M, *, sched: sched_lib.Schedule, fns: Stage
         carry, _ = f_step(carry, jax.tree.map(lambda v: v[0], rows))
         return b_step(carry, jax.tree.map(lambda v: v[1], rows)), None
 
+    m = sched.num_microbatches
     fill = jnp.full(act_shape, fill_value, act_dtype)
     buf = jnp.full((bplan.num_slots + 1, *act_shape), fill_value, act_dtype)
+    bufs = {**bufs, "dx": jnp.zeros((m + 1, *act_shape), act_dtype)}  # row m: idle steps
     carry = (accumulators(w, fns.metrics), bufs, buf, buf, fill, fill)
     rows = {key: jnp.asarray(v)[:, stage] for key, v in cols.items()}
     take = lambda lo, hi: jax.tree.map(lambda v: v[lo:hi], rows)
@@ -174,4 +179,8 @@ def run_uniform(w, tokens_M, targets_M, *, sched: sched_lib.Schedule, fns: Stage
         carry, _ = jax.lax.scan(pair, carry, paired)
     if b:
         carry, _ = jax.lax.scan(b_scan_step, carry, take(a + 2 * k, a + 2 * k + b))
-    return carry[0]
+    (g_e, g_l, g_h), tot, cnt, mets = carry[0]
+    tokens = tokens_M.reshape(-1, *tokens_M.shape[2:])
+    d_x = carry[1]["dx"][:m].reshape(-1, *act_shape[1:])
+    d_e = jax.vjp(lambda e: fns.embed(e, tokens), w[0])[1](d_x)[0]
+    return (add(g_e, masked(first, d_e)), g_l, g_h), tot, cnt, mets

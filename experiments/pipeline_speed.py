@@ -54,6 +54,10 @@ VARIANTS["pp2_1f1b-phased_m8"] = ("0,1", "1b", PP2 + [
     "train.batch_size=48", "train.pipeline_microbatches=8", "train.pipeline_schedule=1f1b-phased"], 5)
 VARIANTS["pp2_1f1b-phased_m16_b96"] = ("0,1", "1b", PP2 + [
     "train.batch_size=96", "train.pipeline_microbatches=16", "train.pipeline_schedule=1f1b-phased"], 5)
+for _b, _m in ((48, 16), (96, 16)):  # residuals: only the matmuls' outputs kept
+    VARIANTS[f"pp2_1f1b-phased_m{_m}_b{_b}_savemm"] = ("0,1", "1b", PP2 + [
+        f"train.batch_size={_b}", f"train.pipeline_microbatches={_m}",
+        "train.pipeline_schedule=1f1b-phased", "model.remat=save_matmuls"], 5)
 # TeraPipe: a 4-layer cut of 350m (2 layers a stage), one sequence, k equal token slices.
 for _seq, _ks in ((4096, (1, 2, 4, 8)), (8192, (1, 2, 4, 8)), (16384, (2, 8))):
     for _k in _ks:

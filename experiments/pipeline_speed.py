@@ -54,7 +54,7 @@ VARIANTS["pp2_1f1b-phased_m8"] = ("0,1", "1b", PP2 + [
     "train.batch_size=48", "train.pipeline_microbatches=8", "train.pipeline_schedule=1f1b-phased"], 5)
 VARIANTS["pp2_1f1b-phased_m16_b96"] = ("0,1", "1b", PP2 + [
     "train.batch_size=96", "train.pipeline_microbatches=16", "train.pipeline_schedule=1f1b-phased"], 5)
-for _b, _m in ((48, 16), (96, 16)):  # residuals: only the matmuls' outputs kept
+for _b, _m in ((48, 16), (96, 16), (128, 16)):  # residuals: only the matmuls' outputs kept
     VARIANTS[f"pp2_1f1b-phased_m{_m}_b{_b}_savemm"] = ("0,1", "1b", PP2 + [
         f"train.batch_size={_b}", f"train.pipeline_microbatches={_m}",
         "train.pipeline_schedule=1f1b-phased", "model.remat=save_matmuls"], 5)

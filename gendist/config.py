@@ -210,7 +210,7 @@ class TrainConfig:
     nonfinite: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop the run or skip the step
     pipeline_schedule: Literal["gpipe", "1f1b", "1f1b-phased", "1f1b-split", "zb-h1",
                                "pipedream", "pipedream-nostash", "2bw"] = (
-        "1f1b")  # schedule when mesh.pipeline > 1 (1f1b-phased: all stages F or all B per step; *-split, zb-h1: B and W steps; pipedream*/2bw: async)
+        "1f1b-phased")  # schedule when mesh.pipeline > 1 (1f1b-phased: all stages F or all B per step; *-split, zb-h1: B and W steps; pipedream*/2bw: async)
     pipeline_microbatches: int = 0  # microbatches per step in the pipeline (0 = 2 x stages)
     pipedream_window: int = 0  # 2bw: microbatches per update window (0 = mesh.pipeline - 1, min 1)
     terapipe_slices: int = 0  # TeraPipe: token slices per sequence through the pipeline (0 = off)

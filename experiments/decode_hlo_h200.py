@@ -62,7 +62,8 @@ def _pretend_h200():
     pa_kernels._resolve = lambda sm, hd, interpret: (resolve(sm, hd, interpret)[0], False)
 
 
-def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep):
+def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep,
+                 hlo_dir: str | None = None):
     from gendist import profiling
     from gendist.config import preset
     from gendist.inference import fastpath
@@ -91,6 +92,9 @@ def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep
     text = generate_tokens.lower(cfg, *args, max_new_tokens=new,
                                  sp=SamplingParams(temperature=0.0), **kw).compile().as_text()
     kinds = profiling.loop_body_kinds(text)
+    if hlo_dir:
+        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+        (Path(hlo_dir) / f"{name}_{batch}_{variant}.hlo.txt").write_text(text)
     return dict(preset=name, batch=batch, variant=variant, compile_s=time.perf_counter() - t0,
                 kernels_per_step=kinds, total=sum(kinds.values()),
                 per_layer=sum(kinds.values()) / preset(name).model.num_layers,
@@ -138,6 +142,8 @@ def main():
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
+    ap.add_argument("--hlo-dir", default=None,
+                    help="also write each case's compiled HLO text here (to read the fusions)")
     args = ap.parse_args()
     from jax.experimental import topologies
     topo = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1")
@@ -147,7 +153,8 @@ def main():
     rows = []
     for spec in args.cases:
         name, batch, variant = spec.split(":")
-        row = compile_case(name, int(batch), variant, args.prompt, args.new_tokens, rep)
+        row = compile_case(name, int(batch), variant, args.prompt, args.new_tokens, rep,
+                           args.hlo_dir)
         rows.append(row)
         print(json.dumps(row), flush=True)
     out = Path(args.out)

@@ -152,15 +152,30 @@ def norm_input(x_BTD, p: dict, name: str, cfg: ModelConfig):
 
 
 def folded_matmul(spec: str, h, w, r_BT1):
-    """einsum(spec, h, w) ([B, T, ...] out), times r_BT1 (per token) when a norm is folded
-    into w: accumulated and scaled in fp32, then cast to h's dtype. On a GPU the scale fuses
-    into the output's consumers (RoPE and the KV writes, SwiGLU): the norm is one reduction
-    per token, not a reduction and a rewrite of its input."""
+    """einsum(spec, h, w) for h [B, T, D], times r_BT1 (per token) when a norm is folded into
+    w (`norm_input`). One token (B·T = 1, a decode step at batch 1): XLA computes the
+    product as a reduction over each row of w, which would not fuse a scaling of h, so the
+    scale is applied to the output (in fp32, then cast), where it fuses into the consumers
+    (RoPE and the KV writes, SwiGLU): the norm costs one kernel (its sum of squares), not two.
+    Several tokens (a GEMM): h is scaled first, which XLA fuses with the residual add and the
+    sum of squares into one normalisation kernel, as for an unfolded norm."""
     if r_BT1 is None:
         return jnp.einsum(spec, h, w)
+    if not one_row(h):
+        return jnp.einsum(spec, scale_rows(h, r_BT1), w)
     y = jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
     r = r_BT1.reshape(r_BT1.shape[:2] + (1,) * (y.ndim - 2))
     return (y * r).astype(h.dtype)
+
+
+def one_row(h_BTD) -> bool:
+    """Whether a matmul of h is a matrix-vector product (one token: B·T = 1)."""
+    return h_BTD.shape[0] * h_BTD.shape[1] == 1
+
+
+def scale_rows(h_BTD, r_BT1):
+    """h * r per token, in fp32, cast back (RMSNorm without its gain)."""
+    return (h_BTD.astype(jnp.float32) * r_BT1).astype(h_BTD.dtype)
 
 
 def decode_mlp(h_BTD, p: dict, cfg: ModelConfig, r_BT1=None):
@@ -295,8 +310,10 @@ def head_params(params: dict, cfg: ModelConfig) -> dict:
 def head_logits(params: dict, x_BTD, cfg: ModelConfig, ops: Ops = DEFAULT_OPS):
     """fp32 logits [B, T, V] from the last block's output (final RMSNorm, output layer)."""
     if "final_norm" not in params:  # the decode layout, gain folded into head_VD
-        logits_BTV = ops.logits(x_BTD, params["head_VD"].T)
-        return logits_BTV * inv_rms(x_BTD, cfg.norm_eps)
+        r_BT1 = inv_rms(x_BTD, cfg.norm_eps)
+        if one_row(x_BTD):  # fp32 logits, scaled as `folded_matmul` does
+            return ops.logits(x_BTD, params["head_VD"].T) * r_BT1
+        return ops.logits(scale_rows(x_BTD, r_BT1), params["head_VD"].T)
     final_norm = ops.weights({"final_norm": params["final_norm"]},
                              {"final_norm": ("embed",)}, x_BTD.dtype)["final_norm"]
     h_BTD = rms_norm(x_BTD, final_norm, cfg.norm_eps)

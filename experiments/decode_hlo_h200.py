@@ -13,6 +13,11 @@ Setup (once; the CUDA plugin of the installed jax version, without its CUDA libr
     PYTHONPATH=.:/tmp/cuda_aot JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 \\
         python experiments/decode_hlo_h200.py --cases 350m:1:fast 350m:1:reference --out benchmarks
 
+Variants: `reference` (stacked weights, one stacked cache, the layer scan unrolled), `fast`
+(the decode layout with the norms' gains folded into the next matrices, per-layer cache,
+paged attention), `fast_unfolded` (the same with the norms kept: the layout before
+issue 19's norm folding), `fast_xla` (fast with jnp attention over all max_len slots).
+
 Autotuning needs a device, so GEMM configurations (batch > 1) are XLA's defaults, not what
 the GPU would pick; fusion decisions, reductions and copies are the GPU's. Pallas kernels
 are lowered for sm90 (Mosaic GPU for decode attention) by telling their dispatch that an
@@ -80,7 +85,8 @@ def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep
         params = jax.eval_shape(lambda p: transformer.inference_params(cfg, p), raw)
         kw["fast"] = False
     else:
-        params = jax.eval_shape(lambda p: transformer.decode_params(cfg, p), raw)
+        fold = variant != "fast_unfolded"
+        params = jax.eval_shape(lambda p: transformer.decode_params(cfg, p, fold), raw)
         backend = "xla" if variant == "fast_xla" else "pallas"
         kw["fast"] = True
         kw["cache"] = jax.tree.map(S, jax.eval_shape(
@@ -142,6 +148,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
+    ap.add_argument("--name", default="decode_hlo_h200.json", help="the JSON's file name")
     ap.add_argument("--hlo-dir", default=None,
                     help="also write each case's compiled HLO text here (to read the fusions)")
     args = ap.parse_args()
@@ -159,7 +166,7 @@ def main():
         print(json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_hlo_h200.json").write_text(json.dumps(
+    (out / args.name).write_text(json.dumps(
         dict(jax=jax.__version__, target="H200 (deviceless compile)", prompt=args.prompt,
              new_tokens=args.new_tokens, cases=rows), indent=1))
 

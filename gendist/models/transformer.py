@@ -406,11 +406,12 @@ def decode_params(cfg: ModelConfig, params: dict, fold_norms: bool = True) -> di
     `fold_norms` (the default): each RMSNorm's gain g is multiplied into the matrix that
     reads the norm's output, in fp32 before the cast, and the norm's vector is left out
     (its absence is the marker `block` and `head_logits` read): norm(x) @ W =
-    (x @ diag(g) W) * 1/rms(x), with 1/rms(x) applied to the matmul's output
-    (`norm_input`). On a GPU the norm was two kernels (sum of squares; the scaling of x,
-    which XLA does not fuse into the matrix-vector reduction that reads each element once
-    per output row) and is now one, the scale fusing into RoPE, the KV writes and SwiGLU.
-    The output layer is its own folded copy of the token table when tied ([V, D]).
+    (x @ diag(g) W) * 1/rms(x), with 1/rms(x) applied to the matmul's output for one token
+    and to its input for several (`norm_input`, `folded_matmul`). At batch 1 on a GPU the
+    norm was two kernels (sum of squares; the scaling of x, which XLA does not fuse into
+    the matrix-vector reduction that reads each element once per output row) and is now
+    one, the scale fusing into RoPE, the KV writes and SwiGLU. The output layer is its own
+    folded copy of the token table when tied ([V, D]).
 
     The math is the model's: the same sums over the same products (the order of a float sum
     may differ, and a folded gain rounds once with the matrix, so logits agree to rounding

@@ -69,10 +69,12 @@ def with_random_gains(cfg, seed):
 
 
 @pytest.mark.parametrize("mlp,tie", [("swiglu", True), ("gelu", False)])
-def test_folded_norms_equal_the_unfolded_layout(mlp, tie):
+def test_folded_norms_equal_the_unfolded_layout(mlp, tie, monkeypatch):
     """`decode_params` folds each norm's gain into the next matrix (and leaves the norm's
     vector out, the marker `block` and `head_logits` read): logits of a prompt and of a
-    cached one-token decode step equal the unfolded layout's and the model's (fp32)."""
+    cached one-token decode step equal the unfolded layout's and the model's (fp32). The
+    one-token step both ways: the sum of squares as one more row of the matrix, and (limit
+    0: as for matrices XLA multiplies as a GEMM) the product scaled afterwards."""
     cfg = dataclasses.replace(CFG, mlp=mlp, tie_embeddings=tie)
     p = with_random_gains(cfg, 7)
     folded = transformer.decode_params(cfg, p)
@@ -89,13 +91,15 @@ def test_folded_norms_equal_the_unfolded_layout(mlp, tie):
     for dp in (folded, plain):
         np.testing.assert_allclose(transformer.forward(cfg, dp, tokens), full,
                                    rtol=1e-5, atol=1e-5)
-        # Batch 1: the step is one token (the matrix-vector form, scaled after the matmul).
+        # Batch 1: the step is one token (a matrix-vector product).
         cache = fastpath.make_cache(cfg, 1, 16, True, backend="xla")
         pos = jnp.arange(8)[None]
         _, cache = transformer.forward(cfg, dp, tokens[:1, :8], pos, cache)
-        step, _ = transformer.forward(cfg, dp, tokens[:1, 8:], pos[:, :1] + 8,
-                                      cache.advance(jnp.full((1,), 8)))
-        np.testing.assert_allclose(step, full[:1, 8:], rtol=1e-5, atol=1e-5)
+        cache = cache.advance(jnp.full((1,), 8))
+        for limit in (transformer.MATVEC_AS_REDUCTION, 0):
+            monkeypatch.setattr(transformer, "MATVEC_AS_REDUCTION", limit)
+            step, _ = transformer.forward(cfg, dp, tokens[:1, 8:], pos[:, :1] + 8, cache)
+            np.testing.assert_allclose(step, full[:1, 8:], rtol=1e-5, atol=1e-5)
 
 
 def test_folded_fast_greedy_equals_reference_with_random_gains():

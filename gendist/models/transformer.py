@@ -88,10 +88,10 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     dt = x_BTD.dtype
     # Weights in their compute layout: under ZeRO-3 this is the layer's just-in-time gather.
     p = ops.weights(p, _block_axes(cfg, moe), dt)
-    h_BTD, r_BT1 = norm_input(x_BTD, p, "attn_norm", cfg)
+    h_BTD, eps = norm_input(x_BTD, p, "attn_norm", cfg)
     if "wqkv_CHD" in p:  # the decode layout (`decode_params`): one output-major matrix
         qkv_BTCH = folded_matmul("BTD,CHD->BTCH", ops.enter(h_BTD), p["wqkv_CHD"].astype(dt),
-                                 r_BT1)
+                                 eps)
         k = cfg.num_kv_heads
         n = qkv_BTCH.shape[2] - 2 * k
         q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [n, n + k], axis=2)
@@ -120,14 +120,14 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
         attn_BTD = ops.row(o_BTNH, p["wo"], 2)  # the row-parallel matmul, then g
     x_BTD = x_BTD + attn_BTD
     x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
-    h_BTD, r_BT1 = norm_input(x_BTD, p, "mlp_norm", cfg)
+    h_BTD, eps = norm_input(x_BTD, p, "mlp_norm", cfg)
     stats = None
     if moe:
         y_BTD, aux = ops.moe(moe_lib.layer_weights(p), ops.enter(h_BTD), cfg)  # f
         stats = (aux.weighted_loss(cfg), aux.drop_fraction, aux.expert_load_E)
         y_BTD = ops.leave(y_BTD)  # g
     elif "w_down_DF" in p:  # decode layout
-        y_BTD = ops.leave(decode_mlp(ops.enter(h_BTD), p, cfg, r_BT1))
+        y_BTD = ops.leave(decode_mlp(ops.enter(h_BTD), p, cfg, eps))
     else:
         outs = ops.column(h_BTD, mlp_inputs(p, cfg.mlp, cfg.fused_projections))
         y_BTD = ops.row(mlp_hidden(outs, cfg.mlp), p["w_down"], 1)
@@ -143,29 +143,53 @@ def inv_rms(x_BTD, eps: float):
 
 
 def norm_input(x_BTD, p: dict, name: str, cfg: ModelConfig):
-    """(the next matmul's input, the scale of its output): (rms_norm(x, p[name]), None), or
+    """(the next matmul's input, the eps of a folded norm): (rms_norm(x, p[name]), None), or
     for a decode layout whose gain is folded into the next matrix (`decode_params`: the
-    layer has no `name`), (x, 1/rms(x)): norm(x) @ W = (x @ diag(g) W) * 1/rms(x)."""
+    layer has no `name`), (x, eps), the matmul applying 1/rms(x) (`folded_matmul`)."""
     if name in p:
         return rms_norm(x_BTD, p[name], cfg.norm_eps), None
-    return x_BTD, inv_rms(x_BTD, cfg.norm_eps)
+    return x_BTD, cfg.norm_eps
 
 
-def folded_matmul(spec: str, h, w, r_BT1):
-    """einsum(spec, h, w) for h [B, T, D], times r_BT1 (per token) when a norm is folded into
-    w (`norm_input`). One token (B·T = 1, a decode step at batch 1): XLA computes the
-    product as a reduction over each row of w, which would not fuse a scaling of h, so the
-    scale is applied to the output (in fp32, then cast), where it fuses into the consumers
-    (RoPE and the KV writes, SwiGLU): the norm costs one kernel (its sum of squares), not two.
-    Several tokens (a GEMM): h is scaled first, which XLA fuses with the residual add and the
-    sum of squares into one normalisation kernel, as for an unfolded norm."""
-    if r_BT1 is None:
-        return jnp.einsum(spec, h, w)
+# XLA's GPU compiler computes a matrix-vector product as a reduction (not a GEMM) when its
+# operands hold at most this many elements (`ShouldStrengthReduceDotToReduce`,
+# `IsMatrixMultiplicationTooSmallForRewriting(dot, 10000000)`, jax 0.11-0.12).
+MATVEC_AS_REDUCTION = 10_000_000
+
+
+def folded_matmul(spec: str, h, w, eps: float | None, dtype=None):
+    """einsum(spec, h, w) (h [B, T, D], w [..., D]: output-major), in `dtype` (h's by
+    default); with `eps`, w has a norm's gain folded in and the product is
+    rms_norm(h) @ w = (h @ w) * 1/rms(h):
+
+    * several tokens (a GEMM): h is scaled first, which XLA fuses with the residual add
+      and the sum of squares into one normalisation kernel, as for an unfolded norm;
+    * one token (B·T = 1, a decode step at batch 1), a matrix small enough for XLA to
+      compute as a row reduction: h is appended to w as one more row, so the same
+      reduction also gives sum(h²), and 1/rms scales the output in fp32 where it fuses into
+      its consumers (RoPE and the KV writes, SwiGLU, the argmax): the norm costs no kernel
+      (it was two: the sum of squares, and the scaling of h, which XLA does not fuse into a
+      reduction that reads each element once per output row);
+    * one token, a larger matrix (a GEMM on a GPU, which would copy an extended matrix):
+      the product is scaled afterwards; the sum of squares is its own kernel.
+    """
+    dtype = dtype or h.dtype
+    if eps is None:
+        return jnp.einsum(spec, h, w).astype(dtype)
     if not one_row(h):
-        return jnp.einsum(spec, scale_rows(h, r_BT1), w)
+        return jnp.einsum(spec, scale_rows(h, inv_rms(h, eps)), w).astype(dtype)
+    D = h.shape[-1]
+    C = w.size // D
+    out_shape = h.shape[:2] + w.shape[:-1]
+    if (C + 2) * D <= MATVEC_AS_REDUCTION:
+        x_D = h.reshape(D)
+        wx_CD = jnp.concatenate([w.reshape(C, D), x_D[None, :].astype(w.dtype)], axis=0)
+        y_C = jnp.sum(wx_CD.astype(jnp.float32) * x_D.astype(jnp.float32)[None, :], axis=1)
+        r = jax.lax.rsqrt(y_C[C] / D + eps)
+        return (y_C[:C] * r).reshape(out_shape).astype(dtype)
     y = jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
-    r = r_BT1.reshape(r_BT1.shape[:2] + (1,) * (y.ndim - 2))
-    return (y * r).astype(h.dtype)
+    r_BT1 = inv_rms(h, eps)
+    return (y * r_BT1.reshape(r_BT1.shape[:2] + (1,) * (y.ndim - 2))).astype(dtype)
 
 
 def one_row(h_BTD) -> bool:
@@ -178,12 +202,12 @@ def scale_rows(h_BTD, r_BT1):
     return (h_BTD.astype(jnp.float32) * r_BT1).astype(h_BTD.dtype)
 
 
-def decode_mlp(h_BTD, p: dict, cfg: ModelConfig, r_BT1=None):
+def decode_mlp(h_BTD, p: dict, cfg: ModelConfig, eps: float | None = None):
     """The MLP on decode-layout weights (`decode_params`: output-major w_gate_up_GD or
-    w_up_FD, and w_down_DF); r_BT1: the folded norm's scale of its input (`norm_input`)."""
+    w_up_FD, and w_down_DF); eps: the norm folded into its input matrix (`norm_input`)."""
     dt = h_BTD.dtype
     w_in = p["w_gate_up_GD"] if cfg.mlp == "swiglu" else p["w_up_FD"]
-    u_BTG = folded_matmul("BTD,GD->BTG", h_BTD, w_in.astype(dt), r_BT1)
+    u_BTG = folded_matmul("BTD,GD->BTG", h_BTD, w_in.astype(dt), eps)
     return jnp.einsum("BTF,DF->BTD", mlp_hidden((u_BTG,), cfg.mlp), p["w_down_DF"].astype(dt))
 
 
@@ -310,10 +334,11 @@ def head_params(params: dict, cfg: ModelConfig) -> dict:
 def head_logits(params: dict, x_BTD, cfg: ModelConfig, ops: Ops = DEFAULT_OPS):
     """fp32 logits [B, T, V] from the last block's output (final RMSNorm, output layer)."""
     if "final_norm" not in params:  # the decode layout, gain folded into head_VD
-        r_BT1 = inv_rms(x_BTD, cfg.norm_eps)
-        if one_row(x_BTD):  # fp32 logits, scaled as `folded_matmul` does
-            return ops.logits(x_BTD, params["head_VD"].T) * r_BT1
-        return ops.logits(scale_rows(x_BTD, r_BT1), params["head_VD"].T)
+        w_VD = params["head_VD"]
+        if one_row(x_BTD):  # fp32 logits (`folded_matmul`: the sum of squares fused in)
+            return folded_matmul("BTD,VD->BTV", x_BTD, w_VD.astype(x_BTD.dtype), cfg.norm_eps,
+                                 jnp.float32)
+        return ops.logits(scale_rows(x_BTD, inv_rms(x_BTD, cfg.norm_eps)), w_VD.T)
     final_norm = ops.weights({"final_norm": params["final_norm"]},
                              {"final_norm": ("embed",)}, x_BTD.dtype)["final_norm"]
     h_BTD = rms_norm(x_BTD, final_norm, cfg.norm_eps)
@@ -406,12 +431,12 @@ def decode_params(cfg: ModelConfig, params: dict, fold_norms: bool = True) -> di
     `fold_norms` (the default): each RMSNorm's gain g is multiplied into the matrix that
     reads the norm's output, in fp32 before the cast, and the norm's vector is left out
     (its absence is the marker `block` and `head_logits` read): norm(x) @ W =
-    (x @ diag(g) W) * 1/rms(x), with 1/rms(x) applied to the matmul's output for one token
-    and to its input for several (`norm_input`, `folded_matmul`). At batch 1 on a GPU the
-    norm was two kernels (sum of squares; the scaling of x, which XLA does not fuse into
-    the matrix-vector reduction that reads each element once per output row) and is now
-    one, the scale fusing into RoPE, the KV writes and SwiGLU. The output layer is its own
-    folded copy of the token table when tied ([V, D]).
+    (x @ diag(g) W) * 1/rms(x), applied by `folded_matmul`. At batch 1 on a GPU a norm was
+    two kernels (sum of squares; the scaling of x, which XLA does not fuse into the
+    matrix-vector reduction that reads each element once per output row); now its sum of
+    squares is one more row of the next matrix-vector reduction and its scale fuses into
+    the consumers (for a matrix XLA multiplies as a GEMM: one kernel, the sum of squares).
+    The output layer is its own folded copy of the token table when tied ([V, D]).
 
     The math is the model's: the same sums over the same products (the order of a float sum
     may differ, and a folded gain rounds once with the matrix, so logits agree to rounding

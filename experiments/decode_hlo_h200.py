@@ -13,6 +13,11 @@ Setup (once; the CUDA plugin of the installed jax version, without its CUDA libr
     PYTHONPATH=.:/tmp/cuda_aot JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 \\
         python experiments/decode_hlo_h200.py --cases 350m:1:fast 350m:1:reference --out benchmarks
 
+Variants: `reference` (stacked weights, one stacked cache, the layer scan unrolled), `fast`
+(the decode layout with the norms' gains folded into the next matrices, per-layer cache,
+paged attention), `fast_unfolded` (the same with the norms kept: the layout before
+issue 19's norm folding), `fast_xla` (fast with jnp attention over all max_len slots).
+
 Autotuning needs a device, so GEMM configurations (batch > 1) are XLA's defaults, not what
 the GPU would pick; fusion decisions, reductions and copies are the GPU's. Pallas kernels
 are lowered for sm90 (Mosaic GPU for decode attention) by telling their dispatch that an
@@ -62,7 +67,8 @@ def _pretend_h200():
     pa_kernels._resolve = lambda sm, hd, interpret: (resolve(sm, hd, interpret)[0], False)
 
 
-def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep):
+def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep,
+                 hlo_dir: str | None = None):
     from gendist import profiling
     from gendist.config import preset
     from gendist.inference import fastpath
@@ -79,7 +85,8 @@ def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep
         params = jax.eval_shape(lambda p: transformer.inference_params(cfg, p), raw)
         kw["fast"] = False
     else:
-        params = jax.eval_shape(lambda p: transformer.decode_params(cfg, p), raw)
+        fold = variant != "fast_unfolded"
+        params = jax.eval_shape(lambda p: transformer.decode_params(cfg, p, fold), raw)
         backend = "xla" if variant == "fast_xla" else "pallas"
         kw["fast"] = True
         kw["cache"] = jax.tree.map(S, jax.eval_shape(
@@ -91,6 +98,9 @@ def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep
     text = generate_tokens.lower(cfg, *args, max_new_tokens=new,
                                  sp=SamplingParams(temperature=0.0), **kw).compile().as_text()
     kinds = profiling.loop_body_kinds(text)
+    if hlo_dir:
+        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+        (Path(hlo_dir) / f"{name}_{batch}_{variant}.hlo.txt").write_text(text)
     return dict(preset=name, batch=batch, variant=variant, compile_s=time.perf_counter() - t0,
                 kernels_per_step=kinds, total=sum(kinds.values()),
                 per_layer=sum(kinds.values()) / preset(name).model.num_layers,
@@ -138,6 +148,9 @@ def main():
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
+    ap.add_argument("--name", default="decode_hlo_h200.json", help="the JSON's file name")
+    ap.add_argument("--hlo-dir", default=None,
+                    help="also write each case's compiled HLO text here (to read the fusions)")
     args = ap.parse_args()
     from jax.experimental import topologies
     topo = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1")
@@ -147,12 +160,13 @@ def main():
     rows = []
     for spec in args.cases:
         name, batch, variant = spec.split(":")
-        row = compile_case(name, int(batch), variant, args.prompt, args.new_tokens, rep)
+        row = compile_case(name, int(batch), variant, args.prompt, args.new_tokens, rep,
+                           args.hlo_dir)
         rows.append(row)
         print(json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_hlo_h200.json").write_text(json.dumps(
+    (out / args.name).write_text(json.dumps(
         dict(jax=jax.__version__, target="H200 (deviceless compile)", prompt=args.prompt,
              new_tokens=args.new_tokens, cases=rows), indent=1))
 

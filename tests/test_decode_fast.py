@@ -57,6 +57,62 @@ def test_decode_layout_logits_equal_the_model(params):
                                transformer.forward(gelu, gp, tokens), rtol=1e-5, atol=1e-5)
 
 
+def with_random_gains(cfg, seed):
+    """Params whose RMSNorm gains are far from 1 (init sets them to 1, where folding them
+    into the next matrix would change nothing)."""
+    p = transformer.init_params(cfg, seed)
+    rng = np.random.default_rng(seed)
+    for path, name in ((("blocks",), "attn_norm"), (("blocks",), "mlp_norm"), ((), "final_norm")):
+        d = p[path[0]] if path else p
+        d[name] = jnp.asarray(rng.uniform(0.3, 3.0, d[name].shape), jnp.float32)
+    return p
+
+
+@pytest.mark.parametrize("mlp,tie", [("swiglu", True), ("gelu", False)])
+def test_folded_norms_equal_the_unfolded_layout(mlp, tie, monkeypatch):
+    """`decode_params` folds each norm's gain into the next matrix (and leaves the norm's
+    vector out, the marker `block` and `head_logits` read): logits of a prompt and of a
+    cached one-token decode step equal the unfolded layout's and the model's (fp32). The
+    one-token step both ways: the sum of squares as one more row of the matrix, and (limit
+    0: as for matrices XLA multiplies as a GEMM) the product scaled afterwards."""
+    cfg = dataclasses.replace(CFG, mlp=mlp, tie_embeddings=tie)
+    p = with_random_gains(cfg, 7)
+    folded = transformer.decode_params(cfg, p)
+    plain = transformer.decode_params(cfg, p, fold_norms=False)
+    assert "final_norm" not in folded and "head_VD" in folded
+    assert not {"attn_norm", "mlp_norm"} & set(folded["blocks"][0])
+    assert {"attn_norm", "mlp_norm"} <= set(plain["blocks"][0]) and "final_norm" in plain
+    w_in = "w_gate_up_GD" if mlp == "swiglu" else "w_up_FD"
+    g = np.asarray(p["blocks"]["mlp_norm"][1])
+    np.testing.assert_allclose(folded["blocks"][1][w_in], plain["blocks"][1][w_in] * g[None],
+                               rtol=1e-6)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 9)), jnp.int32)
+    full = transformer.forward(cfg, p, tokens)
+    for dp in (folded, plain):
+        np.testing.assert_allclose(transformer.forward(cfg, dp, tokens), full,
+                                   rtol=1e-5, atol=1e-5)
+        # Batch 1: the step is one token (a matrix-vector product).
+        cache = fastpath.make_cache(cfg, 1, 16, True, backend="xla")
+        pos = jnp.arange(8)[None]
+        _, cache = transformer.forward(cfg, dp, tokens[:1, :8], pos, cache)
+        cache = cache.advance(jnp.full((1,), 8))
+        for limit in (transformer.MATVEC_AS_REDUCTION, 0):
+            monkeypatch.setattr(transformer, "MATVEC_AS_REDUCTION", limit)
+            step, _ = transformer.forward(cfg, dp, tokens[:1, 8:], pos[:, :1] + 8, cache)
+            np.testing.assert_allclose(step, full[:1, 8:], rtol=1e-5, atol=1e-5)
+
+
+def test_folded_fast_greedy_equals_reference_with_random_gains():
+    """Batch 1, as on a GPU's fast path: every decode step is one token."""
+    p = jax.tree.map(lambda x: x * 4 if x.ndim > 1 else x, with_random_gains(CFG, 2))
+    pb, lb = G.pad_prompts(PROMPTS[2:])
+    args = (jnp.asarray(pb), jnp.asarray(lb), jax.random.key(0))
+    ref, _ = G.generate_tokens(CFG, p, *args, max_new_tokens=9, sp=GREEDY, fast=False)
+    assert "final_norm" not in fastpath.prepare(CFG, p, True)  # the fast path folds
+    out, _ = G.generate_tokens(CFG, p, *args, max_new_tokens=9, sp=GREEDY, fast=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_fast_greedy_equals_reference(params, reference, backend):
     pb, lb = G.pad_prompts(PROMPTS)

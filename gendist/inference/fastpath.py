@@ -1,9 +1,11 @@
 """Which decode path runs: the fast path on a GPU, the reference path on a CPU.
 
-The fast path is three choices made once per generation, none of which changes the math:
+The fast path is three choices made once per generation, none of which changes the math
+beyond rounding:
 
 * weights in the decode layout (`transformer.decode_params`: output-major, fused q|k|v and
-  gate|up, one buffer per layer, run straight-line);
+  gate|up, each RMSNorm's gain folded into the matrix after it, one buffer per layer, run
+  straight-line);
 * a cache with one buffer per layer, written in place (`layer_cache.LayerKVCache`);
 * on a GPU, attention through the paged kernel over that cache, which reads only the
   tokens below each sequence's length (`backend="pallas"`).

@@ -42,7 +42,7 @@ from gendist.inference.sampling import SamplingParams
 from gendist.models import transformer
 from gendist.timing import call_times
 
-VARIANTS = ("fast", "fast_xla", "reference")
+VARIANTS = ("fast", "fast_xla", "fast_unfolded", "reference")
 
 
 def read_only_tbps(gib: float = 2.0, n: int = 10) -> float:
@@ -74,7 +74,10 @@ def step_bytes(cfg, dparams, batch: int, prompt: int, new: int) -> tuple[int, in
     leaves = {k: v for k, v in dparams.items() if k != "embed"}
     weights = sum(x.nbytes for x in jax.tree.leaves(leaves))
     emb = dparams["embed"]
-    weights += emb.nbytes if cfg.tie_embeddings else batch * emb.shape[1] * emb.dtype.itemsize
+    # Tied: the table is the output layer, read whole (unless the folded layout carries its
+    # own output layer head_VD); untied: only the looked-up rows.
+    tied_read = cfg.tie_embeddings and "head_VD" not in dparams
+    weights += emb.nbytes if tied_read else batch * emb.shape[1] * emb.dtype.itemsize
     mean_len = prompt + (new + 1) / 2
     itemsize = jnp.dtype(transformer.DTYPES[cfg.dtype]).itemsize
     kv = cfg.num_layers * batch * 2 * mean_len * cfg.num_kv_heads * cfg.head_dim * itemsize
@@ -170,11 +173,12 @@ def main():
                 cfg = preset(name).model
                 raw = transformer.init_params(cfg, 0)
                 params["fast"] = transformer.decode_params(cfg, raw)
+                params["fast_unfolded"] = transformer.decode_params(cfg, raw, fold_norms=False)
                 params["reference"] = transformer.inference_params(cfg, raw)
                 del raw
                 first = True
             cfg = preset(name).model
-            p = params["reference" if variant == "reference" else "fast"]
+            p = params[variant if variant in ("reference", "fast_unfolded") else "fast"]
             row = run_case(cfg, p, batch, variant, args, profile=args.profile and first)
             first = False
             w, kv = step_bytes(cfg, params["fast"], batch, args.prompt, args.new_tokens)

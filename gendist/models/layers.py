@@ -76,23 +76,3 @@ def mlp_hidden(outs: tuple, kind: str) -> jax.Array:
         return jax.nn.gelu(outs[0])
     gate_BTF, up_BTF = outs if len(outs) == 2 else jnp.split(outs[0], 2, axis=-1)
     return jax.nn.silu(gate_BTF) * up_BTF
-
-
-def mlp(x_BTD: jax.Array, p: dict, kind: str, fused: bool = False) -> jax.Array:
-    """SwiGLU (Shazeer 2020) or GELU MLP; weights w_gate/w_up [D, F], w_down [F, D].
-
-    `fused`: gate and up as one [D, 2F] matmul (one larger GEMM instead of two). Weights in
-    the decode layout (w_gate_up_GD or w_up_FD, and w_down_DF: output-major) are used as given.
-    """
-    dt = x_BTD.dtype
-    if "w_down_DF" in p:  # decode layout (`transformer.decode_params`): output-major
-        if kind == "swiglu":
-            gu_BTG = jnp.einsum("BTD,GD->BTG", x_BTD, p["w_gate_up_GD"].astype(dt))
-            gate_BTF, up_BTF = jnp.split(gu_BTG, 2, axis=-1)
-            h_BTF = jax.nn.silu(gate_BTF) * up_BTF
-        else:
-            h_BTF = jax.nn.gelu(jnp.einsum("BTD,FD->BTF", x_BTD, p["w_up_FD"].astype(dt)))
-        return jnp.einsum("BTF,DF->BTD", h_BTF, p["w_down_DF"].astype(dt))
-    outs = tuple(jnp.einsum("BTD,DF->BTF", x_BTD, w.astype(dt))
-                 for w in mlp_inputs(p, kind, fused))
-    return jnp.einsum("BTF,FD->BTD", mlp_hidden(outs, kind), p["w_down"].astype(dt))

@@ -133,7 +133,7 @@ def combine(y_ECD: jax.Array, r: Routing) -> jax.Array:
 
 def expert_ffn(params: dict[str, jax.Array], x_ECD: jax.Array, activation: str) -> jax.Array:
     """Each expert's FFN on its own buffer; leading E of params matches x's E. Weights
-    are cast to the activation dtype (mixed precision, like `layers.mlp`)."""
+    are cast to the activation dtype (mixed precision, like the dense MLP)."""
     dt = x_ECD.dtype
     up_ECF = jnp.einsum("ECD,EDF->ECF", x_ECD, params["w_up"].astype(dt))
     if activation == "swiglu":

@@ -135,22 +135,29 @@ def run_uniform(w, tokens_M, targets_M, *, sched: sched_lib.Schedule, fns: Stage
         d_h, g_head = head_vjp(jnp.ones_like(loss))
         g = jnp.where(last, g_head.astype(act_dtype), cot_buf[slot])
 
-        def unit(g, pu_u):
+        (g_e, g_l, g_h), tot, cnt, mets = acc
+
+        def unit(carry, pu_u):  # each unit's weight gradient added to its accumulator
+            g, acc_u = carry
             pu, u = pu_u
             res = [jax.lax.dynamic_index_in_dim(
                 jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False), u, 0,
                 keepdims=False) for buf in bufs["units"]]
             d_p, d_x = rebuild(pu, res)((g, one))
-            return d_x, d_p
+            acc_u = jax.tree.map(
+                lambda a, d: jax.lax.dynamic_update_index_in_dim(
+                    a, jax.lax.dynamic_index_in_dim(a, u, 0, keepdims=False)
+                    + jnp.where(on, d, jnp.zeros_like(d)).astype(a.dtype), u, 0),
+                acc_u, d_p)
+            return (d_x, acc_u), None
 
-        d_x, per_unit = jax.lax.scan(unit, g, (units_w, jnp.arange(n)), reverse=True,
-                                     unroll=unroll)
+        (d_x, acc_units), _ = jax.lax.scan(unit, (g, fns.units(g_l)), (units_w, jnp.arange(n)),
+                                           reverse=True, unroll=unroll)
+        g_l = fns.from_units(acc_units)
         # The embedding's gradient once after the loop, from every microbatch's d_x (a
         # scatter over the vocabulary per step cost more than the buffer of them).
         dx_buf = jax.lax.dynamic_update_index_in_dim(
             bufs["dx"], d_x.astype(bufs["dx"].dtype), jnp.where(on, row["mb"], m), 0)
-        (g_e, g_l, g_h), tot, cnt, mets = acc
-        g_l = add(g_l, masked(on, fns.from_units(per_unit)))
         g_h = add(g_h, masked(on & last, d_h))
         tot = tot + jnp.where(on & last, loss, 0.0)
         cnt = cnt + jnp.where(on & last, jnp.asarray(count, jnp.float32), 0.0)

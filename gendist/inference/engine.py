@@ -3,8 +3,8 @@
 Jitted functions of a few fixed shapes serve every request mix without recompiling:
 
 * `prefill` computes only the requests that join: [R, T] with R a power of two up to
-  `prefill_rows` (more joiners take several calls) and T the prompt width (`max_len` for a
-  preempted request that rejoins with its output so far). Row r is slot rows_R[r] of the
+  `prefill_rows` (more joiners take several calls) and T the prompt width ([1, max_len] for
+  a preempted request that rejoins with its output so far, rare). Row r is slot rows_R[r] of the
   paged cache, through a row view (`PagedKVCache.take_rows`/`put_rows`), so a prefill costs
   what its joiners cost, not the whole batch.
 * `step` decodes one token for every active slot. Its input tokens stay on the device (the
@@ -165,11 +165,13 @@ class Engine:
     # ------------------------------------------------------------------ shapes and warm-up
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
-        """Every (rows, width) a prefill may take."""
+        """Every (rows, width) a prefill may take: fresh prompts in power-of-two row counts,
+        a preempted request rejoining (rare) one at a time at max_len."""
         e = self.ecfg
         cap = min(e.prefill_rows, e.max_slots)
         rows = sorted({min(1 << i, cap) for i in range(cap.bit_length() + 1)})
-        return [(r, t) for t in sorted({e.max_prompt_len, e.max_len}) for r in rows]
+        wide = [(1, e.max_len)] if e.max_len > e.max_prompt_len else []
+        return [(r, e.max_prompt_len) for r in rows] + wide
 
     def warmup(self) -> None:
         """Compile every prefill shape, the step and the free without touching any sequence,
@@ -345,7 +347,7 @@ class Engine:
         narrow = [s for s in joining if len(seqs[s]) <= e.max_prompt_len]
         wide = [s for s in joining if len(seqs[s]) > e.max_prompt_len]
         cap = min(e.prefill_rows, e.max_slots)
-        for group, width in ((narrow, e.max_prompt_len), (wide, e.max_len)):
+        for group, width, cap in ((narrow, e.max_prompt_len, cap), (wide, e.max_len, 1)):
             for i in range(0, len(group), cap):
                 self._dispatch_prefill(group[i: i + cap], seqs, width, inflight)
 

@@ -61,11 +61,18 @@ def test_paged_logits_equal_contiguous(params):
     assert int(cache.alloc.num_free) == 8 - 2 * 3  # 11 tokens = 3 pages of 4 per sequence
 
 
-def test_continuous_batching_join_leave_and_preemption(params):
+@pytest.fixture(scope="module")
+def mix(params):
+    """Six requests (prompt, max_new_tokens) and their full-forward greedy outputs."""
     rng = np.random.default_rng(3)
-    reqs = [Request(rng.integers(0, 256, size=int(rng.integers(2, 9))).astype(np.int32),
-                    int(rng.integers(3, 14))) for _ in range(6)]
-    expected = [full_forward_greedy(params, r.prompt, r.max_new_tokens) for r in reqs]
+    base = [(rng.integers(0, 256, size=int(rng.integers(2, 9))).astype(np.int32),
+             int(rng.integers(3, 14))) for _ in range(6)]
+    return base, [full_forward_greedy(params, p, n) for p, n in base]
+
+
+def test_continuous_batching_join_leave_and_preemption(params, mix):
+    reqs = [Request(p, n) for p, n in mix[0]]
+    expected = mix[1]
     roomy = Engine(CFG, params, EngineConfig(max_slots=3, max_prompt_len=8, max_len=24,
                                              num_pages=32, page_size=4))
     before = _traces()
@@ -161,14 +168,11 @@ def test_prefill_of_the_joiners_only_equals_a_full_batch_prefill(params):
         np.testing.assert_array_equal(x, y)  # pools, allocator, lengths (not the status)
 
 
-def test_overlapped_loop_gives_the_synchronous_tokens_with_eos_and_preemption(params):
+def test_overlapped_loop_gives_the_synchronous_tokens_with_eos_and_preemption(params, mix):
     """Dispatching step t+1 before reading step t (EOS seen a step late, its extra token
     dropped; preemption decided from the host's page count) gives the synchronous loop's
     tokens, and those of the full forward cut at the EOS. A warm engine compiles nothing."""
-    rng = np.random.default_rng(3)
-    base = [(rng.integers(0, 256, size=int(rng.integers(2, 9))).astype(np.int32),
-             int(rng.integers(3, 14))) for _ in range(6)]
-    full = [full_forward_greedy(params, p, n) for p, n in base]
+    base, full = mix
     eos = min(full, key=len)[1]  # the shortest request stops a token early; the pool stays tight
     expected = [out[: out.index(eos) + 1] if eos in out else out for out in full]
     assert sum(len(e) < len(f) for e, f in zip(expected, full, strict=True)) >= 1

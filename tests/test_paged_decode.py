@@ -134,8 +134,8 @@ def test_prefill_of_the_joiners_only_equals_a_full_batch_prefill(params):
             if s in seqs:
                 job[r, :2] = s, len(seqs[s])
                 job[r, 2: 2 + len(seqs[s])] = seqs[s]
-        cache, nxt, _ = engine._prefill(CFG, params, cache, jnp.zeros(S + 1, jnp.int32), job,
-                                        jax.random.key(0), sp=GREEDY)
+        cache, nxt, _ = engine._prefill(CFG, params, cache, jnp.zeros(S + 1, jnp.int32),
+                                        jnp.zeros(S, bool), job, jax.random.key(0), sp=GREEDY)
         return cache, np.asarray(nxt)
 
     def empty():
@@ -159,8 +159,8 @@ def test_prefill_of_the_joiners_only_equals_a_full_batch_prefill(params):
     seqs = {1: np.arange(60, 68)}
     cache, nxt = prefill(sub, [1])
     before = jax.tree.map(np.asarray, cache)
-    after, nxt2, _ = engine._step(CFG, params, cache, jnp.asarray(nxt), jax.random.key(1),
-                                  sp=GREEDY)
+    after, nxt2, _ = engine._step(CFG, params, cache, jnp.asarray(nxt), jnp.zeros(S, bool),
+                                  jax.random.key(1), sp=GREEDY)
     assert int(nxt2[S]) == pa.NO_PAGES
     np.testing.assert_array_equal(np.asarray(nxt2[:S]), nxt[:S])  # the tokens wait
     after = jax.tree.map(np.asarray, after)

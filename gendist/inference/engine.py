@@ -80,10 +80,12 @@ class Request:
 # (without donation every call would copy every pool). A failed call (status != OK) leaves
 # the cache and the tokens unchanged: the allocator commits all-or-nothing, no row is written.
 @functools.partial(jax.jit, static_argnames=("cfg", "sp"), donate_argnums=(2,))
-def _prefill(cfg, params, cache, next_S1, job_RC, key, *, sp):
-    """The joiners: job_RC [R, 2 + T] holds per row its slot (>= S: a padding row), its
-    length and its tokens. Claims the slots, fills their pages, samples their first token."""
+def _prefill(cfg, params, cache, next_S1, free_S, job_RC, key, *, sp):
+    """Frees the slots in free_S (finished since the last call), then the joiners: job_RC
+    [R, 2 + T] holds per row its slot (>= S: a padding row), its length and its tokens.
+    Claims the slots, fills their pages, samples their first token."""
     S = cache.lengths.shape[0]
+    cache = cache.free_slots(free_S)
     rows_R, len_R, tokens_RT = job_RC[:, 0], job_RC[:, 1], job_RC[:, 2:]
     t_T = jnp.arange(tokens_RT.shape[1], dtype=jnp.int32)
     pos_RT = jnp.where(t_T[None, :] < len_R[:, None], t_T[None, :], -1)
@@ -103,9 +105,11 @@ def _prefill(cfg, params, cache, next_S1, job_RC, key, *, sp):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sp"), donate_argnums=(2,))
-def _step(cfg, params, cache, next_S1, key, *, sp):
-    """One token for every active slot at its cached length; on success the lengths advance."""
+def _step(cfg, params, cache, next_S1, free_S, key, *, sp):
+    """Frees the slots in free_S, then one token for every active slot at its cached length;
+    on success the lengths advance."""
     S = cache.lengths.shape[0]
+    cache = cache.free_slots(free_S)
     key, sub = jax.random.split(key)
     active_S = cache.alloc.active
     pos_S = jnp.where(active_S, cache.lengths, 0)
@@ -146,6 +150,7 @@ class Engine:
             dtype=transformer.DTYPES[cfg.dtype], backend=backend, active=False,
             per_layer=fastpath.per_layer(cfg, fast), share_pages=False)  # nothing forks
         self._next = jnp.zeros((ecfg.max_slots + 1,), jnp.int32)  # see `_step`
+        self._no_free = jnp.zeros((ecfg.max_slots,), bool)  # on the device: no transfer
         # page_steps / token_steps: pages held / tokens cached, summed over steps (means);
         # prefill_tokens: rows x width computed by prefills, padding included;
         # overlapped_reads: calls read while a later one was already dispatched.
@@ -181,10 +186,11 @@ class Engine:
             job = np.zeros((r, 2 + t), np.int32)
             job[:, 0] = S  # padding rows: write nothing
             self.cache, self._next, self.key = _prefill(
-                self.cfg, self.params, self.cache, self._next, job, self.key, sp=self.sp)
+                self.cfg, self.params, self.cache, self._next, self._no_free, job, self.key,
+                sp=self.sp)
         self.cache, self._next, self.key = _step(self.cfg, self.params, self.cache, self._next,
-                                                 self.key, sp=self.sp)  # no slot is active
-        self.cache = _free(self.cache, np.zeros(S, bool))
+                                                 self._no_free, self.key, sp=self.sp)
+        self.cache = _free(self.cache, self._no_free)
         jax.block_until_ready((self.cache, self._next))
 
     # ------------------------------------------------------------------ the loop
@@ -234,7 +240,8 @@ class Engine:
                     "EngineConfig.num_pages")
             while inflight and not self._order:
                 self._read(inflight)
-        self._flush_frees()
+        if self._to_free.any():
+            self.cache = _free(self.cache, self._frees())
         return requests
 
     def _pages(self, lengths):
@@ -250,10 +257,13 @@ class Engine:
         need = int(np.sum(self._len[occupied] % self.ecfg.page_size == 0))
         return need <= self._free_pages()
 
-    def _flush_frees(self):
-        if self._to_free.any():
-            self.cache = _free(self.cache, self._to_free.copy())
-            self._to_free[:] = False
+    def _frees(self):
+        """The slots freed on the host since the last call, for the next call to free."""
+        if not self._to_free.any():
+            return self._no_free
+        mask = jnp.asarray(self._to_free)
+        self._to_free[:] = False
+        return mask
 
     def _release(self, s: int):
         """Host side now; on the device before the next call."""
@@ -269,9 +279,8 @@ class Engine:
             self._release(s)
 
     def _dispatch_step(self, inflight):
-        self._flush_frees()
         self.cache, self._next, self.key = _step(self.cfg, self.params, self.cache, self._next,
-                                                 self.key, sp=self.sp)
+                                                 self._frees(), self.key, sp=self.sp)
         self._next.copy_to_host_async()
         occupied = list(self._order)
         inflight.append((self._next, [(s, self._slots[s]) for s in occupied]))
@@ -293,23 +302,23 @@ class Engine:
         """Emit the tokens of the oldest call in flight (blocks until it has run)."""
         arr, entries = inflight.popleft()
         self.stats["overlapped_reads"] += bool(inflight)  # a newer call already queued
-        out = np.asarray(arr)
-        status = int(out[-1])
+        out = np.asarray(arr).tolist()
+        status = out[-1]
         if status != pa.OK:  # the host's page accounting should have prevented it
             raise pa.PagePoolExhausted(
                 f"an engine call could not reserve pages (status {pa.STATUS_NAMES[status]}); "
                 "raise EngineConfig.num_pages")
         stamp = time.perf_counter() - self._t0
-        n = 0
+        n, stopped = 0, self._stopped
         for s, req in entries:
-            if id(req) in self._stopped:
+            if id(req) in stopped:
                 continue  # a token past this request's EOS
-            token = int(out[s])
+            token = out[s]
             req.output.append(token)
             req.token_times.append(stamp)
             n += 1
             if len(req.output) >= req.max_new_tokens or token == req.eos_id:
-                self._stopped.add(id(req))
+                stopped.add(id(req))
                 if self._slots[s] is req:  # an EOS: the slot is freed only now
                     self._release(s)
         self.stats["tokens"] += n
@@ -339,7 +348,6 @@ class Engine:
             joining.append(s)
         if not joining:
             return
-        self._flush_frees()
         seqs = {s: np.concatenate([self._slots[s].prompt,
                                    np.asarray(self._slots[s].output, np.int32)])
                 for s in joining}
@@ -353,7 +361,6 @@ class Engine:
 
     def _dispatch_prefill(self, rows, seqs, width, inflight):
         e = self.ecfg
-        self._flush_frees()  # a read between two prefills may have freed a slot
         R = min(1 << (len(rows) - 1).bit_length(), e.prefill_rows, e.max_slots)
         job = np.zeros((R, 2 + width), np.int32)
         job[:, 0] = e.max_slots  # padding rows
@@ -361,7 +368,8 @@ class Engine:
             job[r, 0], job[r, 1] = s, len(seqs[s])
             job[r, 2: 2 + len(seqs[s])] = seqs[s]
         self.cache, self._next, self.key = _prefill(self.cfg, self.params, self.cache,
-                                                    self._next, job, self.key, sp=self.sp)
+                                                    self._next, self._frees(), job, self.key,
+                                                    sp=self.sp)
         self._next.copy_to_host_async()
         inflight.append((self._next, [(s, self._slots[s]) for s in rows]))
         self.stats["prefills"] += 1

@@ -78,7 +78,8 @@ class Request:
 # tokens, then the allocator status of the call. The host reads it a call later; the next
 # call reads it on the device. The cache is donated: its page pools are updated in place
 # (without donation every call would copy every pool). A failed call (status != OK) leaves
-# the cache and the tokens unchanged: the allocator commits all-or-nothing, no row is written.
+# the cache and the tokens unchanged, but for the frees it was given: the allocator commits
+# all-or-nothing and no row is written.
 @functools.partial(jax.jit, static_argnames=("cfg", "sp"), donate_argnums=(2,))
 def _prefill(cfg, params, cache, next_S1, free_S, job_RC, key, *, sp):
     """Frees the slots in free_S (finished since the last call), then the joiners: job_RC
@@ -354,8 +355,8 @@ class Engine:
         # Fresh prompts fit the prompt width; a preempted request re-prefills its output too.
         narrow = [s for s in joining if len(seqs[s]) <= e.max_prompt_len]
         wide = [s for s in joining if len(seqs[s]) > e.max_prompt_len]
-        cap = min(e.prefill_rows, e.max_slots)
-        for group, width, cap in ((narrow, e.max_prompt_len, cap), (wide, e.max_len, 1)):
+        rows = min(e.prefill_rows, e.max_slots)
+        for group, width, cap in ((narrow, e.max_prompt_len, rows), (wide, e.max_len, 1)):
             for i in range(0, len(group), cap):
                 self._dispatch_prefill(group[i: i + cap], seqs, width, inflight)
 

@@ -187,8 +187,8 @@ class Engine:
             job = np.zeros((r, 2 + t), np.int32)
             job[:, 0] = S  # padding rows: write nothing
             self.cache, self._next, self.key = _prefill(
-                self.cfg, self.params, self.cache, self._next, self._no_free, job, self.key,
-                sp=self.sp)
+                self.cfg, self.params, self.cache, self._next, self._no_free,
+                jax.device_put(job), self.key, sp=self.sp)  # as `run` passes it
         self.cache, self._next, self.key = _step(self.cfg, self.params, self.cache, self._next,
                                                  self._no_free, self.key, sp=self.sp)
         self.cache = _free(self.cache, self._no_free)
@@ -262,7 +262,7 @@ class Engine:
         """The slots freed on the host since the last call, for the next call to free."""
         if not self._to_free.any():
             return self._no_free
-        mask = jnp.asarray(self._to_free)
+        mask = jax.device_put(self._to_free.copy())
         self._to_free[:] = False
         return mask
 
@@ -369,7 +369,8 @@ class Engine:
             job[r, 0], job[r, 1] = s, len(seqs[s])
             job[r, 2: 2 + len(seqs[s])] = seqs[s]
         self.cache, self._next, self.key = _prefill(self.cfg, self.params, self.cache,
-                                                    self._next, self._frees(), job, self.key,
+                                                    self._next, self._frees(),
+                                                    jax.device_put(job), self.key,
                                                     sp=self.sp)
         self._next.copy_to_host_async()
         inflight.append((self._next, [(s, self._slots[s]) for s in rows]))

@@ -102,6 +102,18 @@ def test_exhausted_pool_refused_with_clear_error(params):
         eng.run(reqs)
 
 
+def test_one_token_requests(params):
+    """A request done at its prefill frees its slot at once, in both loops."""
+    prompts = [np.arange(1, 9, dtype=np.int32), np.arange(3, 6, dtype=np.int32)]
+    for overlap in (True, False):
+        eng = Engine(CFG, params, EngineConfig(max_slots=2, max_prompt_len=8, max_len=24,
+                                               num_pages=7, page_size=4, overlap=overlap))
+        done = eng.run([Request(p, 1) for p in prompts] + [Request(prompts[1], 4)])
+        assert [d.output for d in done] == [full_forward_greedy(params, p, n) for p, n in
+                                             ((prompts[0], 1), (prompts[1], 1), (prompts[1], 4))]
+        assert int(eng.cache.alloc.num_free) == 7
+
+
 def test_request_past_max_length_refused(params):
     eng = Engine(CFG, params, EngineConfig(max_slots=2, max_prompt_len=8, max_len=24,
                                            num_pages=16, page_size=4))

@@ -224,7 +224,7 @@ class Engine:
                 else:
                     time.sleep(max(0.0, pending[0].arrival - now))
                 continue
-            self._admit_waiting(queue, inflight)
+            admitted = self._admit_waiting(queue, inflight)
             if self._order:
                 if not self._step_fits():
                     if inflight:  # an EOS not read yet may free pages
@@ -234,7 +234,7 @@ class Engine:
                         self._preempt(queue)
                     continue
                 self._dispatch_step(inflight)
-            elif not inflight:
+            elif not admitted and not inflight:  # the empty pool cannot take the next one
                 raise pa.PagePoolExhausted(
                     f"a request of {len(queue[0].prompt) + len(queue[0].output)} tokens does not "
                     f"fit the empty pool of {e.num_pages} pages of {e.page_size} tokens; raise "
@@ -326,7 +326,9 @@ class Engine:
         if self._on_token is not None:
             self._on_token(n)
 
-    def _admit_waiting(self, queue, inflight):
+    def _admit_waiting(self, queue, inflight) -> int:
+        """Admit waiting requests into free slots while the pool has room; dispatch their
+        prefills. Returns how many were admitted."""
         e = self.ecfg
         joining = []
         free = self._free_pages()
@@ -348,7 +350,7 @@ class Engine:
             self._sent[s] = len(req.output)
             joining.append(s)
         if not joining:
-            return
+            return 0
         seqs = {s: np.concatenate([self._slots[s].prompt,
                                    np.asarray(self._slots[s].output, np.int32)])
                 for s in joining}
@@ -359,6 +361,7 @@ class Engine:
         for group, width, cap in ((narrow, e.max_prompt_len, rows), (wide, e.max_len, 1)):
             for i in range(0, len(group), cap):
                 self._dispatch_prefill(group[i: i + cap], seqs, width, inflight)
+        return len(joining)
 
     def _dispatch_prefill(self, rows, seqs, width, inflight):
         e = self.ecfg

@@ -201,7 +201,9 @@ def main():
                     help="KV budget in max-length sequences (= the static batch)")
     ap.add_argument("--slots", type=int, default=64, help="engine: sequences at once")
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--systems", nargs="+", default=["engine", "static"])
+    ap.add_argument("--systems", nargs="+", default=["engine", "static"],
+                    help="engine, static, engine_sync (the engine reading every call before "
+                         "the next: isolates the overlapped host loop)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
     args = ap.parse_args()
@@ -229,10 +231,10 @@ def main():
     for name in args.systems:
         try:
             reqs = fresh(trace)
-            if name == "engine":
+            if name in ("engine", "engine_sync"):
                 ecfg = EngineConfig(max_slots=args.slots, max_prompt_len=args.max_prompt,
                                     max_len=args.max_len, num_pages=budget // args.page_size,
-                                    page_size=args.page_size)
+                                    page_size=args.page_size, overlap=name == "engine")
                 eng = Engine(cfg, params, ecfg)
                 eng.warmup()  # compile every prefill shape and the step outside the timed run
                 bar = Progress(res["trace_output_tokens"], name)

@@ -6,8 +6,9 @@ log-normal as in `kv_utilisation.py` (medians 160 and 180 tokens, σ 0.9), clipp
 prompt width and the maximum length. Random weights and greedy decoding, so no request
 stops early: every request asks for exactly its output length.
 
-* engine: `gendist.inference.engine` (continuous batching, paged KV, preemption), with a
-  pool of budget / page_size pages and up to `--slots` sequences at once;
+* engine: `gendist.inference.engine` (continuous batching, paged KV, preemption, prefill of
+  the joining requests only, the host one call ahead of the device), with a pool of
+  budget / page_size pages and up to `--slots` sequences at once;
 * static: batches of budget / max_len sequences (each reserves max_len slots), formed from
   the requests that have arrived, prefilled together and decoded until the longest one is
   done, with no joins (FasterTransformer-style). Same model, same jitted step per token.
@@ -200,7 +201,9 @@ def main():
                     help="KV budget in max-length sequences (= the static batch)")
     ap.add_argument("--slots", type=int, default=64, help="engine: sequences at once")
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--systems", nargs="+", default=["engine", "static"])
+    ap.add_argument("--systems", nargs="+", default=["engine", "static"],
+                    help="engine, static, engine_sync (the engine reading every call before "
+                         "the next: isolates the overlapped host loop)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
     args = ap.parse_args()
@@ -228,17 +231,19 @@ def main():
     for name in args.systems:
         try:
             reqs = fresh(trace)
-            if name == "engine":
+            if name in ("engine", "engine_sync"):
                 ecfg = EngineConfig(max_slots=args.slots, max_prompt_len=args.max_prompt,
                                     max_len=args.max_len, num_pages=budget // args.page_size,
-                                    page_size=args.page_size)
+                                    page_size=args.page_size, overlap=name == "engine")
                 eng = Engine(cfg, params, ecfg)
-                eng.warmup()  # compile prefill (both widths) and step outside the timed run
+                eng.warmup()  # compile every prefill shape and the step outside the timed run
                 bar = Progress(res["trace_output_tokens"], name)
                 eng.run(reqs, realtime=True, on_token=bar.update)
                 bar.close()
                 s = eng.stats
                 extra = dict(steps=s["steps"], prefills=s["prefills"],
+                             prefill_tokens_computed=s["prefill_tokens"],
+                             overlapped_reads=s["overlapped_reads"],
                              preemptions=s["preemptions"],
                              mean_kv_tokens_reserved=s["page_steps"] / max(s["steps"], 1)
                              * args.page_size,

@@ -146,6 +146,50 @@ class PagedKVCache(KVCache):
         alloc = jax.lax.fori_loop(0, lengths_B.shape[0], body, self.alloc)
         return dataclasses.replace(self, alloc=alloc, lengths=lengths_B)
 
+    def take_rows(self, rows_R, activate: bool = False):
+        """A cache of R rows over the same page pools: row r is slot rows_R[r] (its block
+        table, lengths, active flag); a row index >= the slot count is padding, an empty
+        inactive row that writes nothing. `activate`: the real rows start active (a slot
+        claimed for a new sequence). Run a forward on it, then `put_rows` it back, to
+        compute only some slots (the engine's prefill of the requests that join)."""
+        a = self.alloc
+
+        def get(x, fill):
+            return x.at[rows_R].get(mode="fill", fill_value=fill)
+
+        active = (rows_R >= 0) & (rows_R < a.max_seqs) if activate else get(a.active, False)
+        alloc = dataclasses.replace(a, block_tables=get(a.block_tables, pa.NO_PAGE),
+                                    lengths=get(a.lengths, 0), active=active)
+        return dataclasses.replace(self, alloc=alloc, lengths=get(self.lengths, 0))
+
+    def put_rows(self, view, rows_R):
+        """Slots rows_R take the rows of `view` (from `take_rows`; padding rows are dropped);
+        the pools, page refcounts and status are the view's."""
+        a, b = self.alloc, view.alloc
+
+        def put(x, y):
+            return x.at[rows_R].set(y, mode="drop")
+
+        alloc = dataclasses.replace(a, refcounts=b.refcounts,
+                                    block_tables=put(a.block_tables, b.block_tables),
+                                    lengths=put(a.lengths, b.lengths), active=put(a.active, b.active))
+        return dataclasses.replace(self, k_LKPZH=view.k_LKPZH, v_LKPZH=view.v_LKPZH, alloc=alloc,
+                                   lengths=put(self.lengths, view.lengths), status=view.status)
+
+    def free_slots(self, mask_B):
+        """End the sequences of every active slot where mask_B is set (`free_slot` for many
+        at once, in one pass: each of their pages loses one owner)."""
+        a = self.alloc
+        mask_B = mask_B & a.active
+        held = mask_B[:, None] & (a.block_tables >= 0)
+        refcounts = a.refcounts.at[jnp.where(held, a.block_tables, a.num_pages)].add(
+            -1, mode="drop")
+        alloc = dataclasses.replace(
+            a, refcounts=refcounts,
+            block_tables=jnp.where(mask_B[:, None], pa.NO_PAGE, a.block_tables),
+            lengths=jnp.where(mask_B, 0, a.lengths), active=a.active & ~mask_B)
+        return dataclasses.replace(self, alloc=alloc, lengths=jnp.where(mask_B, 0, self.lengths))
+
     def free_slot(self, slot):
         """End a sequence: its pages return to the pool (shared ones lose one owner)."""
         alloc, _ = pa.free(self.alloc, slot)

@@ -19,10 +19,10 @@ from test_tensor_parallel import _block_case, _value_and_grads, tp_config
 
 from gendist import train, train_checks
 from gendist.accounting import parse_collectives
-from gendist.config import replace
 from gendist.data import TextData, shard_batch
 from gendist.models import transformer
 from gendist.parallel import manual
+from gendist.presets import replace
 
 RTOL, ATOL = 1e-5, 1e-7  # fp32, as tests/test_tensor_parallel.py
 

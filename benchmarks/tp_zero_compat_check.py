@@ -12,10 +12,11 @@ import numpy as np  # noqa: E402
 from helpers import mesh_of, small_config  # noqa: E402
 
 from gendist import accounting, train  # noqa: E402
-from gendist.config import ModelConfig, replace  # noqa: E402
+from gendist.config import ModelConfig  # noqa: E402
 from gendist.data import TextData, shard_batch  # noqa: E402
 from gendist.models import transformer  # noqa: E402
 from gendist.parallel import manual, tensor  # noqa: E402
+from gendist.presets import replace  # noqa: E402
 
 print("jax", jax.__version__, jax.device_count(), "devices")
 data = TextData.from_config(small_config().data)

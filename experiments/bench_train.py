@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gendist import train
-from gendist.config import preset, replace
 from gendist.data import shard_batch
+from gendist.presets import preset, replace
 from gendist.timing import median_seconds
 
 DATASHEET_BF16 = 989e12  # H100/H200 SXM dense bf16 (NVIDIA datasheet)

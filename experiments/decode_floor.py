@@ -35,11 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from gendist import profiling
-from gendist.config import preset
 from gendist.inference import fastpath
 from gendist.inference.generate import generate_tokens
 from gendist.inference.sampling import SamplingParams
 from gendist.models import transformer
+from gendist.presets import preset
 from gendist.timing import call_times
 
 VARIANTS = ("fast", "fast_xla", "fast_unfolded", "reference")

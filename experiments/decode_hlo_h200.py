@@ -70,11 +70,11 @@ def _pretend_h200():
 def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep,
                  hlo_dir: str | None = None):
     from gendist import profiling
-    from gendist.config import preset
     from gendist.inference import fastpath
     from gendist.inference.generate import generate_tokens
     from gendist.inference.sampling import SamplingParams
     from gendist.models import transformer
+    from gendist.presets import preset
 
     cfg = preset(name).model
     S = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep)  # noqa: E731

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from gendist import loop
-from gendist.config import preset, replace
+from gendist.presets import preset, replace
 
 
 def train(cfg, name, steps, out):

@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 
 from gendist import profiling
-from gendist.config import preset
 from gendist.inference.generate import generate_tokens
 from gendist.inference.lm import draft_config, transformer_lm
 from gendist.inference.sampling import SamplingParams
 from gendist.inference.speculative import SpecConfig, speculative_generate
 from gendist.models import transformer
+from gendist.presets import preset
 from gendist.timing import call_times
 
 

@@ -36,12 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gendist.config import preset
 from gendist.inference import fastpath
 from gendist.inference.engine import Engine, EngineConfig, Request
 from gendist.inference.generate import decode_step, prefill
 from gendist.inference.sampling import SamplingParams, sample
 from gendist.models import transformer
+from gendist.presets import preset
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -38,13 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from gendist import loop
-from gendist.config import preset, replace
 from gendist.data import TextData
 from gendist.inference import fastpath
 from gendist.inference.generate import generate_tokens
 from gendist.inference.lm import draft_config, transformer_lm
 from gendist.inference.sampling import SamplingParams
 from gendist.inference.speculative import SpecConfig, expected_tokens_per_cost, speculative_generate
+from gendist.presets import preset, replace
 from gendist.timing import call_times
 
 

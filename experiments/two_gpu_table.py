@@ -65,7 +65,7 @@ import json, sys
 sys.path.insert(0, {here!r})
 import bench_train
 from gendist import accounting, train
-from gendist.config import preset, replace
+from gendist.presets import preset, replace
 sets = bench_train.parse_overrides({sets!r})
 setup = train.build(replace(preset({preset!r}), **sets))
 pred = accounting.predict(setup)

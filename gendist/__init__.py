@@ -24,7 +24,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 _EXPORTS = {
     "Config": "gendist.config", "ModelConfig": "gendist.config", "MeshConfig": "gendist.config",
     "DataConfig": "gendist.config", "TrainConfig": "gendist.config",
-    "GenerateConfig": "gendist.config", "preset": "gendist.config", "replace": "gendist.config",
+    "GenerateConfig": "gendist.config", "preset": "gendist.presets", "replace": "gendist.presets",
     "build": "gendist.train", "Setup": "gendist.train",
     "run": "gendist.loop", "RunResult": "gendist.loop",
     "generate_text": "gendist.inference.generate",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from gendist.cli_data import UsageError
 from gendist.cli_data import pop_option as _pop_option
-from gendist.config import PRESETS as _PRESETS
 from gendist.config import GenerateConfig
+from gendist.presets import PRESETS as _PRESETS
 
 PROG = "python -m gendist"
 TRACEBACK_ENV = "GENDIST_TRACEBACK"

@@ -41,7 +41,7 @@ def pop_option(argv: list[str], name: str, default: str | None = None) -> str | 
 def base_config(argv: list[str], default_preset: str = "tiny") -> tuple[Config, str]:
     """(the config flags override, its description): `--config FILE` or `--preset NAME`."""
     from gendist import config_yaml
-    from gendist.config import preset
+    from gendist.presets import preset
     path = pop_option(argv, "--config")
     name = pop_option(argv, "--preset")
     if path is not None:

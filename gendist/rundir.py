@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from gendist.config import Config, config_from_dict
+from gendist.config import Config
+from gendist.presets import config_from_dict
 
 # Fields that may differ between a run and its continuation.
 MAY_CHANGE = {

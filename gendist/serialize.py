@@ -9,8 +9,9 @@ from jax.sharding import SingleDeviceSharding
 
 from gendist import optim
 from gendist.checkpoint import Checkpointer, CheckpointError
-from gendist.config import ModelConfig, config_from_dict
+from gendist.config import ModelConfig
 from gendist.models import transformer
+from gendist.presets import config_from_dict
 
 
 def find_checkpoint_dir(path: str | Path) -> Path:

@@ -12,6 +12,7 @@ the interpreter runs (and which the GPU also runs, so both paths are tested ther
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,8 @@ WGMMA = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)
 COL = plgpu.Layout.WGMMA.reduce(0)
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm90
+LOG2E = math.log2(math.e)  # softmax in base 2: exp(x) = exp2(x * LOG2E)
+LN2 = math.log(2.0)
 
 
 @functools.cache
@@ -64,3 +67,29 @@ def smem_bytes(*buffers) -> int:
             n *= d
         total += -(-n // 1024) * 1024
     return total
+
+
+def launch(kernel, args, *, out_type, scratch, grid, grid_names, num_threads: int,
+           interpret: bool):
+    """Runs `kernel` over `grid` with the settings every kernel here shares: its threads are
+    warpgroups named "wg", math may be approximate (exp2 on the multi-function unit), and
+    `interpret` picks Mosaic GPU's CPU interpreter."""
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=num_threads,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_params(interpret),
+    )(*args)
+
+
+def softmax_start(rows: int, width: int):
+    """The online softmax's starting carry for `rows` query rows: the fp32 output
+    accumulator [rows, width] (zeros), the running max (-inf) and the running sum (0)."""
+    return (plgpu.layout_cast(jnp.zeros((rows, width), jnp.float32), WGMMA),
+            plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), ROW),
+            plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), ROW))

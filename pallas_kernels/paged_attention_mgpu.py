@@ -32,19 +32,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._mgpu import (
-    ROW,
+    LN2,
+    LOG2E,
     SMEM_LIMIT,
     WGMMA,
-    interpret_params,
+    launch,
     smem_bytes,
+    softmax_start,
     tiled_smem,
 )
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 _ROWS = 64  # query rows of one wgmma tile; the GQA group is padded to it
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
 _TARGET_BLOCKS = 264  # two waves of an H200's 132 SMs; fewer blocks: split the context
 
 
@@ -115,7 +115,7 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
     copies = bk // c
     split_pages = plan.split_tokens // page_size
     table_chunks = [(lo, min(256, split_pages - lo)) for lo in range(0, split_pages, 256)]
-    scale2 = sm_scale * _LOG2E
+    scale2 = sm_scale * LOG2E
 
     def kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, lse_ref,
                q_smem, k_smem, v_smem, o_smem, lse_smem, bt_smem, p_smem,
@@ -180,14 +180,12 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                 plgpu.barrier_arrive(free.at[slot])
                 return acc, m_new, l
 
-            carry = (plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), jnp.float32), WGMMA),
-                     plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32), ROW),
-                     plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), ROW))
+            carry = softmax_start(_ROWS, head_dim)
             acc, m, l = lax.fori_loop(0, n_steps, step, carry)
             seen = l > 0.0  # an empty split gives O = 0 and LSE = -inf (weight 0 in the merge)
             inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
             o_smem[...] = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            lse_smem[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)) * (1 / _LN2), -jnp.inf)
+            lse_smem[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)) * (1 / LN2), -jnp.inf)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[si, bi, kvh], commit_group=False)
             plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows)], lse_ref.at[si, bi, kvh], commit_group=False)
@@ -236,18 +234,11 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
         plgpu.Barrier(num_barriers=st),  # slot free again
     )
     s = plan.splits
-    return plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct((s, batch, kv_heads, rows, head_dim), jnp.float32),
-                  jax.ShapeDtypeStruct((s, batch, kv_heads, rows), jnp.float32)),
-        scratch_types=scratch,
-        grid=(s, kv_heads, batch),
-        grid_names=("s", "k", "b"),
-        num_threads=2,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret_params(plan.interpret),
-    )(q_BKRH, k_pages, v_pages, tables, lengths)
+    return launch(kernel, (q_BKRH, k_pages, v_pages, tables, lengths),
+                  out_type=(jax.ShapeDtypeStruct((s, batch, kv_heads, rows, head_dim), jnp.float32),
+                            jax.ShapeDtypeStruct((s, batch, kv_heads, rows), jnp.float32)),
+                  scratch=scratch, grid=(s, kv_heads, batch), grid_names=("s", "k", "b"),
+                  num_threads=2, interpret=plan.interpret)
 
 
 def _merge(o_SBKRH, lse_SBKR):

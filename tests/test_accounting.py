@@ -6,7 +6,7 @@ import pytest
 from helpers import mesh_of, small_config
 
 from gendist import accounting, train
-from gendist.config import replace
+from gendist.presets import replace
 
 HLO = """HloModule m
 

@@ -5,8 +5,8 @@ import numpy as np
 from helpers import mesh_of, small_config
 
 from gendist import train
-from gendist.config import replace
 from gendist.data import TextData, shard_batch
+from gendist.presets import replace
 
 
 def losses(backend, dtype, steps=3):

@@ -17,12 +17,12 @@ import pytest
 from helpers import assert_trees_close, mesh_of
 from test_tensor_parallel import _block_case, _value_and_grads, tp_config
 
-from gendist import train
+from gendist import train, train_checks
 from gendist.accounting import parse_collectives
-from gendist.config import replace
 from gendist.data import TextData, shard_batch
 from gendist.models import transformer
 from gendist.parallel import manual
+from gendist.presets import replace
 
 RTOL, ATOL = 1e-5, 1e-7  # fp32, as tests/test_tensor_parallel.py
 
@@ -77,7 +77,7 @@ def test_collective_config_errors(override, match):
     cfg = replace(tp_config(sp=True), **{"train.tp_comm": "collective", "mesh.data": 2,
                                          "mesh.tensor": 4, **override})
     with pytest.raises(ValueError, match=match):
-        train.validate_config(cfg, mesh_of(8, data=cfg.mesh.data, tensor=cfg.mesh.tensor))
+        train_checks.validate_config(cfg, mesh_of(8, data=cfg.mesh.data, tensor=cfg.mesh.tensor))
 
 
 def test_tp_comm_value_checked():

@@ -11,9 +11,10 @@ from helpers import mesh_of, small_config
 
 from gendist import loop
 from gendist.cli_data import resolve_train
-from gendist.config import DataConfig, replace
+from gendist.config import DataConfig
 from gendist.corpus import documents, expand, load_tokens
 from gendist.data import TextData, load_corpus
+from gendist.presets import replace
 from gendist.tokenfiles import TokenStream, open_token_dir
 from gendist.tokenizer import ByteTokenizer, load_tokenizer
 

@@ -4,9 +4,10 @@ import pytest
 from helpers import mesh_of, small_config
 
 from gendist import train
-from gendist.config import DataConfig, MeshConfig, ModelConfig, replace
+from gendist.config import DataConfig, MeshConfig, ModelConfig
 from gendist.data import load_corpus
 from gendist.inference.generate import check_lengths
+from gendist.presets import replace
 from gendist.sharding import make_mesh
 
 
@@ -48,8 +49,9 @@ def test_missing_corpus_file(tmp_path):
 
 
 def test_unknown_attention_backend():
-    from gendist.models.attention import attention
     import jax.numpy as jnp
+
+    from gendist.models.attention import attention
     q = jnp.zeros((1, 2, 2, 4))
     with pytest.raises(ValueError, match=r"model.attention='flash'"):
         attention(q, q, q, backend="flash")

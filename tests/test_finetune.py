@@ -16,8 +16,9 @@ from hf_fixtures import hf_llama_logits, llama_config, random_weights, write_lla
 from gendist import config_yaml, hf, loop
 from gendist.__main__ import parse_config
 from gendist.cli_data import cmd_export, resolve_train, sample
-from gendist.config import Config, replace
+from gendist.config import Config
 from gendist.data import TextData, load_corpus
+from gendist.presets import replace
 from gendist.tokenizer import load_tokenizer
 
 TEXT = bytes(load_corpus()[:60_000]).decode("utf-8", errors="ignore")

@@ -99,6 +99,7 @@ def test_layers():
         "gendist.accounting", "gendist.__main__")) == []
     # Configs are plain data.
     assert graph["gendist.config"] == set()
+    assert graph["gendist.presets"] == {"gendist.config"}
     # The parallel layer builds on the model, not on training or decoding.
     assert _imports_under(graph, "gendist.parallel", (
         "gendist.train", "gendist.loop", "gendist.inference", "gendist.__main__")) == []

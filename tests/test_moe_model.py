@@ -65,7 +65,7 @@ def test_moe_training_reports_router_metrics(tmp_path):
     from helpers import small_config
 
     from gendist import loop
-    from gendist.config import replace
+    from gendist.presets import replace
     cfg = replace(small_config(str(tmp_path), steps=3, grad_accum=2, batch_size=16),
                   **{"model.moe_experts": 4, "model.moe_top_k": 1, "model.moe_every": 2,
                      "model.moe_capacity_factor": 1.0, "mesh.expert": 2})

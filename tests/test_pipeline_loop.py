@@ -4,7 +4,7 @@ import numpy as np
 from helpers import mesh_of, small_config
 
 from gendist import loop
-from gendist.config import replace
+from gendist.presets import replace
 
 
 def test_loop_runs_pipelined_and_matches_plain(tmp_path):

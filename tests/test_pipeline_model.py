@@ -12,11 +12,11 @@ from helpers import assert_trees_close as trees_close
 from helpers import mesh_of, small_config
 
 from gendist import train
-from gendist.config import replace
 from gendist.data import TextData, shard_batch
 from gendist.models import transformer
 from gendist.parallel import schedule as S
 from gendist.parallel.pipeline import model as stage_model
+from gendist.presets import replace
 from gendist.sharding import rules_for
 
 RTOL = 1e-5  # fp32, fixed

@@ -21,7 +21,7 @@ import pytest
 README = Path(__file__).parents[1] / "README.md"
 SKIP = ("-m pip ", "-m pytest ")  # installing, and the test suite itself
 TRAIN_SMALL = ["--train.steps", "2", "--train.eval-every", "2", "--train.eval-batches", "1",
-               "--train.batch-size", "16", "--train.seq-len", "32",
+               "--train.batch-size", "16", "--train.seq-len", "16",
                "--generate.max-new-tokens", "16"]
 
 

@@ -23,11 +23,12 @@ from jax.sharding import NamedSharding
 
 from gendist import train
 from gendist.accounting import parse_collectives
-from gendist.config import ModelConfig, replace
+from gendist.config import ModelConfig
 from gendist.data import TextData
 from gendist.models import transformer
 from gendist.parallel import manual, tensor
 from gendist.parallel.compat import shard_map
+from gendist.presets import replace
 from gendist.sharding import DEFAULT_RULES, SEQUENCE_PARALLEL, named_sharding, use_mesh
 
 RTOL, ATOL = 1e-5, 1e-7  # fp32

@@ -15,10 +15,10 @@ from helpers import mesh_of, run_steps_with_grads, small_config
 
 from gendist import optim
 from gendist.accounting import parse_collectives
-from gendist.config import replace
 from gendist.data import TextData
 from gendist.models import transformer
 from gendist.parallel import zero
+from gendist.presets import replace
 from gendist.sharding import make_mesh
 
 RTOL, ATOL = 1e-5, 1e-7  # fp32

@@ -1,0 +1,133 @@
+"""Checks of a training config against its mesh, before anything is built.
+
+`validate_config(cfg, mesh)` raises a clear error (naming the field, or both fields of a
+combination that does not compose, and the fix) for shapes the mesh or the model cannot
+take; `batch_shards`, `pipeline_microbatches` and `pipedream_window` are the small
+derivations it checks and that `train.build` uses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gendist.config import Config, check_pipeline
+from gendist.parallel import zero
+from gendist.sharding import BATCH_AXES, check_divisible
+
+ASYNC_SCHEDULES = {"pipedream": "stash", "pipedream-nostash": "nostash", "2bw": "2bw"}
+
+
+def validate_config(cfg: Config, mesh) -> None:
+    """Clear errors for shapes the mesh or the model cannot take, and for parallel forms
+    that do not compose (naming both fields)."""
+    m, t = cfg.model, cfg.train
+    check_divisible(mesh, model__num_heads=(m.num_heads, "heads"),
+                    model__num_kv_heads=(m.num_kv_heads, "kv_heads"),
+                    model__d_ff=(m.d_ff, "mlp"), model__vocab_size=(m.vocab_size, "vocab"))
+    if t.batch_size % t.grad_accum:
+        raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
+                         f"train.grad_accum={t.grad_accum}; make batch_size a multiple of it.")
+    shards = batch_shards(mesh)
+    if (t.batch_size // t.grad_accum) % shards:
+        raise ValueError(
+            f"train.batch_size={t.batch_size} (per microbatch {t.batch_size // t.grad_accum}) "
+            f"is not divisible by the {shards} batch shards (mesh.data x mesh.expert); use a "
+            f"batch size that is a multiple of {shards * t.grad_accum}.")
+    zero.check_stage(t.zero_stage)
+    tp = mesh.shape["tensor"]
+    if cfg.mesh.sequence_parallel and t.seq_len % tp:
+        raise ValueError(
+            f"train.seq_len={t.seq_len} is not divisible by mesh.tensor={tp}, which "
+            "mesh.sequence_parallel splits the sequence over; choose a multiple of it or "
+            "turn sequence parallelism off.")
+    if t.tp_comm == "collective":
+        _validate_collective(cfg, mesh)
+    if t.seq_len > m.max_seq_len:
+        raise ValueError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len="
+                         f"{m.max_seq_len}; raise model.max_seq_len or shorten train.seq_len.")
+    if mesh.shape["pipeline"] > 1:
+        _validate_pipeline(cfg, mesh)
+    elif t.terapipe_slices or t.pipeline_schedule in ASYNC_SCHEDULES:
+        what = ("train.terapipe_slices" if t.terapipe_slices else
+                f"train.pipeline_schedule={t.pipeline_schedule}")
+        raise ValueError(f"{what} needs pipeline stages, but mesh.pipeline=1; set "
+                         "--mesh.pipeline to 2 or more.")
+
+
+def _validate_collective(cfg: Config, mesh) -> None:
+    """train.tp_comm='collective' rewrites sequence parallelism's collectives, one stage."""
+    what = "train.tp_comm=collective"
+    _refuse(mesh.shape["tensor"] < 2, what, f"mesh.tensor={mesh.shape['tensor']}",
+            "collective matmuls split tensor-parallel matmuls; set --mesh.tensor 2 or more, "
+            "or --train.tp-comm xla.")
+    _refuse(not cfg.mesh.sequence_parallel, what, "mesh.sequence_parallel=False",
+            "it overlaps sequence parallelism's all-gather and reduce-scatter with the "
+            "matmuls; pass --mesh.sequence-parallel, or --train.tp-comm xla.")
+    _refuse(mesh.shape["pipeline"] > 1, what, f"mesh.pipeline={mesh.shape['pipeline']}",
+            "pipeline stages run the explicit f/g form without it; use mesh.pipeline=1 or "
+            "--train.tp-comm xla.")
+
+
+def _refuse(cond: bool, first: str, second: str, why: str) -> None:
+    if cond:
+        raise ValueError(f"{first} with {second}: {why}")
+
+
+def _validate_pipeline(cfg: Config, mesh) -> None:
+    m, t = cfg.model, cfg.train
+    p = mesh.shape["pipeline"]
+    check_pipeline(m, p, t.pipeline_stage_layers)
+    mb = pipeline_microbatches(cfg, mesh)
+    per_step = t.batch_size // t.grad_accum
+    if per_step % (batch_shards(mesh) * (1 if t.terapipe_slices else mb)):
+        raise ValueError(
+            f"train.pipeline_microbatches={mb}: train.batch_size={t.batch_size} (per "
+            f"accumulation step {per_step}) over {batch_shards(mesh)} batch shards must split "
+            f"into {mb} equal microbatches; use a batch size that is a multiple of "
+            f"{batch_shards(mesh) * mb * t.grad_accum} or set --train.pipeline-microbatches.")
+    if t.terapipe_slices:
+        _refuse(t.terapipe_slices > t.seq_len, f"train.terapipe_slices={t.terapipe_slices}",
+                f"train.seq_len={t.seq_len}", "use at most one slice per token.")
+        _refuse(cfg.mesh.sequence_parallel, "train.terapipe_slices", "mesh.sequence_parallel",
+                "TeraPipe cuts the sequence into slices itself; turn sequence parallelism off.")
+        _refuse(bool(m.num_moe_layers), "train.terapipe_slices", "model.moe_experts",
+                "TeraPipe runs dense models here; set model.moe_experts=0.")
+        _refuse(bool(t.pipeline_stage_layers), "train.terapipe_slices",
+                "train.pipeline_stage_layers", "TeraPipe takes an even split of the layers.")
+    if t.pipeline_schedule in ASYNC_SCHEDULES:
+        sched = f"train.pipeline_schedule={t.pipeline_schedule}"
+        why = ("PipeDream's per-stage updates need {}; ")
+        _refuse(m.tie_embeddings, sched, "model.tie_embeddings=True", why.format(
+            "each weight on one stage, but a tied table lives on the first and last") +
+            "pass --model.no-tie-embeddings.")
+        _refuse(t.terapipe_slices > 0, sched, "train.terapipe_slices", "pick one of them.")
+        _refuse(t.zero_stage > 0, sched, f"train.zero_stage={t.zero_stage}", why.format(
+            "a stage's whole weights for its optimizer (and clip)") + "use zero_stage 0.")
+        _refuse(mesh.shape["tensor"] > 1, sched, f"mesh.tensor={mesh.shape['tensor']}",
+                why.format("a stage's whole weights for the per-stage clip") +
+                "use mesh.tensor=1.")
+        _refuse(bool(m.num_moe_layers), sched, "model.moe_experts",
+                "not supported; use a synchronous schedule (gpipe or 1f1b).")
+        _refuse(t.grad_accum > 1, sched, f"train.grad_accum={t.grad_accum}",
+                "PipeDream updates per microbatch (2BW per window); use grad_accum=1.")
+        _refuse(bool(t.pipeline_stage_layers), sched, "train.pipeline_stage_layers",
+                "PipeDream takes an even split of the layers.")
+        if ASYNC_SCHEDULES[t.pipeline_schedule] == "2bw" and mb % pipedream_window(cfg, mesh):
+            raise ValueError(
+                f"train.pipedream_window={pipedream_window(cfg, mesh)} must divide "
+                f"train.pipeline_microbatches={mb} (2BW updates once per full window).")
+
+
+def batch_shards(mesh) -> int:
+    """How many shards a batch is split into on this mesh (the `batch` logical axis)."""
+    return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
+def pipeline_microbatches(cfg: Config, mesh) -> int:
+    """train.pipeline_microbatches, or twice the number of stages when it is 0."""
+    return cfg.train.pipeline_microbatches or 2 * mesh.shape["pipeline"]
+
+
+def pipedream_window(cfg: Config, mesh) -> int:
+    """2BW's update window: train.pipedream_window, or max(1, stages - 1) when it is 0."""
+    return cfg.train.pipedream_window or max(1, mesh.shape["pipeline"] - 1)

@@ -1,0 +1,277 @@
+"""The backward kernels of Mosaic GPU FlashAttention (`flash_attention_mgpu.py` has the
+design): dQ loops over key tiles; dK/dV loops over query tiles and every query head of its
+K/V head (the GQA sum, done in the kernel).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._mgpu import COL, LOG2E, ROW, launch, tiled_smem
+from pallas_kernels.flash_attention_mgpu_common import (
+    COMPUTE_WGS,
+    MosaicConfig,
+    bcast_cols,
+    bcast_rows,
+    cdiv,
+    consumers,
+    drain,
+    iota,
+    kv_steps,
+    own_tiles,
+    producer,
+    stream_kv,
+    unpack,
+    visible,
+    wgmma_from,
+    with_segments,
+)
+
+
+def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta):
+    """dQ [B, q_pad, N, D]: per query tile, S = Q K^T, dP = dO V^T, dS = P (dP - delta),
+    dQ += dS K over the visible key tiles."""
+    b, tp, n, d = q.shape
+    bq, bk, st = cfg.blocks.block_q_dq, cfg.blocks.block_kv_dq, cfg.blocks.stages_bwd
+    dtype, g = q.dtype, cfg.groups
+    n_qt = tp // (COMPUTE_WGS * bq)
+    scale2 = cfg.sm_scale * LOG2E
+
+    def kernel(*refs):
+        qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 7)
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+        dq_ref, q_smem, do_smem, k_smem, v_smem, ds_smem = rest[:6]
+        qdo_bar, k_bar, v_bar, free = rest[6:]
+        qi = lax.axis_index("q")
+        if cfg.causal:
+            qi = n_qt - 1 - qi
+        h, bi, wg = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("wg")
+        q_off = qoff_ref[0]
+        block_lo = qi * (COMPUTE_WGS * bq)
+        n_full, n_end = kv_steps(cfg, q_off + block_lo, q_off + block_lo + COMPUTE_WGS * bq - 1, bk,
+                                  length=False)
+
+        @consumers(wg)
+        def _consumer():
+            q_row = block_lo + wg * bq
+            rows, (q_tile, do_tile) = own_tiles([(q_ref, q_smem), (do_ref, do_smem)], wg, q_row,
+                                                bq, bi, h, qdo_bar)
+            lse_r = plgpu.load(lse_ref.at[bi, h, rows], layout=ROW, optimized=False)
+            delta_r = plgpu.load(delta_ref.at[bi, h, rows], layout=ROW, optimized=False)
+            q_seg = None
+            if cfg.segments:
+                q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=ROW, optimized=False)
+            plgpu.barrier_wait(qdo_bar.at[wg])
+
+            def run(dq_acc):
+                def step(j, carry, masked: bool):
+                    slot = lax.rem(j, st)
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_wait(v_bar.at[slot])
+
+                    def s_dp(s_acc, dp_acc):
+                        plgpu.wgmma(s_acc, q_tile, k_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(dp_acc, do_tile, v_smem.at[slot].transpose((1, 0)))
+                        return s_acc[...], dp_acc[...]
+
+                    acc_t = plgpu.ACC((bq, bk), jnp.float32)
+                    s, dp = pl.run_scoped(s_dp, acc_t, acc_t)
+                    if masked:
+                        kv_seg = None
+                        if cfg.segments:
+                            kv_seg = bcast_cols(plgpu.load(kvseg_ref.at[bi, pl.ds(j * bk, bk)],
+                                                            layout=COL, optimized=False), s.shape)
+                        ok = visible(cfg, q_off + q_row + iota(s.shape, 0), j * bk + iota(s.shape, 1),
+                                      None if q_seg is None else bcast_rows(q_seg, s.shape), kv_seg,
+                                      length=False)  # padded keys are zero: they add 0 to dQ
+                        s = jnp.where(ok, s, -jnp.inf)
+                    p = jnp.exp2(s * scale2 - bcast_rows(lse_r, s.shape))
+                    ds = (p * (dp - bcast_rows(delta_r, s.shape))).astype(dtype)
+                    wgmma_from(dq_acc, ds, k_smem.at[slot], None if cfg.regs else ds_smem.at[wg])
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(free.at[slot])
+                    return carry
+
+                lax.fori_loop(0, n_full, functools.partial(step, masked=False), 0)
+                if cfg.causal or cfg.segments:
+                    lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), 0)
+                return dq_acc[...]
+
+            dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
+            q_tile[...] = (dq * cfg.sm_scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[bi, rows, h])
+            plgpu.wait_smem_to_gmem(0)
+
+        @producer(wg)
+        def _producer():
+            stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, free, free, bi=bi,
+                      kvh=lax.div(h, jnp.int32(g)), n_steps=n_end, bk=bk, stages=st)
+
+    w = COMPUTE_WGS
+    scratch = (
+        tiled_smem((w, bq, d), dtype),  # Q tiles, then dQ tiles
+        tiled_smem((w, bq, d), dtype),  # dO tiles
+        tiled_smem((st, bk, d), dtype),
+        tiled_smem((st, bk, d), dtype),
+        None if cfg.regs else tiled_smem((w, bq, bk), dtype),  # dS, when staged in smem
+        plgpu.Barrier(num_arrivals=2, num_barriers=w),  # Q and dO loaded
+        plgpu.Barrier(num_barriers=st),  # K slot filled
+        plgpu.Barrier(num_barriers=st),  # V slot filled
+        plgpu.Barrier(num_arrivals=w, num_barriers=st),  # K/V slot free again
+    )
+    args = with_segments(cfg, [qoff, q, k, v, do, lse, delta], q_seg, kv_seg)
+    return launch(kernel, args, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch,
+                  grid=(n_qt, n, b), grid_names=("q", "h", "b"), num_threads=w + 1,
+                  interpret=cfg.interpret)
+
+
+def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta):
+    """dK, dV [B, kv_pad, K, D]: per key tile, over every query tile and every query head of
+    its group: S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta),
+    dK += dS^T Q. Summing over the group here is the GQA reduction, done in the kernel."""
+    b, tp, n, d = q.shape
+    sp, kh = k.shape[1], k.shape[2]
+    bq, bk, st = cfg.blocks.block_q_dkv, cfg.blocks.block_kv_dkv, cfg.blocks.stages_bwd
+    dtype, g = q.dtype, cfg.groups
+    n_kt, n_q = sp // (COMPUTE_WGS * bk), tp // bq
+    scale2 = cfg.sm_scale * LOG2E
+
+    def kernel(*refs):
+        qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 7)
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+        dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem = rest[:9]
+        kv_bar, q_bar, do_bar, free = rest[9:]
+        ki, kvh = lax.axis_index("k"), lax.axis_index("h")
+        bi, wg = lax.axis_index("b"), lax.axis_index("wg")
+        q_off = qoff_ref[0]
+        block_lo = ki * (COMPUTE_WGS * bk)
+        block_hi = block_lo + COMPUTE_WGS * bk - 1
+        # Steps run over (query tile i, group head j), j fastest; step = i * g + j.
+        if cfg.causal:  # query tiles ending before the block's first key see none of it
+            i_start = jnp.minimum(lax.div(jnp.maximum(block_lo - q_off, 0), bq), n_q)
+            i_full = jnp.maximum(jnp.minimum(cdiv(jnp.maximum(block_hi - q_off, 0), bq), n_q), i_start)
+        else:
+            i_start, i_full = 0, 0
+        if cfg.segments:
+            i_full = n_q
+        s_start, s_full, s_end = i_start * g, i_full * g, n_q * g
+
+        @consumers(wg)
+        def _consumer():
+            k_row = block_lo + wg * bk
+            rows, (k_tile, v_tile) = own_tiles([(k_ref, k_smem), (v_ref, v_smem)], wg, k_row,
+                                               bk, bi, kvh, kv_bar)
+            kv_seg = None
+            if cfg.segments:
+                kv_seg = plgpu.load(kvseg_ref.at[bi, rows], layout=ROW, optimized=False)
+            plgpu.barrier_wait(kv_bar.at[wg])
+
+            def run(dk_acc, dv_acc):
+                def step(s_idx, carry, masked: bool):
+                    slot = lax.rem(s_idx - s_start, st)
+                    i = lax.div(s_idx, jnp.int32(g))
+                    plgpu.barrier_wait(q_bar.at[slot])
+
+                    def st_scoped(acc):
+                        plgpu.wgmma(acc, k_tile, q_smem.at[slot].transpose((1, 0)))
+                        return acc[...]
+
+                    s_t = pl.run_scoped(st_scoped, plgpu.ACC((bk, bq), jnp.float32))
+                    lse_c = plgpu.load(lse_smem.at[slot], layout=COL)
+                    if masked:
+                        q_seg = None
+                        if cfg.segments:
+                            q_seg = bcast_cols(plgpu.load(qseg_ref.at[bi, pl.ds(i * bq, bq)],
+                                                           layout=COL, optimized=False), s_t.shape)
+                        ok = visible(cfg, q_off + i * bq + iota(s_t.shape, 1), k_row + iota(s_t.shape, 0),
+                                      q_seg, None if kv_seg is None else bcast_rows(kv_seg, s_t.shape),
+                                      length=False)  # padded keys' rows are dropped
+                        s_t = jnp.where(ok, s_t, -jnp.inf)
+                    p_t = jnp.exp2(s_t * scale2 - bcast_cols(lse_c, s_t.shape))
+                    p16 = p_t.astype(dtype)
+                    plgpu.barrier_wait(do_bar.at[slot])
+                    if cfg.regs:
+                        def dp_scoped(acc):
+                            plgpu.wgmma(acc, v_tile, do_smem.at[slot].transpose((1, 0)))
+                            plgpu.wgmma(dv_acc, p16, do_smem.at[slot])
+                            return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dP^T, not dV
+                    else:
+                        ds_tile = ds_smem.at[wg]
+                        ds_tile[...] = p16
+                        plgpu.commit_smem()
+
+                        def dp_scoped(acc):
+                            plgpu.wgmma(acc, v_tile, do_smem.at[slot].transpose((1, 0)))
+                            plgpu.wgmma(dv_acc, ds_tile, do_smem.at[slot])
+                            plgpu.wgmma_wait(0)
+                            return acc[...]
+
+                    dp_t = pl.run_scoped(dp_scoped, plgpu.ACC((bk, bq), jnp.float32))
+                    delta_c = plgpu.load(delta_smem.at[slot], layout=COL)
+                    ds_t = (p_t * (dp_t - bcast_cols(delta_c, s_t.shape))).astype(dtype)
+                    wgmma_from(dk_acc, ds_t, q_smem.at[slot], None if cfg.regs else ds_tile)
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(free.at[slot])
+                    return carry
+
+                if cfg.causal or cfg.segments:
+                    lax.fori_loop(s_start, s_full, functools.partial(step, masked=True), 0)
+                lax.fori_loop(s_full, s_end, functools.partial(step, masked=False), 0)
+                return dk_acc[...], dv_acc[...]
+
+            acc_t = plgpu.ACC((bk, d), jnp.float32)
+            dk, dv = pl.run_scoped(run, acc_t, acc_t)
+            k_tile[...] = (dk * cfg.sm_scale).astype(dtype)
+            v_tile[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[bi, rows, kvh], commit_group=False)
+            plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[bi, rows, kvh], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+        @producer(wg)
+        def _producer():
+
+            @pl.loop(s_start, s_end)
+            def _(s_idx):
+                slot = lax.rem(s_idx - s_start, st)
+                i, j = lax.div(s_idx, jnp.int32(g)), lax.rem(s_idx, jnp.int32(g))
+                h = kvh * g + j
+                rows = pl.ds(i * bq, bq)
+
+                @pl.when(s_idx - s_start >= st)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, h], q_smem.at[slot], q_bar.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[bi, h, rows], lse_smem.at[slot], q_bar.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, h], do_smem.at[slot], do_bar.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[bi, h, rows], delta_smem.at[slot], do_bar.at[slot])
+
+            drain(s_end - s_start, st, free)
+
+    w = COMPUTE_WGS
+    scratch = (
+        tiled_smem((w, bk, d), dtype),  # K tiles, then dK tiles
+        tiled_smem((w, bk, d), dtype),  # V tiles, then dV tiles
+        tiled_smem((st, bq, d), dtype),  # Q
+        tiled_smem((st, bq, d), dtype),  # dO
+        plgpu.SMEM((st, bq), jnp.float32),  # LSE
+        plgpu.SMEM((st, bq), jnp.float32),  # delta
+        None if cfg.regs else tiled_smem((w, bk, bq), dtype),  # P^T / dS^T staged in smem
+        plgpu.Barrier(num_arrivals=2, num_barriers=w),  # K and V loaded
+        plgpu.Barrier(num_arrivals=2, num_barriers=st),  # Q and LSE slot filled
+        plgpu.Barrier(num_arrivals=2, num_barriers=st),  # dO and delta slot filled
+        plgpu.Barrier(num_arrivals=w, num_barriers=st),  # slot free again
+    )
+    args = with_segments(cfg, [qoff, q, k, v, do, lse, delta], q_seg, kv_seg)
+    out = jax.ShapeDtypeStruct((b, sp, kh, d), dtype)
+    return launch(kernel, args, out_type=(out, out), scratch=scratch,
+                  grid=(n_kt, kh, b), grid_names=("k", "h", "b"), num_threads=w + 1,
+                  interpret=cfg.interpret)

@@ -1,0 +1,239 @@
+"""Pieces shared by the Mosaic GPU FlashAttention kernels (`flash_attention_mgpu_fwd.py`,
+`flash_attention_mgpu_bwd.py`): their tile sizes, the static config of one call, and the
+helpers of their kernel bodies (masks, causal tile ranges, the producer's drain, the refs'
+layout).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._mgpu import SMEM_LIMIT, WGMMA, smem_bytes
+
+COMPUTE_WGS = 2  # consumer warpgroups per block; warpgroup 2 is the producer
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBlockSizes:
+    """Tiles of the three Mosaic GPU kernels (rows per consumer warpgroup)."""
+
+    block_q: int = 64  # forward: query rows per consumer warpgroup (a block holds two)
+    block_kv: int = 128  # forward: key rows per pipeline step
+    stages: int = 2  # forward: K/V tiles in flight
+    block_q_dq: int = 64  # dQ kernel: query rows per consumer warpgroup
+    block_kv_dq: int = 64  # dQ kernel: key rows per pipeline step
+    block_q_dkv: int = 64  # dK/dV kernel: query rows per pipeline step
+    block_kv_dkv: int = 64  # dK/dV kernel: key rows per consumer warpgroup
+    stages_bwd: int = 2  # backward kernels: tiles in flight
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith("stages"):
+                if value < 1:
+                    raise ValueError(f"MosaicBlockSizes.{f.name}={value}: use >= 1.")
+            elif value % 64:
+                raise ValueError(f"MosaicBlockSizes.{f.name}={value}: use a multiple of 64 "
+                                 "(wgmma rows and 128-byte swizzled tiles).")
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int) -> MosaicBlockSizes:
+        """Defaults: 64-row consumers, 128-key forward tiles, as FlashAttention-3 uses."""
+        if head_dim <= 64:
+            return cls(stages=3)
+        return cls()
+
+    def check_smem(self, head_dim: int, regs: bool):
+        """Raises if a kernel's shared memory would exceed what one sm90 block has
+        (bf16/fp16 tiles; regs=False adds the P / dS staging buffers)."""
+        d, w, h = head_dim, COMPUTE_WGS, jnp.float16
+        staged = lambda shape: [] if regs else [(shape, h)]
+        need = {
+            "forward": smem_bytes(((w, self.block_q, d), h), ((2 * self.stages, self.block_kv, d), h),
+                                  ((w, self.block_q), jnp.float32),
+                                  *staged((w, self.block_q, self.block_kv))),
+            "dq": smem_bytes(((2 * w, self.block_q_dq, d), h),
+                             ((2 * self.stages_bwd, self.block_kv_dq, d), h),
+                             *staged((w, self.block_q_dq, self.block_kv_dq))),
+            "dkv": smem_bytes(((2 * w, self.block_kv_dkv, d), h),
+                              ((2 * self.stages_bwd, self.block_q_dkv, d), h),
+                              ((2 * self.stages_bwd, self.block_q_dkv), jnp.float32),
+                              *staged((w, self.block_kv_dkv, self.block_q_dkv))),
+        }
+        for name, n in need.items():
+            if n > SMEM_LIMIT - 8192:  # barriers and alignment take a few KiB more
+                raise ValueError(f"MosaicBlockSizes: the {name} kernel needs {n} bytes of shared "
+                                 f"memory at head_dim={head_dim}; shrink its tiles or stages.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Everything static about one call (hashable: it keys the compile cache)."""
+
+    causal: bool
+    sm_scale: float
+    blocks: MosaicBlockSizes
+    q_len: int
+    kv_len: int
+    groups: int  # query heads per kv head
+    segments: bool
+    regs: bool  # P and dS from registers (GPU); False stages them in shared memory
+    interpret: bool
+
+    @property
+    def q_pad(self) -> int:
+        b = self.blocks
+        tile = math.lcm(COMPUTE_WGS * b.block_q, COMPUTE_WGS * b.block_q_dq, b.block_q_dkv)
+        return -(-self.q_len // tile) * tile
+
+    @property
+    def kv_pad(self) -> int:
+        b = self.blocks
+        tile = math.lcm(b.block_kv, b.block_kv_dq, COMPUTE_WGS * b.block_kv_dkv)
+        return -(-self.kv_len // tile) * tile
+
+
+def bcast_rows(x, shape):
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def bcast_cols(x, shape):
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+def iota(shape, dim):
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=WGMMA)
+
+
+def cdiv(a, b: int):
+    return lax.div(a + (b - 1), b)
+
+
+def kv_steps(cfg: MosaicConfig, pos_first, pos_last, bk: int, *, length: bool = True):
+    """Key tiles [0, n_full) are visible to every query in [pos_first, pos_last] and need no
+    mask; [n_full, n_end) need one; tiles from n_end on are skipped (causal). length=False:
+    the ragged last tile needs no mask (its padded keys are zero and add nothing to dQ)."""
+    n_end = -(-cfg.kv_len // bk)  # Python ints stay literals
+    n_full = cfg.kv_len // bk if length else n_end
+    if cfg.causal:
+        n_end = jnp.minimum(n_end, cdiv(pos_last + 1, bk))
+        n_full = jnp.minimum(n_full, lax.div(pos_first + 1, bk))
+    if cfg.segments:
+        n_full = 0
+    if cfg.causal:
+        n_full = jnp.minimum(n_full, n_end)
+    return n_full, n_end
+
+
+def needs_mask(cfg: MosaicConfig, bk: int) -> bool:
+    return cfg.causal or cfg.segments or cfg.kv_len % bk != 0
+
+
+def visible(cfg: MosaicConfig, q_pos, k_pos, q_seg, kv_seg, *, length: bool):
+    """(query, key) pairs that may attend; all operands broadcast to the tile shape."""
+    ok = None
+    conj = lambda a, b: b if a is None else jnp.logical_and(a, b)
+    if cfg.causal:
+        ok = conj(ok, k_pos <= q_pos)
+    if length:
+        ok = conj(ok, k_pos < cfg.kv_len)
+    if cfg.segments:
+        ok = conj(ok, q_seg == kv_seg)
+    return ok
+
+
+def drain(n_steps, stages: int, *free_barriers):
+    """The producer waits until the consumers release the last slots it filled, so that
+    every barrier phase is observed before the block exits (jax 0.11.2's interpreter checks
+    this at deallocation; on the GPU it only delays the producer's exit)."""
+    @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+    def _(j):
+        for bar in free_barriers:
+            plgpu.barrier_wait(bar.at[lax.rem(j, stages)])
+
+
+def unpack(refs, cfg: MosaicConfig, n_in: int):
+    """Splits a kernel's refs into (qoff, inputs..., qseg, kvseg) and the rest."""
+    refs = list(refs)
+    qoff, ins = refs[0], refs[1:n_in]
+    rest = refs[n_in:]
+    if cfg.segments:
+        qseg, kvseg, rest = rest[0], rest[1], rest[2:]
+    else:
+        qseg = kvseg = None
+    return qoff, ins, qseg, kvseg, rest
+
+
+def with_segments(cfg: MosaicConfig, arrays: list, q_seg, kv_seg) -> list:
+    """A kernel's inputs in the order `unpack` reads them: the segment ids last, if any."""
+    return arrays + ([q_seg, kv_seg] if cfg.segments else [])
+
+
+def consumers(wg):
+    """Runs the decorated body on the consumer warpgroups, raised to 232 registers."""
+    def run(body):
+        @pl.when(wg < COMPUTE_WGS)
+        def _():
+            plgpu.set_max_registers(232, action="increase")
+            body()
+    return run
+
+
+def producer(wg):
+    """Runs the decorated body on the producer warpgroup, cut to 40 registers."""
+    def run(body):
+        @pl.when(wg == COMPUTE_WGS)
+        def _():
+            plgpu.set_max_registers(40, action="decrease")
+            body()
+    return run
+
+
+def own_tiles(pairs, wg, row0, n_rows: int, bi, head, bar):
+    """A consumer's own `n_rows` rows from `row0` of each (global ref, shared tiles) pair,
+    copied into its shared tile with the copies arriving on bar[wg]: (rows, tiles)."""
+    rows = pl.ds(row0, n_rows)
+    tiles = [smem.at[wg] for _, smem in pairs]
+    for (ref, _), tile in zip(pairs, tiles, strict=True):
+        plgpu.copy_gmem_to_smem(ref.at[bi, rows, head], tile, bar.at[wg])
+    return rows, tiles
+
+
+def stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, bi, kvh,
+              n_steps, bk: int, stages: int):
+    """The producer's ring: K/V tile j into slot j % stages once the consumers freed it
+    (k_free and v_free may be one barrier), then `drain`."""
+    @pl.loop(0, n_steps)
+    def _(j):
+        slot = lax.rem(j, stages)
+        rows = pl.ds(j * bk, bk)
+
+        @pl.when(j >= stages)
+        def _():
+            plgpu.barrier_wait(k_free.at[slot])
+
+        plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kvh], k_smem.at[slot], k_bar.at[slot])
+        if v_free is not k_free:
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(v_free.at[slot])
+
+        plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kvh], v_smem.at[slot], v_bar.at[slot])
+
+    drain(n_steps, stages, *((k_free,) if v_free is k_free else (k_free, v_free)))
+
+
+def wgmma_from(acc, lhs, rhs, staged):
+    """acc += lhs @ rhs on the tensor core, lhs from registers; with a shared tile `staged`
+    (regs=False) lhs is written there first, for the interpreter."""
+    if staged is None:
+        plgpu.wgmma(acc, lhs, rhs)
+    else:
+        staged[...] = lhs
+        plgpu.commit_smem()
+        plgpu.wgmma(acc, staged, rhs)

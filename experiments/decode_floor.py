@@ -42,7 +42,7 @@ from gendist.models import transformer
 from gendist.presets import preset
 from gendist.timing import call_times
 
-VARIANTS = ("fast", "fast_xla", "fast_unfolded", "reference")
+VARIANTS = ("fast", "fast_xla", "fast_folded", "reference")
 
 
 def read_only_tbps(gib: float = 2.0, n: int = 10) -> float:
@@ -173,12 +173,12 @@ def main():
                 cfg = preset(name).model
                 raw = transformer.init_params(cfg, 0)
                 params["fast"] = transformer.decode_params(cfg, raw)
-                params["fast_unfolded"] = transformer.decode_params(cfg, raw, fold_norms=False)
+                params["fast_folded"] = transformer.decode_params(cfg, raw, fold_norms=True)
                 params["reference"] = transformer.inference_params(cfg, raw)
                 del raw
                 first = True
             cfg = preset(name).model
-            p = params[variant if variant in ("reference", "fast_unfolded") else "fast"]
+            p = params[variant if variant in ("reference", "fast_folded") else "fast"]
             row = run_case(cfg, p, batch, variant, args, profile=args.profile and first)
             first = False
             w, kv = step_bytes(cfg, params["fast"], batch, args.prompt, args.new_tokens)

@@ -16,7 +16,9 @@ Setup (once; the CUDA plugin of the installed jax version, without its CUDA libr
 Variants: `reference` (stacked weights, one stacked cache, the layer scan unrolled), `fast`
 (the decode layout with the norms' gains folded into the next matrices, per-layer cache,
 paged attention), `fast_unfolded` (the same with the norms kept: the layout before
-issue 19's norm folding), `fast_xla` (fast with jnp attention over all max_len slots).
+issue 19's norm folding, and again the default since an H200 measured the folded one
+slower: `decode_floor.py` names them fast and fast_folded), `fast_xla` (fast with jnp
+attention over all max_len slots).
 
 Autotuning needs a device, so GEMM configurations (batch > 1) are XLA's defaults, not what
 the GPU would pick; fusion decisions, reductions and copies are the GPU's. Pallas kernels

@@ -3,6 +3,7 @@ contiguous cache) gives the reference path's greedy tokens, in plain, continuous
 speculative decoding; adaptive γ stays exact; the serving benchmark runs."""
 
 import dataclasses
+import functools
 import importlib.util
 import pathlib
 
@@ -77,7 +78,7 @@ def test_folded_norms_equal_the_unfolded_layout(mlp, tie, monkeypatch):
     0: as for matrices XLA multiplies as a GEMM) the product scaled afterwards."""
     cfg = dataclasses.replace(CFG, mlp=mlp, tie_embeddings=tie)
     p = with_random_gains(cfg, 7)
-    folded = transformer.decode_params(cfg, p)
+    folded = transformer.decode_params(cfg, p, fold_norms=True)
     plain = transformer.decode_params(cfg, p, fold_norms=False)
     assert "final_norm" not in folded and "head_VD" in folded
     assert not {"attn_norm", "mlp_norm"} & set(folded["blocks"][0])
@@ -102,8 +103,11 @@ def test_folded_norms_equal_the_unfolded_layout(mlp, tie, monkeypatch):
             np.testing.assert_allclose(step, full[:1, 8:], rtol=1e-5, atol=1e-5)
 
 
-def test_folded_fast_greedy_equals_reference_with_random_gains():
-    """Batch 1, as on a GPU's fast path: every decode step is one token."""
+def test_folded_fast_greedy_equals_reference_with_random_gains(monkeypatch):
+    """Batch 1, as on a GPU's fast path: every decode step is one token (the folded layout
+    is an option, off by default: here the fast path is made to fold)."""
+    monkeypatch.setattr(transformer, "decode_params",
+                        functools.partial(transformer.decode_params, fold_norms=True))
     p = jax.tree.map(lambda x: x * 4 if x.ndim > 1 else x, with_random_gains(CFG, 2))
     pb, lb = G.pad_prompts(PROMPTS[2:])
     args = (jnp.asarray(pb), jnp.asarray(lb), jax.random.key(0))

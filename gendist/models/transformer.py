@@ -411,7 +411,7 @@ def inference_params(cfg: ModelConfig, params: dict) -> dict:
                                             is_leaf=lambda x: isinstance(x, tuple))
 
 
-def decode_params(cfg: ModelConfig, params: dict, fold_norms: bool = True) -> dict:
+def decode_params(cfg: ModelConfig, params: dict, fold_norms: bool = False) -> dict:
     """Parameters in the decode layout: built once per generation, read by the same `block`.
 
     A decode step multiplies one token's vector by every weight matrix, so its time is the
@@ -428,7 +428,9 @@ def decode_params(cfg: ModelConfig, params: dict, fold_norms: bool = True) -> di
         w_up_FD [F, D] (GELU)   w_down_DF [D, F]   head_VD [V, D] (the output layer)
         attn_norm, mlp_norm, final_norm [D] (fp32; only when not `fold_norms`)
 
-    `fold_norms` (the default): each RMSNorm's gain g is multiplied into the matrix that
+    `fold_norms` (off by default: on an H200 it made batch-1 steps slower, 0.706 against
+    0.650 ms for 350m and 1.354 against 1.214 ms for 1b, `benchmarks/README.md`, though
+    it cuts the kernels per step from 325 to 240): each RMSNorm's gain g is multiplied into the matrix that
     reads the norm's output, in fp32 before the cast, and the norm's vector is left out
     (its absence is the marker `block` and `head_logits` read): norm(x) @ W =
     (x @ diag(g) W) * 1/rms(x), applied by `folded_matmul`. At batch 1 on a GPU a norm was

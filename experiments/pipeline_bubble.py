@@ -45,6 +45,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 from gendist.parallel import pipeline as pl  # noqa: E402
 from gendist.parallel import schedule as S  # noqa: E402
+from gendist.parallel import schedule_stats as SS  # noqa: E402
 from gendist.timing import call_times  # noqa: E402
 
 
@@ -96,9 +97,9 @@ def measure(params, fns, mesh, name, m, args, data):
     x_bytes = args.mb_size * args.seq * args.d_model * 4
     return {
         "schedule": name, "microbatches": m, "steps": sched.num_steps,
-        "bubble_table": S.bubble_fraction(sched),
-        "bubble_analytic": S.analytic_bubble_fraction(args.stages, m),
-        "max_in_flight": S.max_in_flight(sched),
+        "bubble_table": SS.bubble_fraction(sched),
+        "bubble_analytic": SS.analytic_bubble_fraction(args.stages, m),
+        "max_in_flight": SS.max_in_flight(sched),
         "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
         "predicted_buffer_bytes": 2 * (S.buffer_plan(sched).num_slots + 1) * x_bytes,
         "compile_s": compile_s, "step_s_min": min(times), "step_s_median": float(np.median(times)),
@@ -147,7 +148,7 @@ def plot(rows, args, out: Path):
     fig.savefig(out / "pipeline_bubble.png", dpi=120)
     fig, axes = plt.subplots(2, 1, figsize=(12, 5))
     for ax, name in zip(axes, ("gpipe", "1f1b"), strict=True):
-        S.plot(S.make(name, p, 2 * p), ax=ax)
+        SS.plot(S.make(name, p, 2 * p), ax=ax)
     fig.tight_layout()
     fig.savefig(out / "pipeline_schedules.png", dpi=120)
 
@@ -164,7 +165,7 @@ def main(argv=None):
     mesh = Mesh(np.array(devices).reshape(data, p, 1, 1), ("data", "pipeline", "expert", "tensor"))
     params, fns = toy_model(jax.random.key(0), args)
     for name in ("gpipe", "1f1b"):
-        print(S.to_text(S.make(name, p, 2 * p)), "\n")
+        print(SS.to_text(S.make(name, p, 2 * p)), "\n")
     rows = []
     for m in [int(x) for x in args.microbatches.split(",")]:
         for name in ("gpipe", "1f1b"):
@@ -184,7 +185,7 @@ def main(argv=None):
     result = {"config": vars(args), "data": data, "jax": jax.__version__,
               "platform": devices[0].platform, "device": devices[0].device_kind,
               "host": platform.node(), "rows": rows,
-              "pictures": {n: S.to_text(S.make(n, p, 2 * p)) for n in ("gpipe", "1f1b")},
+              "pictures": {n: SS.to_text(S.make(n, p, 2 * p)) for n in ("gpipe", "1f1b")},
               "note": "CPU timings on simulated devices are indicative; table bubble is exact"}
     (out / "pipeline_bubble.json").write_text(json.dumps(result, indent=1))
     plot(rows, args, out)

@@ -46,6 +46,7 @@ import numpy as np  # noqa: E402
 from gendist.config import Config, MeshConfig, ModelConfig, TrainConfig  # noqa: E402
 from gendist.models import transformer  # noqa: E402
 from gendist.parallel import schedule as S  # noqa: E402
+from gendist.parallel import schedule_stats as SS  # noqa: E402
 from gendist.parallel.pipeline import terapipe as tp  # noqa: E402
 from gendist.sharding import make_mesh  # noqa: E402
 from gendist.timing import call_times  # noqa: E402
@@ -68,7 +69,7 @@ def timeline(p, slices_units, fwd, fwd_bwd):
     its forward, so a backward costs forward+backward)."""
     sched = tp.terapipe_schedule(p, len(slices_units))
     f, b = slice_times(slices_units, fwd), slice_times(slices_units, fwd_bwd)
-    makespan, idle = S.weighted_timeline(sched, f, b)
+    makespan, idle = SS.weighted_timeline(sched, f, b)
     # One SPMD program steps in lockstep: each table step lasts its slowest action.
     cost = {S.FORWARD: f, S.BACKWARD: b, S.IDLE: np.zeros(len(f))}
     lockstep = sum(max(cost[int(k)][int(i)] for k, i in zip(kr, ir, strict=True))
@@ -99,8 +100,8 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     p, n = args.stages, args.units
-    table = [{"slices": k, "idle": S.bubble_fraction(tp.terapipe_schedule(p, k)),
-              "analytic": S.analytic_bubble_fraction(p, k)} for k in (1, 2, 4, 8, 16, 32)]
+    table = [{"slices": k, "idle": SS.bubble_fraction(tp.terapipe_schedule(p, k)),
+              "analytic": SS.analytic_bubble_fraction(p, k)} for k in (1, 2, 4, 8, 16, 32)]
     per_seq, exec_rows = {}, {}
     for seq in [int(s) for s in args.seqs.split(",")]:
         cfg = config(args, seq)

@@ -30,6 +30,7 @@ import numpy as np
 from gendist import train
 from gendist.models import transformer
 from gendist.parallel import schedule as sched_lib
+from gendist.parallel import schedule_stats as stats_lib
 from gendist.parallel.pipeline import pipedream, terapipe
 from gendist.parallel.zero import model_for_stage
 from gendist.sharding import logical_to_spec
@@ -347,7 +348,7 @@ def bubble_lines(cfg, mesh=None) -> list[str]:
         bytes_kv = kv * (2 if m_cfg.dtype == "bfloat16" else 4) + kv * 4  # cache + fp32 grad
         return [f"TeraPipe: p={p} stages, {k} token slices of "
                 f"{terapipe.equal_slices(t.seq_len, k)} tokens, {sched.num_steps} steps",
-                f"  bubble (table): {sched_lib.bubble_fraction(sched):.4f}",
+                f"  bubble (table): {stats_lib.bubble_fraction(sched):.4f}",
                 f"  K/V cache + its gradient per stage: {_mb(bytes_kv).strip()}"]
     if t.pipeline_schedule in ("pipedream", "pipedream-nostash", "2bw"):
         mode = {"pipedream": "stash", "pipedream-nostash": "nostash", "2bw": "2bw"}[
@@ -356,11 +357,11 @@ def bubble_lines(cfg, mesh=None) -> list[str]:
         sched = sched_lib.make("1f1b", p, m)
         plan = pipedream.version_plan(sched, mode, window)
         stage_params = m_cfg.num_params / p
-        return sched_lib.pipeline_plan_lines(p, m, sched)[:1] + [
+        return stats_lib.pipeline_plan_lines(p, m, sched)[:1] + [
             f"  PipeDream ({mode}): no flush; {plan.num_updates} updates per stage per step",
             f"  weight versions stored per stage: {plan.num_slots} (~"
             f"{_mb(plan.num_slots * stage_params * 4).strip()} of fp32 weights per stage)"]
-    return sched_lib.pipeline_plan_lines(p, m, t.pipeline_schedule)
+    return stats_lib.pipeline_plan_lines(p, m, t.pipeline_schedule)
 
 
 def _mb(x) -> str:

@@ -15,6 +15,7 @@ from gendist import train
 from gendist.data import TextData, shard_batch
 from gendist.models import transformer
 from gendist.parallel import schedule as S
+from gendist.parallel import schedule_stats as SS
 from gendist.parallel.pipeline import model as stage_model
 from gendist.presets import replace
 from gendist.sharding import rules_for
@@ -161,12 +162,12 @@ def test_bad_input_names_the_field(kw, field):
 
 def test_plan_lines_count_the_table():
     from gendist.parallel import schedule as S
-    lines = S.pipeline_plan_lines(4, 8, "1f1b")
+    lines = SS.pipeline_plan_lines(4, 8, "1f1b")
     assert "24/88 idle" in lines[1] and "0.2727" in lines[1] and "0.2727" in lines[2]
     assert "4 3 2 1 (max 4" in lines[3]
-    assert "8 8 8 8 (max 8" in S.pipeline_plan_lines(4, 8, "gpipe")[3]
+    assert "8 8 8 8 (max 8" in SS.pipeline_plan_lines(4, 8, "gpipe")[3]
     with pytest.raises(ValueError, match="num_microbatches"):
-        S.pipeline_plan_lines(4, 8, S.gpipe(4, 6))
+        SS.pipeline_plan_lines(4, 8, S.gpipe(4, 6))
 
 
 def test_partitioner_beats_uniform_on_uneven_layers():

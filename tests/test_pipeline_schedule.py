@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from gendist.parallel import schedule as S
+from gendist.parallel import schedule_stats as SS
 
 GRID = [(p, m) for p in range(1, 7) for m in range(1, 13)]
 BUILDERS = [S.gpipe, S.one_f_one_b, S.one_f_one_b_phased]
@@ -45,15 +46,15 @@ def test_bubble_from_table_equals_analytic(build):
         assert sched.num_steps == 2 * (m + p - 1), (p, m)
         idle = int((sched.kind == S.IDLE).sum())
         assert idle == 2 * p * (p - 1), (p, m)
-        assert S.bubble_fraction(sched) == pytest.approx(S.analytic_bubble_fraction(p, m), abs=1e-12)
+        assert SS.bubble_fraction(sched) == pytest.approx(SS.analytic_bubble_fraction(p, m), abs=1e-12)
 
 
 def test_in_flight_is_p_for_1f1b_and_m_for_gpipe():
     for p, m in GRID:
-        assert S.max_in_flight(S.gpipe(p, m)) == m, (p, m)
-        assert S.max_in_flight(S.one_f_one_b(p, m)) == min(p, m), (p, m)
+        assert SS.max_in_flight(S.gpipe(p, m)) == m, (p, m)
+        assert SS.max_in_flight(S.one_f_one_b(p, m)) == min(p, m), (p, m)
         # Stage s of 1F1B holds at most p - s microbatches.
-        per_stage = S.in_flight_per_stage(S.one_f_one_b(p, m))
+        per_stage = SS.in_flight_per_stage(S.one_f_one_b(p, m))
         np.testing.assert_array_equal(per_stage, np.minimum(p - np.arange(p), m))
 
 
@@ -63,7 +64,7 @@ def test_buffer_plan_never_overwrites_a_held_input(build):
     for p, m in GRID:
         sched = build(p, m)
         plan = S.buffer_plan(sched)
-        assert plan.num_slots == S.max_in_flight(sched), (p, m)
+        assert plan.num_slots == SS.max_in_flight(sched), (p, m)
         fwd, bwd = _times(sched)
         for s in range(p):
             holder = {}  # slot -> microbatch whose input it holds
@@ -93,14 +94,14 @@ def test_phased_1f1b_costs_gpipe_lockstep_time_at_bounded_memory():
         sched = S.one_f_one_b_phased(p, m)
         for row in sched.kind:
             assert len(set(row[row != S.IDLE].tolist())) == 1, (p, m)
-        assert S.lockstep_time(sched) == S.lockstep_time(S.gpipe(p, m)), (p, m)
-        assert S.lockstep_time(sched) <= S.lockstep_time(S.one_f_one_b(p, m)), (p, m)
+        assert SS.lockstep_time(sched) == SS.lockstep_time(S.gpipe(p, m)), (p, m)
+        assert SS.lockstep_time(sched) <= SS.lockstep_time(S.one_f_one_b(p, m)), (p, m)
         limit = np.minimum(2 * (p - np.arange(p)) - 1, m)
-        assert (S.in_flight_per_stage(sched) <= limit).all(), (p, m)
+        assert (SS.in_flight_per_stage(sched) <= limit).all(), (p, m)
     # p = 2, m = 16: 51 units against 1F1B's 66; the one-device work is 3m = 48.
-    assert S.lockstep_time(S.one_f_one_b_phased(2, 16)) == 51
-    assert S.lockstep_time(S.one_f_one_b(2, 16)) == 66
-    text = S.to_text(S.one_f_one_b_phased(2, 4)).splitlines()[1:]
+    assert SS.lockstep_time(S.one_f_one_b_phased(2, 16)) == 51
+    assert SS.lockstep_time(S.one_f_one_b(2, 16)) == 66
+    text = SS.to_text(S.one_f_one_b_phased(2, 4)).splitlines()[1:]
     assert text == ["stage 0: F0 F1 .  F2 B0 F3 B1 .  B2 B3",
                     "stage 1: .  F0 B0 F1 B1 F2 B2 F3 B3 . "]
 
@@ -111,7 +112,7 @@ def test_1f1b_buffer_is_p_slots_gpipe_m():
 
 
 def test_text_picture():
-    text = S.to_text(S.one_f_one_b(2, 2))
+    text = SS.to_text(S.one_f_one_b(2, 2))
     assert text.splitlines()[1:] == ["stage 0: F0 F1 .  B0 .  B1", "stage 1: .  F0 B0 F1 B1 . "]
 
 
@@ -120,7 +121,7 @@ def test_plot_draws_one_patch_per_action():
 
     matplotlib.use("Agg")
     sched = S.gpipe(3, 4)
-    ax = S.plot(sched)
+    ax = SS.plot(sched)
     assert len(ax.patches) == 2 * 3 * 4
 
 
@@ -176,10 +177,10 @@ def test_split_schedules_keep_dependencies_and_memory(build):
         fwd, bwd, wgt = _split_times(sched)
         assert (fwd[1:] > fwd[:-1]).all() and (bwd[:-1] > bwd[1:]).all(), (p, m)
         assert (bwd > fwd).all() and (wgt > bwd).all(), (p, m)
-        assert sched.split and S.bubble_fraction(sched) < S.bubble_fraction(
+        assert sched.split and SS.bubble_fraction(sched) < SS.bubble_fraction(
             S.one_f_one_b(p, m)) + 1e-12, (p, m)
         # A stage holds a microbatch from its forward to its weight step.
-        held = S.in_flight_per_stage(sched)
+        held = SS.in_flight_per_stage(sched)
         limit = (p - np.arange(p)) if build is S.one_f_one_b_split else np.full(p, p)
         assert (held <= np.minimum(limit, m)).all(), (p, m, held)
 

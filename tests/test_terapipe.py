@@ -17,6 +17,7 @@ from gendist import train
 from gendist.data import TextData, shard_batch
 from gendist.models import transformer
 from gendist.parallel import schedule as S
+from gendist.parallel import schedule_stats as SS
 from gendist.parallel.pipeline import terapipe as tp
 from gendist.presets import replace
 
@@ -63,9 +64,9 @@ def test_schedule_runs_slices_in_order_and_backwards_reversed():
         assert (np.diff(fwd, axis=1) > 0).all()  # slice j after slice j-1 on each stage
         assert (np.diff(bwd, axis=1) < 0).all()  # backwards in reverse slice order
         assert bwd.min() > fwd.max(axis=1).min()  # all forwards before any backward
-        assert S.bubble_fraction(sched) == pytest.approx(S.analytic_bubble_fraction(p, k))
-        makespan, idle = S.weighted_timeline(sched, np.ones(k), np.ones(k))
-        assert makespan == sched.num_steps and idle == pytest.approx(S.bubble_fraction(sched))
+        assert SS.bubble_fraction(sched) == pytest.approx(SS.analytic_bubble_fraction(p, k))
+        makespan, idle = SS.weighted_timeline(sched, np.ones(k), np.ones(k))
+        assert makespan == sched.num_steps and idle == pytest.approx(SS.bubble_fraction(sched))
 
 
 def context_cost(n, overhead=1.5, attn=0.3):

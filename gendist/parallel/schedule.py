@@ -6,7 +6,8 @@ counted in units of one stage-action (forward and backward cost one unit each) a
 message crosses one stage boundary per step, the model of GPipe (Huang et al. 2019) and of
 the 1F1B schedule of PipeDream-Flush (Narayanan et al. 2019) as used by Megatron-LM
 (Narayanan et al. 2021). Tables are built by running each stage's action order as soon as
-its dependencies allow (ASAP), so the timing follows from the order alone.
+its dependencies allow (ASAP), so the timing follows from the order alone. Counting and
+drawing tables (bubble, lock-step time, memory held, pictures): `schedule_stats`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import dataclasses
 import numpy as np
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
-_LETTER = {IDLE: ".", FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -46,7 +46,7 @@ class Schedule:
         return bool(np.any(self.kind == WEIGHT))
 
 
-def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+def check_sizes(num_stages: int, num_microbatches: int) -> None:
     if not isinstance(num_stages, int | np.integer) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r} must be an int >= 1 (the pipeline mesh size)")
     if not isinstance(num_microbatches, int | np.integer) or num_microbatches < 1:
@@ -66,7 +66,7 @@ def from_stage_orders(
     strictly in the given order, idling while the next one waits for its input.
     """
     p = len(orders)
-    _check_sizes(p, num_microbatches)
+    check_sizes(p, num_microbatches)
     done: dict[tuple[int, int, int], int] = {}  # (stage, kind, mb) -> step it ran
     pos = [0] * p
     rows_kind, rows_mb = [], []
@@ -110,7 +110,7 @@ def from_stage_orders(
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     """GPipe (Huang et al. 2019): all forwards, then all backwards; stage holds m inputs."""
-    _check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     m = num_microbatches
     order = [(FORWARD, i) for i in range(m)] + [(BACKWARD, i) for i in range(m)]
     return from_stage_orders([list(order) for _ in range(num_stages)], m, "gpipe")
@@ -124,7 +124,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     in flight on stage s, so activation memory does not grow with m; the bubble equals
     GPipe's (p-1)/(m+p-1).
     """
-    _check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     orders = []
     for s in range(p):
@@ -143,7 +143,7 @@ def sequential(num_stages: int, num_microbatches: int) -> Schedule:
     No overlap (bubble 1 - 1/p, the worst case), but no staleness either: with per-microbatch
     updates (PipeDream) every forward sees the weights of all earlier microbatches.
     """
-    _check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     order = [a for i in range(num_microbatches) for a in ((FORWARD, i), (BACKWARD, i))]
     return from_stage_orders([list(order) for _ in range(num_stages)], num_microbatches,
                              "sequential")
@@ -189,100 +189,6 @@ def all_action_times(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.nda
     times[schedule.kind[t, s], s, schedule.microbatch[t, s]] = t
     weight = times[WEIGHT] if schedule.split else times[BACKWARD]
     return times[FORWARD], times[BACKWARD], weight
-
-
-def bubble_fraction(schedule: Schedule) -> float:
-    """Fraction of (step, stage) slots that are idle, counted from the table."""
-    return float(np.mean(schedule.kind == IDLE))
-
-
-def analytic_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """(p-1)/(m+p-1): the bubble of GPipe and of 1F1B with equal forward/backward cost."""
-    _check_sizes(num_stages, num_microbatches)
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
-
-
-def weighted_timeline(schedule: Schedule, fwd_cost, bwd_cost, wgt_cost=0.0
-                      ) -> tuple[float, float]:
-    """(makespan, idle fraction) when actions take real times instead of one step each.
-
-    fwd_cost / bwd_cost / wgt_cost: [microbatches] or [stages, microbatches] (a split
-    schedule's B costs bwd_cost, its W wgt_cost). Each stage runs its actions in table
-    order, each as soon as its stage is free and its input has arrived (communication
-    free), so unequal slices or microbatches show their own bubbles.
-    """
-    p, m = schedule.num_stages, schedule.num_microbatches
-    cost = {k: np.broadcast_to(np.asarray(c, np.float64), (p, m))
-            for k, c in ((FORWARD, fwd_cost), (BACKWARD, bwd_cost), (WEIGHT, wgt_cost))}
-    end: dict[tuple[int, int, int], float] = {}
-    free = np.zeros(p)
-    for t, s in zip(*np.nonzero(schedule.kind != IDLE), strict=True):
-        k, i = int(schedule.kind[t, s]), int(schedule.microbatch[t, s])
-        if k == FORWARD:
-            ready = end.get((s - 1, FORWARD, i), 0.0)
-        elif k == BACKWARD:
-            ready = end[(s + 1, BACKWARD, i)] if s < p - 1 else end[(s, FORWARD, i)]
-        else:
-            ready = end[(s, BACKWARD, i)]
-        start = max(free[s], ready)
-        free[s] = end[(s, k, i)] = start + cost[k][s, i]
-    makespan = float(free.max())
-    busy = sum(float(cost[k].sum()) for k in (FORWARD, BACKWARD)) + (
-        float(cost[WEIGHT].sum()) if schedule.split else 0.0)
-    return makespan, 1.0 - busy / (p * makespan)
-
-
-def in_flight_per_stage(schedule: Schedule) -> np.ndarray:
-    """[stages] the most microbatches forwarded but not yet done (backward, or weight step
-    when split) at any step: what a stage holds."""
-    fwd, _, bwd = all_action_times(schedule)
-    steps = np.arange(schedule.num_steps)[:, None, None]
-    live = (fwd[None] <= steps) & (steps < bwd[None])  # [steps, stages, microbatches]
-    return live.sum(-1).max(0)
-
-
-def max_in_flight(schedule: Schedule) -> int:
-    """The most microbatches any stage holds: p for 1F1B, m for GPipe."""
-    return int(in_flight_per_stage(schedule).max())
-
-
-def to_text(schedule: Schedule) -> str:
-    """One row per stage, one column per step: F3 = forward of microbatch 3, '.' = idle."""
-    width = len(str(schedule.num_microbatches - 1)) + 1
-    lines = [f"{schedule.name}: {schedule.num_stages} stages, {schedule.num_microbatches} "
-             f"microbatches, {schedule.num_steps} steps, bubble {bubble_fraction(schedule):.3f}"]
-    for s in range(schedule.num_stages):
-        cells = []
-        for t in range(schedule.num_steps):
-            k = int(schedule.kind[t, s])
-            cell = _LETTER[k] + (str(schedule.microbatch[t, s]) if k != IDLE else "")
-            cells.append(cell.ljust(width))
-        lines.append(f"stage {s}: " + " ".join(cells))
-    return "\n".join(lines)
-
-
-def plot(schedule: Schedule, ax=None):
-    """Draws the table as a time x stage chart (forwards blue, backwards orange)."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(max(4.0, 0.32 * schedule.num_steps), 0.5 * schedule.num_stages + 1))
-    colors = {FORWARD: "#4c72b0", BACKWARD: "#dd8452", WEIGHT: "#55a868"}
-    for t, s in zip(*np.nonzero(schedule.kind != IDLE), strict=True):
-        k = int(schedule.kind[t, s])
-        ax.add_patch(plt.Rectangle((t, s), 1, 1, facecolor=colors[k], edgecolor="white"))
-        if schedule.num_steps <= 80:
-            ax.text(t + 0.5, s + 0.5, str(schedule.microbatch[t, s]), ha="center", va="center",
-                    fontsize=7, color="white")
-    ax.set_xlim(0, schedule.num_steps)
-    ax.set_ylim(schedule.num_stages, 0)
-    ax.set_xlabel("time step")
-    ax.set_ylabel("stage")
-    ax.set_yticks(np.arange(schedule.num_stages) + 0.5, [str(s) for s in range(schedule.num_stages)])
-    ax.set_title(f"{schedule.name}: p={schedule.num_stages}, m={schedule.num_microbatches}, "
-                 f"bubble {bubble_fraction(schedule):.2f} (blue F, orange B"
-                 + (", green W)" if schedule.split else ")"))
-    return ax
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -391,7 +297,7 @@ def list_schedule(num_stages: int, num_microbatches: int, *, priority: str, limi
     'W') that is ready (`_ListState.ready`: dependencies met, fewer than `limit(s)`
     microbatches in flight). B and F go in microbatch order.
     """
-    _check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     state = _ListState(num_stages, num_microbatches)
     t = 0
     while min(state.nw) < num_microbatches:
@@ -433,10 +339,11 @@ def one_f_one_b_phased(num_stages: int, num_microbatches: int) -> Schedule:
     Made for a lock-step executor, where a step lasts as long as its slowest action: in
     1F1B's steady state one stage's forward shares a step with its neighbour's backward
     (about two forwards long), so every step costs a backward. Here F-steps cost a forward
-    and B-steps a backward, so the table's lock-step time (`lockstep_time`) equals GPipe's,
-    while stage s holds at most 2(p - s) - 1 microbatches (GPipe: m; 1F1B: p - s).
+    and B-steps a backward, so the table's lock-step time (`schedule_stats.lockstep_time`)
+    equals GPipe's, while stage s holds at most 2(p - s) - 1 microbatches (GPipe: m; 1F1B:
+    p - s).
     """
-    _check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     state = _ListState(p, m)
     limit = lambda s: 2 * (p - s) - 1
@@ -453,16 +360,6 @@ def one_f_one_b_phased(num_stages: int, num_microbatches: int) -> Schedule:
     return state.schedule("1f1b-phased")
 
 
-def lockstep_time(schedule: Schedule, fwd_cost: float = 1.0, bwd_cost: float = 2.0,
-                  wgt_cost: float = 1.0) -> float:
-    """Time of the table on a lock-step executor (each step lasts its slowest action; a
-    backward costs about two forwards, a split one's B and W about one each)."""
-    cost = np.array([0.0, fwd_cost, bwd_cost, wgt_cost])
-    if schedule.split:
-        cost[BACKWARD] = bwd_cost - wgt_cost
-    return float(cost[schedule.kind].max(axis=1).sum())
-
-
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "sequential": sequential,
              "1f1b-split": one_f_one_b_split, "zb-h1": zb_h1, "1f1b-phased": one_f_one_b_phased}
 
@@ -473,29 +370,3 @@ def make(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     if name not in SCHEDULES:
         raise ValueError(f"schedule={name!r} is unknown; use one of {sorted(SCHEDULES)}")
     return SCHEDULES[name](num_stages, num_microbatches)
-
-
-def pipeline_plan_lines(num_stages: int, num_microbatches: int, schedule: str | Schedule) -> list[str]:
-    """Human-readable bubble and memory accounting of one schedule, for `python -m gendist plan`.
-
-    Counts idle slots in the table and compares with the analytic (p-1)/(m+p-1), and lists
-    the microbatches each stage holds at once (the activation memory GPipe grows with m and
-    1F1B caps at p - s).
-    """
-    sched = make(schedule, num_stages, num_microbatches) if isinstance(schedule, str) else schedule
-    if (sched.num_stages, sched.num_microbatches) != (num_stages, num_microbatches):
-        raise ValueError(f"schedule {sched.name!r} has p={sched.num_stages}, m="
-                         f"{sched.num_microbatches}; pass num_stages={sched.num_stages}, "
-                         f"num_microbatches={sched.num_microbatches}")
-    p, m = num_stages, num_microbatches
-    idle = int(np.sum(sched.kind == IDLE))
-    flight = in_flight_per_stage(sched)
-    return [
-        f"pipeline schedule {sched.name}: p={p} stages, m={m} microbatches, "
-        f"{sched.num_steps} steps of one forward or backward",
-        f"  bubble (table): {idle}/{sched.num_steps * p} idle stage-steps = "
-        f"{bubble_fraction(sched):.4f}",
-        f"  bubble (analytic (p-1)/(m+p-1)): {analytic_bubble_fraction(p, m):.4f}",
-        "  microbatches in flight per stage: " + " ".join(str(int(f)) for f in flight)
-        + f" (max {int(flight.max())}; buffer slots {buffer_plan(sched).num_slots})",
-    ]

@@ -1,0 +1,150 @@
+"""Counting and drawing schedule tables: the bubble (from the table and analytic), the time
+of a table on a lock-step executor or with real action costs, the microbatches each stage
+holds, a text and a matplotlib picture, and the plan lines of `python -m gendist plan`.
+The tables themselves are built in `gendist.parallel.schedule`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gendist.parallel.schedule import (
+    BACKWARD,
+    FORWARD,
+    IDLE,
+    WEIGHT,
+    Schedule,
+    all_action_times,
+    buffer_plan,
+    check_sizes,
+    make,
+)
+
+_LETTER = {IDLE: ".", FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
+
+
+def bubble_fraction(schedule: Schedule) -> float:
+    """Fraction of (step, stage) slots that are idle, counted from the table."""
+    return float(np.mean(schedule.kind == IDLE))
+
+
+def analytic_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
+    """(p-1)/(m+p-1): the bubble of GPipe and of 1F1B with equal forward/backward cost."""
+    check_sizes(num_stages, num_microbatches)
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def weighted_timeline(schedule: Schedule, fwd_cost, bwd_cost, wgt_cost=0.0
+                      ) -> tuple[float, float]:
+    """(makespan, idle fraction) when actions take real times instead of one step each.
+
+    fwd_cost / bwd_cost / wgt_cost: [microbatches] or [stages, microbatches] (a split
+    schedule's B costs bwd_cost, its W wgt_cost). Each stage runs its actions in table
+    order, each as soon as its stage is free and its input has arrived (communication
+    free), so unequal slices or microbatches show their own bubbles.
+    """
+    p, m = schedule.num_stages, schedule.num_microbatches
+    cost = {k: np.broadcast_to(np.asarray(c, np.float64), (p, m))
+            for k, c in ((FORWARD, fwd_cost), (BACKWARD, bwd_cost), (WEIGHT, wgt_cost))}
+    end: dict[tuple[int, int, int], float] = {}
+    free = np.zeros(p)
+    for t, s in zip(*np.nonzero(schedule.kind != IDLE), strict=True):
+        k, i = int(schedule.kind[t, s]), int(schedule.microbatch[t, s])
+        if k == FORWARD:
+            ready = end.get((s - 1, FORWARD, i), 0.0)
+        elif k == BACKWARD:
+            ready = end[(s + 1, BACKWARD, i)] if s < p - 1 else end[(s, FORWARD, i)]
+        else:
+            ready = end[(s, BACKWARD, i)]
+        start = max(free[s], ready)
+        free[s] = end[(s, k, i)] = start + cost[k][s, i]
+    makespan = float(free.max())
+    busy = sum(float(cost[k].sum()) for k in (FORWARD, BACKWARD)) + (
+        float(cost[WEIGHT].sum()) if schedule.split else 0.0)
+    return makespan, 1.0 - busy / (p * makespan)
+
+
+def in_flight_per_stage(schedule: Schedule) -> np.ndarray:
+    """[stages] the most microbatches forwarded but not yet done (backward, or weight step
+    when split) at any step: what a stage holds."""
+    fwd, _, bwd = all_action_times(schedule)
+    steps = np.arange(schedule.num_steps)[:, None, None]
+    live = (fwd[None] <= steps) & (steps < bwd[None])  # [steps, stages, microbatches]
+    return live.sum(-1).max(0)
+
+
+def max_in_flight(schedule: Schedule) -> int:
+    """The most microbatches any stage holds: p for 1F1B, m for GPipe."""
+    return int(in_flight_per_stage(schedule).max())
+
+
+def to_text(schedule: Schedule) -> str:
+    """One row per stage, one column per step: F3 = forward of microbatch 3, '.' = idle."""
+    width = len(str(schedule.num_microbatches - 1)) + 1
+    lines = [f"{schedule.name}: {schedule.num_stages} stages, {schedule.num_microbatches} "
+             f"microbatches, {schedule.num_steps} steps, bubble {bubble_fraction(schedule):.3f}"]
+    for s in range(schedule.num_stages):
+        cells = []
+        for t in range(schedule.num_steps):
+            k = int(schedule.kind[t, s])
+            cell = _LETTER[k] + (str(schedule.microbatch[t, s]) if k != IDLE else "")
+            cells.append(cell.ljust(width))
+        lines.append(f"stage {s}: " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(schedule: Schedule, ax=None):
+    """Draws the table as a time x stage chart (forwards blue, backwards orange)."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(4.0, 0.32 * schedule.num_steps), 0.5 * schedule.num_stages + 1))
+    colors = {FORWARD: "#4c72b0", BACKWARD: "#dd8452", WEIGHT: "#55a868"}
+    for t, s in zip(*np.nonzero(schedule.kind != IDLE), strict=True):
+        k = int(schedule.kind[t, s])
+        ax.add_patch(plt.Rectangle((t, s), 1, 1, facecolor=colors[k], edgecolor="white"))
+        if schedule.num_steps <= 80:
+            ax.text(t + 0.5, s + 0.5, str(schedule.microbatch[t, s]), ha="center", va="center",
+                    fontsize=7, color="white")
+    ax.set_xlim(0, schedule.num_steps)
+    ax.set_ylim(schedule.num_stages, 0)
+    ax.set_xlabel("time step")
+    ax.set_ylabel("stage")
+    ax.set_yticks(np.arange(schedule.num_stages) + 0.5, [str(s) for s in range(schedule.num_stages)])
+    ax.set_title(f"{schedule.name}: p={schedule.num_stages}, m={schedule.num_microbatches}, "
+                 f"bubble {bubble_fraction(schedule):.2f} (blue F, orange B"
+                 + (", green W)" if schedule.split else ")"))
+    return ax
+
+def lockstep_time(schedule: Schedule, fwd_cost: float = 1.0, bwd_cost: float = 2.0,
+                  wgt_cost: float = 1.0) -> float:
+    """Time of the table on a lock-step executor (each step lasts its slowest action; a
+    backward costs about two forwards, a split one's B and W about one each)."""
+    cost = np.array([0.0, fwd_cost, bwd_cost, wgt_cost])
+    if schedule.split:
+        cost[BACKWARD] = bwd_cost - wgt_cost
+    return float(cost[schedule.kind].max(axis=1).sum())
+
+def pipeline_plan_lines(num_stages: int, num_microbatches: int, schedule: str | Schedule) -> list[str]:
+    """Human-readable bubble and memory accounting of one schedule, for `python -m gendist plan`.
+
+    Counts idle slots in the table and compares with the analytic (p-1)/(m+p-1), and lists
+    the microbatches each stage holds at once (the activation memory GPipe grows with m and
+    1F1B caps at p - s).
+    """
+    sched = make(schedule, num_stages, num_microbatches) if isinstance(schedule, str) else schedule
+    if (sched.num_stages, sched.num_microbatches) != (num_stages, num_microbatches):
+        raise ValueError(f"schedule {sched.name!r} has p={sched.num_stages}, m="
+                         f"{sched.num_microbatches}; pass num_stages={sched.num_stages}, "
+                         f"num_microbatches={sched.num_microbatches}")
+    p, m = num_stages, num_microbatches
+    idle = int(np.sum(sched.kind == IDLE))
+    flight = in_flight_per_stage(sched)
+    return [
+        f"pipeline schedule {sched.name}: p={p} stages, m={m} microbatches, "
+        f"{sched.num_steps} steps of one forward or backward",
+        f"  bubble (table): {idle}/{sched.num_steps * p} idle stage-steps = "
+        f"{bubble_fraction(sched):.4f}",
+        f"  bubble (analytic (p-1)/(m+p-1)): {analytic_bubble_fraction(p, m):.4f}",
+        "  microbatches in flight per stage: " + " ".join(str(int(f)) for f in flight)
+        + f" (max {int(flight.max())}; buffer slots {buffer_plan(sched).num_slots})",
+    ]

@@ -180,8 +180,20 @@ class UnitPlan(NamedTuple):
     weight_index: tuple[int, ...]
     shapes: list
 
+    def keep(self, vjp) -> list:
+        """The activation residuals of a unit's vjp function (its weights left out)."""
+        return [leaf for leaf, i in zip(jax.tree.leaves(vjp), self.weight_index, strict=True)
+                if i < 0]
 
-def _unit_vjp_fn(fns: StageFns):
+    def rebuild(self, pu, res):
+        """The unit's vjp function from its weights `pu` and kept residuals `res`."""
+        weights, stored = jax.tree.leaves(pu), iter(res)
+        leaves = [weights[i] if i >= 0 else next(stored) for i in self.weight_index]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def unit_vjp_fn(fns: StageFns):
+    """A unit as the function `jax.vjp` takes: (weights, x) -> ((y, aux loss), metrics)."""
     def f(pu, x):
         y, aux, metrics = fns.unit(pu, x)
         return (y, aux), metrics
@@ -194,7 +206,7 @@ def unit_plan(fns: StageFns, lp, x) -> UnitPlan:
     pu0 = jax.tree.map(lambda a: a[0], fns.units(lp))
 
     def probe(pu, x):
-        _, vjp, _ = jax.vjp(_unit_vjp_fn(fns), pu, x, has_aux=True)
+        _, vjp, _ = jax.vjp(unit_vjp_fn(fns), pu, x, has_aux=True)
         leaves, box["treedef"] = jax.tree.flatten(vjp)
         weights = jax.tree.leaves(pu)
         box["index"] = tuple(next((i for i, w in enumerate(weights) if w is leaf), -1)
@@ -227,17 +239,9 @@ def saved_computations(fns: StageFns, plan: UnitPlan, stage: int | None, split: 
     or producing the weight gradients at once (fused); W turns kept cotangents into the
     weight gradients. Losses and metrics of the layers count in F, the head's in B.
     """
-    unit_vjp = _unit_vjp_fn(fns)
+    unit_vjp = unit_vjp_fn(fns)
     one = jnp.float32(1)
-
-    def keep(vjp):
-        return [leaf for leaf, i in zip(jax.tree.leaves(vjp), plan.weight_index, strict=True)
-                if i < 0]
-
-    def rebuild(pu, res):
-        weights, stored = jax.tree.leaves(pu), iter(res)
-        leaves = [weights[i] if i >= 0 else next(stored) for i in plan.weight_index]
-        return jax.tree.unflatten(plan.treedef, leaves)
+    keep, rebuild = plan.keep, plan.rebuild
 
     def own_res(res_units):
         if stage is None or len(set(fns.counts)) == 1:

@@ -29,7 +29,7 @@ import numpy as np
 
 from gendist.parallel import schedule as sched_lib
 from gendist.parallel.pipeline import core
-from gendist.parallel.pipeline.stages import StageFns, UnitPlan, accumulators
+from gendist.parallel.pipeline.stages import StageFns, UnitPlan, accumulators, unit_vjp_fn
 
 F, B = sched_lib.FORWARD, sched_lib.BACKWARD
 
@@ -74,18 +74,8 @@ def run_uniform(w, tokens_M, targets_M, *, sched: sched_lib.Schedule, fns: Stage
     n = jax.tree.leaves(units_w)[0].shape[0]
     unroll = max(1, min(fns.unroll, n))
 
-    def unit_vjp(pu, x):
-        y, aux, metrics = fns.unit(pu, x)
-        return (y, aux), metrics
-
-    def keep(vjp):
-        return [leaf for leaf, i in zip(jax.tree.leaves(vjp), plan.weight_index, strict=True)
-                if i < 0]
-
-    def rebuild(pu, res):
-        weights, stored = jax.tree.leaves(pu), iter(res)
-        leaves = [weights[i] if i >= 0 else next(stored) for i in plan.weight_index]
-        return jax.tree.unflatten(plan.treedef, leaves)
+    unit_vjp = unit_vjp_fn(fns)
+    keep, rebuild = plan.keep, plan.rebuild
 
     def masked(on, tree):
         return jax.tree.map(lambda v: jnp.where(on, v, jnp.zeros_like(v)), tree)

@@ -38,11 +38,11 @@ from gendist import profiling
 from gendist.inference import fastpath
 from gendist.inference.generate import generate_tokens
 from gendist.inference.sampling import SamplingParams
-from gendist.models import transformer
+from gendist.models import decode_layout, transformer
 from gendist.presets import preset
 from gendist.timing import call_times
 
-VARIANTS = ("fast", "fast_xla", "fast_folded", "reference")
+VARIANTS = ("fast", "fast_xla", "reference")
 
 
 def read_only_tbps(gib: float = 2.0, n: int = 10) -> float:
@@ -74,8 +74,7 @@ def step_bytes(cfg, dparams, batch: int, prompt: int, new: int) -> tuple[int, in
     leaves = {k: v for k, v in dparams.items() if k != "embed"}
     weights = sum(x.nbytes for x in jax.tree.leaves(leaves))
     emb = dparams["embed"]
-    # Tied: the table is the output layer, read whole (unless the folded layout carries its
-    # own output layer head_VD); untied: only the looked-up rows.
+    # Tied: the table is the output layer, read whole; untied: only the looked-up rows.
     tied_read = cfg.tie_embeddings and "head_VD" not in dparams
     weights += emb.nbytes if tied_read else batch * emb.shape[1] * emb.dtype.itemsize
     mean_len = prompt + (new + 1) / 2
@@ -172,13 +171,12 @@ def main():
                 current = name
                 cfg = preset(name).model
                 raw = transformer.init_params(cfg, 0)
-                params["fast"] = transformer.decode_params(cfg, raw)
-                params["fast_folded"] = transformer.decode_params(cfg, raw, fold_norms=True)
-                params["reference"] = transformer.inference_params(cfg, raw)
+                params["fast"] = decode_layout.decode_params(cfg, raw)
+                params["reference"] = decode_layout.inference_params(cfg, raw)
                 del raw
                 first = True
             cfg = preset(name).model
-            p = params[variant if variant in ("reference", "fast_folded") else "fast"]
+            p = params["reference" if variant == "reference" else "fast"]
             row = run_case(cfg, p, batch, variant, args, profile=args.profile and first)
             first = False
             w, kv = step_bytes(cfg, params["fast"], batch, args.prompt, args.new_tokens)

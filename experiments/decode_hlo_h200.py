@@ -14,11 +14,9 @@ Setup (once; the CUDA plugin of the installed jax version, without its CUDA libr
         python experiments/decode_hlo_h200.py --cases 350m:1:fast 350m:1:reference --out benchmarks
 
 Variants: `reference` (stacked weights, one stacked cache, the layer scan unrolled), `fast`
-(the decode layout with the norms' gains folded into the next matrices, per-layer cache,
-paged attention), `fast_unfolded` (the same with the norms kept: the layout before
-issue 19's norm folding, and again the default since an H200 measured the folded one
-slower: `decode_floor.py` names them fast and fast_folded), `fast_xla` (fast with jnp
-attention over all max_len slots).
+(the decode layout, per-layer cache, paged attention), `fast_xla` (fast with jnp attention
+over all max_len slots). (`decode_hlo_h200_fold.json` came from a `fast` that folded the
+norms' gains into the next matrices, an option since removed: `models/decode_layout.py`.)
 
 Autotuning needs a device, so GEMM configurations (batch > 1) are XLA's defaults, not what
 the GPU would pick; fusion decisions, reductions and copies are the GPU's. Pallas kernels
@@ -75,7 +73,7 @@ def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep
     from gendist.inference import fastpath
     from gendist.inference.generate import generate_tokens
     from gendist.inference.sampling import SamplingParams
-    from gendist.models import transformer
+    from gendist.models import decode_layout, transformer
     from gendist.presets import preset
 
     cfg = preset(name).model
@@ -84,11 +82,10 @@ def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep
     kw = {}
     if variant == "reference":
         cfg = dataclasses.replace(cfg, scan_unroll=cfg.num_layers)
-        params = jax.eval_shape(lambda p: transformer.inference_params(cfg, p), raw)
+        params = jax.eval_shape(lambda p: decode_layout.inference_params(cfg, p), raw)
         kw["fast"] = False
     else:
-        fold = variant != "fast_unfolded"
-        params = jax.eval_shape(lambda p: transformer.decode_params(cfg, p, fold), raw)
+        params = jax.eval_shape(lambda p: decode_layout.decode_params(cfg, p), raw)
         backend = "xla" if variant == "fast_xla" else "pallas"
         kw["fast"] = True
         kw["cache"] = jax.tree.map(S, jax.eval_shape(

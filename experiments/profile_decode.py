@@ -51,6 +51,31 @@ def profile(fn, args, iterations_of):
             "top_ops": split["top_ops"][:25]}
 
 
+def call_ms(lm, params, batch: int, tokens: int, calls: int = 64) -> float:
+    """Device ms of one `lm.apply` on `tokens` new tokens per sequence (a decode step at 1, a
+    speculative verification at γ + 1), from a jitted loop of `calls` calls that advances
+    the cache: no host work between calls, as inside the decoding loops."""
+    max_len = 32 + calls * tokens + 8
+
+    def loop(params):
+        params = lm.prepare(params)
+        cache = lm.make_cache(batch, max_len)
+        tok = jnp.zeros((batch, tokens), jnp.int32)
+
+        def body(i, carry):
+            cache, acc = carry
+            pos = 32 + i * tokens + jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32),
+                                                      (batch, tokens))
+            logits, cache = lm.apply(params, tok, pos, cache)
+            return cache, acc + logits[0, 0, 0]
+
+        return jax.lax.fori_loop(0, calls, body, (cache, jnp.float32(0)))[1]
+
+    compiled = jax.jit(loop).lower(params).compile()
+    times, _ = call_times(compiled, params, n=5, warm=1)
+    return sorted(times)[2] / calls * 1e3
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="350m")
@@ -89,6 +114,12 @@ def main():
     res["speculative"] = profile(
         lambda tp, dp, *a: speculative_generate(target, tp, draft, dp, *a, spec=spec, **common),
         (tp, dp, prompt, lens, key), lambda out: int(out[2]["steps"]))
+    # One call's time by tokens per call: what a verification costs against a decode step
+    # (Leviathan et al.'s speedup formula assumes the same), and the draft's c.
+    res["call_ms"] = {f"{who}_T{t}": call_ms(lm, params, B, t)
+                      for who, lm, params in (("target", target, tp), ("draft", draft, dp))
+                      for t in (1, 2, args.gamma + 1)}
+    print("ms per call:", {k: round(v, 4) for k, v in res["call_ms"].items()})
     for name in ("plain", "draft_plain", "speculative"):
         r = res[name]
         launches = sum(r["launches_per_iteration"].values())
@@ -102,6 +133,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     tag = res["device"].replace(" ", "_").lower()
     suffix = f"_unroll{tm.scan_unroll}" if args.target_unroll else ""
+    suffix += f"_b{B}_g{args.gamma}"
     (out / f"profile_decode_{tag}{suffix}.json").write_text(json.dumps(res, indent=1))
 
 

@@ -3,7 +3,6 @@ contiguous cache) gives the reference path's greedy tokens, in plain, continuous
 speculative decoding; adaptive γ stays exact; the serving benchmark runs."""
 
 import dataclasses
-import functools
 import importlib.util
 import pathlib
 
@@ -16,11 +15,11 @@ from gendist.config import ModelConfig
 from gendist.inference import fastpath
 from gendist.inference import generate as G
 from gendist.inference.engine import Engine, EngineConfig, Request
-from gendist.inference.layer_cache import LayerKVCache
+from gendist.inference.layer_cache import LayerKVCache, write_rows
 from gendist.inference.lm import transformer_lm
 from gendist.inference.sampling import SamplingParams
 from gendist.inference.speculative import SpecConfig, speculative_generate
-from gendist.models import transformer
+from gendist.models import decode_layout, transformer
 
 CFG = ModelConfig(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=64,
                   max_seq_len=64)
@@ -44,77 +43,18 @@ def reference(params):
 
 def test_decode_layout_logits_equal_the_model(params):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 12)), jnp.int32)
-    dp = transformer.decode_params(CFG, params)
+    dp = decode_layout.decode_params(CFG, params)
     assert isinstance(dp["blocks"], tuple) and len(dp["blocks"]) == CFG.num_layers
     assert dp["blocks"][0]["wqkv_CHD"].shape == (4 + 2 * 2, 16, 32)
-    assert transformer.decode_params(CFG, dp) is dp  # already in the layout
+    assert decode_layout.decode_params(CFG, dp) is dp  # already in the layout
     np.testing.assert_allclose(transformer.forward(CFG, dp, tokens),
                                transformer.forward(CFG, params, tokens), rtol=1e-5, atol=1e-5)
     gelu = dataclasses.replace(CFG, mlp="gelu", tie_embeddings=False)  # the other layouts
     gp = transformer.init_params(gelu, 3)
-    gdp = transformer.decode_params(gelu, gp)
+    gdp = decode_layout.decode_params(gelu, gp)
     assert "head_VD" in gdp and "w_up_FD" in gdp["blocks"][1]
     np.testing.assert_allclose(transformer.forward(gelu, gdp, tokens),
                                transformer.forward(gelu, gp, tokens), rtol=1e-5, atol=1e-5)
-
-
-def with_random_gains(cfg, seed):
-    """Params whose RMSNorm gains are far from 1 (init sets them to 1, where folding them
-    into the next matrix would change nothing)."""
-    p = transformer.init_params(cfg, seed)
-    rng = np.random.default_rng(seed)
-    for path, name in ((("blocks",), "attn_norm"), (("blocks",), "mlp_norm"), ((), "final_norm")):
-        d = p[path[0]] if path else p
-        d[name] = jnp.asarray(rng.uniform(0.3, 3.0, d[name].shape), jnp.float32)
-    return p
-
-
-@pytest.mark.parametrize("mlp,tie", [("swiglu", True), ("gelu", False)])
-def test_folded_norms_equal_the_unfolded_layout(mlp, tie, monkeypatch):
-    """`decode_params` folds each norm's gain into the next matrix (and leaves the norm's
-    vector out, the marker `block` and `head_logits` read): logits of a prompt and of a
-    cached one-token decode step equal the unfolded layout's and the model's (fp32). The
-    one-token step both ways: the sum of squares as one more row of the matrix, and (limit
-    0: as for matrices XLA multiplies as a GEMM) the product scaled afterwards."""
-    cfg = dataclasses.replace(CFG, mlp=mlp, tie_embeddings=tie)
-    p = with_random_gains(cfg, 7)
-    folded = transformer.decode_params(cfg, p, fold_norms=True)
-    plain = transformer.decode_params(cfg, p, fold_norms=False)
-    assert "final_norm" not in folded and "head_VD" in folded
-    assert not {"attn_norm", "mlp_norm"} & set(folded["blocks"][0])
-    assert {"attn_norm", "mlp_norm"} <= set(plain["blocks"][0]) and "final_norm" in plain
-    w_in = "w_gate_up_GD" if mlp == "swiglu" else "w_up_FD"
-    g = np.asarray(p["blocks"]["mlp_norm"][1])
-    np.testing.assert_allclose(folded["blocks"][1][w_in], plain["blocks"][1][w_in] * g[None],
-                               rtol=1e-6)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 9)), jnp.int32)
-    full = transformer.forward(cfg, p, tokens)
-    for dp in (folded, plain):
-        np.testing.assert_allclose(transformer.forward(cfg, dp, tokens), full,
-                                   rtol=1e-5, atol=1e-5)
-        # Batch 1: the step is one token (a matrix-vector product).
-        cache = fastpath.make_cache(cfg, 1, 16, True, backend="xla")
-        pos = jnp.arange(8)[None]
-        _, cache = transformer.forward(cfg, dp, tokens[:1, :8], pos, cache)
-        cache = cache.advance(jnp.full((1,), 8))
-        for limit in (transformer.MATVEC_AS_REDUCTION, 0):
-            monkeypatch.setattr(transformer, "MATVEC_AS_REDUCTION", limit)
-            step, _ = transformer.forward(cfg, dp, tokens[:1, 8:], pos[:, :1] + 8, cache)
-            np.testing.assert_allclose(step, full[:1, 8:], rtol=1e-5, atol=1e-5)
-
-
-def test_folded_fast_greedy_equals_reference_with_random_gains(monkeypatch):
-    """Batch 1, as on a GPU's fast path: every decode step is one token (the folded layout
-    is an option, off by default: here the fast path is made to fold)."""
-    monkeypatch.setattr(transformer, "decode_params",
-                        functools.partial(transformer.decode_params, fold_norms=True))
-    p = jax.tree.map(lambda x: x * 4 if x.ndim > 1 else x, with_random_gains(CFG, 2))
-    pb, lb = G.pad_prompts(PROMPTS[2:])
-    args = (jnp.asarray(pb), jnp.asarray(lb), jax.random.key(0))
-    ref, _ = G.generate_tokens(CFG, p, *args, max_new_tokens=9, sp=GREEDY, fast=False)
-    assert "final_norm" not in fastpath.prepare(CFG, p, True)  # the fast path folds
-    out, _ = G.generate_tokens(CFG, p, *args, max_new_tokens=9, sp=GREEDY, fast=True)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
@@ -133,6 +73,22 @@ def test_cpu_default_is_the_reference_path(params):
     assert not fastpath.enabled(None)  # tests run on a CPU
     assert "blocks" in fastpath.prepare(CFG, params) and not isinstance(
         fastpath.prepare(CFG, params)["blocks"], tuple)
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (2, 3)])
+def test_write_rows_writes_consecutive_rows_per_sequence(B, T):
+    """One sequence's T rows as one slice write, several sequences as a scatter: both put
+    row t of sequence b at its own position and leave every other slot untouched."""
+    rng = np.random.default_rng(B * 10 + T)
+    buf = jnp.asarray(rng.normal(size=(2, B, 12, 4)), jnp.float32)  # [K, B, S, H]
+    rows = jnp.asarray(rng.normal(size=(2, B, T, 4)), jnp.float32)
+    start_B = rng.integers(0, 12 - T + 1, size=B)
+    pos_BT = jnp.asarray(start_B[:, None] + np.arange(T)[None, :], jnp.int32)
+    out = np.asarray(jax.jit(write_rows, static_argnums=3)(buf, rows, pos_BT, 1))
+    want = np.array(buf)
+    for b in range(B):
+        want[:, b, start_B[b]:start_B[b] + T] = np.asarray(rows)[:, b]
+    np.testing.assert_array_equal(out, want)
 
 
 def test_layer_cache_serves_a_scanned_model(params):

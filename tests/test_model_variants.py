@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gendist.config import ModelConfig
-from gendist.models import transformer
+from gendist.models import decode_layout, transformer
 
 BASE = ModelConfig(vocab_size=64, d_model=64, num_layers=3, num_heads=4, num_kv_heads=2,
                    head_dim=16, d_ff=96, max_seq_len=32)
@@ -42,7 +42,7 @@ def test_inference_params_give_bitwise_the_same_logits(moe):
     import dataclasses
     cfg = dataclasses.replace(BASE, dtype="bfloat16", moe_experts=moe, num_layers=4)
     params = transformer.init_params(cfg, seed=2)
-    cast = transformer.inference_params(cfg, params)
+    cast = decode_layout.inference_params(cfg, params)
     dtypes = {jax.tree_util.keystr(k): v.dtype for k, v in jax.tree_util.tree_leaves_with_path(cast)}
     matrices = [d for k, d in dtypes.items() if "['wq']" in k or "['embed']" in k]
     vectors = [d for k, d in dtypes.items() if "norm" in k or "router" in k]

@@ -37,7 +37,7 @@ class KVCache(abc.ABC):
 
     def layer_states(self) -> list:
         """The per-layer arrays as a list, one entry per layer, for a model whose layers are
-        separate buffers (`transformer.decode_params`). Caches that keep one buffer per layer
+        separate buffers (`decode_layout.decode_params`). Caches that keep one buffer per layer
         return them as they are; the default slices the stacked arrays."""
         state = self.layer_state()
         num = jax.tree.leaves(state)[0].shape[0]

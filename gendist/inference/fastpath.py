@@ -3,9 +3,8 @@
 The fast path is three choices made once per generation, none of which changes the math
 beyond rounding:
 
-* weights in the decode layout (`transformer.decode_params`: output-major, fused q|k|v and
-  gate|up, each RMSNorm's gain folded into the matrix after it, one buffer per layer, run
-  straight-line);
+* weights in the decode layout (`decode_layout.decode_params`: cast once, output-major,
+  fused q|k|v and gate|up, one buffer per layer, run straight-line);
 * a cache with one buffer per layer, written in place (`layer_cache.LayerKVCache`);
 * on a GPU, attention through the paged kernel over that cache, which reads only the
   tokens below each sequence's length (`backend="pallas"`).
@@ -22,7 +21,7 @@ import jax
 from gendist.config import ModelConfig
 from gendist.inference.cache import ContiguousKVCache
 from gendist.inference.layer_cache import LayerKVCache
-from gendist.models import transformer
+from gendist.models import decode_layout, transformer
 
 
 def enabled(fast: bool | None) -> bool:
@@ -49,8 +48,8 @@ def attention_backend(cfg: ModelConfig, backend: str | None = None) -> str:
 def prepare(cfg: ModelConfig, params: dict, fast: bool | None = None) -> dict:
     """Params as the chosen path reads them (cast once; the decode layout when fast)."""
     if enabled(fast):
-        return transformer.decode_params(cfg, params)
-    return transformer.inference_params(cfg, params)
+        return decode_layout.decode_params(cfg, params)
+    return decode_layout.inference_params(cfg, params)
 
 
 def make_cache(cfg: ModelConfig, batch: int, max_len: int, fast: bool | None = None,

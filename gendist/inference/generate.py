@@ -63,7 +63,7 @@ def generate_tokens(cfg: ModelConfig, params, prompt_BT, prompt_len_B, key, *,
 
     `fast` (None: on for a GPU, off for a CPU; see `fastpath`): weights in the decode layout
     and a per-layer cache (paged-kernel attention on a GPU). Params already in the decode
-    layout are used as given (build them once with `transformer.decode_params` to keep the
+    layout are used as given (build them once with `decode_layout.decode_params` to keep the
     layout change out of every call).
     """
     B, T = prompt_BT.shape

@@ -27,6 +27,8 @@ from gendist.config import ModelConfig
 ATTN_NAMES = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm")
 MLP_NAMES = ("w_gate", "w_up", "w_down")
 MOE_NAMES = ("moe_router", "moe_w_gate", "moe_w_up", "moe_w_down")
+# `ModelConfig.dtype` (the compute dtype) by name.
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)

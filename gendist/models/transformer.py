@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from gendist.config import ModelConfig
+from gendist.models import decode_layout
 from gendist.models import moe as moe_lib
 from gendist.models import params as P
 from gendist.models.attention import attention
@@ -46,9 +47,8 @@ from gendist.models.layers import (
 )
 from gendist.models.ops import DEFAULT_OPS, Ops
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
 # Re-exported: the parameter table's views.
+DTYPES = P.DTYPES
 init_params = P.init_params
 logical_axes = P.logical_axes
 param_shapes = P.param_shapes
@@ -88,13 +88,9 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     dt = x_BTD.dtype
     # Weights in their compute layout: under ZeRO-3 this is the layer's just-in-time gather.
     p = ops.weights(p, _block_axes(cfg, moe), dt)
-    h_BTD, eps = norm_input(x_BTD, p, "attn_norm", cfg)
-    if "wqkv_CHD" in p:  # the decode layout (`decode_params`): one output-major matrix
-        qkv_BTCH = folded_matmul("BTD,CHD->BTCH", ops.enter(h_BTD), p["wqkv_CHD"].astype(dt),
-                                 eps)
-        k = cfg.num_kv_heads
-        n = qkv_BTCH.shape[2] - 2 * k
-        q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [n, n + k], axis=2)
+    h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
+    if decode_layout.is_layer(p):  # one output-major q|k|v matrix (`decode_layout`)
+        q_BTNH, k_BTKH, v_BTKH = decode_layout.qkv(ops.enter(h_BTD), p, cfg.num_kv_heads)
     elif cfg.fused_projections:  # one [D, N+2K, H] matmul: fewer, larger GEMMs
         w_DCH = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1).astype(dt)
         (qkv_BTCH,) = ops.column(h_BTD, (w_DCH,))  # Megatron f, then the matmul
@@ -114,101 +110,26 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
         o_BTNH, layer_state = cache.attend(layer_state, q_BTNH, k_BTKH, v_BTKH, pos_BT,
                                            sm_scale)
     o_BTNH = ops.constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
-    if "wo_DNH" in p:  # decode layout
-        attn_BTD = ops.leave(jnp.einsum("BTNH,DNH->BTD", o_BTNH, p["wo_DNH"].astype(dt)))
+    if decode_layout.is_layer(p):
+        attn_BTD = ops.leave(decode_layout.attention_output(o_BTNH, p))
     else:
         attn_BTD = ops.row(o_BTNH, p["wo"], 2)  # the row-parallel matmul, then g
     x_BTD = x_BTD + attn_BTD
     x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
-    h_BTD, eps = norm_input(x_BTD, p, "mlp_norm", cfg)
+    h_BTD = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
     stats = None
     if moe:
         y_BTD, aux = ops.moe(moe_lib.layer_weights(p), ops.enter(h_BTD), cfg)  # f
         stats = (aux.weighted_loss(cfg), aux.drop_fraction, aux.expert_load_E)
         y_BTD = ops.leave(y_BTD)  # g
-    elif "w_down_DF" in p:  # decode layout
-        y_BTD = ops.leave(decode_mlp(ops.enter(h_BTD), p, cfg, eps))
+    elif decode_layout.is_layer(p):
+        y_BTD = ops.leave(decode_layout.mlp(ops.enter(h_BTD), p, cfg))
     else:
         outs = ops.column(h_BTD, mlp_inputs(p, cfg.mlp, cfg.fused_projections))
         y_BTD = ops.row(mlp_hidden(outs, cfg.mlp), p["w_down"], 1)
     x_BTD = x_BTD + y_BTD
     x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
     return x_BTD, layer_state, stats
-
-
-def inv_rms(x_BTD, eps: float):
-    """1 / rms(x) over the last axis, [B, T, 1] fp32: RMSNorm's scale (`layers.rms_norm`)."""
-    x = x_BTD.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-
-
-def norm_input(x_BTD, p: dict, name: str, cfg: ModelConfig):
-    """(the next matmul's input, the eps of a folded norm): (rms_norm(x, p[name]), None), or
-    for a decode layout whose gain is folded into the next matrix (`decode_params`: the
-    layer has no `name`), (x, eps), the matmul applying 1/rms(x) (`folded_matmul`)."""
-    if name in p:
-        return rms_norm(x_BTD, p[name], cfg.norm_eps), None
-    return x_BTD, cfg.norm_eps
-
-
-# XLA's GPU compiler computes a matrix-vector product as a reduction (not a GEMM) when its
-# operands hold at most this many elements (`ShouldStrengthReduceDotToReduce`,
-# `IsMatrixMultiplicationTooSmallForRewriting(dot, 10000000)`, jax 0.11-0.12).
-MATVEC_AS_REDUCTION = 10_000_000
-
-
-def folded_matmul(spec: str, h, w, eps: float | None, dtype=None):
-    """einsum(spec, h, w) (h [B, T, D], w [..., D]: output-major), in `dtype` (h's by
-    default); with `eps`, w has a norm's gain folded in and the product is
-    rms_norm(h) @ w = (h @ w) * 1/rms(h):
-
-    * several tokens (a GEMM): h is scaled first, which XLA fuses with the residual add
-      and the sum of squares into one normalisation kernel, as for an unfolded norm;
-    * one token (B·T = 1, a decode step at batch 1), a matrix small enough for XLA to
-      compute as a row reduction: h is appended to w as one more row, so the same
-      reduction also gives sum(h²), and 1/rms scales the output in fp32 where it fuses into
-      its consumers (RoPE and the KV writes, SwiGLU, the argmax): the norm costs no kernel
-      (it was two: the sum of squares, and the scaling of h, which XLA does not fuse into a
-      reduction that reads each element once per output row);
-    * one token, a larger matrix (a GEMM on a GPU, which would copy an extended matrix):
-      the product is scaled afterwards; the sum of squares is its own kernel.
-    """
-    dtype = dtype or h.dtype
-    if eps is None:
-        return jnp.einsum(spec, h, w).astype(dtype)
-    if not one_row(h):
-        return jnp.einsum(spec, scale_rows(h, inv_rms(h, eps)), w).astype(dtype)
-    D = h.shape[-1]
-    C = w.size // D
-    out_shape = h.shape[:2] + w.shape[:-1]
-    if (C + 2) * D <= MATVEC_AS_REDUCTION:
-        x_D = h.reshape(D)
-        wx_CD = jnp.concatenate([w.reshape(C, D), x_D[None, :].astype(w.dtype)], axis=0)
-        y_C = jnp.sum(wx_CD.astype(jnp.float32) * x_D.astype(jnp.float32)[None, :], axis=1)
-        r = jax.lax.rsqrt(y_C[C] / D + eps)
-        return (y_C[:C] * r).reshape(out_shape).astype(dtype)
-    y = jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
-    r_BT1 = inv_rms(h, eps)
-    return (y * r_BT1.reshape(r_BT1.shape[:2] + (1,) * (y.ndim - 2))).astype(dtype)
-
-
-def one_row(h_BTD) -> bool:
-    """Whether a matmul of h is a matrix-vector product (one token: B·T = 1)."""
-    return h_BTD.shape[0] * h_BTD.shape[1] == 1
-
-
-def scale_rows(h_BTD, r_BT1):
-    """h * r per token, in fp32, cast back (RMSNorm without its gain)."""
-    return (h_BTD.astype(jnp.float32) * r_BT1).astype(h_BTD.dtype)
-
-
-def decode_mlp(h_BTD, p: dict, cfg: ModelConfig, eps: float | None = None):
-    """The MLP on decode-layout weights (`decode_params`: output-major w_gate_up_GD or
-    w_up_FD, and w_down_DF); eps: the norm folded into its input matrix (`norm_input`)."""
-    dt = h_BTD.dtype
-    w_in = p["w_gate_up_GD"] if cfg.mlp == "swiglu" else p["w_up_FD"]
-    u_BTG = folded_matmul("BTD,GD->BTG", h_BTD, w_in.astype(dt), eps)
-    return jnp.einsum("BTF,DF->BTD", mlp_hidden((u_BTG,), cfg.mlp), p["w_down_DF"].astype(dt))
 
 
 def remat_policy(name: str):
@@ -333,18 +254,12 @@ def head_params(params: dict, cfg: ModelConfig) -> dict:
 
 def head_logits(params: dict, x_BTD, cfg: ModelConfig, ops: Ops = DEFAULT_OPS):
     """fp32 logits [B, T, V] from the last block's output (final RMSNorm, output layer)."""
-    if "final_norm" not in params:  # the decode layout, gain folded into head_VD
-        w_VD = params["head_VD"]
-        if one_row(x_BTD):  # fp32 logits (`folded_matmul`: the sum of squares fused in)
-            return folded_matmul("BTD,VD->BTV", x_BTD, w_VD.astype(x_BTD.dtype), cfg.norm_eps,
-                                 jnp.float32)
-        return ops.logits(scale_rows(x_BTD, inv_rms(x_BTD, cfg.norm_eps)), w_VD.T)
     final_norm = ops.weights({"final_norm": params["final_norm"]},
                              {"final_norm": ("embed",)}, x_BTD.dtype)["final_norm"]
     h_BTD = rms_norm(x_BTD, final_norm, cfg.norm_eps)
     if cfg.tie_embeddings:
         w_DV = params["embed"].T
-    else:  # the decode layout stores the output layer output-major (`decode_params`)
+    else:  # the decode layout stores the output layer output-major (`decode_layout`)
         w_DV = params["head_VD"].T if "head_VD" in params else params["head"]
     return ops.logits(h_BTD, w_DV)
 
@@ -388,97 +303,3 @@ def forward_with_aux(cfg: ModelConfig, params: dict, tokens_BT, ops: Ops = DEFAU
     x_BTD = embed(params, tokens_BT, cfg, ops)
     x_BTD, _, stats = run_layers(layers_of(params), x_BTD, pos_BT, cfg, ops)
     return head_logits(params, x_BTD, cfg, ops), moe_summary(stats)
-
-
-def inference_params(cfg: ModelConfig, params: dict) -> dict:
-    """Parameters for decoding: every matrix cast once to the compute dtype.
-
-    The forward pass casts each weight matrix to `cfg.dtype` where it uses it, so inside a
-    decode loop that cast (a read of the fp32 matrix and a write of its copy) would repeat
-    for every token. Casting once before the loop gives bitwise the same logits. Vectors
-    (norm scales) and MoE routers stay fp32, as the model computes with them in fp32.
-    """
-    if isinstance(params.get("blocks"), (list, tuple)):
-        return params  # the decode layout (`decode_params`) is cast already
-    dt = DTYPES[cfg.dtype]
-
-    def cast(path, w, axes):
-        router = any("router" in str(getattr(k, "key", "")) for k in path)
-        matrix = len([a for a in axes if a != "layers"]) >= 2  # per layer, as the model sees it
-        return w.astype(dt) if matrix and not router else w
-
-    return jax.tree_util.tree_map_with_path(cast, params, logical_axes(cfg),
-                                            is_leaf=lambda x: isinstance(x, tuple))
-
-
-def decode_params(cfg: ModelConfig, params: dict, fold_norms: bool = False) -> dict:
-    """Parameters in the decode layout: built once per generation, read by the same `block`.
-
-    A decode step multiplies one token's vector by every weight matrix, so its time is the
-    time to read the weights. On a GPU, XLA turns each one-row matmul into a reduction, and
-    how well that reduction streams the matrix depends on its layout: with the reduced (input)
-    axis minor it is one fused row reduction per matrix; with the stored [input, output]
-    layout XLA wrote the whole elementwise product to memory and read it back (three times
-    the bytes; seen in the compiled HLO of `generate_tokens` for an H200). So every matrix is
-    stored output-major here, cast once to the compute dtype, q|k|v and gate|up are fused
-    into one matrix each, and every layer is its own buffer (a Python list, run
-    straight-line by `run_layers`): no slices of a stacked weight inside the loop.
-
-        wqkv_CHD [N+2K, H, D]   wo_DNH [D, N, H]   w_gate_up_GD [2F, D] (SwiGLU) or
-        w_up_FD [F, D] (GELU)   w_down_DF [D, F]   head_VD [V, D] (the output layer)
-        attn_norm, mlp_norm, final_norm [D] (fp32; only when not `fold_norms`)
-
-    `fold_norms` (off by default: on an H200 it made batch-1 steps slower, 0.706 against
-    0.650 ms for 350m and 1.354 against 1.214 ms for 1b, `benchmarks/README.md`, though
-    it cuts the kernels per step from 325 to 240): each RMSNorm's gain g is multiplied into the matrix that
-    reads the norm's output, in fp32 before the cast, and the norm's vector is left out
-    (its absence is the marker `block` and `head_logits` read): norm(x) @ W =
-    (x @ diag(g) W) * 1/rms(x), applied by `folded_matmul`. At batch 1 on a GPU a norm was
-    two kernels (sum of squares; the scaling of x, which XLA does not fuse into the
-    matrix-vector reduction that reads each element once per output row); now its sum of
-    squares is one more row of the next matrix-vector reduction and its scale fuses into
-    the consumers (for a matrix XLA multiplies as a GEMM: one kernel, the sum of squares).
-    The output layer is its own folded copy of the token table when tied ([V, D]).
-
-    The math is the model's: the same sums over the same products (the order of a float sum
-    may differ, and a folded gain rounds once with the matrix, so logits agree to rounding
-    and greedy tokens are tested equal). MoE models and params already in this layout are
-    returned as `inference_params` / unchanged. Not for a tensor-parallel mesh (the fused
-    matrices mix sharded axes).
-    """
-    if isinstance(params.get("blocks"), (list, tuple)):
-        return params  # already in the decode layout
-    base = inference_params(cfg, params)
-    if "moe_blocks" in base:
-        return base
-    stacked = params["blocks"]  # as given (fp32): a gain is folded before the cast
-    num = jax.tree.leaves(stacked)[0].shape[0]
-    layers = tuple(decode_layer({k: w[i] for k, w in stacked.items()}, cfg, fold_norms)
-                   for i in range(num))
-    out = {k: v for k, v in base.items() if k not in ("blocks", "head")}
-    head_VD = params["embed"] if cfg.tie_embeddings else params["head"].T
-    if fold_norms:
-        head_VD = head_VD * params["final_norm"].astype(jnp.float32)[None, :]
-        del out["final_norm"]
-    if fold_norms or not cfg.tie_embeddings:
-        out["head_VD"] = head_VD.astype(DTYPES[cfg.dtype])
-    return {**out, "blocks": layers}
-
-
-def decode_layer(p: dict, cfg: ModelConfig, fold_norms: bool = True) -> dict:
-    """One layer's weights (no `layers` axis) in the decode layout, in the compute dtype;
-    `fold_norms`: the norms' gains multiplied into wqkv and w_gate_up (w_up), in fp32."""
-    dt = DTYPES[cfg.dtype]
-    f32 = lambda w: w.astype(jnp.float32)  # noqa: E731
-    g_attn, g_mlp = f32(p["attn_norm"]), f32(p["mlp_norm"])
-    out = {} if fold_norms else {"attn_norm": p["attn_norm"], "mlp_norm": p["mlp_norm"]}
-    wqkv_CHD = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1).transpose(1, 2, 0)
-    out["wqkv_CHD"] = (f32(wqkv_CHD) * g_attn[None, None, :] if fold_norms else wqkv_CHD).astype(dt)
-    out["wo_DNH"] = p["wo"].transpose(2, 0, 1).astype(dt)
-    if cfg.mlp == "swiglu":
-        name, w_in_GD = "w_gate_up_GD", jnp.concatenate([p["w_gate"], p["w_up"]], axis=1).T
-    else:
-        name, w_in_GD = "w_up_FD", p["w_up"].T
-    out[name] = (f32(w_in_GD) * g_mlp[None, :] if fold_norms else w_in_GD).astype(dt)
-    out["w_down_DF"] = p["w_down"].T.astype(dt)
-    return out

@@ -192,6 +192,25 @@ def stage_layer_split(num_units: int, num_stages: int, stage_layer_counts=None
     return counts
 
 
+def chunk_layer_split(num_units: int, num_stages: int, num_chunks: int = 1,
+                      stage_layer_counts=None) -> tuple[int, ...]:
+    """Layer units per (virtual) stage: `stage_layer_split` for one chunk per device; an
+    even split over `num_stages` x `num_chunks` chunks for an interleaved schedule."""
+    if num_chunks == 1:
+        return stage_layer_split(num_units, num_stages, stage_layer_counts)
+    if stage_layer_counts is not None:
+        raise ValueError(f"stage_layer_counts={tuple(stage_layer_counts)} with "
+                         f"train.pipeline_chunks={num_chunks}: interleaved chunks take an even "
+                         "split; drop the stage layer counts (train.pipeline_stage_layers)")
+    chunks = num_stages * num_chunks
+    if num_units % chunks:
+        raise ValueError(
+            f"train.pipeline_chunks={num_chunks}: {num_units} layers do not split into "
+            f"{num_stages} stages x {num_chunks} chunks; use a chunk count such that stages "
+            "x chunks divides the layers")
+    return (num_units // chunks,) * chunks
+
+
 def stage_layout(counts: tuple[int, ...], num_devices: int | None = None
                  ) -> tuple[np.ndarray, np.ndarray]:
     """The layers in the executor's layout: `gather` picks each device's layers and

@@ -78,7 +78,7 @@ def check_inputs(params, tokens_BT, targets_BT, mesh, schedule, num_microbatches
         raise ValueError(f"params has keys {sorted(params)}; pass exactly {list(PARAM_KEYS)}")
     p = mesh.shape[core.PIPELINE]
     sched = resolve_schedule(schedule, p, num_microbatches, num_chunks)
-    counts = chunk_layer_split(num_units, sched, stage_layer_counts)
+    counts = core.chunk_layer_split(num_units, p, sched.num_chunks, stage_layer_counts)
     batch_axes = tuple(a for a in batch_axes if a in mesh.axis_names)
     shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
     if tokens_BT.shape != targets_BT.shape:
@@ -90,25 +90,6 @@ def check_inputs(params, tokens_BT, targets_BT, mesh, schedule, num_microbatches
             f"(size {shards}) must divide into {m} equal microbatches; use a batch that is a "
             f"multiple of {shards * m} or another num_microbatches")
     return sched, counts, batch_axes
-
-
-def chunk_layer_split(num_units: int, sched: sched_lib.Schedule, stage_layer_counts=None
-                      ) -> tuple[int, ...]:
-    """Layer units per (virtual) stage of `sched`: an even split over p x v chunks when it
-    is interleaved (uneven chunks are not supported), else `core.stage_layer_split`."""
-    v, stages = sched.num_chunks, sched.num_stages
-    if v == 1:
-        return core.stage_layer_split(num_units, stages, stage_layer_counts)
-    if stage_layer_counts is not None:
-        raise ValueError(f"stage_layer_counts={tuple(stage_layer_counts)} with "
-                         f"train.pipeline_chunks={v}: interleaved chunks take an even split; "
-                         "drop the stage layer counts (train.pipeline_stage_layers)")
-    if num_units % stages:
-        raise ValueError(
-            f"train.pipeline_chunks={v}: {num_units} layers do not split into {stages} equal "
-            f"chunks ({sched.num_devices} stages x {v} chunks); use a chunk count such that "
-            f"stages x chunks divides the layers")
-    return (num_units // stages,) * stages
 
 
 def num_units_of(layers) -> int:

@@ -258,6 +258,7 @@ def _replay_device_plan(sched):
     arrival overwrites an input still held."""
     plan = S.device_plan(sched)
     p, n = sched.num_devices, sched.num_steps
+    assert plan.num_slots == SS.in_flight_per_device(sched).max()  # chunks share slots
     fwd, bwd = S.action_times(sched)
     for d in range(p):
         holder = {}  # slot -> (stage, microbatch) held there

@@ -240,8 +240,9 @@ class BufferPlan:
     A stage holds microbatch i from the step its input arrives (or, on stage 0, from its
     forward) to its backward, where the input is recomputed through (the cotangent lands
     in the same slot). Slots are reused greedily, so `num_slots` is the largest number of
-    inputs any stage holds at once. Index `num_slots` is a spare slot: idle stages read it
-    and messages nobody waits for are written to it.
+    inputs any stage holds at once - any device, when it runs several (virtual) stages:
+    their inputs share the device's slots. Index `num_slots` is a spare slot: idle stages
+    read it and messages nobody waits for are written to it.
     """
 
     num_slots: int
@@ -258,9 +259,11 @@ def buffer_plan(schedule: Schedule) -> BufferPlan:
     start = np.concatenate([fwd[:1], fwd[:-1] + 1], axis=0)  # arrival step [stages, mbs]
     slot_of = np.zeros((p, m), np.int64)
     num_slots = 1
-    for s in range(p):
+    devices = schedule.num_devices
+    for d in range(devices):  # the stages of one device (its chunks) share its slots
         free_at: list[int] = []  # free_at[k]: first step slot k may take a new microbatch
-        for i in sorted(range(m), key=lambda i: start[s, i]):
+        for _, s, i in sorted((start[s, i], s, i) for s in range(d, p, devices)
+                              for i in range(m)):
             k = next((k for k, f in enumerate(free_at) if f <= start[s, i]), len(free_at))
             if k == len(free_at):
                 free_at.append(0)
@@ -284,13 +287,11 @@ def buffer_plan(schedule: Schedule) -> BufferPlan:
 class DevicePlan:
     """The executor's per-device view of a schedule: [steps, devices] columns.
 
-    Each device keeps `slots_per_chunk` slots for each of its chunks (chunk c: slots
-    c * slots_per_chunk ...), so `num_slots` = chunks x slots_per_chunk; index `num_slots`
-    is the spare. On a schedule with one stage per device this is `buffer_plan` as is.
+    Slots are `buffer_plan`'s (a device's chunks share them); index `num_slots` is the
+    spare. On a schedule with one stage per device this is `buffer_plan` as is.
     """
 
     num_slots: int
-    slots_per_chunk: int
     stage: np.ndarray  # [steps, devices] the (virtual) stage acting, -1 when idle
     kind: np.ndarray  # [steps, devices] its action (IDLE when idle)
     microbatch: np.ndarray  # [steps, devices] its microbatch (-1 when idle)
@@ -306,10 +307,8 @@ def device_plan(schedule: Schedule) -> DevicePlan:
     device, from the last device to device 0 between chunks (a ring), cotangents back."""
     plan = buffer_plan(schedule)
     n, p, d = schedule.num_steps, schedule.num_stages, schedule.num_devices
-    per = plan.num_slots
-    spare = schedule.num_chunks * per
+    spare = plan.num_slots
     chunk_of = np.arange(p) // d
-    offset = (chunk_of * per)[None, :]
 
     def fold(table, fill, active):  # [steps, stages] -> [steps, devices], one active each
         out = np.full((n, d), fill, np.int32)
@@ -323,14 +322,14 @@ def device_plan(schedule: Schedule) -> DevicePlan:
     busy = schedule.kind != IDLE
     stage = np.broadcast_to(np.arange(p, dtype=np.int32), (n, p))
     return DevicePlan(
-        num_slots=spare, slots_per_chunk=per,
+        num_slots=spare,
         stage=fold(stage, -1, busy),
         kind=fold(schedule.kind, IDLE, busy),
         microbatch=fold(schedule.microbatch, -1, busy),
         chunk=fold(np.broadcast_to(chunk_of, (n, p)), 0, busy),
-        slot=fold(plan.slot + offset, spare, busy),
-        recv_act_slot=fold(plan.recv_act_slot + offset, spare, plan.recv_act_slot != per),
-        recv_cot_slot=fold(plan.recv_cot_slot + offset, spare, plan.recv_cot_slot != per))
+        slot=fold(plan.slot, spare, busy),
+        recv_act_slot=fold(plan.recv_act_slot, spare, plan.recv_act_slot != spare),
+        recv_cot_slot=fold(plan.recv_cot_slot, spare, plan.recv_cot_slot != spare))
 
 
 class _ListState:

@@ -184,8 +184,7 @@ def pipeline_plan_lines(num_stages: int, num_microbatches: int, schedule: str | 
             f"  bubble (analytic (p-1)/(vm+p-1)): {(p - 1) / (v * m + p - 1):.4f}",
             "  chunk-microbatches in flight per device: "
             + " ".join(str(int(f)) for f in flight)
-            + f" (each 1/{v} of a stage's; buffer slots "
-            f"{v} x {buffer_plan(sched).num_slots})",
+            + f" (each 1/{v} of a stage's; buffer slots {buffer_plan(sched).num_slots})",
         ]
     idle = int(np.sum(sched.kind == IDLE))
     flight = in_flight_per_stage(sched)

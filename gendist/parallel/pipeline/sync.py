@@ -164,14 +164,14 @@ def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, 
         sched, lambda kind, role, mb, s: (kind, role, s if uneven else None))
     plan = sched_lib.device_plan(sched)
     spare = plan.num_slots
-    v = sched.num_chunks  # chunks of layers per device: a step runs one (`row['chunk']`)
+    chunks = sched.num_chunks  # chunks of layers per device; a step runs one (`row['chunk']`)
     if recompute:
         comps = {k: _no_slots(computations(fns, k[2])[k[:2]]) for k in keys}
         bufs = {}
     else:  # a slot per microbatch a stage holds (+ the spare) for the forward's residuals
         uplan = unit_plan(fns, w[1], x_spec)
         bufs = slot_buffers(fns, uplan, w[1], x_spec, plan.num_slots + 1, sched.split)
-        if not uneven and v == 1 and uniform.segments(sched) is not None:  # no branches
+        if not uneven and chunks == 1 and uniform.segments(sched) is not None:  # no branches
             acc = uniform.run_uniform(w, tokens_M, targets_M, sched=sched, fns=fns, plan=uplan,
                                       bufs=bufs, act_shape=x_spec.shape,
                                       act_dtype=x_spec.dtype, fill_value=bubble_value)
@@ -184,7 +184,7 @@ def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, 
     columns = {f"write_{name}": np.where(plan.kind == kind, plan.slot, spare).astype(np.int32)
                for name, kind in fills.items() if name in bufs}
     zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
-    chunk_w = lambda c: (w[0], core.chunk_of(w[1], c, v), w[2])  # the weights a step uses
+    chunk_w = lambda c: (w[0], core.chunk_of(w[1], c, chunks), w[2])  # the weights a step uses
     grad_shapes = jax.eval_shape(chunk_w, 0)
     slot_shapes = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), bufs)
 
@@ -209,9 +209,9 @@ def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, 
         acc, bufs = extra
         grads, loss, count, metrics, kept = result
         (g_e, g_l, g_h), *rest = acc  # add this step's chunk gradient into its chunk
-        view = ((g_e, core.chunk_of(g_l, row["chunk"], v), g_h), *rest)
+        view = ((g_e, core.chunk_of(g_l, row["chunk"], chunks), g_h), *rest)
         (g_e, g_c, g_h), *rest = accumulate(view, Out(grads, loss, count, metrics))
-        acc = ((g_e, core.with_chunk(g_l, g_c, row["chunk"], v), g_h), *rest)
+        acc = ((g_e, core.with_chunk(g_l, g_c, row["chunk"], chunks), g_h), *rest)
         bufs = {k: jax.tree.map(lambda b, v, at=row[f"write_{k}"]:
                                 jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), at, 0),
                                 bufs[k], kept[k]) for k in bufs}

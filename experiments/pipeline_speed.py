@@ -10,8 +10,9 @@ A variant is (visible GPUs, preset, config overrides). The default sweep, on a m
 two GPUs: the 1b preset on one GPU (batch 24) against 1F1B over two stages (m = 16,
 batch 48), GPipe at the same m, the three attention backends on a 4-layer cut of 1b
 (that they compile and run inside pipeline stages), the 8b preset (Llama-3-8B's shape,
-which does not fit one GPU) for 20 steps, the split-backward schedules (1F1B-split, ZB-H1)
-and TeraPipe's step time against its number of token slices at 4k-16k tokens.
+which does not fit one GPU) for 20 steps, the split-backward schedules (1F1B-split, ZB-H1),
+interleaved 1F1B (two chunks a stage, against 1F1B on the same 24-layer model) and
+TeraPipe's step time against its number of token slices at 4k-16k tokens.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ for _b, _m in ((48, 16), (96, 16), (128, 16)):  # residuals: only the matmuls' o
     VARIANTS[f"pp2_1f1b-phased_m{_m}_b{_b}_savemm"] = ("0,1", "1b", PP2 + [
         f"train.batch_size={_b}", f"train.pipeline_microbatches={_m}",
         "train.pipeline_schedule=1f1b-phased", "model.remat=save_matmuls"], 5)
+# Interleaved 1F1B (v = 2 chunks a stage) needs stages x chunks to divide the layers: 1b
+# has 22, so a 24-layer 1b against 1F1B on the same 24 layers (m = 16, batch 48).
+for _name, _extra in (("1f1b", []), ("interleaved-1f1b", ["train.pipeline_chunks=2"])):
+    VARIANTS[f"pp2_{_name}_m16_l24"] = ("0,1", "1b", PP2 + [
+        "model.num_layers=24", "model.scan_unroll=24", "train.batch_size=48",
+        "train.pipeline_microbatches=16", f"train.pipeline_schedule={_name}", *_extra], 5)
 # TeraPipe: a 4-layer cut of 350m (2 layers a stage), one sequence, k equal token slices.
 for _seq, _ks in ((4096, (1, 2, 4, 8)), (8192, (1, 2, 4, 8)), (16384, (2, 8))):
     for _k in _ks:

@@ -361,7 +361,7 @@ def bubble_lines(cfg, mesh=None) -> list[str]:
             f"  PipeDream ({mode}): no flush; {plan.num_updates} updates per stage per step",
             f"  weight versions stored per stage: {plan.num_slots} (~"
             f"{_mb(plan.num_slots * stage_params * 4).strip()} of fp32 weights per stage)"]
-    return stats_lib.pipeline_plan_lines(p, m, t.pipeline_schedule)
+    return stats_lib.pipeline_plan_lines(p, m, t.pipeline_schedule, t.pipeline_chunks)
 
 
 def _mb(x) -> str:

@@ -208,8 +208,9 @@ class TrainConfig:
     resume: bool = True  # resume from the latest checkpoint in out_dir/checkpoints
     nonfinite: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop the run or skip the step
     pipeline_schedule: Literal["gpipe", "1f1b", "1f1b-phased", "1f1b-split", "zb-h1",
-                               "pipedream", "pipedream-nostash", "2bw"] = (
-        "1f1b-phased")  # schedule when mesh.pipeline > 1 (1f1b-phased: all stages F or all B per step; *-split, zb-h1: B and W steps; pipedream*/2bw: async)
+                               "interleaved-1f1b", "pipedream", "pipedream-nostash", "2bw"] = (
+        "1f1b-phased")  # schedule when mesh.pipeline > 1 (1f1b-phased: all stages F or all B per step; *-split, zb-h1: B and W steps; interleaved-1f1b: pipeline_chunks per stage; pipedream*/2bw: async)
+    pipeline_chunks: int = 1  # interleaved-1f1b: chunks of layers per stage, v >= 2 (device d holds chunks d, d+p, ...)
     pipeline_microbatches: int = 0  # microbatches per step in the pipeline (0 = 2 x stages)
     pipedream_window: int = 0  # 2bw: microbatches per update window (0 = mesh.pipeline - 1, min 1)
     terapipe_slices: int = 0  # TeraPipe: token slices per sequence through the pipeline (0 = off)
@@ -228,7 +229,14 @@ class TrainConfig:
     def check(self) -> None:
         """Raise ValueError naming the field and the fix for values training cannot take."""
         _check_positive(self, "batch_size", "seq_len", "steps", "grad_accum", "eval_every",
-                        "eval_batches", "log_every", "keep_checkpoints")
+                        "eval_batches", "log_every", "keep_checkpoints", "pipeline_chunks")
+        interleaved = self.pipeline_schedule == "interleaved-1f1b"
+        if interleaved != (self.pipeline_chunks > 1):
+            raise ValueError(
+                f"train.pipeline_chunks={self.pipeline_chunks} with train.pipeline_schedule="
+                f"{self.pipeline_schedule}: chunks of layers per stage (>= 2) go with "
+                "'interleaved-1f1b' only; pass both --train.pipeline-schedule interleaved-1f1b "
+                "--train.pipeline-chunks 2, or neither")
         if self.tp_comm not in ("xla", "collective"):
             raise ValueError(f"train.tp_comm={self.tp_comm!r}: choose 'xla' (XLA's collectives) "
                              "or 'collective' (collective matmuls; needs mesh.sequence_parallel).")
@@ -268,15 +276,28 @@ class Config:
         self.model.check()
         self.train.check()
         if self.mesh.pipeline > 1:
-            check_pipeline(self.model, self.mesh.pipeline, self.train.pipeline_stage_layers)
+            check_pipeline(self.model, self.mesh.pipeline, self.train.pipeline_stage_layers,
+                           self.train.pipeline_chunks)
 
 
-def check_pipeline(m: ModelConfig, pipe: int, stage_layers: tuple[int, ...] = ()) -> None:
+def check_pipeline(m: ModelConfig, pipe: int, stage_layers: tuple[int, ...] = (),
+                   chunks: int = 1) -> None:
     """The layer stack must split into `pipe` stages of whole units (layers; with MoE, groups
-    of moe_every layers): evenly, or as `train.pipeline_stage_layers` says."""
+    of moe_every layers): evenly, or as `train.pipeline_stage_layers` says; interleaved,
+    evenly into `pipe` x `chunks` chunks."""
     units = m.num_layers // m.moe_every if m.moe_experts else m.num_layers
     what = (f"{units} MoE groups (model.num_layers={m.num_layers} / model.moe_every="
             f"{m.moe_every})" if m.moe_experts else f"model.num_layers={m.num_layers} layers")
+    if chunks > 1:
+        if stage_layers:
+            raise ValueError(f"train.pipeline_stage_layers={tuple(stage_layers)} with "
+                             f"train.pipeline_chunks={chunks}: interleaved chunks take an even "
+                             "split; drop train.pipeline_stage_layers")
+        if units % (pipe * chunks):
+            raise ValueError(
+                f"train.pipeline_chunks={chunks}: mesh.pipeline={pipe} x {chunks} chunks does "
+                f"not divide the {what}; choose chunks with pipeline x chunks dividing them")
+        return
     if stage_layers:
         if len(stage_layers) != pipe or sum(stage_layers) != units or min(stage_layers) < 1:
             raise ValueError(

@@ -123,7 +123,8 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
     if mesh is None:  # a mesh axis of -1 is only known now
         mesh = make_mesh(cfg.mesh)
     if mesh.shape["pipeline"] > 1:
-        check_pipeline(cfg.model, mesh.shape["pipeline"], cfg.train.pipeline_stage_layers)
+        check_pipeline(cfg.model, mesh.shape["pipeline"], cfg.train.pipeline_stage_layers,
+                       cfg.train.pipeline_chunks)
     setup = build(cfg, mesh)  # checks the config against the mesh; compiles nothing yet
     out = Path(t.out_dir)
     # One Checkpointer, before the resume check: creating one is a barrier of all processes,

@@ -142,9 +142,10 @@ def _with_ce(loss, metrics):
 def pipeline_engine(cfg: Config, mesh, rules) -> Callable:
     """A synchronous schedule table on the pipeline executor."""
     st = stage_model.stage_setup(cfg.model, mesh, rules, zero3=cfg.train.zero_stage == 3,
-                                 stage_layer_counts=cfg.train.pipeline_stage_layers or None)
+                                 stage_layer_counts=cfg.train.pipeline_stage_layers or None,
+                                 num_chunks=cfg.train.pipeline_chunks)
     sched = sched_lib.make(cfg.train.pipeline_schedule, mesh.shape["pipeline"],
-                           pipeline_microbatches(cfg, mesh))
+                           pipeline_microbatches(cfg, mesh), cfg.train.pipeline_chunks)
     axes = transformer.logical_axes(cfg.model)
 
     def engine(params, batch):

@@ -76,8 +76,13 @@ def _refuse(cond: bool, first: str, second: str, why: str) -> None:
 def _validate_pipeline(cfg: Config, mesh) -> None:
     m, t = cfg.model, cfg.train
     p = mesh.shape["pipeline"]
-    check_pipeline(m, p, t.pipeline_stage_layers)
+    check_pipeline(m, p, t.pipeline_stage_layers, t.pipeline_chunks)
     mb = pipeline_microbatches(cfg, mesh)
+    if t.pipeline_chunks > 1 and mb % p:
+        raise ValueError(
+            f"train.pipeline_microbatches={mb} with train.pipeline_schedule=interleaved-1f1b: "
+            f"the interleaved schedule runs microbatches in groups of mesh.pipeline={p} "
+            f"(Megatron's rule); use a multiple of {p}.")
     per_step = t.batch_size // t.grad_accum
     if per_step % (batch_shards(mesh) * (1 if t.terapipe_slices else mb)):
         raise ValueError(

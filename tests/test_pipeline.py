@@ -124,6 +124,28 @@ def test_kept_residuals_match_sequential_model_with_nan_bubbles(name):
     assert_trees_close(grads, want_grads)
 
 
+@pytest.mark.parametrize("data, pipe, chunks, m, recompute", [
+    (2, 2, 2, 4, False),  # kept residuals, buffers per chunk
+    (2, 4, 2, 4, True),  # the ring's wrap from device 3 to device 0
+])
+def test_interleaved_matches_sequential_model_with_nan_bubbles(data, pipe, chunks, m,
+                                                               recompute):
+    """Interleaved 1F1B: device d runs layer chunks d, d + p, ...; a wrong chunk assignment
+    changes the layer order (grads differ) and a missing ring wrap starves chunk 1 of its
+    input (the loss differs)."""
+    mesh = make_mesh(data, pipe)
+    params = init_params(jax.random.key(6), pipe * chunks)
+    tokens, targets = batch(data, m)
+    run = jax.jit(functools.partial(pl.pipeline_loss_and_grads, mesh=mesh,
+                                    schedule="interleaved-1f1b", num_microbatches=m,
+                                    num_chunks=chunks, bubble_value=NAN, recompute=recompute,
+                                    **MODEL))
+    loss, grads = run(params, tokens, targets)
+    want_loss, want_grads = reference(params, tokens, targets)
+    np.testing.assert_allclose(loss, want_loss, rtol=RTOL)
+    assert_trees_close(grads, want_grads)
+
+
 def test_uneven_stage_split_with_nan_bubbles():
     mesh = make_mesh(2, 4)
     params = init_params(jax.random.key(3), 7)
@@ -191,6 +213,10 @@ def test_1f1b_activation_memory_is_flat_gpipe_grows():
         (4, {"num_microbatches": 3}, "num_microbatches"),  # 3 does not divide 8 per shard
         (4, {"schedule": S.gpipe(2, 4), "num_microbatches": None}, "num_stages"),
         (4, {"schedule": S.gpipe(4, 4), "num_microbatches": 2}, "num_microbatches"),
+        # 4 layers do not split into 4 stages x 2 chunks
+        (4, {"schedule": "interleaved-1f1b", "num_chunks": 2}, "train.pipeline_chunks"),
+        (8, {"schedule": "interleaved-1f1b", "num_chunks": 2, "stage_layer_counts": (2,) * 4},
+         "pipeline_chunks"),
     ],
 )
 def test_bad_input_names_the_field(layers, kwargs, field):

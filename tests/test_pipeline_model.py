@@ -56,6 +56,7 @@ CASES = [
     (2, 4, 1, "gpipe", 4, False),
     (2, 4, 1, "1f1b", 13, True),
     (4, 2, 1, "1f1b-phased", 6, True),  # all stages F or all B per step
+    (4, 2, 1, "interleaved-1f1b", 4, True),  # 2 chunks per stage; the tied table on both
 ]
 
 
@@ -65,8 +66,10 @@ def test_loss_and_grads_match_plain_model(corpus, data, pipe, tensor, name, m, t
     mesh = mesh_of(8, data=data, pipeline=pipe, tensor=tensor)
     params = transformer.init_params(cfg.model, 0)
     batch = text_batch(corpus, m, data * m)
-    st = stage_model.stage_setup(cfg.model, mesh, rules_for(replace(cfg.mesh, pipeline=pipe)))
-    sched = S.make(name, pipe, m)
+    chunks = 2 if name == "interleaved-1f1b" else 1
+    st = stage_model.stage_setup(cfg.model, mesh, rules_for(replace(cfg.mesh, pipeline=pipe)),
+                                 num_chunks=chunks)
+    sched = S.make(name, pipe, m, chunks)
     run = jax.jit(lambda p, b: stage_model.loss_and_grads(st, p, b, sched, bubble_value=NAN))
     loss, _, grads = run(params, shard_batch(batch, mesh))
     want_loss, want_grads = jax.jit(jax.value_and_grad(
@@ -158,6 +161,26 @@ def test_zero1_moments_sharded_over_data_and_stages(corpus, plain_three_steps):
 def test_bad_input_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         train.build(pipelined(config(**kw), "1f1b", 4), mesh_of(8, data=2, pipeline=4))
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"train.pipeline_chunks": 2}, "train.pipeline_chunks"),  # with 1f1b
+    ({"train.pipeline_schedule": "interleaved-1f1b"}, "train.pipeline_chunks"),  # 1 chunk
+    ({"train.pipeline_schedule": "interleaved-1f1b", "train.pipeline_chunks": 3},
+     "train.pipeline_chunks"),  # 4 stages x 3 chunks do not divide 8 layers
+    ({"train.pipeline_schedule": "interleaved-1f1b", "train.pipeline_chunks": 2,
+      "train.pipeline_microbatches": 6, "train.batch_size": 12}, "train.pipeline_microbatches"),
+])
+def test_interleaved_config_errors_name_the_field(kw, field):
+    """8 layers on mesh.pipeline=4: 2 chunks fit (the config builds); the rest name the
+    field to change."""
+    def build(**kw):
+        cfg = replace(config(**{"model.num_layers": 8, "train.batch_size": 16}),
+                      **{"train.pipeline_microbatches": 4, **kw})
+        return train.build(cfg, mesh_of(8, data=2, pipeline=4))
+    with pytest.raises(ValueError, match=field):
+        build(**kw)
+    build(**{"train.pipeline_schedule": "interleaved-1f1b", "train.pipeline_chunks": 2})
 
 
 def test_plan_lines_count_the_table():

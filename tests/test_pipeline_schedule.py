@@ -207,3 +207,110 @@ def test_split_buffer_plan_holds_slots_until_the_weight_step():
                 if i != j and plan.slot[fwd[s, i], s] == plan.slot[fwd[s, j], s]:
                     # two microbatches share a slot only when their lives do not overlap
                     assert wgt[s, i] < fwd[s, j] or wgt[s, j] < fwd[s, i], (s, i, j)
+
+
+# --- interleaved 1F1B: v chunks of layers per device, p x v virtual stages -------------------
+
+INTERLEAVED_GRID = [(p, v, m) for p in (2, 3, 4) for v in (2, 3) for m in (p, 2 * p, 3 * p, 4 * p)]
+
+
+def test_interleaved_1f1b_order_devices_bubble_and_memory():
+    """Every (virtual stage, microbatch) F and B once in dependency order; virtual stage k on
+    device k % p, one action per device and step; 2(vm + p - 1) chunk-steps, so the bubble
+    is (p-1)/(vm+p-1) (Narayanan et al. 2021: 1F1B's (p-1)/m shrinks by v) and the time in
+    stage-actions below 1F1B's; device d holds at most Megatron's 2(p-d-1) + (v-1)p + 1
+    chunk-microbatches."""
+    for p, v, m in INTERLEAVED_GRID:
+        sched = S.interleaved_1f1b(p, m, v)
+        assert (sched.num_stages, sched.num_devices, sched.num_chunks) == (p * v, p, v)
+        fwd, bwd = _times(sched)  # each (virtual stage, microbatch) F and B exactly once
+        assert (fwd[1:] > fwd[:-1]).all() and (bwd[:-1] > bwd[1:]).all(), (p, v, m)
+        assert (bwd > fwd).all(), (p, v, m)
+        busy = (sched.kind != S.IDLE).reshape(sched.num_steps, v, p).sum(1)  # [steps, devices]
+        assert busy.max() == 1, (p, v, m)
+        assert sched.num_steps == 2 * (v * m + p - 1), (p, v, m)
+        assert SS.bubble_fraction(sched) == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+        one_f = S.one_f_one_b(p, m)
+        assert SS.bubble_fraction(sched) < SS.bubble_fraction(one_f), (p, v, m)
+        assert SS.stage_time(sched) < SS.stage_time(one_f) == one_f.num_steps, (p, v, m)
+        # With chunk-actions costing 1/v, the timeline is the table's, in stage-actions.
+        makespan, idle = SS.weighted_timeline(sched, 1 / v, 1 / v)
+        assert makespan == pytest.approx(SS.stage_time(sched))
+        assert idle == pytest.approx(SS.bubble_fraction(sched))
+        warm = np.minimum(2 * (p - 1 - np.arange(p)) + (v - 1) * p, m * v)
+        assert (SS.in_flight_per_device(sched) <= warm + 1).all(), (p, v, m)
+
+
+def test_interleaved_bubble_p2_m16():
+    """The figures of the report: p = 2, m = 16, v = 2 against 1F1B."""
+    il, one_f = S.make("interleaved-1f1b", 2, 16, 2), S.one_f_one_b(2, 16)
+    assert (il.num_steps, SS.stage_time(il)) == (66, 33.0)  # chunk-steps, stage-actions
+    assert one_f.num_steps == 34
+    assert SS.bubble_fraction(il) == pytest.approx(1 / 33)
+    assert SS.bubble_fraction(one_f) == pytest.approx(1 / 17)
+    lines = SS.pipeline_plan_lines(2, 16, "interleaved-1f1b", num_chunks=2)
+    assert "4/132 idle device-steps = 0.0303" in lines[1] and "0.0303" in lines[2]
+
+
+def _replay_device_plan(sched):
+    """Replays `device_plan` on each device: every arriving activation / cotangent lands in
+    a slot the device then reads for exactly that (virtual stage, microbatch), and no
+    arrival overwrites an input still held."""
+    plan = S.device_plan(sched)
+    p, n = sched.num_devices, sched.num_steps
+    assert plan.num_slots == SS.in_flight_per_device(sched).max()  # chunks share slots
+    fwd, bwd = S.action_times(sched)
+    for d in range(p):
+        holder = {}  # slot -> (stage, microbatch) held there
+        for t in range(n):
+            arrivals = [(k, i) for k in range(d, sched.num_stages, p) if k > 0
+                        for i in range(sched.num_microbatches) if fwd[k - 1, i] + 1 == t]
+            assert len(arrivals) <= 1
+            if arrivals:
+                slot = int(plan.recv_act_slot[t, d])
+                assert slot < plan.num_slots and slot not in holder, (d, t)
+                holder[slot] = arrivals[0]
+            else:
+                assert plan.recv_act_slot[t, d] == plan.num_slots
+            cots = [(k, i) for k in range(d, sched.num_stages, p) if k < sched.num_stages - 1
+                    for i in range(sched.num_microbatches) if bwd[k + 1, i] + 1 == t]
+            if cots:
+                assert holder[int(plan.recv_cot_slot[t, d])] == cots[0], (d, t)
+            k, i = int(plan.stage[t, d]), int(plan.microbatch[t, d])
+            if k < 0:
+                assert plan.slot[t, d] == plan.num_slots and plan.kind[t, d] == S.IDLE
+                continue
+            assert k % p == d and plan.chunk[t, d] == k // p
+            assert plan.kind[t, d] == sched.kind[t, k]
+            slot = int(plan.slot[t, d])
+            if k == 0 and plan.kind[t, d] == S.FORWARD:
+                holder[slot] = (k, i)
+            assert holder[slot] == (k, i), (d, t)
+            if plan.kind[t, d] == S.BACKWARD:
+                del holder[slot]
+        assert not holder
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (3, 2, 6), (4, 3, 8), (2, 3, 2)])
+def test_device_plan_never_overwrites_a_held_input(p, v, m):
+    _replay_device_plan(S.interleaved_1f1b(p, m, v))
+    _replay_device_plan(S.one_f_one_b(p, m))  # one chunk: the buffer plan as it was
+    plan, old = S.device_plan(S.one_f_one_b(p, m)), S.buffer_plan(S.one_f_one_b(p, m))
+    np.testing.assert_array_equal(plan.slot, old.slot)
+    np.testing.assert_array_equal(plan.recv_act_slot, old.recv_act_slot)
+
+
+def test_interleaved_text_picture_and_errors():
+    text = SS.to_text(S.interleaved_1f1b(2, 2, 2)).splitlines()
+    assert text[0].startswith("interleaved-1f1b: 2 devices x 2 chunks")
+    assert text[1:] == ["stage 0: F0a F1a F0b F1b .   B0b .   B1b B0a B1a",
+                        "stage 1: .   F0a F1a F0b B0b F1b B1b B0a B1a .  "]
+    good = S.interleaved_1f1b(2, 4, 2)
+    with pytest.raises(ValueError, match="one action per step"):
+        S.validate(S.Schedule("bad", good.kind, good.microbatch, 4, num_devices=1))
+    with pytest.raises(ValueError, match="train.pipeline_chunks"):
+        S.make("interleaved-1f1b", 2, 4)
+    with pytest.raises(ValueError, match="train.pipeline_chunks"):
+        S.make("1f1b", 2, 4, 2)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        S.make("interleaved-1f1b", 2, 3, 2)

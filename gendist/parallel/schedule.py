@@ -8,6 +8,13 @@ the 1F1B schedule of PipeDream-Flush (Narayanan et al. 2019) as used by Megatron
 (Narayanan et al. 2021). Tables are built by running each stage's action order as soon as
 its dependencies allow (ASAP), so the timing follows from the order alone. Counting and
 drawing tables (bubble, lock-step time, memory held, pictures): `schedule_stats`.
+
+Interleaved schedules (Narayanan et al. 2021, section 2.2.1) run p x v *virtual* stages on
+p devices: device d holds the v chunks of layers of virtual stages d, d + p, d + 2p, ...
+The table stays [steps, virtual stages] (so dependencies, memory and buffers are counted
+as for any schedule), a step is one chunk-action (1/v of a stage-action), and `validate`
+adds that a device runs at most one action per step. `device_plan` gives the executor
+the per-device view.
 """
 
 from __future__ import annotations
@@ -25,12 +32,19 @@ class Schedule:
 
     `kind[t, s]` is IDLE, FORWARD or BACKWARD for stage s at step t; `microbatch[t, s]` is
     the microbatch it acts on (-1 when idle). Both are numpy int32 arrays [steps, stages].
+    `num_devices` < num_stages makes the stages virtual: stage s runs on device
+    s % num_devices, as its chunk s // num_devices (None: one stage per device).
     """
 
     name: str
     kind: np.ndarray
     microbatch: np.ndarray
     num_microbatches: int
+    num_devices: int | None = None
+
+    def __post_init__(self):
+        if self.num_devices is None:
+            object.__setattr__(self, "num_devices", self.num_stages)
 
     @property
     def num_steps(self) -> int:
@@ -39,6 +53,11 @@ class Schedule:
     @property
     def num_stages(self) -> int:
         return int(self.kind.shape[1])
+
+    @property
+    def num_chunks(self) -> int:
+        """Virtual stages (chunks of layers) per device: v of the interleaved schedule."""
+        return self.num_stages // self.num_devices
 
     @property
     def split(self) -> bool:
@@ -65,19 +84,31 @@ def from_stage_orders(
     ran B(i) (or, on the last stage, one step after its own F(i)). A stage runs its actions
     strictly in the given order, idling while the next one waits for its input.
     """
-    p = len(orders)
+    device_orders = [[(k, s, i) for k, i in order] for s, order in enumerate(orders)]
+    return from_device_orders(device_orders, len(orders), num_microbatches, name)
+
+
+def from_device_orders(orders: list[list[tuple[int, int, int]]], num_stages: int,
+                       num_microbatches: int, name: str) -> Schedule:
+    """`from_stage_orders` for devices that run several (virtual) stages: each device's
+    ordered list of (kind, stage, microbatch), timed as early as possible, one action per
+    device and step. The dependencies are between stages, whichever device runs them."""
+    p = num_stages
     check_sizes(p, num_microbatches)
     done: dict[tuple[int, int, int], int] = {}  # (stage, kind, mb) -> step it ran
-    pos = [0] * p
+    pos = [0] * len(orders)
     rows_kind, rows_mb = [], []
     total = sum(len(o) for o in orders)
     t = 0
     while len(done) < total:
         row_k, row_m = [IDLE] * p, [-1] * p
-        for s in range(p):
-            if pos[s] == len(orders[s]):
+        for d, order in enumerate(orders):
+            if pos[d] == len(order):
                 continue
-            kind, mb = orders[s][pos[s]]
+            kind, s, mb = order[pos[d]]
+            if s % len(orders) != d:
+                raise ValueError(f"orders[{d}] holds stage {s}, which runs on device "
+                                 f"{s % len(orders)} (stage s runs on device s % devices)")
             if kind == FORWARD:
                 dep = (s - 1, FORWARD, mb) if s > 0 else None
             elif kind == BACKWARD:
@@ -85,14 +116,14 @@ def from_stage_orders(
             elif kind == WEIGHT:
                 dep = (s, BACKWARD, mb)
             else:
-                raise ValueError(f"orders[{s}] holds kind={kind}; use FORWARD, BACKWARD or "
+                raise ValueError(f"orders[{d}] holds kind={kind}; use FORWARD, BACKWARD or "
                                  "WEIGHT")
             if dep is None or done.get(dep, t) < t:
                 row_k[s], row_m[s] = kind, mb
+                pos[d] += 1
         for s in range(p):
             if row_k[s] != IDLE:
                 done[(s, row_k[s], row_m[s])] = t
-                pos[s] += 1
         if all(k == IDLE for k in row_k):
             raise ValueError(f"stage orders of schedule {name!r} deadlock at step {t}")
         rows_kind.append(row_k)
@@ -103,6 +134,7 @@ def from_stage_orders(
         np.asarray(rows_kind, np.int32).reshape(-1, p),
         np.asarray(rows_mb, np.int32).reshape(-1, p),
         int(num_microbatches),
+        len(orders),
     )
     validate(sched)
     return sched
@@ -152,11 +184,21 @@ def sequential(num_stages: int, num_microbatches: int) -> Schedule:
 def validate(schedule: Schedule) -> None:
     """Raises ValueError unless every stage forwards then backwards each microbatch once,
     after its neighbour did (F after stage s-1's F, B after stage s+1's B), and - in a split
-    schedule - runs its weight step W once, after its B."""
+    schedule - runs its weight step W once, after its B; and unless every device runs at
+    most one of its (virtual) stages' actions per step."""
     kind, mb = schedule.kind, schedule.microbatch
     if kind.ndim != 2 or kind.shape != mb.shape:
         raise ValueError(f"schedule {schedule.name!r}: kind and microbatch must be [steps, stages]")
     p, m = schedule.num_stages, schedule.num_microbatches
+    devices = schedule.num_devices
+    if not 1 <= devices <= p or p % devices:
+        raise ValueError(f"schedule {schedule.name!r}: num_devices={devices} must divide its "
+                         f"{p} stages")
+    busy = (kind != IDLE).reshape(len(kind), -1, devices).sum(1)  # [steps, devices]
+    if (busy > 1).any():
+        t, d = (int(a[0]) for a in np.nonzero(busy > 1))
+        raise ValueError(f"schedule {schedule.name!r}: device {d} runs {int(busy[t, d])} "
+                         f"actions at step {t}; a device runs one action per step")
     times = np.full((3, p, m), -1)
     for t, s in zip(*np.nonzero(kind != IDLE), strict=True):
         k, i = int(kind[t, s]), int(mb[t, s])
@@ -198,8 +240,9 @@ class BufferPlan:
     A stage holds microbatch i from the step its input arrives (or, on stage 0, from its
     forward) to its backward, where the input is recomputed through (the cotangent lands
     in the same slot). Slots are reused greedily, so `num_slots` is the largest number of
-    inputs any stage holds at once. Index `num_slots` is a spare slot: idle stages read it
-    and messages nobody waits for are written to it.
+    inputs any stage holds at once - any device, when it runs several (virtual) stages:
+    their inputs share the device's slots. Index `num_slots` is a spare slot: idle stages
+    read it and messages nobody waits for are written to it.
     """
 
     num_slots: int
@@ -216,9 +259,11 @@ def buffer_plan(schedule: Schedule) -> BufferPlan:
     start = np.concatenate([fwd[:1], fwd[:-1] + 1], axis=0)  # arrival step [stages, mbs]
     slot_of = np.zeros((p, m), np.int64)
     num_slots = 1
-    for s in range(p):
+    devices = schedule.num_devices
+    for d in range(devices):  # the stages of one device (its chunks) share its slots
         free_at: list[int] = []  # free_at[k]: first step slot k may take a new microbatch
-        for i in sorted(range(m), key=lambda i: start[s, i]):
+        for _, s, i in sorted((start[s, i], s, i) for s in range(d, p, devices)
+                              for i in range(m)):
             k = next((k for k, f in enumerate(free_at) if f <= start[s, i]), len(free_at))
             if k == len(free_at):
                 free_at.append(0)
@@ -236,6 +281,55 @@ def buffer_plan(schedule: Schedule) -> BufferPlan:
     for s in range(p - 1):
         recv_cot[bwd[s + 1] + 1, s] = slot_of[s]
     return BufferPlan(num_slots, slot, recv_act[:n], recv_cot[:n])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DevicePlan:
+    """The executor's per-device view of a schedule: [steps, devices] columns.
+
+    Slots are `buffer_plan`'s (a device's chunks share them); index `num_slots` is the
+    spare. On a schedule with one stage per device this is `buffer_plan` as is.
+    """
+
+    num_slots: int
+    stage: np.ndarray  # [steps, devices] the (virtual) stage acting, -1 when idle
+    kind: np.ndarray  # [steps, devices] its action (IDLE when idle)
+    microbatch: np.ndarray  # [steps, devices] its microbatch (-1 when idle)
+    chunk: np.ndarray  # [steps, devices] its chunk, stage // devices (0 when idle)
+    slot: np.ndarray  # [steps, devices] slot the action reads (the spare when idle)
+    recv_act_slot: np.ndarray  # [steps, devices] slot of the activation arriving at step t
+    recv_cot_slot: np.ndarray  # [steps, devices] slot of the cotangent arriving at step t
+
+
+def device_plan(schedule: Schedule) -> DevicePlan:
+    """Folds the [steps, stages] table and its buffer plan onto the devices: stage s runs on
+    device s % devices as chunk s // devices. Activations then always move to the next
+    device, from the last device to device 0 between chunks (a ring), cotangents back."""
+    plan = buffer_plan(schedule)
+    n, p, d = schedule.num_steps, schedule.num_stages, schedule.num_devices
+    spare = plan.num_slots
+    chunk_of = np.arange(p) // d
+
+    def fold(table, fill, active):  # [steps, stages] -> [steps, devices], one active each
+        out = np.full((n, d), fill, np.int32)
+        t, s = np.nonzero(active)
+        if len(set(zip(t.tolist(), (s % d).tolist()))) != len(t):
+            raise ValueError(f"schedule {schedule.name!r}: two messages reach one device in "
+                             "one step")
+        out[t, s % d] = table[t, s]
+        return out
+
+    busy = schedule.kind != IDLE
+    stage = np.broadcast_to(np.arange(p, dtype=np.int32), (n, p))
+    return DevicePlan(
+        num_slots=spare,
+        stage=fold(stage, -1, busy),
+        kind=fold(schedule.kind, IDLE, busy),
+        microbatch=fold(schedule.microbatch, -1, busy),
+        chunk=fold(np.broadcast_to(chunk_of, (n, p)), 0, busy),
+        slot=fold(plan.slot, spare, busy),
+        recv_act_slot=fold(plan.recv_act_slot, spare, plan.recv_act_slot != spare),
+        recv_cot_slot=fold(plan.recv_cot_slot, spare, plan.recv_cot_slot != spare))
 
 
 class _ListState:
@@ -360,13 +454,65 @@ def one_f_one_b_phased(num_stages: int, num_microbatches: int) -> Schedule:
     return state.schedule("1f1b-phased")
 
 
+def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int = 2
+                     ) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, section 2.2.1; Megatron-LM's
+    `forward_backward_pipelining_with_interleaving`): each of the p = `num_stages` devices
+    holds v = `num_chunks` chunks of layers, device d the virtual stages d, d + p, ...
+
+    Device d runs its forwards in groups of p microbatches per chunk (microbatches 0..p-1
+    through chunk 0, then through chunk 1, ..., then the next p microbatches), first
+    2(p - d - 1) + (v - 1)p warm-up forwards, then one forward and one backward in turn
+    (backwards in the same groups, last chunk first), then the remaining backwards. A step
+    is one chunk-action, 1/v of a stage-action: the bubble, p - 1 stage-actions of each kind
+    for 1F1B, shrinks to (p - 1)/v (tested). Needs m to be a multiple of p (Megatron's rule).
+    """
+    check_sizes(num_stages, num_microbatches)
+    p, m, v = num_stages, num_microbatches, num_chunks
+    if not isinstance(v, int | np.integer) or v < 1:
+        raise ValueError(f"num_chunks={v!r} must be an int >= 1 (chunks of layers per device)")
+    if m % p:
+        raise ValueError(f"num_microbatches={m}: interleaved 1F1B runs microbatches in groups "
+                         f"of p={p} (Megatron's rule); use a multiple of {p}")
+    total = m * v
+
+    def action(j, forward):  # the device's j-th forward (or backward): (chunk, microbatch)
+        c = (j % (p * v)) // p
+        return (c if forward else v - 1 - c), (j // (p * v)) * p + j % p
+
+    orders = []
+    for d in range(p):
+        warm = min(2 * (p - d - 1) + (v - 1) * p, total)
+        fwd = [(FORWARD, *action(j, True)) for j in range(total)]
+        bwd = [(BACKWARD, *action(j, False)) for j in range(total)]
+        order = fwd[:warm]
+        for j in range(total - warm):
+            order += [fwd[warm + j], bwd[j]]
+        order += bwd[total - warm:]
+        orders.append([(k, c * p + d, i) for k, c, i in order])
+    return from_device_orders(orders, p * v, m, "interleaved-1f1b")
+
+
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "sequential": sequential,
              "1f1b-split": one_f_one_b_split, "zb-h1": zb_h1, "1f1b-phased": one_f_one_b_phased}
 
 
-def make(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Builds a named schedule: 'gpipe', '1f1b', '1f1b-phased', '1f1b-split', 'zb-h1' or
-    'sequential'."""
+INTERLEAVED = {"interleaved-1f1b": interleaved_1f1b}
+
+
+def make(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """Builds a named schedule: 'gpipe', '1f1b', '1f1b-phased', '1f1b-split', 'zb-h1',
+    'sequential', or 'interleaved-1f1b' over `num_stages` devices with `num_chunks` >= 2
+    chunks of layers each (`train.pipeline_chunks`)."""
+    if name in INTERLEAVED:
+        if num_chunks < 2:
+            raise ValueError(f"train.pipeline_chunks={num_chunks}: schedule {name!r} needs at "
+                             "least 2 chunks of layers per device; set --train.pipeline-chunks 2")
+        return INTERLEAVED[name](num_stages, num_microbatches, num_chunks)
     if name not in SCHEDULES:
-        raise ValueError(f"schedule={name!r} is unknown; use one of {sorted(SCHEDULES)}")
+        raise ValueError(f"schedule={name!r} is unknown; use one of "
+                         f"{sorted(SCHEDULES) + sorted(INTERLEAVED)}")
+    if num_chunks != 1:
+        raise ValueError(f"train.pipeline_chunks={num_chunks}: schedule {name!r} runs one chunk "
+                         "of layers per device; use 'interleaved-1f1b' or pipeline_chunks=1")
     return SCHEDULES[name](num_stages, num_microbatches)

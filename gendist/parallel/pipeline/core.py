@@ -11,6 +11,11 @@ stage keeps each microbatch it holds. `run_table` turns that into one per-device
         extra = hook(extra, row)                    (optional: e.g. PipeDream's update)
         send_act -> stage s+1, send_cot -> stage s-1                             (ppermute)
 
+An interleaved schedule (`schedule.interleaved_1f1b`) runs v chunks of layers per device:
+the table's columns are virtual stages, folded onto the devices by `schedule.device_plan`
+(a `chunk` column says which chunk acts, buffer slots are per chunk), and the messages go
+round a ring, device p-1 sending to device 0 (chunk c to chunk c+1).
+
 A branch is picked per (kind, role, ...) key - role = first / mid / last / only stage - and
 `extra` is whatever the engine carries: gradient accumulators (GPipe, 1F1B), a ring of
 weight versions and optimizer state (PipeDream), a stage's K/V cache and its gradient
@@ -47,16 +52,25 @@ def stage_roles(num_stages: int) -> list[str]:
 
 def branch_table(sched: sched_lib.Schedule, key: Callable[[int, str, int, int], object]
                  ) -> tuple[np.ndarray, list]:
-    """Static [steps, stages] index into the sorted distinct `key(kind, role, microbatch,
+    """Static [steps, devices] index into the sorted distinct `key(kind, role, microbatch,
     stage)`s that the schedule uses (e.g. (kind, role); for TeraPipe (kind, role, slice);
-    for an uneven split (kind, role, stage))."""
+    for an uneven split (kind, role, stage)). The role and stage are the acting (virtual)
+    stage's: on an interleaved table the first role is virtual stage 0 and the last
+    p x v - 1 (an idle device counts as its first chunk's stage)."""
     roles = stage_roles(sched.num_stages)
-    cell = lambda t, s: key(int(sched.kind[t, s]), roles[s], int(sched.microbatch[t, s]), s)
-    keys = sorted({cell(t, s) for t in range(sched.num_steps) for s in range(sched.num_stages)},
+    dplan = sched_lib.device_plan(sched)
+    devices = sched.num_devices
+
+    def cell(t, d):
+        s = int(dplan.stage[t, d])
+        s = d if s < 0 else s
+        return key(int(dplan.kind[t, d]), roles[s], int(dplan.microbatch[t, d]), s)
+
+    keys = sorted({cell(t, d) for t in range(sched.num_steps) for d in range(devices)},
                   key=repr)
     index = {k: i for i, k in enumerate(keys)}
-    table = np.array([[index[cell(t, s)] for s in range(sched.num_stages)]
-                      for t in range(sched.num_steps)], np.int32).reshape(-1, sched.num_stages)
+    table = np.array([[index[cell(t, d)] for d in range(devices)]
+                      for t in range(sched.num_steps)], np.int32).reshape(-1, devices)
     return table, keys
 
 
@@ -68,7 +82,8 @@ def run_table(sched: sched_lib.Schedule, table: np.ndarray, branches: Sequence[C
 
     `branches[table[t, s]](operand, x, g, row) -> (result, send_act, send_cot)`, where x / g
     are the activation / cotangent slot of the microbatch it acts on and `row` holds this
-    stage's entries of every column at step t ('mb', 'slot', and `columns`). By default the
+    stage's entries of every column at step t ('mb', 'slot', 'chunk' and `columns`, all
+    [steps, devices]: `schedule.device_plan`'s view). By default the
     operand is the carry `extra` and the result its new value. A carry too large to pass
     through the branch (a conditional copies what its branches pass through: buffers of
     residuals, gradient accumulators) stays outside: `read(extra, row)` makes the operand
@@ -77,13 +92,16 @@ def run_table(sched: sched_lib.Schedule, table: np.ndarray, branches: Sequence[C
     idle is `fill_value` (tests pass NaN to prove no bubble leaks into a result). Returns
     the final `extra`.
     """
-    p = sched.num_stages
+    p = sched.num_devices
     stage = jax.lax.axis_index(PIPELINE)
-    plan = sched_lib.buffer_plan(sched)
-    cols = {"branch": table, "mb": np.maximum(sched.microbatch, 0), "slot": plan.slot,
-            "recv_act": plan.recv_act_slot, "recv_cot": plan.recv_cot_slot, **(columns or {})}
-    fwd_perm = [(s, s + 1) for s in range(p - 1)]
-    bwd_perm = [(s + 1, s) for s in range(p - 1)]
+    plan = sched_lib.device_plan(sched)
+    cols = {"branch": table, "mb": np.maximum(plan.microbatch, 0), "slot": plan.slot,
+            "chunk": plan.chunk, "recv_act": plan.recv_act_slot,
+            "recv_cot": plan.recv_cot_slot, **(columns or {})}
+    # Stage s sends to s + 1; with chunks, the last device's chunk c to device 0's c + 1.
+    ring = sched.num_chunks > 1
+    fwd_perm = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
+    bwd_perm = [((s + 1) % p, s) for s in range(p if ring else p - 1)]
 
     def step(carry, cols_t):
         extra, act_buf, cot_buf, recv_act, recv_cot = carry
@@ -174,14 +192,65 @@ def stage_layer_split(num_units: int, num_stages: int, stage_layer_counts=None
     return counts
 
 
-def stage_layout(counts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Uneven splits as a [p * max_count] layout: `gather` picks each stage's layers (padding
-    with layer 0, which a mask skips) and `inverse` brings gradients back to [L]."""
+def chunk_layer_split(num_units: int, num_stages: int, num_chunks: int = 1,
+                      stage_layer_counts=None) -> tuple[int, ...]:
+    """Layer units per (virtual) stage: `stage_layer_split` for one chunk per device; an
+    even split over `num_stages` x `num_chunks` chunks for an interleaved schedule."""
+    if num_chunks == 1:
+        return stage_layer_split(num_units, num_stages, stage_layer_counts)
+    if stage_layer_counts is not None:
+        raise ValueError(f"stage_layer_counts={tuple(stage_layer_counts)} with "
+                         f"train.pipeline_chunks={num_chunks}: interleaved chunks take an even "
+                         "split; drop the stage layer counts (train.pipeline_stage_layers)")
+    chunks = num_stages * num_chunks
+    if num_units % chunks:
+        raise ValueError(
+            f"train.pipeline_chunks={num_chunks}: {num_units} layers do not split into "
+            f"{num_stages} stages x {num_chunks} chunks; use a chunk count such that stages "
+            "x chunks divides the layers")
+    return (num_units // chunks,) * chunks
+
+
+def stage_layout(counts: tuple[int, ...], num_devices: int | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The layers in the executor's layout: `gather` picks each device's layers and
+    `inverse` brings gradients back to [L].
+
+    Uneven splits: a [p * max_count] layout, each stage's slice padded with layer 0 (which
+    a mask skips). Interleaved (`num_devices` < len(counts), counts equal): device d holds
+    the chunks of stages d, d + p, ... one after the other (Megatron's assignment), so that
+    the layers' leading axis split over `pipeline` gives each device its chunks."""
+    devices = num_devices or len(counts)
+    if devices < len(counts):
+        if len(set(counts)) != 1 or len(counts) % devices:
+            raise ValueError(f"stage_layer_counts={counts}: interleaved chunks take an even "
+                             f"split over a multiple of the {devices} devices")
+        n, v = counts[0], len(counts) // devices
+        stages = [c * devices + d for d in range(devices) for c in range(v)]
+        gather = (np.asarray(stages)[:, None] * n + np.arange(n)[None, :]).ravel()
+        return gather, np.argsort(gather)
     maxc = max(counts)
     starts = np.cumsum((0,) + counts[:-1])
     valid = np.arange(maxc)[None, :] < np.asarray(counts)[:, None]
     gather = np.where(valid, starts[:, None] + np.arange(maxc)[None, :], 0).ravel()
     return gather, np.flatnonzero(valid.ravel())
+
+
+def chunk_of(tree, chunk, num_chunks: int):
+    """A device's layers [v * n, ...] -> those of its `chunk` (traced) [n, ...]."""
+    if num_chunks == 1:
+        return tree
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(
+        a.reshape(num_chunks, -1, *a.shape[1:]), chunk, 0, keepdims=False), tree)
+
+
+def with_chunk(tree, part, chunk, num_chunks: int):
+    """`tree` [v * n, ...] with its `chunk` replaced by `part` [n, ...] (in place)."""
+    if num_chunks == 1:
+        return part
+    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(
+        a.reshape(num_chunks, -1, *a.shape[1:]), b.astype(a.dtype), chunk, 0).reshape(a.shape),
+        tree, part)
 
 
 def microbatches(x_B, m: int):

@@ -150,7 +150,7 @@ class StageSetup:
 
     cfg: ModelConfig
     mesh: Mesh
-    counts: tuple[int, ...]  # layer units per stage
+    counts: tuple[int, ...]  # layer units per (virtual) stage: p x v entries when interleaved
     specs: tuple  # stage-weight PartitionSpecs (manual over every axis)
     ops: ManualOps
     batch_axes: tuple[str, ...]  # the batch axes of this mesh (size > 1)
@@ -159,14 +159,20 @@ class StageSetup:
     def manual_axes(self) -> tuple[str, ...]:
         return tuple(self.mesh.axis_names)
 
+    @property
+    def num_chunks(self) -> int:
+        """Chunks of layers per device (v of an interleaved schedule; 1 otherwise)."""
+        return len(self.counts) // self.mesh.shape[core.PIPELINE]
+
 
 def stage_setup(cfg: ModelConfig, mesh: Mesh, rules: Rules, *, zero3: bool = False,
-                stage_layer_counts=None) -> StageSetup:
+                stage_layer_counts=None, num_chunks: int = 1) -> StageSetup:
     """Stage specs and ops of `cfg` on `mesh` under `rules` (the run's table; the layers go
-    onto the pipeline stages whatever it says)."""
+    onto the pipeline stages whatever it says). `num_chunks` > 1: each stage holds that
+    many chunks of layers, for an interleaved schedule."""
     rules = rules.with_overrides(**PIPELINE_STAGES)
-    counts = core.stage_layer_split(transformer.layer_units(cfg), mesh.shape[core.PIPELINE],
-                                    stage_layer_counts)
+    counts = core.chunk_layer_split(transformer.layer_units(cfg), mesh.shape[core.PIPELINE],
+                                    num_chunks, stage_layer_counts)
     if len(set(counts)) > 1 and zero3:
         raise ValueError(f"stage_layer_counts={counts} with train.zero_stage=3: an uneven "
                          "split pads the layer stack, which ZeRO-3's per-layer shards cannot "
@@ -186,10 +192,15 @@ def loss_and_grads(st: StageSetup, params: dict, batch: dict, sched, *,
     residual is follows `model.remat`: with remat only each layer's input), except on an
     uneven split or with `recompute=True`, where the backward recomputes the forward."""
     cfg = st.cfg
+    if sched.num_chunks != st.num_chunks:
+        raise ValueError(f"schedule {sched.name!r} runs {sched.num_chunks} chunks per stage but "
+                         f"the stage setup holds {st.num_chunks} (train.pipeline_chunks); build "
+                         "both with the same number")
     tokens, targets = batch["inputs"], batch["targets"]
     w = stage_weights(cfg, params)
     sizes = unit_sizes(cfg, w[1])
-    w = (w[0], pad_layers(w[1], st.counts, sizes), w[2])
+    p = st.mesh.shape[core.PIPELINE]
+    w = (w[0], pad_layers(w[1], st.counts, sizes, p), w[2])
     fns = stage_fns(cfg, st.ops, tokens.shape[1], st.counts)
     loss, (g_e, g_l, g_h), sums, count = run_sync(
         w, tokens, targets, mesh=st.mesh, sched=sched, fns=fns, specs=st.specs,
@@ -197,7 +208,7 @@ def loss_and_grads(st: StageSetup, params: dict, batch: dict, sched, *,
         uneven=len(set(st.counts)) > 1, recompute=recompute)
     sums = jax.tree.map(lambda a: a / count, sums[:2]) + sums[2:] if sums else ()
     metrics = moe_metrics(cfg, sums, sched.num_microbatches)
-    grads = model_grads(cfg, (g_e, unpad_layers(g_l, st.counts, sizes), g_h))
+    grads = model_grads(cfg, (g_e, unpad_layers(g_l, st.counts, sizes, p), g_h))
     return loss, metrics, grads
 
 

@@ -44,26 +44,29 @@ from gendist.sharding import BATCH_AXES
 PARAM_KEYS = ("embed", "layers", "head")
 
 
-def resolve_schedule(schedule, num_stages: int, num_microbatches) -> sched_lib.Schedule:
-    """A Schedule for `num_stages` stages from a Schedule or a name plus microbatches."""
+def resolve_schedule(schedule, num_stages: int, num_microbatches, num_chunks: int = 1
+                     ) -> sched_lib.Schedule:
+    """A Schedule for `num_stages` devices from a Schedule or a name plus microbatches (and
+    chunks per device, for an interleaved one)."""
     if isinstance(schedule, str):
         if num_microbatches is None:
             raise ValueError("num_microbatches is required when schedule is given by name")
-        return sched_lib.make(schedule, num_stages, num_microbatches)
+        return sched_lib.make(schedule, num_stages, num_microbatches, num_chunks)
     if num_microbatches is not None and num_microbatches != schedule.num_microbatches:
         raise ValueError(
             f"num_microbatches={num_microbatches} disagrees with the schedule's "
             f"{schedule.num_microbatches}; pass one or the other")
-    if schedule.num_stages != num_stages:
+    if schedule.num_devices != num_stages:
         raise ValueError(
-            f"schedule has {schedule.num_stages} stages but the mesh axis '{core.PIPELINE}' has "
+            f"schedule has {schedule.num_devices} stages but the mesh axis '{core.PIPELINE}' has "
             f"{num_stages}; build the schedule with num_stages={num_stages}")
     return schedule
 
 
 def check_inputs(params, tokens_BT, targets_BT, mesh, schedule, num_microbatches,
-                 num_units: int, stage_layer_counts, batch_axes):
-    """Validates a call; returns (schedule, units per stage, batch axes in the mesh)."""
+                 num_units: int, stage_layer_counts, batch_axes, num_chunks: int = 1):
+    """Validates a call; returns (schedule, units per (virtual) stage, batch axes in the
+    mesh)."""
     if core.PIPELINE not in mesh.axis_names:
         raise ValueError(f"mesh axes {mesh.axis_names} lack '{core.PIPELINE}'; add a pipeline "
                          "axis")
@@ -74,8 +77,8 @@ def check_inputs(params, tokens_BT, targets_BT, mesh, schedule, num_microbatches
     if set(params) != set(PARAM_KEYS):
         raise ValueError(f"params has keys {sorted(params)}; pass exactly {list(PARAM_KEYS)}")
     p = mesh.shape[core.PIPELINE]
-    sched = resolve_schedule(schedule, p, num_microbatches)
-    counts = core.stage_layer_split(num_units, p, stage_layer_counts)
+    sched = resolve_schedule(schedule, p, num_microbatches, num_chunks)
+    counts = core.chunk_layer_split(num_units, p, sched.num_chunks, stage_layer_counts)
     batch_axes = tuple(a for a in batch_axes if a in mesh.axis_names)
     shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
     if tokens_BT.shape != targets_BT.shape:
@@ -108,19 +111,20 @@ def _by_unit(tree, index, unit_sizes):
     return jax.tree.map(one, tree, sizes)
 
 
-def pad_layers(layers, counts, unit_sizes=None):
-    """The layers in the executor's [p * max count] layout of units (a no-op for an even
-    split). `unit_sizes` (a tree like `layers`, default 1): leading entries per unit."""
-    if len(set(counts)) == 1:
+def pad_layers(layers, counts, unit_sizes=None, num_devices=None):
+    """The layers in the executor's layout of units (`core.stage_layout`; a no-op for an
+    even split with one chunk per device). `unit_sizes` (a tree like `layers`, default 1):
+    leading entries per unit."""
+    if len(set(counts)) == 1 and len(counts) == (num_devices or len(counts)):
         return layers
-    return _by_unit(layers, core.stage_layout(counts)[0], unit_sizes)
+    return _by_unit(layers, core.stage_layout(counts, num_devices)[0], unit_sizes)
 
 
-def unpad_layers(g_layers, counts, unit_sizes=None):
-    """Gradients in the padded layout back to the layers' own."""
-    if len(set(counts)) == 1:
+def unpad_layers(g_layers, counts, unit_sizes=None, num_devices=None):
+    """Gradients in the executor's layout back to the layers' own."""
+    if len(set(counts)) == 1 and len(counts) == (num_devices or len(counts)):
         return g_layers
-    return _by_unit(g_layers, core.stage_layout(counts)[1], unit_sizes)
+    return _by_unit(g_layers, core.stage_layout(counts, num_devices)[1], unit_sizes)
 
 
 def run_sync(w, tokens_BT, targets_BT, *, mesh: Mesh, sched: sched_lib.Schedule,
@@ -158,15 +162,16 @@ def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, 
     fill = jnp.full(x_spec.shape, bubble_value, x_spec.dtype)
     table, keys = core.branch_table(
         sched, lambda kind, role, mb, s: (kind, role, s if uneven else None))
-    plan = sched_lib.buffer_plan(sched)
+    plan = sched_lib.device_plan(sched)
     spare = plan.num_slots
+    chunks = sched.num_chunks  # chunks of layers per device; a step runs one (`row['chunk']`)
     if recompute:
         comps = {k: _no_slots(computations(fns, k[2])[k[:2]]) for k in keys}
         bufs = {}
     else:  # a slot per microbatch a stage holds (+ the spare) for the forward's residuals
         uplan = unit_plan(fns, w[1], x_spec)
         bufs = slot_buffers(fns, uplan, w[1], x_spec, plan.num_slots + 1, sched.split)
-        if not uneven and uniform.segments(sched) is not None:  # no branches, no copies
+        if not uneven and chunks == 1 and uniform.segments(sched) is not None:  # no branches
             acc = uniform.run_uniform(w, tokens_M, targets_M, sched=sched, fns=fns, plan=uplan,
                                       bufs=bufs, act_shape=x_spec.shape,
                                       act_dtype=x_spec.dtype, fill_value=bubble_value)
@@ -176,15 +181,17 @@ def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, 
         comps = {k: tables[k[2]][k[:2]] for k in keys}
     # Where each step writes each buffer: its slot if it fills that buffer, else the spare.
     fills = {"units": sched_lib.FORWARD, "y": sched_lib.FORWARD, "g": sched_lib.BACKWARD}
-    columns = {f"write_{name}": np.where(sched.kind == kind, plan.slot, spare).astype(np.int32)
+    columns = {f"write_{name}": np.where(plan.kind == kind, plan.slot, spare).astype(np.int32)
                for name, kind in fills.items() if name in bufs}
     zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
-    grad_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w)
+    chunk_w = lambda c: (w[0], core.chunk_of(w[1], c, chunks), w[2])  # the weights a step uses
+    grad_shapes = jax.eval_shape(chunk_w, 0)
     slot_shapes = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), bufs)
 
     def branch(compute):
         def run(res, x, g, row):
-            out, kept = compute(w, x, g, tokens_M[row["mb"]], targets_M[row["mb"]], res)
+            out, kept = compute(chunk_w(row["chunk"]), x, g, tokens_M[row["mb"]],
+                                targets_M[row["mb"]], res)
             grads = out.grads or (None, None, None)
             grads = tuple(zeros(s) if d is None else d for s, d in zip(grad_shapes, grads,
                                                                         strict=True))
@@ -201,7 +208,10 @@ def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, 
     def write(extra, result, row):
         acc, bufs = extra
         grads, loss, count, metrics, kept = result
-        acc = accumulate(acc, Out(grads, loss, count, metrics))
+        (g_e, g_l, g_h), *rest = acc  # add this step's chunk gradient into its chunk
+        view = ((g_e, core.chunk_of(g_l, row["chunk"], chunks), g_h), *rest)
+        (g_e, g_c, g_h), *rest = accumulate(view, Out(grads, loss, count, metrics))
+        acc = ((g_e, core.with_chunk(g_l, g_c, row["chunk"], chunks), g_h), *rest)
         bufs = {k: jax.tree.map(lambda b, v, at=row[f"write_{k}"]:
                                 jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), at, 0),
                                 bufs[k], kept[k]) for k in bufs}
@@ -237,6 +247,7 @@ def pipeline_loss_and_grads(
     batch_axes: Sequence[str] = BATCH_AXES,
     bubble_value: float = 0.0,
     recompute: bool = True,
+    num_chunks: int = 1,
 ):
     """Mean loss and its gradients for `params = {'embed', 'layers', 'head'}` by pipelining.
 
@@ -248,21 +259,24 @@ def pipeline_loss_and_grads(
     gives an uneven split (e.g. from `partition.partition_layers`). `bubble_value` fills
     everything a stage holds or sends while it has nothing to do (tests pass NaN).
     `recompute=False` keeps each forward's vjp residuals for its backward (see run_sync).
+    `num_chunks`: chunks of layers per device of an interleaved schedule given by name.
     Only `pipeline` and the batch axes are manual: other axes (`tensor`) stay with XLA, so
     weights sharded over them stay sharded. Returns (loss, grads). Jit it from outside.
     """
     sched, counts, batch_axes = check_inputs(
         params, tokens_BT, targets_BT, mesh, schedule, num_microbatches,
-        num_units_of(params["layers"]), stage_layer_counts, batch_axes)
+        num_units_of(params["layers"]), stage_layer_counts, batch_axes, num_chunks)
     fns = from_layer_fn(embed_fn, layer_fn, head_loss_fn, counts)
-    w = (params["embed"], pad_layers(params["layers"], counts), params["head"])
+    p = sched.num_devices
+    w = (params["embed"], pad_layers(params["layers"], counts, num_devices=p), params["head"])
     specs = (jax.tree.map(lambda _: P(), w[0]), jax.tree.map(lambda _: P(core.PIPELINE), w[1]),
              jax.tree.map(lambda _: P(), w[2]))
     loss, (g_e, g_l, g_h), _, _ = run_sync(
         w, tokens_BT, targets_BT, mesh=mesh, sched=sched, fns=fns, specs=specs,
         manual_axes=(core.PIPELINE, *batch_axes), batch_axes=batch_axes,
         bubble_value=bubble_value, uneven=len(set(counts)) > 1, recompute=recompute)
-    return loss, {"embed": g_e, "layers": unpad_layers(g_l, counts), "head": g_h}
+    return loss, {"embed": g_e, "layers": unpad_layers(g_l, counts, num_devices=p),
+                  "head": g_h}
 
 
 def sequential_loss(params, tokens_BT, targets_BT, *, embed_fn, layer_fn, head_loss_fn):

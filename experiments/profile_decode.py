@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gzip
 import json
 import os
 from pathlib import Path
@@ -34,10 +35,14 @@ from gendist.presets import preset
 from gendist.timing import call_times
 
 
-def profile(fn, args, iterations_of):
+def profile(fn, args, iterations_of, hlo_path: Path | None = None):
     """Median wall time, per-kind kernel time and launches per loop iteration of `fn(*args)`
-    (array arguments only), compiled once: the program classified is the program run."""
+    (array arguments only), compiled once: the program classified is the program run.
+    `hlo_path`: also write its compiled HLO there (gzip), to read what a top op is."""
     compiled = jax.jit(fn).lower(*args).compile()
+    if hlo_path is not None:
+        hlo_path.parent.mkdir(parents=True, exist_ok=True)
+        hlo_path.write_bytes(gzip.compress(compiled.as_text().encode()))
     kinds = profiling.classify_hlo(compiled.as_text())
     times, out = call_times(compiled, *args, n=3, warm=1)
     with profiling.trace() as prof:
@@ -86,6 +91,11 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--target-unroll", type=int, default=0,
                     help="layers per iteration of the target's layer scan (0: the preset's)")
+    ap.add_argument("--calls-only", action="store_true",
+                    help="only time single calls by tokens per call (no loop profiles)")
+    ap.add_argument("--tag", default="", help="suffix of the output file's name")
+    ap.add_argument("--hlo", action="store_true",
+                    help="write the speculative loop's compiled HLO (gzip) beside the JSON")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
     args = ap.parse_args()
 
@@ -105,15 +115,22 @@ def main():
            "target_scan_unroll": tm.scan_unroll, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     common = dict(max_new_tokens=args.new_tokens, sp=sp)
     plain_steps = lambda out: args.new_tokens - 1  # noqa: E731 - the first token is prefill's
-    res["plain"] = profile(functools.partial(generate_tokens, tm, **common),
-                           (tp, prompt, lens, key), plain_steps)
-    res["draft_plain"] = profile(functools.partial(generate_tokens, dm, **common),
-                                 (dp, prompt, lens, key), plain_steps)
     target, draft = transformer_lm(tm, "target"), transformer_lm(dm, "draft")
     spec = SpecConfig(gamma=args.gamma)
-    res["speculative"] = profile(
-        lambda tp, dp, *a: speculative_generate(target, tp, draft, dp, *a, spec=spec, **common),
-        (tp, dp, prompt, lens, key), lambda out: int(out[2]["steps"]))
+    tag = res["device"].replace(" ", "_").lower()
+    suffix = f"_unroll{tm.scan_unroll}" if args.target_unroll else ""
+    suffix += f"_b{B}_g{args.gamma}" + (f"_{args.tag}" if args.tag else "")
+    out = Path(args.out)
+    hlo = out / f"profile_decode_{tag}{suffix}_speculative.hlo.txt.gz" if args.hlo else None
+    if not args.calls_only:
+        res["plain"] = profile(functools.partial(generate_tokens, tm, **common),
+                               (tp, prompt, lens, key), plain_steps)
+        res["draft_plain"] = profile(functools.partial(generate_tokens, dm, **common),
+                                     (dp, prompt, lens, key), plain_steps)
+        res["speculative"] = profile(
+            lambda tp, dp, *a: speculative_generate(target, tp, draft, dp, *a, spec=spec,
+                                                    **common),
+            (tp, dp, prompt, lens, key), lambda out: int(out[2]["steps"]), hlo)
     # One call's time by tokens per call: what a verification costs against a decode step
     # (Leviathan et al.'s speedup formula assumes the same), and the draft's c.
     res["call_ms"] = {f"{who}_T{t}": call_ms(lm, params, B, t)
@@ -121,6 +138,8 @@ def main():
                       for t in (1, 2, args.gamma + 1)}
     print("ms per call:", {k: round(v, 4) for k, v in res["call_ms"].items()})
     for name in ("plain", "draft_plain", "speculative"):
+        if name not in res:
+            continue
         r = res[name]
         launches = sum(r["launches_per_iteration"].values())
         print(f"{name:12} {r['iterations']:4d} iterations, {r['wall_s'] * 1e3:7.1f} ms wall, "
@@ -129,11 +148,7 @@ def main():
         for k, v in r["seconds_per_iteration"].items():
             if v:
                 print(f"    {k:14} {v * 1e3:7.3f} ms  {r['launches_per_iteration'][k]:6.0f} launches")
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = res["device"].replace(" ", "_").lower()
-    suffix = f"_unroll{tm.scan_unroll}" if args.target_unroll else ""
-    suffix += f"_b{B}_g{args.gamma}"
     (out / f"profile_decode_{tag}{suffix}.json").write_text(json.dumps(res, indent=1))
 
 

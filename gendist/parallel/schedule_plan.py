@@ -96,7 +96,7 @@ def device_plan(schedule: Schedule) -> DevicePlan:
     def fold(table, fill, active):  # [steps, stages] -> [steps, devices], one active each
         out = np.full((n, d), fill, np.int32)
         t, s = np.nonzero(active)
-        if len(set(zip(t.tolist(), (s % d).tolist()))) != len(t):
+        if len(set(zip(t.tolist(), (s % d).tolist(), strict=True))) != len(t):
             raise ValueError(f"schedule {schedule.name!r}: two messages reach one device in "
                              "one step")
         out[t, s % d] = table[t, s]

@@ -45,6 +45,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 from gendist.parallel import pipeline as pl  # noqa: E402
 from gendist.parallel import schedule as S  # noqa: E402
+from gendist.parallel import schedule_plan as SP  # noqa: E402
 from gendist.parallel import schedule_stats as SS  # noqa: E402
 from gendist.timing import call_times  # noqa: E402
 
@@ -101,7 +102,7 @@ def measure(params, fns, mesh, name, m, args, data):
         "bubble_analytic": SS.analytic_bubble_fraction(args.stages, m),
         "max_in_flight": SS.max_in_flight(sched),
         "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-        "predicted_buffer_bytes": 2 * (S.buffer_plan(sched).num_slots + 1) * x_bytes,
+        "predicted_buffer_bytes": 2 * (SP.buffer_plan(sched).num_slots + 1) * x_bytes,
         "compile_s": compile_s, "step_s_min": min(times), "step_s_median": float(np.median(times)),
     }
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from gendist.parallel import schedule as S
+from gendist.parallel import schedule_plan as SP
 from gendist.parallel import schedule_stats as SS
 
 GRID = [(p, m) for p in range(1, 7) for m in range(1, 13)]
@@ -63,7 +64,7 @@ def test_buffer_plan_never_overwrites_a_held_input(build):
     """Replays the plan: a slot written by an arrival is only read back by its own owner."""
     for p, m in GRID:
         sched = build(p, m)
-        plan = S.buffer_plan(sched)
+        plan = SP.buffer_plan(sched)
         assert plan.num_slots == SS.max_in_flight(sched), (p, m)
         fwd, bwd = _times(sched)
         for s in range(p):
@@ -107,8 +108,8 @@ def test_phased_1f1b_costs_gpipe_lockstep_time_at_bounded_memory():
 
 
 def test_1f1b_buffer_is_p_slots_gpipe_m():
-    assert S.buffer_plan(S.one_f_one_b(4, 12)).num_slots == 4
-    assert S.buffer_plan(S.gpipe(4, 12)).num_slots == 12
+    assert SP.buffer_plan(S.one_f_one_b(4, 12)).num_slots == 4
+    assert SP.buffer_plan(S.gpipe(4, 12)).num_slots == 12
 
 
 def test_text_picture():
@@ -199,7 +200,7 @@ def test_zb_h1_bubble_against_the_paper():
 
 def test_split_buffer_plan_holds_slots_until_the_weight_step():
     sched = S.zb_h1(4, 8)
-    plan = S.buffer_plan(sched)
+    plan = SP.buffer_plan(sched)
     fwd, _, wgt = S.all_action_times(sched)
     for s in range(4):
         for i in range(8):
@@ -256,7 +257,7 @@ def _replay_device_plan(sched):
     """Replays `device_plan` on each device: every arriving activation / cotangent lands in
     a slot the device then reads for exactly that (virtual stage, microbatch), and no
     arrival overwrites an input still held."""
-    plan = S.device_plan(sched)
+    plan = SP.device_plan(sched)
     p, n = sched.num_devices, sched.num_steps
     assert plan.num_slots == SS.in_flight_per_device(sched).max()  # chunks share slots
     fwd, bwd = S.action_times(sched)
@@ -295,7 +296,7 @@ def _replay_device_plan(sched):
 def test_device_plan_never_overwrites_a_held_input(p, v, m):
     _replay_device_plan(S.interleaved_1f1b(p, m, v))
     _replay_device_plan(S.one_f_one_b(p, m))  # one chunk: the buffer plan as it was
-    plan, old = S.device_plan(S.one_f_one_b(p, m)), S.buffer_plan(S.one_f_one_b(p, m))
+    plan, old = SP.device_plan(S.one_f_one_b(p, m)), SP.buffer_plan(S.one_f_one_b(p, m))
     np.testing.assert_array_equal(plan.slot, old.slot)
     np.testing.assert_array_equal(plan.recv_act_slot, old.recv_act_slot)
 

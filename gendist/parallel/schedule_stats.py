@@ -14,10 +14,10 @@ from gendist.parallel.schedule import (
     WEIGHT,
     Schedule,
     all_action_times,
-    buffer_plan,
     check_sizes,
     make,
 )
+from gendist.parallel.schedule_plan import buffer_plan
 
 _LETTER = {IDLE: ".", FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
 

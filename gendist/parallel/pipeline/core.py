@@ -2,8 +2,9 @@
 
 Each device on the `pipeline` mesh axis is a stage. A schedule (`gendist.parallel.schedule`)
 says, for every step t and stage s, what the stage does (forward, backward or idle) and on
-which microbatch; `buffer_plan` says in which slot of its activation / cotangent buffers a
-stage keeps each microbatch it holds. `run_table` turns that into one per-device program:
+which microbatch; `schedule_plan.buffer_plan` says in which slot of its activation /
+cotangent buffers a stage keeps each microbatch it holds. `run_table` turns that into one
+per-device program:
 
     for each step:                                  (lax.scan over the table's rows)
         store the activation and cotangent that arrived last step into their slots
@@ -12,9 +13,10 @@ stage keeps each microbatch it holds. `run_table` turns that into one per-device
         send_act -> stage s+1, send_cot -> stage s-1                             (ppermute)
 
 An interleaved schedule (`schedule.interleaved_1f1b`) runs v chunks of layers per device:
-the table's columns are virtual stages, folded onto the devices by `schedule.device_plan`
-(a `chunk` column says which chunk acts, buffer slots are per chunk), and the messages go
-round a ring, device p-1 sending to device 0 (chunk c to chunk c+1).
+the table's columns are virtual stages, folded onto the devices by
+`schedule_plan.device_plan` (a `chunk` column says which chunk acts, buffer slots are per
+chunk), and the messages go round a ring, device p-1 sending to device 0 (chunk c to
+chunk c+1).
 
 A branch is picked per (kind, role, ...) key - role = first / mid / last / only stage - and
 `extra` is whatever the engine carries: gradient accumulators (GPipe, 1F1B), a ring of
@@ -37,6 +39,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from gendist.parallel import schedule as sched_lib
+from gendist.parallel import schedule_plan
 from gendist.parallel.compat import shard_map_manual
 
 PIPELINE = "pipeline"
@@ -58,7 +61,7 @@ def branch_table(sched: sched_lib.Schedule, key: Callable[[int, str, int, int], 
     stage's: on an interleaved table the first role is virtual stage 0 and the last
     p x v - 1 (an idle device counts as its first chunk's stage)."""
     roles = stage_roles(sched.num_stages)
-    dplan = sched_lib.device_plan(sched)
+    dplan = schedule_plan.device_plan(sched)
     devices = sched.num_devices
 
     def cell(t, d):
@@ -83,7 +86,7 @@ def run_table(sched: sched_lib.Schedule, table: np.ndarray, branches: Sequence[C
     `branches[table[t, s]](operand, x, g, row) -> (result, send_act, send_cot)`, where x / g
     are the activation / cotangent slot of the microbatch it acts on and `row` holds this
     stage's entries of every column at step t ('mb', 'slot', 'chunk' and `columns`, all
-    [steps, devices]: `schedule.device_plan`'s view). By default the
+    [steps, devices]: `schedule_plan.device_plan`'s view). By default the
     operand is the carry `extra` and the result its new value. A carry too large to pass
     through the branch (a conditional copies what its branches pass through: buffers of
     residuals, gradient accumulators) stays outside: `read(extra, row)` makes the operand
@@ -94,7 +97,7 @@ def run_table(sched: sched_lib.Schedule, table: np.ndarray, branches: Sequence[C
     """
     p = sched.num_devices
     stage = jax.lax.axis_index(PIPELINE)
-    plan = sched_lib.device_plan(sched)
+    plan = schedule_plan.device_plan(sched)
     cols = {"branch": table, "mb": np.maximum(plan.microbatch, 0), "slot": plan.slot,
             "chunk": plan.chunk, "recv_act": plan.recv_act_slot,
             "recv_cot": plan.recv_cot_slot, **(columns or {})}

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from gendist.parallel import schedule as sched_lib
+from gendist.parallel import schedule_plan
 from gendist.parallel.pipeline import core, uniform
 from gendist.parallel.pipeline.stages import (
     Out,
@@ -162,7 +163,7 @@ def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, 
     fill = jnp.full(x_spec.shape, bubble_value, x_spec.dtype)
     table, keys = core.branch_table(
         sched, lambda kind, role, mb, s: (kind, role, s if uneven else None))
-    plan = sched_lib.device_plan(sched)
+    plan = schedule_plan.device_plan(sched)
     spare = plan.num_slots
     chunks = sched.num_chunks  # chunks of layers per device; a step runs one (`row['chunk']`)
     if recompute:

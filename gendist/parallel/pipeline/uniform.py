@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gendist.parallel import schedule as sched_lib
+from gendist.parallel import schedule_plan
 from gendist.parallel.pipeline import core
 from gendist.parallel.pipeline.stages import StageFns, UnitPlan, accumulators, unit_vjp_fn
 
@@ -63,7 +64,7 @@ def run_uniform(w, tokens_M, targets_M, *, sched: sched_lib.Schedule, fns: Stage
     a, k, b = segments(sched)
     stage = jax.lax.axis_index(core.PIPELINE)
     first, last = stage == 0, stage == p - 1
-    bplan = sched_lib.buffer_plan(sched)
+    bplan = schedule_plan.buffer_plan(sched)
     cols = {"mb": np.maximum(sched.microbatch, 0), "slot": bplan.slot,
             "recv_act": bplan.recv_act_slot, "recv_cot": bplan.recv_cot_slot,
             "active": (sched.kind != sched_lib.IDLE).astype(np.int32)}

@@ -12,10 +12,8 @@ and the first token included, so the figure is conservative by about one step in
     python experiments/decode_floor.py --presets 350m 1b --batches 1 8 64 --out $OUT
 
 Variants: `fast` (the GPU default: decode weight layout, per-layer cache, paged-kernel
-attention reading only valid tokens; at batch 1 the norms, SwiGLU and residual adds fused
-into matrix-vector kernels), `fast_unfused` (without those kernels: XLA's reductions),
-`fast_mv<n>x<k>w<warps>s<stages>` (the kernels with other tiles), `fast_xla` (jnp attention
-over all max_len slots), `reference` (stacked weights, one stacked cache, the layer scan unrolled:
+attention reading only valid tokens), `fast_xla` (the same with jnp attention over all
+max_len slots), `reference` (stacked weights, one stacked cache, the layer scan unrolled:
 the issue's baseline protocol). Each row also carries the kernels one loop iteration
 launches, by kind, read from the compiled HLO, and with `--profile` the device time per
 kind of the first case of each preset. Writes `decode_floor_<device>.json` after every case.
@@ -28,7 +26,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import tempfile
 import time
 from pathlib import Path
@@ -44,9 +41,8 @@ from gendist.inference.sampling import SamplingParams
 from gendist.models import decode_layout, transformer
 from gendist.presets import preset
 from gendist.timing import call_times
-from pallas_kernels import matvec
 
-VARIANTS = ("fast", "fast_xla", "fast_unfused", "reference")  # and fast_mv<n>x<k>w<w>s<s>
+VARIANTS = ("fast", "fast_xla", "reference")
 
 
 def read_only_tbps(gib: float = 2.0, n: int = 10) -> float:
@@ -93,27 +89,12 @@ def _floor(row: dict, tbps: float) -> None:
         row["share_of_floor"] = row["floor_ms"] / row["ms_per_step"]
 
 
-def matvec_blocks(variant: str) -> matvec.BlockSizes:
-    """The fused kernel's tiles a variant names (`fast_mv16x256w4s3`), else the defaults."""
-    m = re.fullmatch(r"fast_mv(\d+)x(\d+)w(\d+)s(\d+)", variant)
-    if not m:
-        return matvec.BlockSizes()
-    n, k, w, st = map(int, m.groups())
-    return matvec.BlockSizes(block_n=n, block_k=k, num_warps=w, num_stages=st)
-
-
 def run_case(cfg, params, batch, variant, args, profile: bool):
     P, N = args.prompt, args.new_tokens
     prompt = jax.random.randint(jax.random.key(batch), (batch, P), 0, cfg.vocab_size)
     lens = jnp.full((batch,), P, jnp.int32)
     key = jax.random.key(1)
     sp = SamplingParams(temperature=0.0)
-    # Batch 1's fused matrix-vector kernels (`decode_layout.FUSED_MATVEC`): `fast_unfused`
-    # turns them off, `fast_mv<n>x<k>w<warps>s<stages>` sets their tiles. The choice is made
-    # at trace time, so every case starts from empty caches.
-    jax.clear_caches()
-    decode_layout.FUSED_MATVEC = False if variant == "fast_unfused" else None
-    decode_layout.MATVEC_BLOCKS = matvec_blocks(variant)
     if variant == "reference":
         mcfg = dataclasses.replace(cfg, scan_unroll=cfg.num_layers)
         kw = dict(fast=False)

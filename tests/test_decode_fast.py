@@ -57,31 +57,6 @@ def test_decode_layout_logits_equal_the_model(params):
                                transformer.forward(gelu, gp, tokens), rtol=1e-5, atol=1e-5)
 
 
-def test_fused_matvec_batch1_greedy_equals_reference(params, monkeypatch):
-    """Batch 1 on the fast path with the norms, SwiGLU and residual adds fused into the
-    matrix-vector kernels (`decode_layout.FUSED_MATVEC`, a GPU's default; here in interpret
-    mode): a prompt's logits and a one-token step's equal the model's, and greedy decoding
-    gives the reference path's tokens."""
-    monkeypatch.setattr(decode_layout, "FUSED_MATVEC", True)
-    jax.clear_caches()  # the choice is made at trace time: no trace from another test
-    dp = decode_layout.decode_params(CFG, params)
-    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 256, (1, 7)), jnp.int32)
-    full = transformer.forward(CFG, params, tokens)
-    cache = fastpath.make_cache(CFG, 1, 16, True, backend="xla")
-    pos = jnp.arange(7)[None]
-    _, cache = transformer.forward(CFG, dp, tokens[:, :6], pos[:, :6], cache)
-    assert decode_layout.fused(jnp.zeros((1, 1, CFG.d_model)))
-    step, _ = transformer.forward(CFG, dp, tokens[:, 6:], pos[:, 6:],
-                                  cache.advance(jnp.full((1,), 6)))
-    np.testing.assert_allclose(step, full[:, 6:], rtol=1e-5, atol=1e-5)
-    pb, lb = G.pad_prompts(PROMPTS[2:])
-    args = (jnp.asarray(pb), jnp.asarray(lb), jax.random.key(0))
-    ref, _ = G.generate_tokens(CFG, params, *args, max_new_tokens=9, sp=GREEDY, fast=False)
-    out, _ = G.generate_tokens(CFG, params, *args, max_new_tokens=9, sp=GREEDY, fast=True)
-    jax.clear_caches()  # nor a fused trace for the tests after this one
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
-
-
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_fast_greedy_equals_reference(params, reference, backend):
     pb, lb = G.pad_prompts(PROMPTS)

@@ -15,12 +15,10 @@ loop.
     w_up_FD [F, D] (GELU)   w_down_DF [D, F]   head_VD [V, D] (untied output layer)
     attn_norm, mlp_norm, final_norm [D] (fp32, as the model keeps them)
 
-`transformer.block` runs a layer in this layout through `qkv`, `attention_residual` and
-`mlp_residual` below (a layer is in it when `is_layer`), which take the residual stream and
-do the norms and residual adds themselves: for one token on a GPU they are fused into
-matrix-vector kernels (`FUSED_MATVEC`). The math is the model's, the same sums over the
-same products (a float sum's order may differ: logits agree to rounding, greedy tokens are
-tested equal).
+`transformer.block` runs a layer in this layout through `qkv`, `attention_output` and
+`mlp` below (a layer is in it when `is_layer`); the math is the model's, the same sums over
+the same products (a float sum's order may differ: logits agree to rounding, greedy tokens
+are tested equal).
 
 Tried and removed: folding each RMSNorm's gain into the next matrix, with the sum of
 squares computed as one more row of the matrix-vector reduction. It cut a 350m batch-1
@@ -36,8 +34,7 @@ import jax.numpy as jnp
 
 from gendist.config import ModelConfig
 from gendist.models import params as P
-from gendist.models.layers import mlp_hidden, rms_norm
-from pallas_kernels import matvec
+from gendist.models.layers import mlp_hidden
 
 
 def is_layout(params: dict) -> bool:
@@ -106,61 +103,21 @@ def decode_layer(p: dict, cfg: ModelConfig) -> dict:
     return out
 
 
-# One token (B·T = 1) on a GPU: the norms, SwiGLU and the residual adds ride inside the
-# matrix-vector kernels (`pallas_kernels.matvec.fused_matvec`) instead of XLA's reduction
-# plus the small kernels around it. None: on when the backend is a GPU; True / False force
-# it (tests run the kernel in interpret mode on a CPU; experiments compare the two, calling
-# `jax.clear_caches()` between, since the choice is made when a function is traced).
-FUSED_MATVEC: bool | None = None
-MATVEC_BLOCKS = matvec.BlockSizes()  # the kernel's tiles (an experiment may sweep them)
+def qkv(h_BTD, p: dict, num_kv_heads: int):
+    """q [B, T, N, H], k and v [B, T, K, H] from the normed input: one fused matmul."""
+    qkv_BTCH = jnp.einsum("BTD,CHD->BTCH", h_BTD, p["wqkv_CHD"].astype(h_BTD.dtype))
+    n = qkv_BTCH.shape[2] - 2 * num_kv_heads
+    return tuple(jnp.split(qkv_BTCH, [n, n + num_kv_heads], axis=2))
 
 
-def fused(x_BTD) -> bool:
-    """Whether this token's matmuls run as fused matrix-vector kernels (`FUSED_MATVEC`)."""
-    on = jax.default_backend() == "gpu" if FUSED_MATVEC is None else FUSED_MATVEC
-    return on and x_BTD.shape[0] * x_BTD.shape[1] == 1
+def attention_output(o_BTNH, p: dict):
+    """The attention's output projection [B, T, D]."""
+    return jnp.einsum("BTNH,DNH->BTD", o_BTNH, p["wo_DNH"].astype(o_BTNH.dtype))
 
 
-def _matvec(x, w, **kw):
-    return matvec.fused_matvec(x, w, block_sizes=MATVEC_BLOCKS, **kw)
-
-
-def qkv(x_BTD, p: dict, cfg: ModelConfig):
-    """q [B, T, N, H], k and v [B, T, K, H] from the residual stream: the attention's norm,
-    then one fused q|k|v matmul."""
-    w_CHD = p["wqkv_CHD"]
-    C, H, D = w_CHD.shape
-    if fused(x_BTD):
-        qkv_BTCH = _matvec(x_BTD.reshape(D), w_CHD.reshape(C * H, D), gain=p["attn_norm"],
-                           eps=cfg.norm_eps).reshape(1, 1, C, H)
-    else:
-        h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
-        qkv_BTCH = jnp.einsum("BTD,CHD->BTCH", h_BTD, w_CHD.astype(h_BTD.dtype))
-    n = C - 2 * cfg.num_kv_heads
-    return tuple(jnp.split(qkv_BTCH, [n, n + cfg.num_kv_heads], axis=2))
-
-
-def attention_residual(x_BTD, o_BTNH, p: dict):
-    """x + the attention's output projection of o, [B, T, D]."""
-    B, T, N, H = o_BTNH.shape
-    w_DNH = p["wo_DNH"]
-    if fused(x_BTD):
-        return _matvec(o_BTNH.reshape(N * H), w_DNH.reshape(-1, N * H),
-                       residual=x_BTD.reshape(-1)).reshape(x_BTD.shape)
-    return x_BTD + jnp.einsum("BTNH,DNH->BTD", o_BTNH, w_DNH.astype(o_BTNH.dtype))
-
-
-def mlp_residual(x_BTD, p: dict, cfg: ModelConfig):
-    """x + the MLP of the MLP's norm of x: w_gate_up_GD (or w_up_FD), the activation,
-    w_down_DF."""
-    dt = x_BTD.dtype
-    if cfg.mlp == "swiglu" and fused(x_BTD):
-        D = x_BTD.shape[-1]
-        u_G = _matvec(x_BTD.reshape(D), p["w_gate_up_GD"], gain=p["mlp_norm"], eps=cfg.norm_eps)
-        return _matvec(u_G, p["w_down_DF"], swiglu=True,
-                       residual=x_BTD.reshape(D)).reshape(x_BTD.shape)
-    h_BTD = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
+def mlp(h_BTD, p: dict, cfg: ModelConfig):
+    """The MLP on the normed input: w_gate_up_GD (or w_up_FD), the activation, w_down_DF."""
+    dt = h_BTD.dtype
     w_in = p["w_gate_up_GD"] if cfg.mlp == "swiglu" else p["w_up_FD"]
     u_BTG = jnp.einsum("BTD,GD->BTG", h_BTD, w_in.astype(dt))
-    y_BTD = jnp.einsum("BTF,DF->BTD", mlp_hidden((u_BTG,), cfg.mlp), p["w_down_DF"].astype(dt))
-    return x_BTD + y_BTD
+    return jnp.einsum("BTF,DF->BTD", mlp_hidden((u_BTG,), cfg.mlp), p["w_down_DF"].astype(dt))

@@ -88,17 +88,16 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     dt = x_BTD.dtype
     # Weights in their compute layout: under ZeRO-3 this is the layer's just-in-time gather.
     p = ops.weights(p, _block_axes(cfg, moe), dt)
-    if decode_layout.is_layer(p):  # the norm and one output-major q|k|v matrix
-        q_BTNH, k_BTKH, v_BTKH = decode_layout.qkv(x_BTD, p, cfg)
+    h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
+    if decode_layout.is_layer(p):  # one output-major q|k|v matrix (`decode_layout`)
+        q_BTNH, k_BTKH, v_BTKH = decode_layout.qkv(ops.enter(h_BTD), p, cfg.num_kv_heads)
+    elif cfg.fused_projections:  # one [D, N+2K, H] matmul: fewer, larger GEMMs
+        w_DCH = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1).astype(dt)
+        (qkv_BTCH,) = ops.column(h_BTD, (w_DCH,))  # Megatron f, then the matmul
+        n, k = p["wq"].shape[1], p["wk"].shape[1]  # local heads (per tensor shard)
+        q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [n, n + k], axis=2)
     else:
-        h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
-        if cfg.fused_projections:  # one [D, N+2K, H] matmul: fewer, larger GEMMs
-            w_DCH = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1).astype(dt)
-            (qkv_BTCH,) = ops.column(h_BTD, (w_DCH,))  # Megatron f, then the matmul
-            n, k = p["wq"].shape[1], p["wk"].shape[1]  # local heads (per tensor shard)
-            q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [n, n + k], axis=2)
-        else:
-            q_BTNH, k_BTKH, v_BTKH = ops.column(h_BTD, (p["wq"], p["wk"], p["wv"]))
+        q_BTNH, k_BTKH, v_BTKH = ops.column(h_BTD, (p["wq"], p["wk"], p["wv"]))
     q_BTNH = ops.constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
     k_BTKH = ops.constrain(k_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
     v_BTKH = ops.constrain(v_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
@@ -111,17 +110,20 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
         o_BTNH, layer_state = cache.attend(layer_state, q_BTNH, k_BTKH, v_BTKH, pos_BT,
                                            sm_scale)
     o_BTNH = ops.constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
-    stats = None
-    if decode_layout.is_layer(p):  # decoding: no mesh, the residual adds inside
-        x_BTD = decode_layout.attention_residual(x_BTD, o_BTNH, p)
-        return decode_layout.mlp_residual(x_BTD, p, cfg), layer_state, stats
-    x_BTD = x_BTD + ops.row(o_BTNH, p["wo"], 2)  # the row-parallel matmul, then g
+    if decode_layout.is_layer(p):
+        attn_BTD = ops.leave(decode_layout.attention_output(o_BTNH, p))
+    else:
+        attn_BTD = ops.row(o_BTNH, p["wo"], 2)  # the row-parallel matmul, then g
+    x_BTD = x_BTD + attn_BTD
     x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
     h_BTD = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
+    stats = None
     if moe:
         y_BTD, aux = ops.moe(moe_lib.layer_weights(p), ops.enter(h_BTD), cfg)  # f
         stats = (aux.weighted_loss(cfg), aux.drop_fraction, aux.expert_load_E)
         y_BTD = ops.leave(y_BTD)  # g
+    elif decode_layout.is_layer(p):
+        y_BTD = ops.leave(decode_layout.mlp(ops.enter(h_BTD), p, cfg))
     else:
         outs = ops.column(h_BTD, mlp_inputs(p, cfg.mlp, cfg.fused_projections))
         y_BTD = ops.row(mlp_hidden(outs, cfg.mlp), p["w_down"], 1)

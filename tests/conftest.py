@@ -5,8 +5,16 @@ backend compiles without LLVM's optimisation passes (about 1.8x faster overall).
 only, no fast-math, but the order of a vectorised sum may differ from an optimised build:
 a bitwise comparison must compare two programs built with the same flags, so subprocesses
 (CLI, multi-process, notebooks) inherit them. A flag already in $XLA_FLAGS wins.
+
+Many tests compile the same programs (the same small model's step in several tests, a CLI
+subprocess after its in-process twin, the two xdist workers): jax's persistent compilation
+cache, in one temporary directory per run shared by the workers and the subprocesses through
+$JAX_COMPILATION_CACHE_DIR, compiles each once. Every program is cached (no minimum compile
+time). A directory already in $JAX_COMPILATION_CACHE_DIR is used as is (and kept).
 """
 import os
+import shutil
+import tempfile
 
 _FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
           "--xla_llvm_disable_expensive_passes=true")
@@ -14,7 +22,18 @@ _given = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
     [_given] + [f for f in _FLAGS if f.split("=")[0] not in _given]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the run: xdist's
+    _OWN_CACHE = tempfile.mkdtemp(prefix="gendist-test-jax-cache-")  # workers inherit it
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gendist.config import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig
@@ -50,3 +53,20 @@ def assert_trees_close(got, want, *, rtol: float, atol: float = 0.0, leaf_atol: 
         a, b = np.asarray(a), np.asarray(b)
         tol = atol + (leaf_atol * np.abs(b).max() if b.size else 0.0)
         np.testing.assert_allclose(a, b, rtol=rtol, atol=tol, err_msg=jax.tree_util.keystr(path))
+
+
+@functools.cache
+def _jitted_forward(model_cfg):
+    from gendist.models import transformer
+    return jax.jit(lambda params, tokens_BT: transformer.forward(model_cfg, params, tokens_BT))
+
+
+def full_forward_greedy(model_cfg, params, prompt, n: int) -> list[int]:
+    """The decoding oracle: n greedy tokens, each from the full forward over the whole
+    sequence so far (no cache). Jitted: one compile per sequence length, where the eager
+    forward compiled every op for every length."""
+    forward = _jitted_forward(model_cfg)
+    seq = [int(t) for t in prompt]
+    for _ in range(n):
+        seq.append(int(jnp.argmax(forward(params, jnp.asarray([seq]))[0, -1])))
+    return seq[len(prompt):]

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_forward_greedy
 
 from gendist.config import ModelConfig
 from gendist.inference import generate as G
@@ -30,10 +31,7 @@ def test_greedy_cached_equals_full_forward(params):
                                    sp=SamplingParams(temperature=0.0))
     assert list(np.asarray(count)) == [n] * 3
     for i, pr in enumerate(prompts):
-        seq = list(pr)
-        for _ in range(n):
-            seq.append(int(jnp.argmax(transformer.forward(CFG, params, jnp.asarray([seq]))[0, -1])))
-        assert seq[len(pr):] == list(np.asarray(out[i]))
+        assert full_forward_greedy(CFG, params, pr, n) == list(np.asarray(out[i]))
 
 
 def test_prefill_logits_equal_full_forward(params):

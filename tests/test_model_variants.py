@@ -1,5 +1,7 @@
 """Speed options of the model change its schedule, not its math."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ BASE = ModelConfig(vocab_size=64, d_model=64, num_layers=3, num_heads=4, num_kv_
                    head_dim=16, d_ff=96, max_seq_len=32)
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one compile per config, not one per op
 def _loss_and_grads(cfg, params, tok_BT):
     def loss(p):
         logits = transformer.forward(cfg, p, tok_BT[:, :-1])
@@ -19,13 +22,19 @@ def _loss_and_grads(cfg, params, tok_BT):
     return jax.value_and_grad(loss)(params)
 
 
-@pytest.mark.parametrize("option", [{"fused_projections": True}, {"scan_unroll": 2},
-                                    {"scan_unroll": 3, "fused_projections": True}])
-def test_speed_options_give_the_same_loss_and_gradients(option):
-    import dataclasses
+@pytest.fixture(scope="module")
+def reference():
+    """BASE's params, tokens, loss and gradients: shared by the options."""
     params = transformer.init_params(BASE, seed=1)
     tok = jax.random.randint(jax.random.key(0), (2, 17), 0, BASE.vocab_size)
-    ref_loss, ref_g = _loss_and_grads(BASE, params, tok)
+    return params, tok, _loss_and_grads(BASE, params, tok)
+
+
+@pytest.mark.parametrize("option", [{"fused_projections": True}, {"scan_unroll": 2},
+                                    {"scan_unroll": 3, "fused_projections": True}])
+def test_speed_options_give_the_same_loss_and_gradients(reference, option):
+    import dataclasses
+    params, tok, (ref_loss, ref_g) = reference
     loss, g = _loss_and_grads(dataclasses.replace(BASE, **option), params, tok)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g, ref_g)

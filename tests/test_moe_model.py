@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import mesh_of
+from helpers import full_forward_greedy, mesh_of
 
 from gendist.config import ModelConfig
 from gendist.data import shard_batch
@@ -55,10 +55,7 @@ def test_moe_model_decodes_like_full_forward():
     out, _ = G.generate_tokens(CFG, params, jnp.asarray(pb), jnp.asarray(lb), jax.random.key(0),
                                max_new_tokens=5, sp=SamplingParams(temperature=0.0))
     for i, pr in enumerate([[3, 4, 5], [9, 8]]):
-        seq = list(pr)
-        for _ in range(5):
-            seq.append(int(jnp.argmax(transformer.forward(CFG, params, jnp.asarray([seq]))[0, -1])))
-        assert seq[len(pr):] == list(np.asarray(out[i]))
+        assert full_forward_greedy(CFG, params, pr, 5) == list(np.asarray(out[i]))
 
 
 def test_moe_training_reports_router_metrics(tmp_path):

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import full_forward_greedy as greedy_oracle
 
 from gendist.config import ModelConfig
 from gendist.inference import generate as G
@@ -25,10 +26,7 @@ def params():
 
 
 def full_forward_greedy(params, prompt, n):
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(jnp.argmax(transformer.forward(CFG, params, jnp.asarray([seq]))[0, -1])))
-    return seq[len(prompt):]
+    return greedy_oracle(CFG, params, prompt, n)
 
 
 PROMPTS = [np.array([1, 2, 3, 4, 5]), np.array([7, 8]), np.array([9, 10, 11, 12, 13, 14, 15])]

@@ -25,8 +25,8 @@ _LETTER = {IDLE: ".", FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
 def bubble_fraction(schedule: Schedule) -> float:
     """Fraction of (step, device) slots that are idle, counted from the table (a device
     with v chunks is busy when any of its virtual stages acts)."""
-    busy = int(np.sum(schedule.kind != IDLE))
-    return 1.0 - busy / (schedule.num_steps * schedule.num_devices)
+    slots = schedule.num_steps * schedule.num_devices
+    return (slots - int(np.sum(schedule.kind != IDLE))) / slots  # idle / all, exactly
 
 
 def stage_time(schedule: Schedule) -> float:

@@ -11,8 +11,9 @@ and the first token included, so the figure is conservative by about one step in
 
     python experiments/decode_floor.py --presets 350m 1b --batches 1 8 64 --out $OUT
 
-Variants: `fast` (the GPU default: decode weight layout, per-layer cache, paged-kernel
-attention reading only valid tokens), `fast_xla` (the same with jnp attention over all
+Variants: `fast` (the GPU default: decode weight layout, per-layer cache, attention reading
+only valid tokens; one-token steps through the fused decode kernels), `fast_unfused` (the
+same without the fused kernels: XLA's RMSNorm and RoPE, the paged kernel), `fast_xla` (the same with jnp attention over all
 max_len slots), `reference` (stacked weights, one stacked cache, the layer scan unrolled:
 the issue's baseline protocol). Each row also carries the kernels one loop iteration
 launches, by kind, read from the compiled HLO, and with `--profile` the device time per
@@ -42,7 +43,7 @@ from gendist.models import decode_layout, transformer
 from gendist.presets import preset
 from gendist.timing import call_times
 
-VARIANTS = ("fast", "fast_xla", "reference")
+VARIANTS = ("fast", "fast_unfused", "fast_xla", "reference")
 
 
 def read_only_tbps(gib: float = 2.0, n: int = 10) -> float:
@@ -101,7 +102,8 @@ def run_case(cfg, params, batch, variant, args, profile: bool):
     else:
         mcfg = cfg
         backend = "xla" if variant == "fast_xla" else None
-        kw = dict(fast=True, cache=fastpath.make_cache(cfg, batch, P + N, True, backend=backend))
+        kw = dict(fast=True, cache=fastpath.make_cache(cfg, batch, P + N, True, backend=backend,
+                                                       fused=variant != "fast_unfused"))
     t0 = time.perf_counter()
     compiled = generate_tokens.lower(mcfg, params, prompt, lens, key, max_new_tokens=N, sp=sp,
                                      **kw).compile()

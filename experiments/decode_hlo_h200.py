@@ -14,8 +14,9 @@ Setup (once; the CUDA plugin of the installed jax version, without its CUDA libr
         python experiments/decode_hlo_h200.py --cases 350m:1:fast 350m:1:reference --out benchmarks
 
 Variants: `reference` (stacked weights, one stacked cache, the layer scan unrolled), `fast`
-(the decode layout, per-layer cache, paged attention), `fast_xla` (fast with jnp attention
-over all max_len slots). (`decode_hlo_h200_fold.json` came from a `fast` that folded the
+(the decode layout, per-layer cache, the fused decode kernels: RMSNorm, RoPE + cache write
++ attention), `fast_unfused` (fast without the fused kernels: XLA's norms and RoPE, the
+paged kernel), `fast_xla` (fast with jnp attention over all max_len slots). (`decode_hlo_h200_fold.json` came from a `fast` that folded the
 norms' gains into the next matrices, an option since removed: `models/decode_layout.py`.)
 
 Autotuning needs a device, so GEMM configurations (batch > 1) are XLA's defaults, not what
@@ -59,8 +60,15 @@ device_description_str: "NVIDIA H200"
 def _pretend_h200():
     """Make the Pallas dispatch lower for an H200 in this GPU-less process."""
     from jax._src.pallas.triton import gpu_info
+    from jax._src.pallas.triton import pallas_call_registration as triton_call
 
+    import pallas_kernels.decode_attention as da_kernel
     import pallas_kernels.paged_attention as pa_kernels
+    import pallas_kernels.rms_norm as norm_kernel
+    h100 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H100)  # sm90: what Triton reads
+    triton_call.gpu_info_lib.get_gpu_info = lambda: h100
+    for mod in (da_kernel, norm_kernel):  # their `interpret=None` would see a CPU backend
+        mod.resolve_interpret = lambda interpret: bool(interpret)
     gpu_info.get_device_kind = lambda: "NVIDIA H200"
     pa_kernels.on_sm90 = lambda: True
     resolve = pa_kernels._resolve
@@ -88,8 +96,10 @@ def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep
         params = jax.eval_shape(lambda p: decode_layout.decode_params(cfg, p), raw)
         backend = "xla" if variant == "fast_xla" else "pallas"
         kw["fast"] = True
+        fused = variant != "fast_unfused"
         kw["cache"] = jax.tree.map(S, jax.eval_shape(
-            lambda: fastpath.make_cache(cfg, batch, prompt + new, True, backend=backend)))
+            lambda: fastpath.make_cache(cfg, batch, prompt + new, True, backend=backend,
+                                        fused=fused)))
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep)
     args = (jax.tree.map(S, params), S(jnp.zeros((batch, prompt), jnp.int32)),
             S(jnp.zeros((batch,), jnp.int32)), key)
@@ -131,7 +141,12 @@ def written_bytes(text: str) -> int:
                          r"(fusion|custom-call|copy)\(", line)
             if not m or "dynamic_update_slice" in m.group(1) or "scatter" in m.group(1):
                 continue
-            for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(2)):
+            # Outputs aliased to an operand (a kernel's in-place cache update) write a row.
+            aliased = {int(i) for i in re.findall(r"\{(\d+)\}:\s*\(", line.split(
+                "output_to_operand_aliasing=", 1)[1])} if "output_to_operand_aliasing" in line else set()
+            for j, (dt, dims) in enumerate(re.findall(r"(\w+)\[([\d,]*)\]", m.group(2))):
+                if j in aliased:
+                    continue
                 n = 1
                 for d in filter(None, dims.split(",")):
                     n *= int(d)

@@ -47,6 +47,19 @@ class KVCache(abc.ABC):
         """This cache with new per-layer arrays given as a list (see `layer_states`)."""
         return self.with_layer_state(jax.tree.map(lambda *a: jnp.stack(a), *states))
 
+    def decode_kernels(self, batch: int, tokens: int) -> tuple[bool, bool]:
+        """(norm, attention): whether a decode-layout model (`decode_layout`) runs a step of
+        `tokens` new tokens for `batch` sequences through the fused decode kernels: RMSNorm
+        as one kernel, and RoPE + cache write + attention as one (`attend_qkv`). Off here;
+        `LayerKVCache` turns them on for its GPU backend."""
+        return False, False
+
+    def attend_qkv(self, layer_state, qkv_BTCH, num_heads: int, q_pos_BT, cos_BTh, sin_BTh,
+                   sm_scale):
+        """`attend` from the fused q|k|v projection [B, T, N+2K, H] before RoPE (angles
+        cos/sin [B, T, H/2]); only called when `decode_kernels` says attention is fused."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused decode attention")
+
     def prepare(self, q_pos_BT: jax.Array) -> KVCache:
         """Called once per forward before the layer scan (a paged cache reserves pages)."""
         return self

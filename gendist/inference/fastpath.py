@@ -7,7 +7,9 @@ beyond rounding:
   fused q|k|v and gate|up, one buffer per layer, run straight-line);
 * a cache with one buffer per layer, written in place (`layer_cache.LayerKVCache`);
 * on a GPU, attention through the paged kernel over that cache, which reads only the
-  tokens below each sequence's length (`backend="pallas"`).
+  tokens below each sequence's length (`backend="pallas"`), and each one-token step of a
+  layer in four fewer kernels: RMSNorm as one kernel instead of two, and RoPE + the cache
+  write + attention as one (`LayerKVCache.decode_kernels`, `pallas_kernels.decode_attention`).
 
 `fast=None` everywhere means "the default": on for a GPU, off for a CPU, where the
 reference path (stacked weights, one stacked cache, jnp attention) stays as it was and the
@@ -53,11 +55,13 @@ def prepare(cfg: ModelConfig, params: dict, fast: bool | None = None) -> dict:
 
 
 def make_cache(cfg: ModelConfig, batch: int, max_len: int, fast: bool | None = None,
-               backend: str | None = None):
-    """An empty cache for `batch` sequences of up to `max_len` tokens on the chosen path."""
+               backend: str | None = None, fused: bool = True):
+    """An empty cache for `batch` sequences of up to `max_len` tokens on the chosen path
+    (`fused`: decode steps through the fused kernels on the "pallas" backend)."""
     dt = transformer.DTYPES[cfg.dtype]
     if per_layer(cfg, fast):
         return LayerKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
-                                   cfg.head_dim, dt, backend=attention_backend(cfg, backend))
+                                   cfg.head_dim, dt, backend=attention_backend(cfg, backend),
+                                   fused=fused)
     return ContiguousKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
                                     cfg.head_dim, dt)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from gendist.inference.cache import KVCache, contiguous_attention
+from pallas_kernels import decode_attention
 from pallas_kernels.paged_attention import paged_attention, paged_attention_chunk
 
 BACKENDS = ("xla", "pallas")
@@ -44,10 +45,12 @@ class LayerKVCache(KVCache):
     lengths: jax.Array  # [B] int32
     backend: str = dataclasses.field(default="xla", metadata=dict(static=True))
     page_size: int = dataclasses.field(default=64, metadata=dict(static=True))
+    # "pallas" only: decode steps of one token through the fused kernels (`decode_kernels`).
+    fused: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     @classmethod
     def create(cls, num_layers, batch, max_len, num_kv_heads, head_dim, dtype=jnp.float32, *,
-               backend="xla", page_size=64):
+               backend="xla", page_size=64, fused=True):
         """Empty buffers for `batch` sequences of up to `max_len` tokens (rounded up to whole
         pages of `page_size` tokens for the "pallas" backend)."""
         if backend not in BACKENDS:
@@ -62,7 +65,7 @@ class LayerKVCache(KVCache):
             shape = (batch, max_len, num_kv_heads, head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         zeros_v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-        return cls(zeros, zeros_v, jnp.zeros((batch,), jnp.int32), backend, page_size)
+        return cls(zeros, zeros_v, jnp.zeros((batch,), jnp.int32), backend, page_size, fused)
 
     @property
     def max_len(self) -> int:
@@ -81,6 +84,28 @@ class LayerKVCache(KVCache):
     def with_layer_state(self, state):
         k, v = state
         return dataclasses.replace(self, k=tuple(k), v=tuple(v))
+
+    def decode_kernels(self, batch: int, tokens: int) -> tuple[bool, bool]:
+        """On the "pallas" backend with `fused`: RMSNorm as one kernel for up to 64 rows of a
+        power-of-two width, and for one new token per sequence RoPE + write + attention as
+        one kernel (`pallas_kernels.decode_attention`: one program per sequence and KV head,
+        no context split), where that grid suits the cache: up to 4,096 slots, or enough
+        sequences x KV heads (>= 132, an H200's SMs) to fill the GPU. The paged kernels,
+        which split long contexts, serve the rest."""
+        if self.backend != "pallas" or not self.fused:
+            return False, False
+        K, B, S, H = self.k[0].shape
+        attention = (tokens == 1 and decode_attention.supports(H)
+                     and (S <= 4096 or B * K >= 132))
+        return batch * tokens <= 64, attention
+
+    def attend_qkv(self, layer_state, qkv_BTCH, num_heads, q_pos_BT, cos_BTh, sin_BTh,
+                   sm_scale):
+        k_buf, v_buf = layer_state
+        o_BNH, k_buf, v_buf = decode_attention.decode_attention(
+            qkv_BTCH[:, 0], k_buf, v_buf, q_pos_BT[:, 0], cos_BTh[:, 0], sin_BTh[:, 0],
+            num_heads=num_heads, sm_scale=sm_scale)
+        return o_BNH[:, None], (k_buf, v_buf)
 
     def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
         k_buf, v_buf = layer_state

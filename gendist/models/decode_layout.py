@@ -33,8 +33,10 @@ import jax
 import jax.numpy as jnp
 
 from gendist.config import ModelConfig
+from gendist.models import layers
 from gendist.models import params as P
 from gendist.models.layers import mlp_hidden
+from pallas_kernels import rms_norm as norm_kernel
 
 
 def is_layout(params: dict) -> bool:
@@ -103,9 +105,32 @@ def decode_layer(p: dict, cfg: ModelConfig) -> dict:
     return out
 
 
+def rms_norm(x_BTD, scale_D, eps: float, kernel: bool):
+    """`layers.rms_norm`, as one Pallas kernel when `kernel` (a decode step on the fused
+    path, `KVCache.decode_kernels`) and the width is a power of two; XLA's two kernels
+    (sum of squares, scaling) otherwise."""
+    if kernel and norm_kernel.supports(x_BTD.shape[-1]):
+        return norm_kernel.rms_norm(x_BTD, scale_D, eps=eps)
+    return layers.rms_norm(x_BTD, scale_D, eps)
+
+
+def add_rms_norm(x_BTD, delta_BTD, scale_D, eps: float, kernel: bool):
+    """(x + delta, its RMSNorm): the residual add and the norm after it, in one Pallas kernel
+    under the same conditions as `rms_norm`."""
+    if kernel and norm_kernel.supports(x_BTD.shape[-1]):
+        return norm_kernel.rms_norm(x_BTD, scale_D, delta_BTD.astype(x_BTD.dtype), eps=eps)
+    s_BTD = x_BTD + delta_BTD
+    return s_BTD, layers.rms_norm(s_BTD, scale_D, eps)
+
+
+def qkv_fused(h_BTD, p: dict):
+    """The q|k|v projection [B, T, N+2K, H] of the normed input: one matmul."""
+    return jnp.einsum("BTD,CHD->BTCH", h_BTD, p["wqkv_CHD"].astype(h_BTD.dtype))
+
+
 def qkv(h_BTD, p: dict, num_kv_heads: int):
     """q [B, T, N, H], k and v [B, T, K, H] from the normed input: one fused matmul."""
-    qkv_BTCH = jnp.einsum("BTD,CHD->BTCH", h_BTD, p["wqkv_CHD"].astype(h_BTD.dtype))
+    qkv_BTCH = qkv_fused(h_BTD, p)
     n = qkv_BTCH.shape[2] - 2 * num_kv_heads
     return tuple(jnp.split(qkv_BTCH, [n, n + num_kv_heads], axis=2))
 

@@ -77,18 +77,72 @@ def embed(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, ops: Ops = DEFAU
 
 
 def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, cache=None,
-          layer_state=None):
+          layer_state=None, defer_add: bool = False):
     """One pre-norm block: x + attn(norm(x)), then + ffn(norm(x)).
 
     `p` holds one layer's weights (a dense block, or an MoE block when it has `moe_router`).
     Returns (x, layer_state, stats) with stats = (weighted router loss, drop fraction,
     load [E]) for an MoE block and None for a dense one.
+
+    Decode steps on the fused kernels (`KVCache.decode_kernels`) do each residual add in the
+    norm kernel after it. For the add that ends a block that norm is the next block's, so
+    with `defer_add` such a block returns x as the pair (x, ffn output) unsummed, and a block
+    given a pair adds it in its first norm (`_run_layer_list` threads them).
     """
+    pending = None
+    if isinstance(x_BTD, tuple):  # (x, delta): the previous block's deferred residual add
+        x_BTD, pending = x_BTD
     moe = "moe_router" in p
     dt = x_BTD.dtype
     # Weights in their compute layout: under ZeRO-3 this is the layer's just-in-time gather.
     p = ops.weights(p, _block_axes(cfg, moe), dt)
-    h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
+    B, T = pos_BT.shape
+    layout = decode_layout.is_layer(p)  # a decode step's weights (`decode_layout`)
+    norm_k, attn_k = cache.decode_kernels(B, T) if layout and cache is not None else (False, False)
+    if pending is None:
+        h_BTD = decode_layout.rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps, norm_k)
+    else:
+        x_BTD, h_BTD = decode_layout.add_rms_norm(x_BTD, pending, p["attn_norm"], cfg.norm_eps,
+                                                  norm_k)
+    cos, sin = rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
+    sm_scale = 1.0 / math.sqrt(cfg.head_dim)
+    if attn_k:  # RoPE, the cache write and attention in one kernel, from q|k|v unsplit
+        qkv_BTCH = decode_layout.qkv_fused(ops.enter(h_BTD), p)
+        o_BTNH, layer_state = cache.attend_qkv(layer_state, qkv_BTCH, cfg.num_heads, pos_BT,
+                                               cos, sin, sm_scale)
+    else:
+        o_BTNH, layer_state = _attention(p, h_BTD, pos_BT, cos, sin, sm_scale, cfg, ops, cache,
+                                         layer_state)
+    o_BTNH = ops.constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
+    if layout:
+        attn_BTD = ops.leave(decode_layout.attention_output(o_BTNH, p))
+    else:
+        attn_BTD = ops.row(o_BTNH, p["wo"], 2)  # the row-parallel matmul, then g
+    x_BTD, h_BTD = decode_layout.add_rms_norm(x_BTD, attn_BTD, p["mlp_norm"], cfg.norm_eps,
+                                              norm_k)  # x + attn, its norm
+    x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
+    stats = None
+    if moe:
+        y_BTD, aux = ops.moe(moe_lib.layer_weights(p), ops.enter(h_BTD), cfg)  # f
+        stats = (aux.weighted_loss(cfg), aux.drop_fraction, aux.expert_load_E)
+        y_BTD = ops.leave(y_BTD)  # g
+    elif layout:
+        y_BTD = ops.leave(decode_layout.mlp(ops.enter(h_BTD), p, cfg))
+    else:
+        outs = ops.column(h_BTD, mlp_inputs(p, cfg.mlp, cfg.fused_projections))
+        y_BTD = ops.row(mlp_hidden(outs, cfg.mlp), p["w_down"], 1)
+    if defer_add and norm_k:
+        return (x_BTD, y_BTD), layer_state, stats
+    x_BTD = x_BTD + y_BTD
+    x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
+    return x_BTD, layer_state, stats
+
+
+def _attention(p, h_BTD, pos_BT, cos, sin, sm_scale, cfg: ModelConfig, ops: Ops, cache,
+               layer_state):
+    """Self-attention of the normed input: q, k, v, RoPE, attention (through the cache when
+    one is given). Returns (o [B, T, N, H], layer_state)."""
+    dt = h_BTD.dtype
     if decode_layout.is_layer(p):  # one output-major q|k|v matrix (`decode_layout`)
         q_BTNH, k_BTKH, v_BTKH = decode_layout.qkv(ops.enter(h_BTD), p, cfg.num_kv_heads)
     elif cfg.fused_projections:  # one [D, N+2K, H] matmul: fewer, larger GEMMs
@@ -101,35 +155,10 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     q_BTNH = ops.constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
     k_BTKH = ops.constrain(k_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
     v_BTKH = ops.constrain(v_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
-    cos, sin = rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
     q_BTNH, k_BTKH = apply_rope(q_BTNH, cos, sin), apply_rope(k_BTKH, cos, sin)
-    sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     if cache is None:
-        o_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, backend=cfg.attention, sm_scale=sm_scale)
-    else:
-        o_BTNH, layer_state = cache.attend(layer_state, q_BTNH, k_BTKH, v_BTKH, pos_BT,
-                                           sm_scale)
-    o_BTNH = ops.constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
-    if decode_layout.is_layer(p):
-        attn_BTD = ops.leave(decode_layout.attention_output(o_BTNH, p))
-    else:
-        attn_BTD = ops.row(o_BTNH, p["wo"], 2)  # the row-parallel matmul, then g
-    x_BTD = x_BTD + attn_BTD
-    x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
-    h_BTD = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
-    stats = None
-    if moe:
-        y_BTD, aux = ops.moe(moe_lib.layer_weights(p), ops.enter(h_BTD), cfg)  # f
-        stats = (aux.weighted_loss(cfg), aux.drop_fraction, aux.expert_load_E)
-        y_BTD = ops.leave(y_BTD)  # g
-    elif decode_layout.is_layer(p):
-        y_BTD = ops.leave(decode_layout.mlp(ops.enter(h_BTD), p, cfg))
-    else:
-        outs = ops.column(h_BTD, mlp_inputs(p, cfg.mlp, cfg.fused_projections))
-        y_BTD = ops.row(mlp_hidden(outs, cfg.mlp), p["w_down"], 1)
-    x_BTD = x_BTD + y_BTD
-    x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
-    return x_BTD, layer_state, stats
+        return attention(q_BTNH, k_BTKH, v_BTKH, backend=cfg.attention, sm_scale=sm_scale), None
+    return cache.attend(layer_state, q_BTNH, k_BTKH, v_BTKH, pos_BT, sm_scale)
 
 
 def remat_policy(name: str):
@@ -238,7 +267,8 @@ def _run_layer_list(blocks, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops, cache):
     new_states = []
     for i, p in enumerate(blocks):
         ls = None if states is None else states[i]
-        x_BTD, ls, _ = block(p, x_BTD, pos_BT, cfg, ops, cache=cache, layer_state=ls)
+        x_BTD, ls, _ = block(p, x_BTD, pos_BT, cfg, ops, cache=cache, layer_state=ls,
+                             defer_add=i + 1 < len(blocks))  # x may come back as a pair
         new_states.append(ls)
     if cache is not None:
         cache = cache.with_layer_states(new_states)

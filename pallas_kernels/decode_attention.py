@@ -1,0 +1,217 @@
+"""One decode step's attention in one kernel: RoPE, the KV-cache write and attention fused.
+
+A decode step at small batch is dominated by small kernels, not bytes: on an H200 a 350m
+batch-1 step ran ~330 kernels, and per layer the attention part alone was four or more of
+them (RoPE + padding of q, RoPE + write of k, write of v, the paged kernel, and for a split
+context its merge; `benchmarks/README.md`, issue 19). This kernel does that part of a layer
+in one launch, for one new token per sequence:
+
+* it reads the fused q|k|v projection [B, N+2K, H] as it comes out of the decode layout's
+  one matrix-vector product (no slices materialised between the two);
+* rotates q and the new k (NeoX RoPE, pairs (x[:H/2], x[H/2:]), angles given as cos/sin);
+* writes the rotated k and v into row `pos[b]` of the contiguous per-sequence cache
+  [K, B, S, H] in place (the cache buffers are aliased to the outputs);
+* attends the G = N/K query heads of a GQA group to positions 0 … pos[b]: the cache rows
+  below pos are streamed in blocks of `block_k` tokens with an online softmax (base 2), the
+  new token is taken from registers (the row just written is never read back).
+
+Grid (B, K): one program per sequence and KV head, no context split, so it suits short
+contexts or enough sequences × heads to fill the GPU; `gendist.inference.layer_cache` picks
+it for that case and keeps the paged kernels otherwise. G = 1 (multi-head attention) runs
+as elementwise products and row sums; G > 1 pads the group to 16 rows for the tensor core.
+
+The reference is the unfused path: `apply_rope`, a row write and softmax attention in jnp
+(`decode_attention_reference`). Rounding follows it: q and k are rotated in fp32 and cast
+to the cache dtype before the products, which accumulate in fp32.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._compat import next_pow2, plgpu, precision_for, resolve_interpret, triton_params
+
+_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp2(_NEG - m) is 0, never nan
+_LOG2E = math.log2(math.e)
+
+
+def _rope(x1, x2, c, s, dtype):
+    """Rotated halves (x1 c - x2 s, x2 c + x1 s) in fp32, cast to `dtype`."""
+    x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    return (x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)
+
+
+def _kernel(qkv_ref, pos_ref, cos_ref, sin_ref, k_in, v_in, o_ref, k_out, v_out, *,
+            num_heads, group, rows, block_k, scale_log2, precision):
+    kh = pl.program_id(1)
+    capacity, head_dim = k_in.shape
+    h2 = head_dim // 2
+    dt = k_in.dtype
+    pos = jnp.clip(pos_ref[0], 0, capacity - 1)
+    c, s = cos_ref[...], sin_ref[...]  # [1, H/2] fp32
+
+    # The new token's k and v (rows N + kh and N + K + kh of q|k|v), k rotated.
+    kv_heads = (qkv_ref.shape[0] - num_heads) // 2
+    k_row, v_row = num_heads + kh, num_heads + kv_heads + kh
+    k1, k2 = _rope(qkv_ref[pl.ds(k_row, 1), pl.ds(0, h2)], qkv_ref[pl.ds(k_row, 1), pl.ds(h2, h2)],
+                   c, s, dt)
+    v_new = qkv_ref[pl.ds(v_row, 1), :].astype(dt)  # [1, H]
+    k_out[pl.ds(pos, 1), pl.ds(0, h2)] = k1
+    k_out[pl.ds(pos, 1), pl.ds(h2, h2)] = k2
+    v_out[pl.ds(pos, 1), :] = v_new
+
+    # The group's query rows, rotated; rows >= group (padding for the tensor core) are 0.
+    r = jnp.arange(rows, dtype=jnp.int32)
+    live = r < group
+    q_rows = jnp.where(live, kh * group + r, 0)[:, None]
+    d2 = jnp.arange(h2, dtype=jnp.int32)[None, :]
+    q1 = plgpu.load(qkv_ref.at[q_rows, d2], mask=live[:, None], other=0)
+    q2 = plgpu.load(qkv_ref.at[q_rows, d2 + h2], mask=live[:, None], other=0)
+    q1, q2 = _rope(q1, q2, c, s, dt)  # [rows, H/2]
+
+    # The online softmax starts from the new token: m = its logit, l = 1, acc = its v.
+    f32 = jnp.float32
+    s_new = (jnp.sum(q1.astype(f32) * k1.astype(f32), axis=1)
+             + jnp.sum(q2.astype(f32) * k2.astype(f32), axis=1)) * scale_log2  # [rows]
+    acc = jnp.broadcast_to(v_new.astype(f32), (rows, head_dim))
+    init = (acc, s_new, jnp.ones((rows,), f32))
+    t_off = jnp.arange(block_k, dtype=jnp.int32)
+
+    def body(i, carry):
+        acc, m, l = carry
+        t = i * block_k + t_off
+        valid = t < pos  # the cache rows before the new token
+        mask_h = valid[:, None]
+        ka = plgpu.load(k_in.at[pl.ds(i * block_k, block_k), pl.ds(0, h2)], mask=mask_h, other=0)
+        kb = plgpu.load(k_in.at[pl.ds(i * block_k, block_k), pl.ds(h2, h2)], mask=mask_h, other=0)
+        v = plgpu.load(v_in.at[pl.ds(i * block_k, block_k), :], mask=mask_h, other=0)
+        if rows == 1:  # one query row: products and row sums, no tensor-core tile
+            logit = (jnp.sum(ka.astype(f32) * q1.astype(f32), axis=1)
+                     + jnp.sum(kb.astype(f32) * q2.astype(f32), axis=1))[None, :]
+        else:
+            dims = (((1,), (1,)), ((), ()))
+            logit = (lax.dot_general(q1, ka, dims, precision=precision, preferred_element_type=f32)
+                     + lax.dot_general(q2, kb, dims, precision=precision, preferred_element_type=f32))
+        logit = jnp.where(valid[None, :], logit * scale_log2, _NEG)  # [rows, block_k]
+        m_new = jnp.maximum(m, logit.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(logit - m_new[:, None])
+        l = l * alpha + p.sum(axis=1)
+        if rows == 1:
+            pv = jnp.sum(p.astype(dt).astype(f32)[0][:, None] * v.astype(f32), axis=0)[None, :]
+        else:
+            pv = lax.dot_general(p.astype(dt), v, (((1,), (0,)), ((), ())), precision=precision,
+                                 preferred_element_type=f32)
+        return acc * alpha[:, None] + pv, m_new, l
+
+    acc, m, l = lax.fori_loop(0, pl.cdiv(pos, block_k), body, init)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)  # [rows, H], padding rows too
+
+
+def supports(head_dim: int) -> bool:
+    """Whether the kernel takes this head dim: a power of two >= 32 (RoPE halves of >= 16)."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
+def check(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, num_heads: int):
+    """Shape and dtype checks; errors name the argument and the fix."""
+    B, C, H = qkv_BCH.shape
+    if k_KBSH.ndim != 4 or k_KBSH.shape != v_KBSH.shape:
+        raise ValueError(f"k and v caches must both be [kv_heads, batch, slots, head_dim]; got "
+                         f"{k_KBSH.shape} and {v_KBSH.shape}")
+    K, Bc, S, Hc = k_KBSH.shape
+    if Bc != B or Hc != H:
+        raise ValueError(f"cache {k_KBSH.shape} does not match q|k|v {qkv_BCH.shape} "
+                         "(batch and head_dim must agree)")
+    if num_heads % K or C != num_heads + 2 * K:
+        raise ValueError(f"q|k|v has {C} heads; expected num_heads + 2 * kv_heads = "
+                         f"{num_heads} + 2 * {K} with num_heads a multiple of kv_heads")
+    if not supports(H):
+        raise ValueError(f"head_dim={H} must be a power of two >= 32 (two halves of >= 16 for "
+                         "RoPE tiles); use the unfused path (LayerKVCache(fused=False))")
+    if pos_B.shape != (B,) or cos_Bh.shape != (B, H // 2) or sin_Bh.shape != (B, H // 2):
+        raise ValueError(f"pos must be [batch]={B} and cos/sin [batch, head_dim/2]=({B}, {H // 2}); "
+                         f"got {pos_B.shape}, {cos_Bh.shape}, {sin_Bh.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "sm_scale", "block_k", "num_warps",
+                                             "num_stages", "interpret"),
+                   )
+def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *, num_heads: int,
+                     sm_scale: float | None = None, block_k: int = 64, num_warps: int = 4,
+                     num_stages: int = 2, interpret: bool | None = None):
+    """(o [B, N, H], k cache, v cache) after writing the new token's rotated k and its v at
+    `pos_B` and attending each sequence's new token to positions 0 … pos_B[b].
+
+    qkv_BCH: the fused projection of the new tokens, rows q (N heads), k (K), v (K);
+    k_KBSH, v_KBSH: the caches [K, B, S, H] (updated in place when donated by the caller's
+    jit); pos_B int32: where each new token goes (clamped to [0, S)); cos_Bh, sin_Bh fp32
+    [B, H/2]: the RoPE angles of the new tokens (`gendist.models.layers.rope_angles`).
+    """
+    check(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, num_heads)
+    B, C, H = qkv_BCH.shape
+    K, _, S, _ = k_KBSH.shape
+    group = num_heads // K
+    rows = 1 if group == 1 else max(16, next_pow2(group))
+    scale = 1.0 / math.sqrt(H) if sm_scale is None else float(sm_scale)
+    kernel = functools.partial(_kernel, num_heads=num_heads, group=group, rows=rows,
+                               block_k=block_k, scale_log2=scale * _LOG2E,
+                               precision=precision_for(k_KBSH.dtype))
+    cache_spec = pl.BlockSpec((None, None, S, H), lambda b, k: (k, b, 0, 0))
+    o, k_new, v_new = pl.pallas_call(
+        kernel, grid=(B, K),
+        in_specs=[pl.BlockSpec((None, C, H), lambda b, k: (b, 0, 0)),
+                  pl.BlockSpec((1,), lambda b, k: (b,)),
+                  pl.BlockSpec((1, H // 2), lambda b, k: (b, 0)),
+                  pl.BlockSpec((1, H // 2), lambda b, k: (b, 0)),
+                  cache_spec, cache_spec],
+        out_specs=[pl.BlockSpec((None, None, rows, H), lambda b, k: (b, k, 0, 0)),
+                   cache_spec, cache_spec],
+        out_shape=[jax.ShapeDtypeStruct((B, K, rows, H), k_KBSH.dtype),
+                   jax.ShapeDtypeStruct(k_KBSH.shape, k_KBSH.dtype),
+                   jax.ShapeDtypeStruct(v_KBSH.shape, v_KBSH.dtype)],
+        input_output_aliases={4: 1, 5: 2},
+        interpret=resolve_interpret(interpret), name=f"decode_attention_bk{block_k}",
+        compiler_params=triton_params(num_warps, num_stages),
+    )(qkv_BCH, pos_B.astype(jnp.int32), cos_Bh.astype(jnp.float32), sin_Bh.astype(jnp.float32),
+      k_KBSH, v_KBSH)
+    return o[:, :, :group].reshape(B, num_heads, H), k_new, v_new
+
+
+def decode_attention_reference(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *,
+                               num_heads: int, sm_scale: float | None = None):
+    """The unfused math in jnp: rotate, write row pos, softmax over positions <= pos."""
+    B, C, H = qkv_BCH.shape
+    K, _, S, _ = k_KBSH.shape
+    h2 = H // 2
+    dt = k_KBSH.dtype
+    scale = 1.0 / math.sqrt(H) if sm_scale is None else float(sm_scale)
+
+    def rot(x_BXH):
+        x = x_BXH.astype(jnp.float32)
+        c, s = cos_Bh[:, None, :], sin_Bh[:, None, :]
+        return jnp.concatenate([x[..., :h2] * c - x[..., h2:] * s,
+                                x[..., h2:] * c + x[..., :h2] * s], -1).astype(dt)
+
+    q = rot(qkv_BCH[:, :num_heads])
+    k = rot(qkv_BCH[:, num_heads:num_heads + K])
+    v = qkv_BCH[:, num_heads + K:].astype(dt)
+    pos = jnp.clip(pos_B, 0, S - 1)
+    b = jnp.arange(B)
+    k_KBSH = k_KBSH.at[:, b, pos].set(jnp.moveaxis(k, 1, 0))
+    v_KBSH = v_KBSH.at[:, b, pos].set(jnp.moveaxis(v, 1, 0))
+    group = num_heads // K
+    q_BKGH = q.reshape(B, K, group, H)
+    logits = jnp.einsum("bkgh,kbsh->bkgs", q_BKGH, k_KBSH,
+                        preferred_element_type=jnp.float32) * scale
+    seen = jnp.arange(S)[None, :] <= pos[:, None]  # [B, S]
+    logits = jnp.where(seen[:, None, None, :], logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1)
+    v_seen = jnp.where(seen[None, :, :, None], v_KBSH, 0)  # slots past pos are never read
+    o = jnp.einsum("bkgs,kbsh->bkgh", p.astype(dt), v_seen, preferred_element_type=jnp.float32)
+    return o.reshape(B, num_heads, H).astype(dt), k_KBSH, v_KBSH

@@ -13,14 +13,16 @@ x3.5 for forward+backward. Our output and gradients are compared with cuDNN's (r
 Paged decode (`--part paged`): the five shapes of issue 20, bf16, D 128; TB/s = K and V
 bytes read once / median time; the ceiling is a read-only XLA sum over the same K/V pools
 timed in the same run. Variants of the Mosaic kernel's tiling are timed beside the default on
-every shape. Writes attention_mgpu.json / paged_attention_mgpu.json
-to $OUT after every case, so a run cut short keeps what it measured.
+every shape, and "legacy": the default of the 2026-11-30 run (one issuing thread, its splits).
+Writes attention_mgpu.json / paged_attention_mgpu.json to $OUT after every case, so a run cut
+short keeps what it measured.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import json
+import math
 import os
 import time
 
@@ -41,7 +43,26 @@ FA_CASES = [(4096, False, 16, 16, 128), (4096, True, 16, 16, 128), (16384, False
 # (batch, context, q heads, kv heads, page size)
 PAGED_SHAPES = [(64, 4096, 32, 8, 16), (64, 4096, 32, 8, 64), (16, 16384, 32, 8, 64),
                 (128, 2048, 32, 32, 64), (8, 32768, 64, 8, 16)]
-PAGED_VARIANTS = [PagedBlockSizes(64, 4), PagedBlockSizes(64, 2)]  # beside the default (128, 2)
+# Beside the default (128-token steps, 2 stages, copies from 4 producer warps when a step
+# takes >= 4 pages, splits in whole waves): one issuing thread, deeper rings of 64-token steps,
+# four context splits (against the wave model of `_default_splits`).
+PAGED_VARIANTS = [PagedBlockSizes(128, 2, issuers=1), PagedBlockSizes(64, 4), PagedBlockSizes(64, 5),
+                  PagedBlockSizes(64, 4, issuers=1), PagedBlockSizes(128, 2, num_splits=4)]
+
+
+def legacy_paged_sizes(batch, ctx, hkv, page):
+    """The kernel's default before the multi-warp issue (2026-11-30 run): one issuing thread,
+    context split in ceil(264 / (batch * kv heads)) at most, as timed then."""
+    units = -(-ctx // math.lcm(128, 4 * page))
+    return PagedBlockSizes(128, 2, num_splits=max(1, min(-(-264 // (batch * hkv)), units // 2 or 1)),
+                           issuers=1)
+
+
+def variant_name(sizes):
+    name = f"bk{sizes.block_k}_st{sizes.stages}"
+    if sizes.issuers is not None:
+        name += f"_iss{sizes.issuers}"
+    return name + (f"_s{sizes.num_splits}" if sizes.num_splits else "")
 # The backward kernels with three stages instead of two, timed on the non-causal cases only.
 ST3 = MosaicBlockSizes(stages_bwd=3)
 
@@ -154,11 +175,14 @@ def run_paged(args, res, save):
         ref = jax.jit(paged_attention_reference)(q, kp, vp, bt, lengths)
         read_only = jax.jit(lambda k, v: jnp.sum(k, dtype=jnp.float32) + jnp.sum(v, dtype=jnp.float32))
         t_ro, _ = timed(read_only, kp, vp, n=args.paged_iters)  # again after ours; the faster counts
-        sweep = [None] + PAGED_VARIANTS
+        sweep = {"default": None, "legacy": legacy_paged_sizes(batch, ctx, hkv, page)}
+        sweep.update((variant_name(v), v) for v in PAGED_VARIANTS)
         if args.smoke:
-            sweep = [PagedBlockSizes(64, 2)]
-        for sizes in sweep:
-            name = "default" if sizes is None else f"bk{sizes.block_k}_st{sizes.stages}"
+            sweep = {"bk64_st2": PagedBlockSizes(64, 2), "bk64_st2_iss1": PagedBlockSizes(64, 2, issuers=1)}
+        for name, sizes in sweep.items():
+            if time.time() > args.deadline:
+                print("deadline: skipping", shape, name, flush=True)
+                continue
             try:
                 f = jax.jit(functools.partial(paged_attention, implementation="mosaic",
                                               mosaic_block_sizes=sizes))

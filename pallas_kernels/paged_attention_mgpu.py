@@ -4,7 +4,8 @@ One thread block serves one (sequence, KV head, context split): the G = N/K quer
 of the GQA group are packed as rows of one 64-row wgmma tile (rows past G are zero), so
 every K/V byte is read once per group. A producer warpgroup copies the split's slice of
 the block table into shared memory once, then brings pages in with TMA, one bulk copy per
-page (or per block_k slice of a larger page), into a ring of `stages` slots of block_k
+page (or per block_k slice of a larger page), issued by up to four warps of the producer
+(small pages: 16 copies per 128-token step at page 16), into a ring of `stages` slots of block_k
 tokens, so that several pages are in flight while the consumer warpgroup computes
 S = Q K^T and P V with wgmma and folds them in with the online softmax (base 2). When the
 batch is small the context is split (flash-decoding: Dao et al. 2023) so the grid still
@@ -45,7 +46,8 @@ from pallas_kernels._mgpu import (
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 _ROWS = 64  # query rows of one wgmma tile; the GQA group is padded to it
-_TARGET_BLOCKS = 264  # two waves of an H200's 132 SMs; fewer blocks: split the context
+_SMS = 132  # streaming multiprocessors of an H100/H200 SXM: one block each (shared memory)
+_BLOCK_OVERHEAD = 128  # a block's start and end (Q, table, first page, output) in tokens' time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,9 @@ class PagedBlockSizes:
 
     block_k: int = 128  # tokens per pipeline step (a multiple of 64)
     stages: int = 2  # steps in flight (each block_k tokens of K and of V)
-    num_splits: int | None = None  # context splits per sequence; None: fill the GPU
+    num_splits: int | None = None  # context splits per sequence; None: fill the GPU in whole waves
+    issuers: int | None = None  # producer warps issuing a step's copies (1, 2 or 4); None: 4 when
+    # a step takes >= 4 copies (pages smaller than block_k / 4), else 1
 
     def __post_init__(self):
         if self.block_k % 64 or self.block_k < 64:
@@ -63,6 +67,8 @@ class PagedBlockSizes:
             raise ValueError(f"PagedBlockSizes.stages={self.stages}: use >= 1.")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"PagedBlockSizes.num_splits={self.num_splits}: use >= 1.")
+        if self.issuers not in (None, 1, 2, 4):
+            raise ValueError(f"PagedBlockSizes.issuers={self.issuers}: use 1, 2, 4 or None.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +78,7 @@ class _Plan:
     block_k: int
     stages: int
     per_copy: int  # tokens per TMA copy: a page, or a block_k slice of a bigger page
+    issuers: int  # producer warps issuing copies: copy i of a step comes from warp i % issuers
     split_tokens: int  # tokens per context split (a multiple of block_k and of 4 pages)
     splits: int
     group_rows: int  # G rounded up to 8: the output rows written per block
@@ -85,18 +92,29 @@ def supports(dtype, head_dim: int, page_size: int, group: int) -> bool:
             and page_size >= 8 and page_size & (page_size - 1) == 0 and 1 <= group <= _ROWS)
 
 
+def _default_splits(blocks: int, units: int, unit: int) -> int:
+    """Context splits that finish soonest on one block per SM: whole waves of `_SMS` blocks,
+    each a split of the context (units of `unit` tokens) plus `_BLOCK_OVERHEAD` tokens' time.
+    A tail wave costs as much as a full one (8 x 32k tokens x 8 kv heads in 5 splits ran 320
+    blocks in 3 waves, 0.79 of the bandwidth; in 2 splits: 128 blocks, one wave)."""
+    def cost(splits):
+        per_split = -(-units // splits)
+        waves = -(-blocks * -(-units // per_split) // _SMS)
+        return waves * (per_split * unit + _BLOCK_OVERHEAD), splits
+
+    return min(cost(s) for s in range(1, units + 1))[1]
+
+
 def _plan(batch, kv_heads, group, capacity, page_size, head_dim, sizes: PagedBlockSizes, regs,
           interpret) -> _Plan:
     bk = sizes.block_k
     per_copy = min(page_size, bk)
+    issuers = sizes.issuers or (4 if bk // per_copy >= 4 else 1)
     unit = math.lcm(bk, 4 * page_size)  # a split's block-table slice is >= 16 bytes (TMA)
     units = -(-capacity // unit)
-    splits = sizes.num_splits
-    if splits is None:
-        splits = max(1, min(-(-_TARGET_BLOCKS // (batch * kv_heads)), units // 2 or 1))
-    splits = min(splits, units)
+    splits = min(sizes.num_splits or _default_splits(batch * kv_heads, units, unit), units)
     split_tokens = -(-units // splits) * unit
-    plan = _Plan(bk, sizes.stages, per_copy, split_tokens, -(-capacity // split_tokens),
+    plan = _Plan(bk, sizes.stages, per_copy, issuers, split_tokens, -(-capacity // split_tokens),
                  max(8, -(-group // 8) * 8), regs, interpret)
     need = smem_bytes(((_ROWS, head_dim), jnp.float16), ((2 * sizes.stages, bk, head_dim), jnp.float16),
                       ((_ROWS, head_dim), jnp.float32), ((_ROWS, bk), jnp.float16))
@@ -207,13 +225,28 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                 def _():
                     plgpu.barrier_wait(free.at[slot])
 
+                # Page ids are read at warpgroup level (warp-level code takes no smem loads).
+                pages = []
                 for i in range(copies):
                     tok = j * bk + i * c  # within the split
-                    page = jnp.clip(bt_smem[lax.div(tok, page_size)], 0, num_pages - 1)
-                    src = pl.ds(lax.rem(tok, page_size), c)
+                    pages.append((jnp.clip(bt_smem[lax.div(tok, page_size)], 0, num_pages - 1),
+                                  lax.rem(tok, page_size)))
+
+                def copy(i):  # the step's i-th page (or slice of a page), K and V
+                    page, src = pages[i][0], pl.ds(pages[i][1], c)
                     dst = pl.ds(i * c, c)
                     plgpu.copy_gmem_to_smem(k_ref.at[kvh, page, src], k_smem.at[slot, dst], k_bar.at[slot])
                     plgpu.copy_gmem_to_smem(v_ref.at[kvh, page, src], v_smem.at[slot, dst], v_bar.at[slot])
+
+                if plan.issuers == 1:  # one thread of the warpgroup issues every copy
+                    for i in range(copies):
+                        copy(i)
+                else:  # warp w issues copies w, w + issuers, ...: in parallel, no barrier between
+
+                    @plgpu.warp_map
+                    def _(warp):
+                        for i in range(copies):
+                            pl.when(warp == i % plan.issuers)(lambda i=i: copy(i))
 
             @pl.loop(jnp.maximum(n_steps - st, 0), n_steps)
             def _(j):  # wait for the last slots' release: every barrier phase is observed

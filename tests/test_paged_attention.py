@@ -79,31 +79,33 @@ def test_decode_matches_reference(page_size, group, dtype, lengths, splits, bloc
     assert not np.asarray(out[np.asarray(lens) == 0], np.float32).any()  # nothing to see: zeros
 
 
-# Mosaic GPU decode kernel (`implementation="mosaic"`): on CPU two cases in Mosaic GPU's
+# Mosaic GPU decode kernel (`implementation="mosaic"`): on CPU three cases in Mosaic GPU's
 # interpreter (P staged through shared memory); on an sm90 GPU all of them, compiled.
-# (page size, GQA ratio, dtype, head dim, lengths, num_splits, block_k, stages)
+# (page size, GQA ratio, dtype, head dim, lengths, num_splits, block_k, stages, issuers)
 MOSAIC_DECODE_INTERPRET = [
-    (16, 4, jnp.bfloat16, 64, [37, 0, 16, 130], None, 64, 2),  # 4 pages a step, empty sequence
-    (64, 8, jnp.float16, 128, [150, 63], 2, 64, 3),  # a page a step, context split in two
+    (16, 4, jnp.bfloat16, 64, [37, 0, 16, 130], None, 64, 2, None),  # 4 pages a step from 4 warps
+    (64, 8, jnp.float16, 128, [150, 63], 2, 64, 3, None),  # a page a step, context split in two
+    (8, 2, jnp.bfloat16, 64, [45, 64, 3], None, 64, 3, 2),  # 8 pages a step, 4 from each of 2 warps
 ]
 MOSAIC_DECODE_GPU = MOSAIC_DECODE_INTERPRET + [
-    (8, 1, jnp.bfloat16, 128, [13, 1, 40, 300], None, 64, 4),  # 8 pages a step, G = 1
-    (128, 2, jnp.bfloat16, 64, [129, 500, 7], 3, 64, 2),  # half a page a step
-    (16, 64, jnp.float16, 128, [1000, 17], None, 128, 2),  # 64 query heads per kv head
-    (32, 4, jnp.bfloat16, 128, [2049, 4000, 1], 5, 128, 2),
+    (8, 1, jnp.bfloat16, 128, [13, 1, 40, 300], None, 64, 4, None),  # 8 pages a step, G = 1
+    (128, 2, jnp.bfloat16, 64, [129, 500, 7], 3, 64, 2, None),  # half a page a step
+    (16, 64, jnp.float16, 128, [1000, 17], None, 128, 2, None),  # 64 query heads per kv head
+    (16, 64, jnp.float16, 128, [1000, 17], None, 128, 2, 1),  # the same from one thread
+    (32, 4, jnp.bfloat16, 128, [2049, 4000, 1], 5, 128, 2, None),
 ]
 
 
 @pytest.mark.skipif(ON_GPU and not on_sm90(), reason="Mosaic GPU needs an sm90 GPU (or the CPU interpreter)")
-@pytest.mark.parametrize("page_size,group,dtype,head_dim,lengths,splits,block_k,stages",
+@pytest.mark.parametrize("page_size,group,dtype,head_dim,lengths,splits,block_k,stages,issuers",
                          MOSAIC_DECODE_GPU if ON_GPU else MOSAIC_DECODE_INTERPRET)
 def test_mosaic_decode_matches_reference(page_size, group, dtype, head_dim, lengths, splits,
-                                         block_k, stages):
+                                         block_k, stages, issuers):
     rng = np.random.default_rng(page_size * 10 + group)
     kv_heads = 2
     k, v, tables, lens = make_cache(rng, lengths, kv_heads, page_size, dtype, head_dim=head_dim)
     q = jnp.asarray(rng.standard_normal((len(lengths), kv_heads * group, head_dim)), dtype)
-    sizes = PagedBlockSizes(block_k=block_k, stages=stages, num_splits=splits)
+    sizes = PagedBlockSizes(block_k=block_k, stages=stages, num_splits=splits, issuers=issuers)
     out = paged_attention(q, k, v, tables, lens, implementation="mosaic", mosaic_block_sizes=sizes)
     assert out.shape == q.shape and out.dtype == dtype
     assert_close(out, paged_attention_reference(q, k, v, tables, lens), dtype)
@@ -118,6 +120,8 @@ def test_mosaic_is_picked_only_on_sm90():
     assert ("mosaic_gpu" in hlo) == (ON_GPU and on_sm90())
     with pytest.raises(ValueError, match="implementation='triton'"):
         paged_attention(q[..., :32], k[..., :32], v[..., :32], tables, lens, implementation="mosaic")
+    with pytest.raises(ValueError, match="issuers=3"):
+        PagedBlockSizes(issuers=3)
 
 
 # (page size, GQA ratio, dtype, tokens, lengths, positions kind, num_splits, block_k)

@@ -25,12 +25,13 @@ def _case(B, N, K, H, S, dtype, seed=0):
     return qkv, k_cache, v_cache
 
 
-@pytest.mark.parametrize("N,K,dtype", [(4, 4, jnp.float32), (8, 2, jnp.float32),
-                                       (4, 2, jnp.bfloat16)])
-def test_decode_attention_matches_unfused_math(N, K, dtype):
+@pytest.mark.parametrize("N,K,dtype,splits", [(4, 4, jnp.float32, 1), (8, 2, jnp.float32, 3),
+                                              (4, 2, jnp.bfloat16, 1), (4, 4, jnp.bfloat16, 3)])
+def test_decode_attention_matches_unfused_math(N, K, dtype, splits):
     """Output, the written k (rotated) and v rows, and every other cache slot untouched;
-    positions 0 (nothing cached), mid-block and the last slot. Slots past each position
-    hold NaN: the kernel must never read them (nor the slot it writes)."""
+    positions 0 (nothing cached), mid-block and the last slot, in one program per sequence
+    and head or split over the context (3 splits of 16 slots: some splits empty). Slots
+    past each position hold NaN: the kernel must never read them (nor the slot it writes)."""
     B, H, S = 3, 32, 40
     qkv, k_cache, v_cache = _case(B, N, K, H, S, dtype)
     pos = jnp.array([0, 17, S - 1], jnp.int32)
@@ -39,7 +40,7 @@ def test_decode_attention_matches_unfused_math(N, K, dtype):
     v_cache = jnp.where(stale, jnp.nan, v_cache).astype(dtype)
     cos, sin = layers.rope_angles(pos[:, None], H, 10000.0)
     args = (qkv, k_cache, v_cache, pos, cos[:, 0], sin[:, 0])
-    o, k_new, v_new = decode_attention(*args, num_heads=N, block_k=16)
+    o, k_new, v_new = decode_attention(*args, num_heads=N, block_k=16, num_splits=splits)
     o_ref, k_ref, v_ref = decode_attention_reference(*args, num_heads=N)
     assert not np.isnan(np.asarray(o, np.float32)).any()
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)

@@ -86,9 +86,9 @@ def _kernel(qkv_ref, pos_ref, cos_ref, sin_ref, k_in, v_in, *out_refs,
     f32 = jnp.float32
     s_new = (jnp.sum(q1.astype(f32) * k1.astype(f32), axis=1)
              + jnp.sum(q2.astype(f32) * k2.astype(f32), axis=1)) * scale_log2  # [rows]
-    first = split == 0
-    init = (jnp.where(first, jnp.broadcast_to(v_new.astype(f32), (rows, head_dim)), 0.0),
-            jnp.where(first, s_new, _NEG), jnp.full((rows,), jnp.where(first, 1.0, 0.0), f32))
+    first = (split == 0).astype(f32)  # 1.0 or 0.0 (arithmetic: Triton's select wants
+    init = (jnp.broadcast_to(v_new.astype(f32) * first, (rows, head_dim)),  # equal shapes)
+            s_new * first + _NEG * (1.0 - first), jnp.zeros((rows,), f32) + first)
     lo = split * split_tokens
     hi = jnp.minimum(lo + split_tokens, pos)
     t_off = jnp.arange(block_k, dtype=jnp.int32)

@@ -13,7 +13,8 @@ and the first token included, so the figure is conservative by about one step in
 
 Variants: `fast` (the GPU default: decode weight layout, per-layer cache, attention reading
 only valid tokens; one-token steps through the fused decode kernels), `fast_unfused` (the
-same without the fused kernels: XLA's RMSNorm and RoPE, the paged kernel), `fast_xla` (the same with jnp attention over all
+same without the fused kernels: XLA's RMSNorm and RoPE, the paged kernel), `fast@<tiling>`
+(fast with the fused attention kernel tiled as `LayerKVCache.tiling` says), `fast_xla` (the same with jnp attention over all
 max_len slots), `reference` (stacked weights, one stacked cache, the layer scan unrolled:
 the issue's baseline protocol). Each row also carries the kernels one loop iteration
 launches, by kind, read from the compiled HLO, and with `--profile` the device time per
@@ -102,8 +103,10 @@ def run_case(cfg, params, batch, variant, args, profile: bool):
     else:
         mcfg = cfg
         backend = "xla" if variant == "fast_xla" else None
+        tiling = variant.split("@", 1)[1] if "@" in variant else ""
         kw = dict(fast=True, cache=fastpath.make_cache(cfg, batch, P + N, True, backend=backend,
-                                                       fused=variant != "fast_unfused"))
+                                                       fused=variant != "fast_unfused",
+                                                       tiling=tiling))
     t0 = time.perf_counter()
     compiled = generate_tokens.lower(mcfg, params, prompt, lens, key, max_new_tokens=N, sp=sp,
                                      **kw).compile()
@@ -133,7 +136,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=["350m", "1b"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--variants", nargs="+", default=["fast"], choices=VARIANTS)
+    ap.add_argument("--variants", nargs="+", default=["fast"],
+                    help=f"{', '.join(VARIANTS)}, or fast@<tiling> (the fused attention "
+                         "kernel's tiling, e.g. fast@bk128_sp1_w4_st3)")
     ap.add_argument("--extra", nargs="*", default=[],
                     help="more cases as preset:batch:variant (e.g. 1b:64:fast_xla)")
     ap.add_argument("--prompt", type=int, default=32)
@@ -161,6 +166,9 @@ def main():
     for spec in args.extra:
         p, b, v = spec.split(":")
         cases.append((p, int(b), v))
+    for _, _, v in cases:
+        if v not in VARIANTS and not v.startswith("fast@"):
+            raise SystemExit(f"variant {v!r}: choose one of {VARIANTS} or fast@<tiling>")
     current, params = None, {}
     for name, batch, variant in cases:
         if time.perf_counter() - t_start > args.budget_s:

@@ -136,6 +136,20 @@ def merge_splits(o_SBKRH, m_SBKR, l_SBKR):
     return (w[..., None] * o_SBKRH).sum(axis=0) / (w * l_SBKR).sum(axis=0)[..., None]
 
 
+def parse_tiling(tag: str) -> dict:
+    """Keyword arguments of `decode_attention` from a tag such as "bk128_sp1_w4_st3" (block_k,
+    num_splits, num_warps, num_stages; any subset, in any order; "" for the defaults)."""
+    names = {"bk": "block_k", "sp": "num_splits", "w": "num_warps", "st": "num_stages"}
+    out = {}
+    for part in filter(None, tag.split("_")):
+        key = part.rstrip("0123456789")
+        if key not in names or key == part:
+            raise ValueError(f"decode attention tiling {tag!r}: parts are bk<N>, sp<N>, w<N>, "
+                             "st<N> joined by '_' (e.g. 'bk128_sp1_w4_st3')")
+        out[names[key]] = int(part[len(key):])
+    return out
+
+
 def default_splits(batch: int, kv_heads: int, capacity: int, block_k: int) -> int:
     """Context splits that give about two waves of an H200's 132 SMs, at least one block of
     `block_k` cache slots per split."""

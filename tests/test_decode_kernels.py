@@ -77,10 +77,12 @@ def test_rms_norm_kernel_matches_layers(dtype):
         rms_norm(x[..., :48], g[:48], eps=1e-6)
 
 
-@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
-def test_fused_decode_greedy_equals_reference(heads):
+@pytest.mark.parametrize("heads,tiling", [((4, 2), ""), ((2, 2), "bk16_sp2_w2")],
+                         ids=["gqa", "mha-split"])
+def test_fused_decode_greedy_equals_reference(heads, tiling):
     """generate_tokens on the fused path (ragged prompts of 3 sequences, 9 new tokens) gives
-    the reference path's tokens, and its decode step does run the two kernels."""
+    the reference path's tokens, and its decode step does run the two kernels (with the
+    default tiling, and with the context split in two)."""
     cfg = ModelConfig(d_model=64, num_layers=2, num_heads=heads[0], num_kv_heads=heads[1],
                       head_dim=32, d_ff=128, max_seq_len=64)
     params = jax.tree.map(lambda x: x * 4 if x.ndim > 1 else x,
@@ -90,12 +92,15 @@ def test_fused_decode_greedy_equals_reference(heads):
     greedy = SamplingParams(temperature=0.0)
     args = (cfg, params, jnp.asarray(pb), jnp.asarray(lb), jax.random.key(0))
     ref, _ = G.generate_tokens(*args, max_new_tokens=9, sp=greedy, fast=False)
-    cache = fastpath.make_cache(cfg, 3, pb.shape[1] + 9, True, backend="pallas")
+    cache = fastpath.make_cache(cfg, 3, pb.shape[1] + 9, True, backend="pallas", tiling=tiling)
     assert cache.decode_kernels(3, 1) == (True, True)
     assert fastpath.make_cache(cfg, 3, 8, True, backend="pallas", fused=False).decode_kernels(
         3, 1) == (False, False)
     jaxpr = str(jax.make_jaxpr(lambda c: G.generate_tokens(
         *args, max_new_tokens=9, sp=greedy, fast=True, cache=c))(cache))
-    assert "decode_attention_bk" in jaxpr and "add_rms_norm" in jaxpr
+    assert ("decode_attention_bk16_splits2" if tiling else "decode_attention_bk") in jaxpr
+    assert "add_rms_norm" in jaxpr
+    with pytest.raises(ValueError, match="tiling 'split2'"):
+        fastpath.make_cache(cfg, 3, 8, True, backend="pallas", tiling="split2")
     out, _ = G.generate_tokens(*args, max_new_tokens=9, sp=greedy, fast=True, cache=cache)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))

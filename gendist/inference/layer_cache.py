@@ -47,10 +47,12 @@ class LayerKVCache(KVCache):
     page_size: int = dataclasses.field(default=64, metadata=dict(static=True))
     # "pallas" only: decode steps of one token through the fused kernels (`decode_kernels`).
     fused: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    # The fused attention kernel's tiling as a tag ("bk128_sp1_w4_st3"; "": its defaults).
+    tiling: str = dataclasses.field(default="", metadata=dict(static=True))
 
     @classmethod
     def create(cls, num_layers, batch, max_len, num_kv_heads, head_dim, dtype=jnp.float32, *,
-               backend="xla", page_size=64, fused=True):
+               backend="xla", page_size=64, fused=True, tiling=""):
         """Empty buffers for `batch` sequences of up to `max_len` tokens (rounded up to whole
         pages of `page_size` tokens for the "pallas" backend)."""
         if backend not in BACKENDS:
@@ -65,7 +67,9 @@ class LayerKVCache(KVCache):
             shape = (batch, max_len, num_kv_heads, head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         zeros_v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-        return cls(zeros, zeros_v, jnp.zeros((batch,), jnp.int32), backend, page_size, fused)
+        decode_attention.parse_tiling(tiling)  # a bad tag fails here, not inside a trace
+        return cls(zeros, zeros_v, jnp.zeros((batch,), jnp.int32), backend, page_size, fused,
+                   tiling)
 
     @property
     def max_len(self) -> int:
@@ -104,7 +108,7 @@ class LayerKVCache(KVCache):
         k_buf, v_buf = layer_state
         o_BNH, k_buf, v_buf = decode_attention.decode_attention(
             qkv_BTCH[:, 0], k_buf, v_buf, q_pos_BT[:, 0], cos_BTh[:, 0], sin_BTh[:, 0],
-            num_heads=num_heads, sm_scale=sm_scale)
+            num_heads=num_heads, sm_scale=sm_scale, **decode_attention.parse_tiling(self.tiling))
         return o_BNH[:, None], (k_buf, v_buf)
 
     def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):

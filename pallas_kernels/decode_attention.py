@@ -156,6 +156,18 @@ def default_splits(batch: int, kv_heads: int, capacity: int, block_k: int) -> in
     return max(1, min(-(-capacity // block_k), 264 // (batch * kv_heads)))
 
 
+def default_tiling(batch: int, kv_heads: int, capacity: int) -> dict:
+    """The tiling measured best in whole decode steps on an H200 (`decode_floor.py` variants
+    fast@<tiling>, `benchmarks/README.md`): few sequences x heads: 64-slot blocks, the context
+    split (`default_splits`), 4 warps, 2 stages (350m and 1b at batch 1: 0.504 and 1.101 ms
+    per step, against 0.536-0.593 and 1.141-1.176 for four other tilings); enough of them to
+    fill the GPU without splits: 32-slot blocks, 2 warps, 3 stages (1b at batch 64: 1.784
+    against 1.934 ms)."""
+    if default_splits(batch, kv_heads, capacity, 64) > 1:
+        return dict(block_k=64, num_warps=4, num_stages=2)
+    return dict(block_k=32, num_splits=1, num_warps=2, num_stages=3)
+
+
 def supports(head_dim: int) -> bool:
     """Whether the kernel takes this head dim: a power of two >= 32 (RoPE halves of >= 16)."""
     return head_dim >= 32 and head_dim & (head_dim - 1) == 0
@@ -185,9 +197,9 @@ def check(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, num_heads: int):
 @functools.partial(jax.jit, static_argnames=("num_heads", "sm_scale", "block_k", "num_splits",
                                              "num_warps", "num_stages", "interpret"))
 def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *, num_heads: int,
-                     sm_scale: float | None = None, block_k: int = 64,
-                     num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                     interpret: bool | None = None):
+                     sm_scale: float | None = None, block_k: int | None = None,
+                     num_splits: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None, interpret: bool | None = None):
     """(o [B, N, H], k cache, v cache) after writing the new token's rotated k and its v at
     `pos_B` and attending each sequence's new token to positions 0 … pos_B[b].
 
@@ -196,11 +208,17 @@ def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *, num_head
     jit); pos_B int32: where each new token goes (clamped to [0, S)); cos_Bh, sin_Bh fp32
     [B, H/2]: the RoPE angles of the new tokens (`gendist.models.layers.rope_angles`).
     num_splits: programs per (sequence, KV head) over the context (flash-decoding, Dao et
-    al. 2023), merged in XLA; None: `default_splits`.
+    al. 2023), merged in XLA. Tiling arguments left None come from `default_tiling`
+    (num_splits then from `default_splits`).
     """
     check(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, num_heads)
     B, C, H = qkv_BCH.shape
     K, _, S, _ = k_KBSH.shape
+    given = dict(block_k=block_k, num_splits=num_splits, num_warps=num_warps,
+                 num_stages=num_stages)
+    tiling = {**default_tiling(B, K, S), **{k: v for k, v in given.items() if v is not None}}
+    block_k, num_warps, num_stages = tiling["block_k"], tiling["num_warps"], tiling["num_stages"]
+    num_splits = tiling.get("num_splits")
     group = num_heads // K
     rows = 1 if group == 1 else max(16, next_pow2(group))
     scale = 1.0 / math.sqrt(H) if sm_scale is None else float(sm_scale)

@@ -20,7 +20,11 @@ Backends:
   b owns pages b·S/Z ... (b+1)·S/Z − 1. Decode attention is the paged kernel
   (`pallas_kernels.paged_attention`: Mosaic GPU on Hopper, Triton elsewhere), which reads
   only the pages below each sequence's length instead of all max_len slots; several query
-  tokens (prefill, speculative verification) go through `paged_attention_chunk`.
+  tokens (prefill, speculative verification) go through `paged_attention_chunk`. With
+  `fused` (the default), a one-token step instead goes through
+  `pallas_kernels.decode_attention` from the unsplit q|k|v projection: RoPE, both row writes
+  and attention in one kernel (`decode_kernels`, `attend_qkv`), and the model's norms run as
+  one kernel each (`pallas_kernels.rms_norm`).
 """
 
 from __future__ import annotations

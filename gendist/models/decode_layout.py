@@ -15,10 +15,12 @@ loop.
     w_up_FD [F, D] (GELU)   w_down_DF [D, F]   head_VD [V, D] (untied output layer)
     attn_norm, mlp_norm, final_norm [D] (fp32, as the model keeps them)
 
-`transformer.block` runs a layer in this layout through `qkv`, `attention_output` and
-`mlp` below (a layer is in it when `is_layer`); the math is the model's, the same sums over
-the same products (a float sum's order may differ: logits agree to rounding, greedy tokens
-are tested equal).
+`transformer.block` runs a layer in this layout through `qkv` (or `qkv_fused`, the
+unsplit projection for the fused decode attention kernel), `attention_output`, `mlp`,
+`rms_norm` and `add_rms_norm` below (a layer is in it when `is_layer`; the norms are one
+Pallas kernel each on a cache's fused decode path, `KVCache.decode_kernels`); the math is
+the model's, the same sums over the same products (a float sum's order may differ: logits
+agree to rounding, greedy tokens are tested equal).
 
 Tried and removed: folding each RMSNorm's gain into the next matrix, with the sum of
 squares computed as one more row of the matrix-vector reduction. It cut a 350m batch-1

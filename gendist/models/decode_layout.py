@@ -116,12 +116,16 @@ def rms_norm(x_BTD, scale_D, eps: float, kernel: bool):
     return layers.rms_norm(x_BTD, scale_D, eps)
 
 
-def add_rms_norm(x_BTD, delta_BTD, scale_D, eps: float, kernel: bool):
+def add_rms_norm(x_BTD, delta_BTD, scale_D, eps: float, kernel: bool,
+                 constrain=lambda s_BTD: s_BTD):
     """(x + delta, its RMSNorm): the residual add and the norm after it, in one Pallas kernel
-    under the same conditions as `rms_norm`."""
+    under the same conditions as `rms_norm`. `constrain` (a sharding constraint) applies to
+    the sum before the norm reads it, as the model's own `x + delta` would be."""
     if kernel and norm_kernel.supports(x_BTD.shape[-1]):
-        return norm_kernel.rms_norm(x_BTD, scale_D, delta_BTD.astype(x_BTD.dtype), eps=eps)
-    s_BTD = x_BTD + delta_BTD
+        s_BTD, h_BTD = norm_kernel.rms_norm(x_BTD, scale_D, delta_BTD.astype(x_BTD.dtype),
+                                            eps=eps)
+        return constrain(s_BTD), h_BTD
+    s_BTD = constrain(x_BTD + delta_BTD)
     return s_BTD, layers.rms_norm(s_BTD, scale_D, eps)
 
 

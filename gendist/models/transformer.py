@@ -99,11 +99,15 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     B, T = pos_BT.shape
     layout = decode_layout.is_layer(p)  # a decode step's weights (`decode_layout`)
     norm_k, attn_k = cache.decode_kernels(B, T) if layout and cache is not None else (False, False)
+
+    def residual(s_BTD):  # the residual stream's layout
+        return ops.constrain(s_BTD, ("batch", "act_seq", "embed"))
+
     if pending is None:
         h_BTD = decode_layout.rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps, norm_k)
     else:
         x_BTD, h_BTD = decode_layout.add_rms_norm(x_BTD, pending, p["attn_norm"], cfg.norm_eps,
-                                                  norm_k)
+                                                  norm_k, residual)
     cos, sin = rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     if attn_k:  # RoPE, the cache write and attention in one kernel, from q|k|v unsplit
@@ -119,8 +123,7 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     else:
         attn_BTD = ops.row(o_BTNH, p["wo"], 2)  # the row-parallel matmul, then g
     x_BTD, h_BTD = decode_layout.add_rms_norm(x_BTD, attn_BTD, p["mlp_norm"], cfg.norm_eps,
-                                              norm_k)  # x + attn, its norm
-    x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
+                                              norm_k, residual)  # x + attn, its norm
     stats = None
     if moe:
         y_BTD, aux = ops.moe(moe_lib.layer_weights(p), ops.enter(h_BTD), cfg)  # f

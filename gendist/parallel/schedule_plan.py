@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from gendist.parallel.schedule import IDLE, Schedule, all_action_times, validate
+from gendist.parallel.schedule_table import IDLE, Schedule, all_action_times, validate
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

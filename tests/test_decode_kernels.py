@@ -11,6 +11,8 @@ import pytest
 from gendist.config import ModelConfig
 from gendist.inference import fastpath
 from gendist.inference import generate as G
+from gendist.inference.cache import ContiguousKVCache
+from gendist.inference.layer_cache import LayerKVCache
 from gendist.inference.sampling import SamplingParams
 from gendist.models import layers, transformer
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
@@ -47,6 +49,25 @@ def test_decode_attention_matches_unfused_math(N, K, dtype, splits):
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_ref, np.float32), **tol)
     np.testing.assert_array_equal(np.asarray(k_new, np.float32), np.asarray(k_ref, np.float32))
     np.testing.assert_array_equal(np.asarray(v_new, np.float32), np.asarray(v_ref, np.float32))
+
+
+def test_cache_attend_qkv_kernel_equals_the_interface_default():
+    """LayerKVCache's one-kernel attend_qkv and KVCache's default (split, rotate, attend) on
+    a contiguous cache agree: output and the written cache rows."""
+    B, N, K, H, S = 2, 4, 2, 32, 24
+    qkv = jax.random.normal(jax.random.key(4), (B, 1, N + 2 * K, H), jnp.float32)
+    prior = jax.random.normal(jax.random.key(5), (2, K, B, S, H), jnp.float32)
+    pos = jnp.array([[5], [11]], jnp.int32)
+    cos, sin = layers.rope_angles(pos, H, 10000.0)
+    scale = H ** -0.5
+    layer = LayerKVCache.create(1, B, S, K, H, backend="pallas", page_size=8)
+    o, (k_new, v_new) = layer.attend_qkv((prior[0], prior[1]), qkv, N, pos, cos, sin, scale)
+    contig = ContiguousKVCache.create(1, B, S, K, H)  # [B, S, K, H] rows
+    state = (jnp.moveaxis(prior[0], 0, 2), jnp.moveaxis(prior[1], 0, 2))
+    o_ref, (k_ref, v_ref) = contig.attend_qkv(state, qkv, N, pos, cos, sin, scale)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k_new, jnp.moveaxis(k_ref, 2, 0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(v_new, jnp.moveaxis(v_ref, 2, 0))
 
 
 def test_decode_attention_rejects_bad_shapes():

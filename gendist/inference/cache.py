@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from gendist.models.attention import xla_attention
+from gendist.models.layers import apply_rope
 
 
 class KVCache(abc.ABC):
@@ -57,8 +58,13 @@ class KVCache(abc.ABC):
     def attend_qkv(self, layer_state, qkv_BTCH, num_heads: int, q_pos_BT, cos_BTh, sin_BTh,
                    sm_scale):
         """`attend` from the fused q|k|v projection [B, T, N+2K, H] before RoPE (angles
-        cos/sin [B, T, H/2]); only called when `decode_kernels` says attention is fused."""
-        raise NotImplementedError(f"{type(self).__name__} has no fused decode attention")
+        cos/sin [B, T, H/2]). Here: split, rotate, `attend`, the model's own steps;
+        `LayerKVCache` does it in one kernel (the model calls this only when
+        `decode_kernels` says attention is fused)."""
+        kv_heads = (qkv_BTCH.shape[2] - num_heads) // 2
+        q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [num_heads, num_heads + kv_heads], axis=2)
+        return self.attend(layer_state, apply_rope(q_BTNH, cos_BTh, sin_BTh),
+                           apply_rope(k_BTKH, cos_BTh, sin_BTh), v_BTKH, q_pos_BT, sm_scale)
 
     def prepare(self, q_pos_BT: jax.Array) -> KVCache:
         """Called once per forward before the layer scan (a paged cache reserves pages)."""

@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import next_pow2, plgpu, precision_for, resolve_interpret, triton_params
+from pallas_kernels.paged_attention import merge_splits
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp2(_NEG - m) is 0, never nan
 _LOG2E = math.log2(math.e)
@@ -123,17 +124,11 @@ def _kernel(qkv_ref, pos_ref, cos_ref, sin_ref, k_in, v_in, *out_refs,
     acc, m, l = lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), block_k), body, init)
     if len(out_refs) == 3:  # one split: the normalised output
         o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)  # [rows, H], padding rows too
-    else:  # per split: unnormalised output, running max and sum, merged by `merge_splits`
+    else:  # per split: unnormalised output, running max and sum, merged by `paged_attention.merge_splits`
         m_ref, l_ref = out_refs[1], out_refs[2]
         o_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = l
-
-
-def merge_splits(o_SBKRH, m_SBKR, l_SBKR):
-    """Log-sum-exp merge of per-split partial results (base 2, as in the kernel)."""
-    w = jnp.exp2(m_SBKR - m_SBKR.max(axis=0)[None])
-    return (w[..., None] * o_SBKRH).sum(axis=0) / (w * l_SBKR).sum(axis=0)[..., None]
 
 
 def parse_tiling(tag: str) -> dict:

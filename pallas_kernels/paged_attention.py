@@ -250,11 +250,12 @@ def _paged_call(q_BKRH, qpos_BR, k_pages, v_pages, block_tables, lengths, *, blo
     )(*args)
     if splits == 1:
         return out
-    return _merge_splits(*out).astype(q_BKRH.dtype)
+    return merge_splits(*out).astype(q_BKRH.dtype)
 
 
-def _merge_splits(o_SBKRH, m_SBKR, l_SBKR):
-    """Log-sum-exp merge of per-split partial results (base 2, as in the kernel)."""
+def merge_splits(o_SBKRH, m_SBKR, l_SBKR):
+    """Log-sum-exp merge of per-split partial results (unnormalised output, running max and
+    sum; base 2, as in the kernels). Rows that saw nothing (sum 0) come out 0."""
     m_max = m_SBKR.max(axis=0)
     w = jnp.exp2(m_SBKR - m_max[None])
     l_tot = (w * l_SBKR).sum(axis=0)

@@ -17,10 +17,10 @@ computed chunk by chunk from its inputs inside the kernel (the "prologue"):
 * `merge_matvec`: x = the merged attention output from the per-split partials
   (`decode_attention.SplitAttention`), flattened over heads.
 
-Grid: one program per `block_o` output features; each streams its [block_o, I] rows of W
-in chunks of `block_i` (coalesced: I is W's minor axis) and recomputes the prologue for
-each chunk (a few KB read from L2; every program needs the whole of x). One row (B = 1)
-is a product and a row sum per chunk; several rows pad to 16 for the tensor core.
+One row only (a batch-1 decode step: a product and a row sum per chunk, no tensor-core
+tile). Grid: one program per `block_o` output features; each streams its [block_o, I] rows
+of W in chunks of `block_i` (coalesced: I is W's minor axis) and recomputes the prologue
+for each chunk (a few KB read from L2; every program needs the whole of x).
 
 Rounding follows the unfused path: the prologue's result is cast to W's dtype before the
 products (as XLA's SwiGLU and merge write bf16), products accumulate in fp32, y is cast
@@ -34,10 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import next_pow2, plgpu, precision_for, resolve_interpret, triton_params
+from pallas_kernels._compat import next_pow2, plgpu, resolve_interpret, triton_params
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # a padding split's max: exp2(_NEG - m) = 0
-MAX_ROWS = 16  # rows (sequences x tokens) the kernel takes; more rows are XLA's to do
 
 
 def parse_tiling(tag: str) -> dict:
@@ -54,84 +53,69 @@ def parse_tiling(tag: str) -> dict:
     return out
 
 
-def default_tiling(rows: int, out_features: int, in_features: int) -> dict:
-    """About one wave of an H200's 132 SMs: the fewest output rows per program that still
-    give >= 128 programs (at least 8; 16 for the tensor-core path), chunks of 512 inputs (128
-    for several rows: Triton ran out of shared memory with 512 at 8 rows, on the sm90 compile)."""
-    block_o = 8 if rows == 1 else 16
+def default_tiling(out_features: int, in_features: int) -> dict:
+    """About one wave of an H200's 132 SMs: the fewest output rows per program (>= 8) that
+    still give >= 128 programs, chunks of 512 inputs."""
+    block_o = 8
     while out_features // (2 * block_o) >= 128:
         block_o *= 2
-    chunk = 512 if rows == 1 else 128  # several rows: [16, chunk] tiles, 3-D merge gathers
-    return dict(block_o=block_o, block_i=min(chunk, next_pow2(in_features)), num_warps=4,
+    return dict(block_o=block_o, block_i=min(512, next_pow2(in_features)), num_warps=4,
                 num_stages=3)
 
 
 def supports(rows: int, out_features: int, block_o: int | None = None) -> bool:
-    """Whether the kernel takes this product: at most MAX_ROWS rows, and whole programs of
-    output features."""
-    block_o = block_o or default_tiling(rows, out_features, 1)["block_o"]
-    return 1 <= rows <= MAX_ROWS and out_features % block_o == 0
+    """Whether the kernel takes this product: one row (a batch-1 decode step) and whole
+    programs of output features."""
+    block_o = block_o or default_tiling(out_features, 1)["block_o"]
+    return rows == 1 and out_features % block_o == 0
 
 
-def _load_x(x_ref, r, i, live, other=0):
-    """x_ref[r, i] as fp32 for row indices r [R, 1] and input indices i [1, C], 0 outside."""
-    return plgpu.load(x_ref.at[r, i], mask=live, other=other).astype(jnp.float32)
+def _plain(x_ref, i, live, dt):
+    return plgpu.load(x_ref.at[0, i], mask=live, other=0).astype(jnp.float32)
 
 
-def _plain(x_ref, r, i, live, B, dt):
-    return _load_x(x_ref, r, i, live)
-
-
-def _swiglu(gu_ref, r, i, live, F, dt):
+def _swiglu(gu_ref, i, live, F, dt):
     """silu(g) · u in fp32, rounded once to dt: XLA computes the bf16 `jax.nn.silu(g) * u`
     as one fusion in fp32 (it allows excess precision) and writes it rounded."""
-    g = _load_x(gu_ref, r, i, live)
-    u = _load_x(gu_ref, r, i + F, live)
+    g = plgpu.load(gu_ref.at[0, i], mask=live, other=0).astype(jnp.float32)
+    u = plgpu.load(gu_ref.at[0, i + F], mask=live, other=0).astype(jnp.float32)
     return (g * jax.nn.sigmoid(g) * u).astype(dt).astype(jnp.float32)
 
 
-def _merge(o_ref, m_ref, l_ref, r, i, live, geometry, dt):
+def _merge(o_ref, m_ref, l_ref, i, live, geometry, dt):
     """The log-sum-exp merge (`paged_attention.merge_splits`) of the splits' partials at
-    flat output indices i = head · H + h, for rows r: o_ref [S, B, K·R·H], m_ref and
-    l_ref [S, B, K·R] (R: a KV head's query rows, padded)."""
+    flat output indices i = head · H + h: o_ref [S, K·R·H], m_ref and l_ref [S, K·R] (R: a
+    KV head's query rows, padded)."""
     group, padded_rows, head_dim = geometry
     splits = o_ref.shape[0]
     head = i // head_dim
-    row = (head // group) * padded_rows + head % group  # [1, C]
-    s = jnp.arange(next_pow2(splits), dtype=jnp.int32)[:, None, None]  # [S', 1, 1], Triton's
-    mask = live[None] & (s < splits)  # power-of-two tiles; padding splits weigh 0
-    m = plgpu.load(m_ref.at[s, r[None], row[None]], mask=mask, other=_NEG)  # [S', R, C]
-    l = plgpu.load(l_ref.at[s, r[None], row[None]], mask=mask, other=0.0)
-    o = plgpu.load(o_ref.at[s, r[None], (row * head_dim + i % head_dim)[None]], mask=mask,
-                   other=0.0)
-    w = jnp.exp2(m - jnp.max(m, axis=0)[None])
+    row = (head // group) * padded_rows + head % group  # [C]
+    s = jnp.arange(next_pow2(splits), dtype=jnp.int32)[:, None]  # [S', 1]: Triton's
+    mask = live[None, :] & (s < splits)  # power-of-two tiles; padding splits weigh 0
+    m = plgpu.load(m_ref.at[s, row[None, :]], mask=mask, other=_NEG)  # [S', C]
+    l = plgpu.load(l_ref.at[s, row[None, :]], mask=mask, other=0.0)
+    o = plgpu.load(o_ref.at[s, (row * head_dim + i % head_dim)[None, :]], mask=mask, other=0.0)
+    w = jnp.exp2(m - jnp.max(m, axis=0)[None, :])
     l_tot = jnp.sum(w * l, axis=0)
     inv = jnp.where(l_tot > 0, 1.0 / jnp.where(l_tot > 0, l_tot, 1.0), 0.0)
     return (jnp.sum(w * o, axis=0) * inv).astype(dt).astype(jnp.float32)
 
 
-def _kernel(*refs, prologue, n_in, B, rows, in_features, block_o, block_i, precision):
+def _kernel(*refs, prologue, n_in, in_features, block_o, block_i):
     x_refs, w_ref, y_ref = refs[:n_in], refs[n_in], refs[n_in + 1]
-    dt = w_ref.dtype
-    r = jnp.arange(rows, dtype=jnp.int32)[:, None]  # [R, 1]
-    c = jnp.arange(block_i, dtype=jnp.int32)[None, :]  # [1, C]
-    f32 = jnp.float32
+    c = jnp.arange(block_i, dtype=jnp.int32)
 
     def body(step, acc):
         i = step * block_i + c
-        live_i = i < in_features
-        x = prologue(*x_refs, r, i, (r < B) & live_i)  # [R, C] fp32, 0 outside
+        live = i < in_features
+        x = prologue(*x_refs, i, live)  # [C] fp32, 0 outside
         w = plgpu.load(w_ref.at[:, pl.ds(step * block_i, block_i)],
-                       mask=jnp.broadcast_to(live_i, (block_o, block_i)), other=0)
-        if rows == 1:  # one row: products and a row sum, no tensor-core tile
-            return acc + jnp.sum(w.astype(f32) * x, axis=1)[None, :]
-        return acc + jax.lax.dot_general(x.astype(dt), w, (((1,), (1,)), ((), ())),
-                                         precision=precision, preferred_element_type=f32)
+                       mask=jnp.broadcast_to(live[None, :], (block_o, block_i)), other=0)
+        return acc + jnp.sum(w.astype(jnp.float32) * x[None, :], axis=1)
 
     acc = jax.lax.fori_loop(0, pl.cdiv(in_features, block_i), body,
-                            jnp.zeros((rows, block_o), f32))
-    o = jnp.arange(block_o, dtype=jnp.int32)[None, :]
-    plgpu.store(y_ref.at[r, o], acc.astype(y_ref.dtype), mask=(r < B) & (o < block_o))
+                            jnp.zeros((block_o,), jnp.float32))
+    y_ref[...] = acc[None, :].astype(y_ref.dtype)
 
 
 def _call(prologue, inputs, w_OI, B, in_features, name, block_o=None, block_i=None,
@@ -141,20 +125,18 @@ def _call(prologue, inputs, w_OI, B, in_features, name, block_o=None, block_i=No
         raise ValueError(f"{name}: weight {w_OI.shape} must be [out, in] with in = {in_features} "
                          "(the decode layout's output-major matrix)")
     given = dict(block_o=block_o, block_i=block_i, num_warps=num_warps, num_stages=num_stages)
-    t = {**default_tiling(B, O, I), **{k: v for k, v in given.items() if v is not None}}
+    t = {**default_tiling(O, I), **{k: v for k, v in given.items() if v is not None}}
     if not supports(B, O, t["block_o"]):
-        raise ValueError(f"{name}: {B} rows x {O} outputs; the kernel takes 1..{MAX_ROWS} rows "
-                         f"and outputs a multiple of block_o={t['block_o']} (use XLA's product)")
-    rows = 1 if B == 1 else max(16, next_pow2(B))
-    kernel = functools.partial(_kernel, prologue=prologue, n_in=len(inputs), B=B, rows=rows,
-                               in_features=I, block_o=t["block_o"], block_i=t["block_i"],
-                               precision=precision_for(w_OI.dtype))
+        raise ValueError(f"{name}: {B} rows x {O} outputs; the kernel takes one row and outputs "
+                         f"a multiple of block_o={t['block_o']} (use XLA's product)")
+    kernel = functools.partial(_kernel, prologue=prologue, n_in=len(inputs), in_features=I,
+                               block_o=t["block_o"], block_i=t["block_i"])
     whole = [pl.BlockSpec(x.shape, lambda j, n=x.ndim: (0,) * n) for x in inputs]
     return pl.pallas_call(
         kernel, grid=(O // t["block_o"],),
         in_specs=[*whole, pl.BlockSpec((t["block_o"], I), lambda j: (j, 0))],
-        out_specs=pl.BlockSpec((B, t["block_o"]), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((B, O), w_OI.dtype),
+        out_specs=pl.BlockSpec((1, t["block_o"]), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((1, O), w_OI.dtype),
         interpret=resolve_interpret(interpret), name=f"{name}_o{t['block_o']}",
         compiler_params=triton_params(t["num_warps"], t["num_stages"]),
     )(*inputs, w_OI)
@@ -167,7 +149,7 @@ _TILING = ("block_o", "block_i", "num_warps", "num_stages", "interpret")
 def matvec(x_BI, w_OI, **tiling):
     """x [B, I] · W [O, I]ᵀ -> [B, O] in W's dtype (fp32 accumulation)."""
     B, I = x_BI.shape
-    return _call(functools.partial(_plain, B=B, dt=w_OI.dtype), [x_BI], w_OI, B, I, "matvec",
+    return _call(functools.partial(_plain, dt=w_OI.dtype), [x_BI], w_OI, B, I, "matvec",
                  **tiling)
 
 
@@ -195,6 +177,8 @@ def merge_matvec(o_SBKRH, m_SBKR, l_SBKR, w_ON, *, group: int, **tiling):
         raise ValueError(f"merge_matvec: partials o {o_SBKRH.shape}, m {m_SBKR.shape}, "
                          f"l {l_SBKR.shape} must be [S, B, K, R, H] and [S, B, K, R], group <= R")
     prologue = functools.partial(_merge, geometry=(group, R, H), dt=w_ON.dtype)
-    inputs = [o_SBKRH.reshape(S, B, K * R * H), m_SBKR.reshape(S, B, K * R),
-              l_SBKR.reshape(S, B, K * R)]
+    if B != 1:
+        raise ValueError(f"merge_matvec: batch {B}; the kernel takes one sequence (use "
+                         "SplitAttention.merged and XLA's product)")
+    inputs = [o_SBKRH.reshape(S, K * R * H), m_SBKR.reshape(S, K * R), l_SBKR.reshape(S, K * R)]
     return _call(prologue, inputs, w_ON, B, K * group * H, "merge_matvec", **tiling)

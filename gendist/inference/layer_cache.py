@@ -99,8 +99,8 @@ class LayerKVCache(KVCache):
         kernel (`pallas_kernels.decode_attention`, the context split when the grid is
         small), where that suits the cache: up to 4,096 slots, or enough sequences x KV
         heads (>= 132, an H200's SMs) to fill the GPU (the paged kernels serve the rest);
-        and for up to `matvec.MAX_ROWS` rows the matrix-vector kernels that fuse SwiGLU and
-        the split merge into the products after them (their tiling kwargs; None with the
+        and for one row (one sequence, one token) the matrix-vector kernels that fuse SwiGLU
+        and the split merge into the products after them (their tiling kwargs; None with the
         tiling part "mv0")."""
         if self.backend != "pallas" or not self.fused:
             return False, False, None
@@ -108,7 +108,7 @@ class LayerKVCache(KVCache):
         attention = (tokens == 1 and decode_attention.supports(H)
                      and (S <= 4096 or B * K >= 132))
         mv = split_tiling(self.tiling)[1]
-        return batch * tokens <= 64, attention, mv if batch * tokens <= matvec.MAX_ROWS else None
+        return batch * tokens <= 64, attention, mv if batch * tokens == 1 else None
 
     def attend_qkv(self, layer_state, qkv_BTCH, num_heads, q_pos_BT, cos_BTh, sin_BTh,
                    sm_scale):
@@ -121,7 +121,7 @@ class LayerKVCache(KVCache):
         o, k_buf, v_buf = decode_attention.decode_attention(
             qkv_BTCH[:, 0], k_buf, v_buf, q_pos_BT[:, 0], cos_BTh[:, 0], sin_BTh[:, 0],
             num_heads=num_heads, sm_scale=sm_scale,
-            merge=mv is None or B > matvec.MAX_ROWS, **attn)
+            merge=mv is None or B > 1, **attn)
         if isinstance(o, decode_attention.SplitAttention):
             return o, (k_buf, v_buf)
         return o[:, None], (k_buf, v_buf)

@@ -15,8 +15,8 @@ Setup (once; the CUDA plugin of the installed jax version, without its CUDA libr
 
 Variants: `reference` (stacked weights, one stacked cache, the layer scan unrolled), `fast`
 (the decode layout, per-layer cache, the fused decode kernels: RMSNorm, RoPE + cache write
-+ attention, SwiGLU and the split merge inside the products after them), `fast@<tiling>`
-(fast with `LayerKVCache.tiling`, e.g. `fast@mv0`: without the matvec kernels), `fast_unfused` (fast without the fused kernels: XLA's norms and RoPE, the
++ attention), `fast@<tiling>` (fast with the attention kernel tiled as `LayerKVCache.tiling`
+says, e.g. `fast@bk128_sp1_w4_st3`), `fast_unfused` (fast without the fused kernels: XLA's norms and RoPE, the
 paged kernel), `fast_xla` (fast with jnp attention over all max_len slots). (`decode_hlo_h200_fold.json` came from a `fast` that folded the
 norms' gains into the next matrices, an option since removed: `models/decode_layout.py`.)
 
@@ -64,12 +64,11 @@ def _pretend_h200():
     from jax._src.pallas.triton import pallas_call_registration as triton_call
 
     import pallas_kernels.decode_attention as da_kernel
-    import pallas_kernels.matvec as mv_kernel
     import pallas_kernels.paged_attention as pa_kernels
     import pallas_kernels.rms_norm as norm_kernel
     h100 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H100)  # sm90: what Triton reads
     triton_call.gpu_info_lib.get_gpu_info = lambda: h100
-    for mod in (da_kernel, norm_kernel, mv_kernel):  # their `interpret=None` would see a CPU backend
+    for mod in (da_kernel, norm_kernel):  # their `interpret=None` would see a CPU backend
         mod.resolve_interpret = lambda interpret: bool(interpret)
     gpu_info.get_device_kind = lambda: "NVIDIA H200"
     pa_kernels.on_sm90 = lambda: True

@@ -28,7 +28,6 @@ to the cache dtype before the products, which accumulate in fp32.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -132,25 +131,6 @@ def _kernel(qkv_ref, pos_ref, cos_ref, sin_ref, k_in, v_in, *out_refs,
         l_ref[...] = l
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SplitAttention:
-    """A split context's attention output left unmerged (`decode_attention(merge=False)`):
-    per split the unnormalised output o [S, B, K, R, H] fp32 and the base-2 running max and
-    sum m, l [S, B, K, R]; the first `group` of each KV head's R rows are its query heads.
-    `pallas_kernels.matvec.merge_matvec` merges them inside the output projection."""
-    o_SBKRH: jax.Array
-    m_SBKR: jax.Array
-    l_SBKR: jax.Array
-    group: int = dataclasses.field(metadata=dict(static=True))
-
-    def merged(self, dtype) -> jax.Array:
-        """The merged output [B, N, H] in `dtype`, as `decode_attention` returns it."""
-        S, B, K, R, H = self.o_SBKRH.shape
-        o_BKRH = merge_splits(self.o_SBKRH, self.m_SBKR, self.l_SBKR).astype(dtype)
-        return o_BKRH[:, :, :self.group].reshape(B, K * self.group, H)
-
-
 def parse_tiling(tag: str) -> dict:
     """Keyword arguments of `decode_attention` from a tag such as "bk128_sp1_w4_st3" (block_k,
     num_splits, num_warps, num_stages; any subset, in any order; "" for the defaults)."""
@@ -210,12 +190,11 @@ def check(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, num_heads: int):
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "sm_scale", "block_k", "num_splits",
-                                             "num_warps", "num_stages", "merge", "interpret"))
+                                             "num_warps", "num_stages", "interpret"))
 def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *, num_heads: int,
                      sm_scale: float | None = None, block_k: int | None = None,
                      num_splits: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, merge: bool = True,
-                     interpret: bool | None = None):
+                     num_stages: int | None = None, interpret: bool | None = None):
     """(o [B, N, H], k cache, v cache) after writing the new token's rotated k and its v at
     `pos_B` and attending each sequence's new token to positions 0 … pos_B[b].
 
@@ -224,9 +203,8 @@ def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *, num_head
     jit); pos_B int32: where each new token goes (clamped to [0, S)); cos_Bh, sin_Bh fp32
     [B, H/2]: the RoPE angles of the new tokens (`gendist.models.layers.rope_angles`).
     num_splits: programs per (sequence, KV head) over the context (flash-decoding, Dao et
-    al. 2023), merged in XLA; with `merge=False` a split context's o comes back unmerged as
-    a `SplitAttention` (for `matvec.merge_matvec`). Tiling arguments left None come from
-    `default_tiling` (num_splits then from `default_splits`).
+    al. 2023), merged in XLA. Tiling arguments left None come from `default_tiling`
+    (num_splits then from `default_splits`).
     """
     check(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, num_heads)
     B, C, H = qkv_BCH.shape
@@ -273,10 +251,8 @@ def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *, num_head
         compiler_params=triton_params(num_warps, num_stages),
     )(qkv_BCH, pos_B.astype(jnp.int32), cos_Bh.astype(jnp.float32), sin_Bh.astype(jnp.float32),
       k_KBSH, v_KBSH)
-    if splits == 1:
-        return o[0][:, :, :group].reshape(B, num_heads, H), k_new, v_new
-    parts = SplitAttention(*o, group=group)
-    return (parts.merged(k_KBSH.dtype) if merge else parts), k_new, v_new
+    o_BKRH = o[0] if splits == 1 else merge_splits(*o).astype(k_KBSH.dtype)
+    return o_BKRH[:, :, :group].reshape(B, num_heads, H), k_new, v_new
 
 
 def decode_attention_reference(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *,

@@ -15,9 +15,7 @@ from gendist.inference.cache import ContiguousKVCache
 from gendist.inference.layer_cache import LayerKVCache
 from gendist.inference.sampling import SamplingParams
 from gendist.models import layers, transformer
-from pallas_kernels import matvec
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
-from pallas_kernels.paged_attention import merge_splits
 from pallas_kernels.rms_norm import rms_norm
 
 
@@ -117,68 +115,14 @@ def test_fused_decode_greedy_equals_reference(heads, tiling):
     args = (cfg, params, jnp.asarray(pb), jnp.asarray(lb), jax.random.key(0))
     ref, _ = G.generate_tokens(*args, max_new_tokens=9, sp=greedy, fast=False)
     cache = fastpath.make_cache(cfg, 3, pb.shape[1] + 9, True, backend="pallas", tiling=tiling)
-    assert cache.decode_kernels(3, 1) == (True, True, None)  # matvec kernels: one row only
-    assert cache.decode_kernels(1, 1) == (True, True, {})
+    assert cache.decode_kernels(3, 1) == (True, True)
     assert fastpath.make_cache(cfg, 3, 8, True, backend="pallas", fused=False).decode_kernels(
-        3, 1) == (False, False, None)
-    assert fastpath.make_cache(cfg, 3, 8, True, backend="pallas", tiling="mv0").decode_kernels(
-        1, 1) == (True, True, None)
+        3, 1) == (False, False)
     jaxpr = str(jax.make_jaxpr(lambda c: G.generate_tokens(
         *args, max_new_tokens=9, sp=greedy, fast=True, cache=c))(cache))
     assert ("decode_attention_bk16_splits2" if tiling else "decode_attention_bk") in jaxpr
-    assert "add_rms_norm" in jaxpr and "swiglu_matvec" not in jaxpr
+    assert "add_rms_norm" in jaxpr
     with pytest.raises(ValueError, match="tiling 'split2'"):
         fastpath.make_cache(cfg, 3, 8, True, backend="pallas", tiling="split2")
-    with pytest.raises(ValueError, match="matvec tiling 'x8'"):
-        fastpath.make_cache(cfg, 3, 8, True, backend="pallas", tiling="mvx8")
     out, _ = G.generate_tokens(*args, max_new_tokens=9, sp=greedy, fast=True, cache=cache)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
-    # One sequence: the matvec kernels too (SwiGLU in the down projection; with a split
-    # context the merge in the output projection).
-    args1 = (cfg, params, jnp.asarray(pb[2:]), jnp.asarray(lb[2:]), jax.random.key(0))
-    cache1 = fastpath.make_cache(cfg, 1, pb.shape[1] + 9, True, backend="pallas", tiling=tiling)
-    jaxpr = str(jax.make_jaxpr(lambda c: G.generate_tokens(
-        *args1, max_new_tokens=9, sp=greedy, fast=True, cache=c))(cache1))
-    assert "swiglu_matvec" in jaxpr
-    assert ("merge_matvec" in jaxpr) == bool(tiling)  # only a split context has a merge
-    out1, _ = G.generate_tokens(*args1, max_new_tokens=9, sp=greedy, fast=True, cache=cache1)
-    np.testing.assert_array_equal(np.asarray(out1), np.asarray(ref[2:]))
-
-
-def _product(x_BI, w_OI):
-    return jnp.einsum("bi,oi->bo", x_BI, w_OI, precision=jax.lax.Precision.HIGHEST,
-                      preferred_element_type=jnp.float32).astype(w_OI.dtype)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_matvec_kernels_match_xla(dtype):
-    """The three matrix-vector kernels against their unfused math: x · Wᵀ, SwiGLU then the
-    product, and the split merge (`merge_splits`) then the product; an input width that is
-    not a whole number of chunks (200 in chunks of 64), GQA partials with padded rows
-    (group 3 of 16)."""
-    B = 1
-    ks = jax.random.split(jax.random.key(3), 6)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=5e-2)
-
-    def close(a, b):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
-
-    w = jax.random.normal(ks[0], (64, 200), jnp.float32).astype(dtype)
-    x = jax.random.normal(ks[1], (B, 200), jnp.float32).astype(dtype)
-    close(matvec.matvec(x, w, block_i=64), _product(x, w))
-    gu = jax.random.normal(ks[2], (B, 400), jnp.float32).astype(dtype)
-    g, u = gu[:, :200].astype(jnp.float32), gu[:, 200:].astype(jnp.float32)
-    h = (jax.nn.silu(g) * u).astype(dtype)  # one rounding, as XLA's GPU fusion of it does
-    close(matvec.swiglu_matvec(gu, w, block_i=64), _product(h, w))
-    S, K, group, R, H = 3, 2, 3, 16, 16  # 3 splits: padded to 4 inside
-    o = jax.random.normal(ks[3], (S, B, K, R, H), jnp.float32)
-    m = 3 * jax.random.normal(ks[4], (S, B, K, R), jnp.float32)
-    l = jax.random.uniform(ks[5], (S, B, K, R), jnp.float32) + 0.5
-    l = l.at[1].set(0.0).at[1, :, :, 0].set(-0.0)  # one split saw nothing
-    wo = w[:, :K * group * H]
-    merged = merge_splits(o, m, l)[:, :, :group].reshape(B, K * group * H).astype(dtype)
-    close(matvec.merge_matvec(o, m, l, wo, group=group, block_i=32), _product(merged, wo))
-    with pytest.raises(ValueError, match="must be \\[B, 2F\\]"):
-        matvec.swiglu_matvec(gu[:, :300], w)
-    with pytest.raises(ValueError, match="one row"):
-        matvec.matvec(jnp.zeros((2, 200), dtype), w)

@@ -48,22 +48,19 @@ class KVCache(abc.ABC):
         """This cache with new per-layer arrays given as a list (see `layer_states`)."""
         return self.with_layer_state(jax.tree.map(lambda *a: jnp.stack(a), *states))
 
-    def decode_kernels(self, batch: int, tokens: int) -> tuple[bool, bool, dict | None]:
-        """(norm, attention, matvec tiling or None): whether a decode-layout model (`decode_layout`) runs a
-        step of `tokens` new tokens for `batch` sequences through the fused decode kernels:
-        RMSNorm as one kernel, RoPE + cache write + attention as one (`attend_qkv`), and the
-        down projection with SwiGLU fused in (`pallas_kernels.matvec`). Off here;
+    def decode_kernels(self, batch: int, tokens: int) -> tuple[bool, bool]:
+        """(norm, attention): whether a decode-layout model (`decode_layout`) runs a step of
+        `tokens` new tokens for `batch` sequences through the fused decode kernels: RMSNorm
+        as one kernel, and RoPE + cache write + attention as one (`attend_qkv`). Off here;
         `LayerKVCache` turns them on for its GPU backend."""
-        return False, False, None
+        return False, False
 
     def attend_qkv(self, layer_state, qkv_BTCH, num_heads: int, q_pos_BT, cos_BTh, sin_BTh,
                    sm_scale):
         """`attend` from the fused q|k|v projection [B, T, N+2K, H] before RoPE (angles
         cos/sin [B, T, H/2]). Here: split, rotate, `attend`, the model's own steps;
         `LayerKVCache` does it in one kernel (the model calls this only when
-        `decode_kernels` says attention is fused), and may return the output as a split
-        context's unmerged partials (`decode_attention.SplitAttention`, for T = 1), which
-        `decode_layout.attention_output` merges inside the output projection."""
+        `decode_kernels` says attention is fused)."""
         kv_heads = (qkv_BTCH.shape[2] - num_heads) // 2
         q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [num_heads, num_heads + kv_heads], axis=2)
         return self.attend(layer_state, apply_rope(q_BTNH, cos_BTh, sin_BTh),

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from gendist.inference.cache import KVCache, contiguous_attention
-from pallas_kernels import decode_attention, matvec
+from pallas_kernels import decode_attention
 from pallas_kernels.paged_attention import paged_attention, paged_attention_chunk
 
 BACKENDS = ("xla", "pallas")
@@ -51,7 +51,7 @@ class LayerKVCache(KVCache):
     page_size: int = dataclasses.field(default=64, metadata=dict(static=True))
     # "pallas" only: decode steps of one token through the fused kernels (`decode_kernels`).
     fused: bool = dataclasses.field(default=True, metadata=dict(static=True))
-    # The fused kernels' tiling as a tag (`split_tiling`; "": their defaults).
+    # The fused attention kernel's tiling as a tag ("bk128_sp1_w4_st3"; "": its defaults).
     tiling: str = dataclasses.field(default="", metadata=dict(static=True))
 
     @classmethod
@@ -71,7 +71,7 @@ class LayerKVCache(KVCache):
             shape = (batch, max_len, num_kv_heads, head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         zeros_v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-        split_tiling(tiling)  # a bad tag fails here, not inside a trace
+        decode_attention.parse_tiling(tiling)  # a bad tag fails here, not inside a trace
         return cls(zeros, zeros_v, jnp.zeros((batch,), jnp.int32), backend, page_size, fused,
                    tiling)
 
@@ -93,38 +93,27 @@ class LayerKVCache(KVCache):
         k, v = state
         return dataclasses.replace(self, k=tuple(k), v=tuple(v))
 
-    def decode_kernels(self, batch: int, tokens: int) -> tuple[bool, bool, dict | None]:
+    def decode_kernels(self, batch: int, tokens: int) -> tuple[bool, bool]:
         """On the "pallas" backend with `fused`: RMSNorm as one kernel for up to 64 rows of a
-        power-of-two width; for one new token per sequence RoPE + write + attention as one
-        kernel (`pallas_kernels.decode_attention`, the context split when the grid is
-        small), where that suits the cache: up to 4,096 slots, or enough sequences x KV
-        heads (>= 132, an H200's SMs) to fill the GPU (the paged kernels serve the rest);
-        and for one row (one sequence, one token) the matrix-vector kernels that fuse SwiGLU
-        and the split merge into the products after them (their tiling kwargs; None with the
-        tiling part "mv0")."""
+        power-of-two width, and for one new token per sequence RoPE + write + attention as
+        one kernel (`pallas_kernels.decode_attention`: one program per sequence and KV head,
+        no context split), where that grid suits the cache: up to 4,096 slots, or enough
+        sequences x KV heads (>= 132, an H200's SMs) to fill the GPU. The paged kernels,
+        which split long contexts, serve the rest."""
         if self.backend != "pallas" or not self.fused:
-            return False, False, None
+            return False, False
         K, B, S, H = self.k[0].shape
         attention = (tokens == 1 and decode_attention.supports(H)
                      and (S <= 4096 or B * K >= 132))
-        mv = split_tiling(self.tiling)[1]
-        return batch * tokens <= 64, attention, mv if batch * tokens == 1 else None
+        return batch * tokens <= 64, attention
 
     def attend_qkv(self, layer_state, qkv_BTCH, num_heads, q_pos_BT, cos_BTh, sin_BTh,
                    sm_scale):
-        """One kernel (`decode_attention`); with the matvec kernels on and the context split,
-        the output stays as unmerged partials (`SplitAttention`), merged in the output
-        projection (`decode_layout.attention_output`)."""
         k_buf, v_buf = layer_state
-        attn, mv = split_tiling(self.tiling)
-        B = qkv_BTCH.shape[0]
-        o, k_buf, v_buf = decode_attention.decode_attention(
+        o_BNH, k_buf, v_buf = decode_attention.decode_attention(
             qkv_BTCH[:, 0], k_buf, v_buf, q_pos_BT[:, 0], cos_BTh[:, 0], sin_BTh[:, 0],
-            num_heads=num_heads, sm_scale=sm_scale,
-            merge=mv is None or B > 1, **attn)
-        if isinstance(o, decode_attention.SplitAttention):
-            return o, (k_buf, v_buf)
-        return o[:, None], (k_buf, v_buf)
+            num_heads=num_heads, sm_scale=sm_scale, **decode_attention.parse_tiling(self.tiling))
+        return o_BNH[:, None], (k_buf, v_buf)
 
     def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
         k_buf, v_buf = layer_state
@@ -153,20 +142,6 @@ class LayerKVCache(KVCache):
             out = paged_attention_chunk(q, k_KPZH, v_KPZH, tables_BP, kv_len_B,
                                         q_pos_BT.astype(jnp.int32), sm_scale=sm_scale)
         return out.astype(q_BTNH.dtype), (k_buf, v_buf)
-
-
-def split_tiling(tag: str) -> tuple[dict, dict | None]:
-    """(attention kernel kwargs, matvec kernel kwargs or None for off) from a cache's tiling
-    tag: parts bk/sp/w/st tile `decode_attention` ("bk128_sp1_w4_st3"), parts prefixed "mv"
-    tile `matvec` ("mvo8_mvi512_mvw4_mvst3"), and "mv0" turns the matvec kernels off."""
-    parts = [p for p in tag.split("_") if p]
-    mv_parts = [p[2:] for p in parts if p.startswith("mv")]
-    attn = decode_attention.parse_tiling("_".join(p for p in parts if not p.startswith("mv")))
-    if "0" in mv_parts:
-        if len(mv_parts) > 1:
-            raise ValueError(f"tiling {tag!r}: 'mv0' (matvec kernels off) takes no other mv parts")
-        return attn, None
-    return attn, matvec.parse_tiling("_".join(mv_parts))
 
 
 def write_rows(buf, rows, pos_BT, axis: int):

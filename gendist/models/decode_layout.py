@@ -26,7 +26,10 @@ Tried and removed: folding each RMSNorm's gain into the next matrix, with the su
 squares computed as one more row of the matrix-vector reduction. It cut a 350m batch-1
 step from 325 to 240 kernels, but on an H200 the step got slower (350m 0.706 against
 0.650 ms, 1b 1.354 against 1.214 ms; `benchmarks/decode_floor_fold_nvidia_h200.json`):
-XLA's reduction over the extended matrix lost its fast path.
+XLA's reduction over the extended matrix lost its fast path. Also tried and removed: a
+Pallas matrix-vector kernel that computes SwiGLU (down projection) or the split context's
+merge (output projection) inside the product: 350m batch 1 went from 229 to 181 kernels
+per step but from 0.503 to 0.540-0.619 ms (`benchmarks/decode_floor_matvec2_h200.json`).
 """
 
 from __future__ import annotations
@@ -38,9 +41,7 @@ from gendist.config import ModelConfig
 from gendist.models import layers
 from gendist.models import params as P
 from gendist.models.layers import mlp_hidden
-from pallas_kernels import matvec as mv_kernel
 from pallas_kernels import rms_norm as norm_kernel
-from pallas_kernels.decode_attention import SplitAttention
 
 
 def is_layout(params: dict) -> bool:
@@ -143,31 +144,14 @@ def qkv(h_BTD, p: dict, num_kv_heads: int):
     return tuple(jnp.split(qkv_BTCH, [n, n + num_kv_heads], axis=2))
 
 
-def attention_output(o_BTNH, p: dict, matvec: dict | None = None):
-    """The attention's output projection [B, T, D]. `o_BTNH` may be a split context's
-    unmerged partials (`SplitAttention`, one token per sequence, from a cache's `attend_qkv`):
-    then one kernel merges them and projects (`matvec.merge_matvec`, tiled by `matvec`)."""
-    wo_DNH = p["wo_DNH"]
-    D, N, H = wo_DNH.shape
-    if isinstance(o_BTNH, SplitAttention):
-        if matvec is None or not mv_kernel.supports(o_BTNH.o_SBKRH.shape[1], D):
-            return jnp.einsum("BNH,DNH->BD", o_BTNH.merged(wo_DNH.dtype), wo_DNH)[:, None]
-        y_BD = mv_kernel.merge_matvec(o_BTNH.o_SBKRH, o_BTNH.m_SBKR, o_BTNH.l_SBKR,
-                                      wo_DNH.reshape(D, N * H), group=o_BTNH.group, **matvec)
-        return y_BD[:, None]
-    return jnp.einsum("BTNH,DNH->BTD", o_BTNH, wo_DNH.astype(o_BTNH.dtype))
+def attention_output(o_BTNH, p: dict):
+    """The attention's output projection [B, T, D]."""
+    return jnp.einsum("BTNH,DNH->BTD", o_BTNH, p["wo_DNH"].astype(o_BTNH.dtype))
 
 
-def mlp(h_BTD, p: dict, cfg: ModelConfig, matvec: dict | None = None):
-    """The MLP on the normed input: w_gate_up_GD (or w_up_FD), the activation, w_down_DF.
-    With `matvec` (a decode step's kernel tiling, `KVCache.decode_kernels`) a SwiGLU's
-    activation runs inside the down projection's kernel (`matvec.swiglu_matvec`)."""
+def mlp(h_BTD, p: dict, cfg: ModelConfig):
+    """The MLP on the normed input: w_gate_up_GD (or w_up_FD), the activation, w_down_DF."""
     dt = h_BTD.dtype
     w_in = p["w_gate_up_GD"] if cfg.mlp == "swiglu" else p["w_up_FD"]
     u_BTG = jnp.einsum("BTD,GD->BTG", h_BTD, w_in.astype(dt))
-    B, T, G = u_BTG.shape
-    w_down_DF = p["w_down_DF"].astype(dt)
-    if matvec is not None and cfg.mlp == "swiglu" and mv_kernel.supports(B * T, w_down_DF.shape[0]):
-        y = mv_kernel.swiglu_matvec(u_BTG.reshape(B * T, G), w_down_DF, **matvec)
-        return y.reshape(B, T, -1)
-    return jnp.einsum("BTF,DF->BTD", mlp_hidden((u_BTG,), cfg.mlp), w_down_DF)
+    return jnp.einsum("BTF,DF->BTD", mlp_hidden((u_BTG,), cfg.mlp), p["w_down_DF"].astype(dt))

@@ -98,8 +98,7 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     p = ops.weights(p, _block_axes(cfg, moe), dt)
     B, T = pos_BT.shape
     layout = decode_layout.is_layer(p)  # a decode step's weights (`decode_layout`)
-    norm_k, attn_k, mv_k = (cache.decode_kernels(B, T) if layout and cache is not None
-                            else (False, False, None))
+    norm_k, attn_k = cache.decode_kernels(B, T) if layout and cache is not None else (False, False)
 
     def residual(s_BTD):  # the residual stream's layout
         return ops.constrain(s_BTD, ("batch", "act_seq", "embed"))
@@ -114,14 +113,13 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     if attn_k:  # RoPE, the cache write and attention in one kernel, from q|k|v unsplit
         qkv_BTCH = decode_layout.qkv_fused(ops.enter(h_BTD), p)
         o_BTNH, layer_state = cache.attend_qkv(layer_state, qkv_BTCH, cfg.num_heads, pos_BT,
-                                               cos, sin, sm_scale)  # or unmerged partials
+                                               cos, sin, sm_scale)
     else:
         o_BTNH, layer_state = _attention(p, h_BTD, pos_BT, cos, sin, sm_scale, cfg, ops, cache,
                                          layer_state)
-    if isinstance(o_BTNH, jax.Array):
-        o_BTNH = ops.constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
+    o_BTNH = ops.constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
     if layout:
-        attn_BTD = ops.leave(decode_layout.attention_output(o_BTNH, p, mv_k))
+        attn_BTD = ops.leave(decode_layout.attention_output(o_BTNH, p))
     else:
         attn_BTD = ops.row(o_BTNH, p["wo"], 2)  # the row-parallel matmul, then g
     x_BTD, h_BTD = decode_layout.add_rms_norm(x_BTD, attn_BTD, p["mlp_norm"], cfg.norm_eps,
@@ -132,7 +130,7 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
         stats = (aux.weighted_loss(cfg), aux.drop_fraction, aux.expert_load_E)
         y_BTD = ops.leave(y_BTD)  # g
     elif layout:
-        y_BTD = ops.leave(decode_layout.mlp(ops.enter(h_BTD), p, cfg, mv_k))
+        y_BTD = ops.leave(decode_layout.mlp(ops.enter(h_BTD), p, cfg))
     else:
         outs = ops.column(h_BTD, mlp_inputs(p, cfg.mlp, cfg.fused_projections))
         y_BTD = ops.row(mlp_hidden(outs, cfg.mlp), p["w_down"], 1)

@@ -17,8 +17,7 @@ in one launch, for one new token per sequence:
 
 Grid (B, K, splits): one program per sequence, KV head and context split (flash-decoding:
 with few sequences the context is split so that the grid fills the GPU; the splits' partial
-results are merged by a log-sum-exp, inside the kernel by the last split to finish when the
-caller passes a counter buffer (`_merge_last`), else in XLA, one more kernel). Split 0 writes the new row and starts from the
+results are merged by a log-sum-exp in XLA). Split 0 writes the new row and starts from the
 new token. On an H200 one program per (sequence, head) over a 320-slot cache cost 6.6 µs
 per call at 350m batch 1 (8.3 µs at 1b): the loop over the context is latency, not bytes. G = 1 (multi-head attention) runs
 as elementwise products and row sums; G > 1 pads the group to 16 rows for the tensor core.
@@ -50,10 +49,8 @@ def _rope(x1, x2, c, s, dtype):
     return (x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)
 
 
-def _kernel(qkv_ref, pos_ref, cos_ref, sin_ref, k_in, v_in, *refs,
-            num_heads, group, rows, block_k, split_tokens, scale_log2, precision, merge_in,
-            interpret):
-    sem_ref, out_refs = (refs[0], refs[1:]) if merge_in else (None, refs)
+def _kernel(qkv_ref, pos_ref, cos_ref, sin_ref, k_in, v_in, *out_refs,
+            num_heads, group, rows, block_k, split_tokens, scale_log2, precision):
     kh, split = pl.program_id(1), pl.program_id(2)
     capacity, head_dim = k_in.shape
     h2 = head_dim // 2
@@ -127,58 +124,17 @@ def _kernel(qkv_ref, pos_ref, cos_ref, sin_ref, k_in, v_in, *refs,
     acc, m, l = lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), block_k), body, init)
     if len(out_refs) == 3:  # one split: the normalised output
         o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)  # [rows, H], padding rows too
-    elif len(out_refs) == 5:  # per split: unnormalised output, running max and sum, merged by `paged_attention.merge_splits`
+    else:  # per split: unnormalised output, running max and sum, merged by `paged_attention.merge_splits`
         m_ref, l_ref = out_refs[1], out_refs[2]
         o_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = l
-    else:
-        _merge_last(acc, m, l, sem_ref, *out_refs[:5], kv_heads=kv_heads, interpret=interpret)
-
-
-def _merge_last(acc, m, l, sem_ref, o_ref, po_ref, pm_ref, pl_ref, sem_out, *, kv_heads,
-                interpret):
-    """The split merge inside the kernel: each program stores its partial (o, m, l) for this
-    (sequence, KV head), then takes a ticket from the pair's counter (an atomic add with
-    acquire-release order at GPU scope, after a barrier that orders every thread's stores
-    before it); the program that draws the last ticket reads all splits' partials (volatile
-    loads: never a stale L1 line), merges them as `paged_attention.merge_splits` does, writes
-    the output and resets the counter to 0 for the next call. The counter is a per-layer int32
-    [B * K] buffer threaded through the decode loop (`LayerKVCache.sems`), aliased in place."""
-    b, kh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    splits, rows = pm_ref.shape
-    po_ref[pl.ds(split, 1), :, :] = acc[None]
-    pm_ref[pl.ds(split, 1), :] = m[None]
-    pl_ref[pl.ds(split, 1), :] = l[None]
-    if not interpret:  # the interpreter runs programs one by one
-        plgpu.debug_barrier()
-    pair = b * kv_heads + kh
-    ticket = plgpu.atomic_add(sem_out, pair, jnp.ones((), jnp.int32))
-
-    @pl.when(ticket == splits - 1)
-    def _merge():
-        s = jnp.arange(next_pow2(splits), dtype=jnp.int32)[:, None]  # [S', 1]: power-of-two
-        r = jnp.arange(rows, dtype=jnp.int32)[None, :]  # tiles; padding splits weigh 0
-        live = s < splits
-        mm = plgpu.load(pm_ref.at[s, r], mask=live, other=_NEG, volatile=True)  # [S', R]
-        ll = plgpu.load(pl_ref.at[s, r], mask=live, other=0.0, volatile=True)
-        h = jnp.arange(po_ref.shape[-1], dtype=jnp.int32)[None, None, :]
-        oo = plgpu.load(po_ref.at[s[:, :, None], r[:, :, None], h], mask=live[:, :, None],
-                        other=0.0, volatile=True)  # [S', R, H]
-        w = jnp.exp2(mm - jnp.max(mm, axis=0)[None, :])
-        l_tot = jnp.sum(w * ll, axis=0)
-        inv = jnp.where(l_tot > 0, 1.0 / jnp.where(l_tot > 0, l_tot, 1.0), 0.0)
-        o_ref[...] = (jnp.sum(w[:, :, None] * oo, axis=0) * inv[:, None]).astype(o_ref.dtype)
-        sem_out[pl.ds(pair, 1)] = jnp.zeros((1,), jnp.int32)  # every split has counted: the
-        # next call (a later launch) starts from 0
 
 
 def parse_tiling(tag: str) -> dict:
     """Keyword arguments of `decode_attention` from a tag such as "bk128_sp1_w4_st3" (block_k,
-    num_splits, num_warps, num_stages; any subset, in any order; "" for the defaults), and
-    "xm1" for the cache: merge a split context in XLA instead of in the kernel."""
-    names = {"bk": "block_k", "sp": "num_splits", "w": "num_warps", "st": "num_stages",
-             "xm": "xla_merge"}  # xm1: a split context merged in XLA (`LayerKVCache`)
+    num_splits, num_warps, num_stages; any subset, in any order; "" for the defaults)."""
+    names = {"bk": "block_k", "sp": "num_splits", "w": "num_warps", "st": "num_stages"}
     out = {}
     for part in filter(None, tag.split("_")):
         key = part.rstrip("0123456789")
@@ -235,8 +191,8 @@ def check(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, num_heads: int):
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "sm_scale", "block_k", "num_splits",
                                              "num_warps", "num_stages", "interpret"))
-def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, sem_BK=None, *,
-                     num_heads: int, sm_scale: float | None = None, block_k: int | None = None,
+def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *, num_heads: int,
+                     sm_scale: float | None = None, block_k: int | None = None,
                      num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, interpret: bool | None = None):
     """(o [B, N, H], k cache, v cache) after writing the new token's rotated k and its v at
@@ -247,10 +203,7 @@ def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, sem_BK=None
     jit); pos_B int32: where each new token goes (clamped to [0, S)); cos_Bh, sin_Bh fp32
     [B, H/2]: the RoPE angles of the new tokens (`gendist.models.layers.rope_angles`).
     num_splits: programs per (sequence, KV head) over the context (flash-decoding, Dao et
-    al. 2023), merged in XLA; or, given `sem_BK` (int32 [B * K], all 0: a counter per
-    sequence and KV head, updated in place when donated), merged inside the kernel by the
-    last split to finish (`_merge_last`), which returns (o, k cache, v cache, sem_BK) with
-    the counters back at 0. Tiling arguments left None come from `default_tiling`
+    al. 2023), merged in XLA. Tiling arguments left None come from `default_tiling`
     (num_splits then from `default_splits`).
     """
     check(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, num_heads)
@@ -267,33 +220,14 @@ def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, sem_BK=None
     splits = num_splits or default_splits(B, K, S, block_k)
     split_tokens = -(-S // (splits * block_k)) * block_k
     splits = -(-S // split_tokens)  # none empty by construction
-    if sem_BK is not None and sem_BK.shape != (B * K,):
-        raise ValueError(f"sem_BK has shape {sem_BK.shape}; expected (batch * kv_heads,) = "
-                         f"({B * K},), int32 zeros (`LayerKVCache.sems`)")
-    merge_in = sem_BK is not None and splits > 1
-    interpret = resolve_interpret(interpret)
     kernel = functools.partial(_kernel, num_heads=num_heads, group=group, rows=rows,
                                block_k=block_k, split_tokens=split_tokens,
-                               scale_log2=scale * _LOG2E, precision=precision_for(k_KBSH.dtype),
-                               merge_in=merge_in, interpret=interpret)
+                               scale_log2=scale * _LOG2E, precision=precision_for(k_KBSH.dtype))
     cache_spec = pl.BlockSpec((None, None, S, H), lambda b, k, s: (k, b, 0, 0))
     cache_shape = jax.ShapeDtypeStruct(k_KBSH.shape, k_KBSH.dtype)
-    o_spec = pl.BlockSpec((None, None, rows, H), lambda b, k, s: (b, k, 0, 0))
-    o_shape = jax.ShapeDtypeStruct((B, K, rows, H), k_KBSH.dtype)
-    extra_in, extra_specs = [], []
     if splits == 1:
-        o_specs, o_shapes = [o_spec], [o_shape]
-    elif merge_in:  # the output, the splits' partials (scratch) and the counters
-        sem_spec = pl.BlockSpec((B * K,), lambda b, k, s: (0,))
-        row_spec = pl.BlockSpec((splits, None, None, rows), lambda b, k, s: (0, b, k, 0))
-        o_specs = [o_spec, pl.BlockSpec((splits, None, None, rows, H),
-                                        lambda b, k, s: (0, b, k, 0, 0)),
-                   row_spec, row_spec, sem_spec]
-        o_shapes = [o_shape, jax.ShapeDtypeStruct((splits, B, K, rows, H), jnp.float32),
-                    jax.ShapeDtypeStruct((splits, B, K, rows), jnp.float32),
-                    jax.ShapeDtypeStruct((splits, B, K, rows), jnp.float32),
-                    jax.ShapeDtypeStruct((B * K,), jnp.int32)]
-        extra_in, extra_specs = [sem_BK.astype(jnp.int32)], [sem_spec]
+        o_specs = [pl.BlockSpec((None, None, rows, H), lambda b, k, s: (b, k, 0, 0))]
+        o_shapes = [jax.ShapeDtypeStruct((B, K, rows, H), k_KBSH.dtype)]
     else:
         row_spec = pl.BlockSpec((None, None, None, rows), lambda b, k, s: (s, b, k, 0))
         o_specs = [pl.BlockSpec((None, None, None, rows, H), lambda b, k, s: (s, b, k, 0, 0)),
@@ -302,29 +236,23 @@ def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, sem_BK=None
                     jax.ShapeDtypeStruct((splits, B, K, rows), jnp.float32),
                     jax.ShapeDtypeStruct((splits, B, K, rows), jnp.float32)]
     n_o = len(o_shapes)
-    aliases = {4: n_o, 5: n_o + 1}
-    if merge_in:
-        aliases[6] = n_o - 1  # the counters, in place
     *o, k_new, v_new = pl.pallas_call(
         kernel, grid=(B, K, splits),
         in_specs=[pl.BlockSpec((None, C, H), lambda b, k, s: (b, 0, 0)),
                   pl.BlockSpec((1,), lambda b, k, s: (b,)),
                   pl.BlockSpec((1, H // 2), lambda b, k, s: (b, 0)),
                   pl.BlockSpec((1, H // 2), lambda b, k, s: (b, 0)),
-                  cache_spec, cache_spec, *extra_specs],
+                  cache_spec, cache_spec],
         out_specs=[*o_specs, cache_spec, cache_spec],
         out_shape=[*o_shapes, cache_shape, cache_shape],
-        input_output_aliases=aliases,
-        interpret=interpret,
-        name=f"decode_attention_bk{block_k}_splits{splits}{'_merged' if merge_in else ''}",
+        input_output_aliases={4: n_o, 5: n_o + 1},
+        interpret=resolve_interpret(interpret),
+        name=f"decode_attention_bk{block_k}_splits{splits}",
         compiler_params=triton_params(num_warps, num_stages),
     )(qkv_BCH, pos_B.astype(jnp.int32), cos_Bh.astype(jnp.float32), sin_Bh.astype(jnp.float32),
-      k_KBSH, v_KBSH, *extra_in)
-    o_BKRH = o[0] if splits == 1 or merge_in else merge_splits(*o).astype(k_KBSH.dtype)
-    o_BNH = o_BKRH[:, :, :group].reshape(B, num_heads, H)
-    if sem_BK is None:
-        return o_BNH, k_new, v_new
-    return o_BNH, k_new, v_new, (o[-1] if merge_in else sem_BK)
+      k_KBSH, v_KBSH)
+    o_BKRH = o[0] if splits == 1 else merge_splits(*o).astype(k_KBSH.dtype)
+    return o_BKRH[:, :, :group].reshape(B, num_heads, H), k_new, v_new
 
 
 def decode_attention_reference(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *,

@@ -49,13 +49,6 @@ def test_decode_attention_matches_unfused_math(N, K, dtype, splits):
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_ref, np.float32), **tol)
     np.testing.assert_array_equal(np.asarray(k_new, np.float32), np.asarray(k_ref, np.float32))
     np.testing.assert_array_equal(np.asarray(v_new, np.float32), np.asarray(v_ref, np.float32))
-    if splits > 1:  # the merge inside the kernel (last split to count merges) gives the same
-        o_in, k_in, v_in, sem = decode_attention(*args, jnp.zeros((B * K,), jnp.int32),
-                                                 num_heads=N, block_k=16, num_splits=splits)
-        np.testing.assert_allclose(np.asarray(o_in, np.float32), np.asarray(o, np.float32),
-                                   rtol=1e-6, atol=1e-6)
-        np.testing.assert_array_equal(np.asarray(k_in, np.float32), np.asarray(k_new, np.float32))
-        np.testing.assert_array_equal(np.asarray(sem), np.zeros(B * K, np.int32))  # reset
 
 
 def test_cache_attend_qkv_kernel_equals_the_interface_default():
@@ -127,7 +120,7 @@ def test_fused_decode_greedy_equals_reference(heads, tiling):
         3, 1) == (False, False)
     jaxpr = str(jax.make_jaxpr(lambda c: G.generate_tokens(
         *args, max_new_tokens=9, sp=greedy, fast=True, cache=c))(cache))
-    assert ("decode_attention_bk16_splits2_merged" if tiling else "decode_attention_bk") in jaxpr
+    assert ("decode_attention_bk16_splits2" if tiling else "decode_attention_bk") in jaxpr
     assert "add_rms_norm" in jaxpr
     with pytest.raises(ValueError, match="tiling 'split2'"):
         fastpath.make_cache(cfg, 3, 8, True, backend="pallas", tiling="split2")

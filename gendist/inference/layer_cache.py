@@ -47,9 +47,6 @@ class LayerKVCache(KVCache):
     k: tuple  # L arrays: [B, S, K, H] ("xla") or [K, B, S, H] ("pallas")
     v: tuple
     lengths: jax.Array  # [B] int32
-    # "pallas" only: per layer an int32 [B * K] of zeros, the split-merge counters of the
-    # fused attention kernel (`decode_attention.sem_BK`), updated in place and left at 0.
-    sems: tuple = ()
     backend: str = dataclasses.field(default="xla", metadata=dict(static=True))
     page_size: int = dataclasses.field(default=64, metadata=dict(static=True))
     # "pallas" only: decode steps of one token through the fused kernels (`decode_kernels`).
@@ -75,33 +72,26 @@ class LayerKVCache(KVCache):
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         zeros_v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         decode_attention.parse_tiling(tiling)  # a bad tag fails here, not inside a trace
-        sems = ()
-        if backend == "pallas":
-            sems = tuple(jnp.zeros((batch * num_kv_heads,), jnp.int32) for _ in range(num_layers))
-        return cls(zeros, zeros_v, jnp.zeros((batch,), jnp.int32), sems=sems, backend=backend,
-                   page_size=page_size, fused=fused, tiling=tiling)
+        return cls(zeros, zeros_v, jnp.zeros((batch,), jnp.int32), backend, page_size, fused,
+                   tiling)
 
     @property
     def max_len(self) -> int:
         return self.k[0].shape[2 if self.backend == "pallas" else 1]
 
-    def layer_states(self):  # (k, v) per layer, (k, v, sem) with the merge counters
-        if self.sems:
-            return list(zip(self.k, self.v, self.sems, strict=True))
+    def layer_states(self):
         return list(zip(self.k, self.v, strict=True))
 
     def with_layer_states(self, states):
-        sems = tuple(s[2] for s in states) if self.sems else ()
         return dataclasses.replace(self, k=tuple(s[0] for s in states),
-                                   v=tuple(s[1] for s in states), sems=sems)
+                                   v=tuple(s[1] for s in states))
 
     def layer_state(self):  # for a scanned (stacked-weights) model: a stacked copy
-        return tuple(jnp.stack(x) for x in (self.k, self.v, self.sems) if x)
+        return (jnp.stack(self.k), jnp.stack(self.v))
 
     def with_layer_state(self, state):
-        k, v, *sem = state
-        sems = tuple(sem[0]) if sem else ()
-        return dataclasses.replace(self, k=tuple(k), v=tuple(v), sems=sems)
+        k, v = state
+        return dataclasses.replace(self, k=tuple(k), v=tuple(v))
 
     def decode_kernels(self, batch: int, tokens: int) -> tuple[bool, bool]:
         """On the "pallas" backend with `fused`: RMSNorm as one kernel for up to 64 rows of a
@@ -119,24 +109,19 @@ class LayerKVCache(KVCache):
 
     def attend_qkv(self, layer_state, qkv_BTCH, num_heads, q_pos_BT, cos_BTh, sin_BTh,
                    sm_scale):
-        """One kernel (`decode_attention`); a split context is merged inside it when the
-        layer state carries its counters (`sems`) and the tiling has no "xm1" (merge in XLA)."""
-        k_buf, v_buf, *sem = layer_state
-        tiling = decode_attention.parse_tiling(self.tiling)
-        sem_BK = sem[0] if sem and not tiling.pop("xla_merge", 0) else None
-        out = decode_attention.decode_attention(
-            qkv_BTCH[:, 0], k_buf, v_buf, q_pos_BT[:, 0], cos_BTh[:, 0], sin_BTh[:, 0], sem_BK,
-            num_heads=num_heads, sm_scale=sm_scale, **tiling)
-        o_BNH, k_buf, v_buf = out[:3]
-        return o_BNH[:, None], (k_buf, v_buf, *(out[3:] if sem_BK is not None else sem))
+        k_buf, v_buf = layer_state
+        o_BNH, k_buf, v_buf = decode_attention.decode_attention(
+            qkv_BTCH[:, 0], k_buf, v_buf, q_pos_BT[:, 0], cos_BTh[:, 0], sin_BTh[:, 0],
+            num_heads=num_heads, sm_scale=sm_scale, **decode_attention.parse_tiling(self.tiling))
+        return o_BNH[:, None], (k_buf, v_buf)
 
     def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
-        k_buf, v_buf, *sem = layer_state  # the merge counters (if any) pass through
+        k_buf, v_buf = layer_state
         if self.backend == "xla":  # [B, S, K, H]: token rows on axes (0, 1)
             k_buf = write_rows(k_buf, k_BTKH, q_pos_BT, 0)
             v_buf = write_rows(v_buf, v_BTKH, q_pos_BT, 0)
             out = contiguous_attention(k_buf, v_buf, q_BTNH, q_pos_BT, sm_scale)
-            return out, (k_buf, v_buf, *sem)
+            return out, (k_buf, v_buf)
         # [K, B, S, H]: token rows on axes (1, 2), heads first.
         k_buf = write_rows(k_buf, jnp.moveaxis(k_BTKH, 2, 0), q_pos_BT, 1)
         v_buf = write_rows(v_buf, jnp.moveaxis(v_BTKH, 2, 0), q_pos_BT, 1)
@@ -156,7 +141,7 @@ class LayerKVCache(KVCache):
         else:
             out = paged_attention_chunk(q, k_KPZH, v_KPZH, tables_BP, kv_len_B,
                                         q_pos_BT.astype(jnp.int32), sm_scale=sm_scale)
-        return out.astype(q_BTNH.dtype), (k_buf, v_buf, *sem)
+        return out.astype(q_BTNH.dtype), (k_buf, v_buf)
 
 
 def write_rows(buf, rows, pos_BT, axis: int):

@@ -55,11 +55,6 @@ class KVCache(abc.ABC):
         `LayerKVCache` turns them on for its GPU backend."""
         return False, False
 
-    def norm_prefetch_mib(self) -> int:
-        """MiB of the next product's weights that a fused-path norm kernel pulls into L2
-        (`pallas_kernels.rms_norm` prefetch); 0 here (`LayerKVCache`: its tiling's pf<N>)."""
-        return 0
-
     def attend_qkv(self, layer_state, qkv_BTCH, num_heads: int, q_pos_BT, cos_BTh, sin_BTh,
                    sm_scale):
         """`attend` from the fused q|k|v projection [B, T, N+2K, H] before RoPE (angles

@@ -71,7 +71,7 @@ class LayerKVCache(KVCache):
             shape = (batch, max_len, num_kv_heads, head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         zeros_v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-        split_tiling(tiling)  # a bad tag fails here, not inside a trace
+        decode_attention.parse_tiling(tiling)  # a bad tag fails here, not inside a trace
         return cls(zeros, zeros_v, jnp.zeros((batch,), jnp.int32), backend, page_size, fused,
                    tiling)
 
@@ -107,15 +107,12 @@ class LayerKVCache(KVCache):
                      and (S <= 4096 or B * K >= 132))
         return batch * tokens <= 64, attention
 
-    def norm_prefetch_mib(self) -> int:
-        return split_tiling(self.tiling)[1]
-
     def attend_qkv(self, layer_state, qkv_BTCH, num_heads, q_pos_BT, cos_BTh, sin_BTh,
                    sm_scale):
         k_buf, v_buf = layer_state
         o_BNH, k_buf, v_buf = decode_attention.decode_attention(
             qkv_BTCH[:, 0], k_buf, v_buf, q_pos_BT[:, 0], cos_BTh[:, 0], sin_BTh[:, 0],
-            num_heads=num_heads, sm_scale=sm_scale, **split_tiling(self.tiling)[0])
+            num_heads=num_heads, sm_scale=sm_scale, **decode_attention.parse_tiling(self.tiling))
         return o_BNH[:, None], (k_buf, v_buf)
 
     def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
@@ -145,21 +142,6 @@ class LayerKVCache(KVCache):
             out = paged_attention_chunk(q, k_KPZH, v_KPZH, tables_BP, kv_len_B,
                                         q_pos_BT.astype(jnp.int32), sm_scale=sm_scale)
         return out.astype(q_BTNH.dtype), (k_buf, v_buf)
-
-
-DEFAULT_PREFETCH_MIB = 0  # the norm kernels' L2 prefetch of the next weights (pf<N>)
-
-
-def split_tiling(tag: str) -> tuple[dict, int]:
-    """(attention kernel kwargs, norm prefetch MiB) from a cache's tiling tag: parts bk, sp,
-    w, st tile `decode_attention` ("bk128_sp1_w4_st3"); "pf<N>" has each fused-path norm
-    kernel pull the first N MiB of the next product's weights into L2 (pf0: none)."""
-    parts = [p for p in tag.split("_") if p]
-    pf = [p for p in parts if p.startswith("pf")]
-    if len(pf) > 1 or (pf and not pf[0][2:].isdigit()):
-        raise ValueError(f"tiling {tag!r}: at most one prefetch part pf<MiB> (e.g. 'pf4')")
-    attn = decode_attention.parse_tiling("_".join(p for p in parts if not p.startswith("pf")))
-    return attn, int(pf[0][2:]) if pf else DEFAULT_PREFETCH_MIB
 
 
 def write_rows(buf, rows, pos_BT, axis: int):

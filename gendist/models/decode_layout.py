@@ -110,32 +110,23 @@ def decode_layer(p: dict, cfg: ModelConfig) -> dict:
     return out
 
 
-def _prefetch(w, mib: int) -> dict:
-    """The norm kernel's prefetch arguments: the first `mib` MiB of w (0: none)."""
-    if not mib or w is None:
-        return {}
-    return dict(prefetch=w, prefetch_elems=mib * 2**20 // w.dtype.itemsize)
-
-
-def rms_norm(x_BTD, scale_D, eps: float, kernel: bool, prefetch=None, prefetch_mib: int = 0):
+def rms_norm(x_BTD, scale_D, eps: float, kernel: bool):
     """`layers.rms_norm`, as one Pallas kernel when `kernel` (a decode step on the fused
     path, `KVCache.decode_kernels`) and the width is a power of two; XLA's two kernels
-    (sum of squares, scaling) otherwise. The kernel can also pull the first `prefetch_mib`
-    MiB of `prefetch` (the next product's weights) into L2 (`KVCache.norm_prefetch_mib`)."""
+    (sum of squares, scaling) otherwise."""
     if kernel and norm_kernel.supports(x_BTD.shape[-1]):
-        return norm_kernel.rms_norm(x_BTD, scale_D, eps=eps, **_prefetch(prefetch, prefetch_mib))
+        return norm_kernel.rms_norm(x_BTD, scale_D, eps=eps)
     return layers.rms_norm(x_BTD, scale_D, eps)
 
 
 def add_rms_norm(x_BTD, delta_BTD, scale_D, eps: float, kernel: bool,
-                 constrain=lambda s_BTD: s_BTD, prefetch=None, prefetch_mib: int = 0):
+                 constrain=lambda s_BTD: s_BTD):
     """(x + delta, its RMSNorm): the residual add and the norm after it, in one Pallas kernel
-    under the same conditions (and with the same prefetch) as `rms_norm`. `constrain` (a
-    sharding constraint) applies to the sum before the norm reads it, as the model's own
-    `x + delta` would be."""
+    under the same conditions as `rms_norm`. `constrain` (a sharding constraint) applies to
+    the sum before the norm reads it, as the model's own `x + delta` would be."""
     if kernel and norm_kernel.supports(x_BTD.shape[-1]):
         s_BTD, h_BTD = norm_kernel.rms_norm(x_BTD, scale_D, delta_BTD.astype(x_BTD.dtype),
-                                            eps=eps, **_prefetch(prefetch, prefetch_mib))
+                                            eps=eps)
         return constrain(s_BTD), h_BTD
     s_BTD = constrain(x_BTD + delta_BTD)
     return s_BTD, layers.rms_norm(s_BTD, scale_D, eps)

@@ -103,14 +103,11 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     def residual(s_BTD):  # the residual stream's layout
         return ops.constrain(s_BTD, ("batch", "act_seq", "embed"))
 
-    mib = cache.norm_prefetch_mib() if norm_k else 0  # the next weights into L2 (`rms_norm`)
-    pf_qkv = dict(prefetch=p.get("wqkv_CHD"), prefetch_mib=mib)
-    pf_mlp = dict(prefetch=p.get("w_gate_up_GD", p.get("w_up_FD")), prefetch_mib=mib)
     if pending is None:
-        h_BTD = decode_layout.rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps, norm_k, **pf_qkv)
+        h_BTD = decode_layout.rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps, norm_k)
     else:
         x_BTD, h_BTD = decode_layout.add_rms_norm(x_BTD, pending, p["attn_norm"], cfg.norm_eps,
-                                                  norm_k, residual, **pf_qkv)
+                                                  norm_k, residual)
     cos, sin = rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     if attn_k:  # RoPE, the cache write and attention in one kernel, from q|k|v unsplit
@@ -126,7 +123,7 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     else:
         attn_BTD = ops.row(o_BTNH, p["wo"], 2)  # the row-parallel matmul, then g
     x_BTD, h_BTD = decode_layout.add_rms_norm(x_BTD, attn_BTD, p["mlp_norm"], cfg.norm_eps,
-                                              norm_k, residual, **pf_mlp)  # x + attn, its norm
+                                              norm_k, residual)  # x + attn, its norm
     stats = None
     if moe:
         y_BTD, aux = ops.moe(moe_lib.layer_weights(p), ops.enter(h_BTD), cfg)  # f

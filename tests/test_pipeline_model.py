@@ -102,17 +102,30 @@ STEP_ATOL = 1e-6  # params after optimizer steps: test_data_parallel's fixed fp3
 
 @pytest.fixture(scope="module")
 def plain_three_steps(corpus):
-    """Three AdamW steps of the plain gendist train step on one device."""
+    """Three AdamW steps of the plain gendist train step on one device: (params, losses,
+    Adam's second moments)."""
     cfg = config(**{"train.batch_size": 16})
     state, losses = run_steps(train.build(cfg, mesh_of(1)), corpus, 3, 16)
-    return jax.device_get(state["params"]), losses
+    nu = state["opt_state"][1][0].nu
+    return jax.device_get(state["params"]), losses, jax.device_get(nu)
 
 
-def assert_params_close(got, want):
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
-                            strict=True):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=RTOL, atol=STEP_ATOL,
-                                   err_msg=jax.tree_util.keystr(path))
+def assert_params_close(got, want, nu):
+    """Params after AdamW steps, element by element. Adam divides each gradient by its
+    √v, so a gradient's fp32 rounding (summation order differs between the pipelined and
+    the plain step) reaches the parameter amplified by 1/√v: an element whose √v is k times
+    below its leaf's median gets k times the fixed tolerance (k >= 1). (On an AVX-512 host,
+    one w_up element of 8,192, √v 4.6x below the median, differed by 1.1e-6 against 1e-6.)"""
+    for (path, a), b, v in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                               jax.tree.leaves(nu), strict=True):
+        root = np.sqrt(np.asarray(v, np.float64))
+        k = np.maximum(1.0, np.median(root) / np.maximum(root, 1e-30))
+        err = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+        bound = STEP_ATOL * k + RTOL * np.abs(np.asarray(b, np.float64))
+        bad = err > bound
+        assert not bad.any(), (f"{jax.tree_util.keystr(path)}: {int(bad.sum())} of {bad.size} "
+                               f"outside the Adam-scaled tolerance; worst excess "
+                               f"{float((err - bound).max()):.3g}")
 
 
 def test_three_adamw_steps_match_plain_train_step(corpus, plain_three_steps):
@@ -120,9 +133,9 @@ def test_three_adamw_steps_match_plain_train_step(corpus, plain_three_steps):
     cfg = config(**{"train.batch_size": 16})
     setup = train.build(pipelined(cfg, "1f1b", 4), mesh_of(8, data=2, pipeline=4))
     state, losses = run_steps(setup, corpus, 3, 16)
-    want_params, want_losses = plain_three_steps
+    want_params, want_losses, want_nu = plain_three_steps
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
-    assert_params_close(state["params"], want_params)
+    assert_params_close(state["params"], want_params, want_nu)
     assert set(state) == {"step", "params", "opt_state"} and int(state["step"]) == 3
     assert setup.traces["step"] == 1, "the pipelined step recompiled across steps"
     # Each stage stores only its own layers.
@@ -135,9 +148,9 @@ def test_zero1_moments_sharded_over_data_and_stages(corpus, plain_three_steps):
     mesh = mesh_of(8, data=4, pipeline=2)
     setup = train.build(pipelined(cfg, "gpipe", 2), mesh)
     state, losses = run_steps(setup, corpus, 3, 16)
-    want_params, want_losses = plain_three_steps
+    want_params, want_losses, want_nu = plain_three_steps
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
-    assert_params_close(state["params"], want_params)
+    assert_params_close(state["params"], want_params, want_nu)
     # The plain step's ZeRO-1 placement of every moment, with `layers` moved onto stages.
     plain = train.build(cfg, mesh)
     adam = lambda opt_state: opt_state[1][0]

@@ -143,10 +143,7 @@ def flash_attention(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = False,
     q_seg = kv_seg = None
     if segment_ids is not None:
         q_seg, kv_seg = (x.astype(jnp.int32) for x in segment_ids)
-    return _flash_jit(cfg, q_BTNH, k_BSKH, v_BSKH, qoff, q_seg, kv_seg)
-
-
-_flash_jit = jax.jit(flash, static_argnums=(0,))
+    return flash(cfg, q_BTNH, k_BSKH, v_BSKH, qoff, q_seg, kv_seg)
 
 
 def mha_reference(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = False,

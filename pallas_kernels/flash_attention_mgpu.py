@@ -28,12 +28,11 @@ registers: slower, but Mosaic GPU's CPU interpreter runs it (see `_mgpu.py`).
 """
 from __future__ import annotations
 
-import functools
 import math
 
-import jax
 import jax.numpy as jnp
 
+from pallas_kernels._flash_vjp import make_flash, pad_seq
 from pallas_kernels.flash_attention_mgpu_bwd import backward_dkv, backward_dq
 from pallas_kernels.flash_attention_mgpu_common import MosaicBlockSizes, MosaicConfig
 from pallas_kernels.flash_attention_mgpu_fwd import forward
@@ -42,47 +41,18 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def _pad_seq(x, length: int, value=0):
-    if x is None or x.shape[1] == length:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, length - x.shape[1])
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def _padded(cfg: MosaicConfig, q, k, v, q_seg, kv_seg):
-    q, k, v = _pad_seq(q, cfg.q_pad), _pad_seq(k, cfg.kv_pad), _pad_seq(v, cfg.kv_pad)
-    return q, k, v, _pad_seq(q_seg, cfg.q_pad, -1), _pad_seq(kv_seg, cfg.kv_pad, -2)
+    q, k, v = pad_seq(q, cfg.q_pad), pad_seq(k, cfg.kv_pad), pad_seq(v, cfg.kv_pad)
+    return q, k, v, pad_seq(q_seg, cfg.q_pad, -1), pad_seq(kv_seg, cfg.kv_pad, -2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
-    return _flash_fwd(cfg, q, k, v, qoff, q_seg, kv_seg)[0]
+def _backward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta):
+    dq = backward_dq(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
+    dk, dv = backward_dkv(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
+    return dq, dk, dv
 
 
-def _flash_fwd(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
-    qp, kp, vp, qsp, kvsp = _padded(cfg, q, k, v, q_seg, kv_seg)
-    o, lse = forward(cfg, qp, kp, vp, qoff, qsp, kvsp)
-    o = o[:, : cfg.q_len]
-    # Residuals are O(seq): the inputs, the output and one fp32 LSE per query row.
-    return o, (q, k, v, qoff, q_seg, kv_seg, o, lse)
-
-
-def _flash_bwd(cfg: MosaicConfig, res, do):
-    q, k, v, qoff, q_seg, kv_seg, o, lse = res
-    # delta_i = sum_h dO_ih O_ih = sum_j P_ij dP_ij: the row term of the softmax Jacobian.
-    delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
-    delta = jnp.pad(delta, ((0, 0), (0, 0), (0, cfg.q_pad - cfg.q_len)))
-    qp, kp, vp, qsp, kvsp = _padded(cfg, q, k, v, q_seg, kv_seg)
-    # Padded query rows get dO = 0 and delta = 0, so they add nothing to dK and dV.
-    dop = _pad_seq(do.astype(q.dtype), cfg.q_pad)
-    dq = backward_dq(cfg, qp, kp, vp, qoff, qsp, kvsp, lse, dop, delta)
-    dk, dv = backward_dkv(cfg, qp, kp, vp, qoff, qsp, kvsp, lse, dop, delta)
-    return dq[:, : cfg.q_len], dk[:, : cfg.kv_len], dv[:, : cfg.kv_len], None, None, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
-_flash_jit = jax.jit(_flash, static_argnums=(0,))
+_flash_jit = make_flash(_padded, forward, _backward)  # jitted, cfg static
 
 
 def supports(dtype, head_dim: int) -> bool:

@@ -40,6 +40,7 @@ from pallas_kernels._compat import (
     precision_for,
     triton_params,
 )
+from pallas_kernels._flash_vjp import make_flash, pad_seq
 
 _LOG2E = math.log2(math.e)
 _BLOCK_FIELDS = ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq")
@@ -302,12 +303,6 @@ def _dq_kernel(qoff_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_r
 # ---------------------------------------------------------------------------------------
 # pallas_call wrappers.
 
-def _pad_seq(x, length: int, value=0):
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, length - x.shape[1])
-    return jnp.pad(x, widths, constant_values=value) if length != x.shape[1] else x
-
-
 def _seg_specs(cfg: Config, q_block, kv_block):
     if not cfg.segments:
         return [None, None]
@@ -391,36 +386,12 @@ def _backward(cfg: Config, q, k, v, qoff, q_seg, kv_seg, lse, do, delta):
 
 
 def _padded_inputs(cfg: Config, q, k, v, q_seg, kv_seg):
-    q, k, v = _pad_seq(q, cfg.q_pad), _pad_seq(k, cfg.kv_pad), _pad_seq(v, cfg.kv_pad)
+    q, k, v = pad_seq(q, cfg.q_pad), pad_seq(k, cfg.kv_pad), pad_seq(v, cfg.kv_pad)
     if cfg.segments:  # padded keys are excluded by the length mask, whatever their id
-        q_seg, kv_seg = _pad_seq(q_seg, cfg.q_pad, -1), _pad_seq(kv_seg, cfg.kv_pad, -1)
+        q_seg, kv_seg = pad_seq(q_seg, cfg.q_pad, -1), pad_seq(kv_seg, cfg.kv_pad, -1)
     return q, k, v, q_seg, kv_seg
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def flash(cfg: Config, q, k, v, qoff, q_seg, kv_seg):
-    return _flash_fwd(cfg, q, k, v, qoff, q_seg, kv_seg)[0]
-
-
-def _flash_fwd(cfg: Config, q, k, v, qoff, q_seg, kv_seg):
-    qp, kp, vp, qsp, kvsp = _padded_inputs(cfg, q, k, v, q_seg, kv_seg)
-    o, lse = _forward(cfg, qp, kp, vp, qoff, qsp, kvsp)
-    o = o[:, : cfg.q_len]
-    # Residuals are O(seq): the inputs, the output and one fp32 LSE per query row.
-    return o, (q, k, v, qoff, q_seg, kv_seg, o, lse)
-
-
-def _flash_bwd(cfg: Config, res, do):
-    q, k, v, qoff, q_seg, kv_seg, o, lse = res
-    # delta_i = sum_h dO_ih O_ih = sum_j P_ij dP_ij: the row term of the softmax Jacobian.
-    delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
-    delta = jnp.pad(delta, ((0, 0), (0, 0), (0, cfg.q_pad - cfg.q_len)))
-    qp, kp, vp, qsp, kvsp = _padded_inputs(cfg, q, k, v, q_seg, kv_seg)
-    # Padded query rows get dO = 0 and delta = 0, so they add nothing to dK and dV.
-    dq, dk, dv = _backward(cfg, qp, kp, vp, qoff, qsp, kvsp, lse, _pad_seq(do, cfg.q_pad), delta)
-    return dq[:, : cfg.q_len], dk[:, : cfg.kv_len], dv[:, : cfg.kv_len], None, None, None
-
-
-flash.defvjp(_flash_fwd, _flash_bwd)
+flash = make_flash(_padded_inputs, _forward, _backward)  # jitted, cfg static
 
 

@@ -98,6 +98,7 @@ def run_steps(setup, corpus, n, size):
 
 
 STEP_ATOL = 1e-6  # params after optimizer steps: test_data_parallel's fixed fp32 tolerance
+K_MAX = 10.0  # the most `assert_params_close` widens it for an element with a small √v
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +115,13 @@ def assert_params_close(got, want, nu):
     """Params after AdamW steps, element by element. Adam divides each gradient by its
     √v, so a gradient's fp32 rounding (summation order differs between the pipelined and
     the plain step) reaches the parameter amplified by 1/√v: an element whose √v is k times
-    below its leaf's median gets k times the fixed tolerance (k >= 1). (On an AVX-512 host,
-    one w_up element of 8,192, √v 4.6x below the median, differed by 1.1e-6 against 1e-6.)"""
+    below its leaf's median gets k times the fixed tolerance, 1 <= k <= K_MAX so that no
+    element goes unchecked. (On an AVX-512 host one w_up element of 8,192, √v 4.6x below the
+    median, differed by 1.1e-6 against 1e-6; every other element was within 0.4e-6.)"""
     for (path, a), b, v in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
                                jax.tree.leaves(nu), strict=True):
         root = np.sqrt(np.asarray(v, np.float64))
-        k = np.maximum(1.0, np.median(root) / np.maximum(root, 1e-30))
+        k = np.clip(np.median(root) / np.maximum(root, 1e-30), 1.0, K_MAX)
         err = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
         bound = STEP_ATOL * k + RTOL * np.abs(np.asarray(b, np.float64))
         bad = err > bound

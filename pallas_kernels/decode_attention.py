@@ -19,8 +19,9 @@ Grid (B, K, splits): one program per sequence, KV head and context split (flash-
 with few sequences the context is split so that the grid fills the GPU; the splits' partial
 results are merged by a log-sum-exp in XLA). Split 0 writes the new row and starts from the
 new token. On an H200 one program per (sequence, head) over a 320-slot cache cost 6.6 µs
-per call at 350m batch 1 (8.3 µs at 1b): the loop over the context is latency, not bytes. G = 1 (multi-head attention) runs
-as elementwise products and row sums; G > 1 pads the group to 16 rows for the tensor core.
+per call at 350m batch 1 (8.3 µs at 1b): the loop over the context is latency, not bytes.
+G = 1 (multi-head attention) runs as elementwise products and row sums; G > 1 pads the
+group to 16 rows for the tensor core.
 
 The reference is the unfused path: `apply_rope`, a row write and softmax attention in jnp
 (`decode_attention_reference`). Rounding follows it: q and k are rotated in fp32 and cast
@@ -36,7 +37,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import next_pow2, plgpu, precision_for, resolve_interpret, triton_params
+from pallas_kernels._compat import (
+    dot_f32,
+    next_pow2,
+    plgpu,
+    precision_for,
+    resolve_interpret,
+    triton_params,
+)
 from pallas_kernels.paged_attention import merge_splits
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp2(_NEG - m) is 0, never nan
@@ -106,9 +114,8 @@ def _kernel(qkv_ref, pos_ref, cos_ref, sin_ref, k_in, v_in, *out_refs,
             logit = (jnp.sum(ka.astype(f32) * q1.astype(f32), axis=1)
                      + jnp.sum(kb.astype(f32) * q2.astype(f32), axis=1))[None, :]
         else:
-            dims = (((1,), (1,)), ((), ()))
-            logit = (lax.dot_general(q1, ka, dims, precision=precision, preferred_element_type=f32)
-                     + lax.dot_general(q2, kb, dims, precision=precision, preferred_element_type=f32))
+            logit = (dot_f32(q1, ka, trans_b=True, precision=precision)
+                     + dot_f32(q2, kb, trans_b=True, precision=precision))
         logit = jnp.where(valid[None, :], logit * scale_log2, _NEG)  # [rows, block_k]
         m_new = jnp.maximum(m, logit.max(axis=1))
         alpha = jnp.exp2(m - m_new)
@@ -117,14 +124,13 @@ def _kernel(qkv_ref, pos_ref, cos_ref, sin_ref, k_in, v_in, *out_refs,
         if rows == 1:
             pv = jnp.sum(p.astype(dt).astype(f32)[0][:, None] * v.astype(f32), axis=0)[None, :]
         else:
-            pv = lax.dot_general(p.astype(dt), v, (((1,), (0,)), ((), ())), precision=precision,
-                                 preferred_element_type=f32)
+            pv = dot_f32(p.astype(dt), v, precision=precision)
         return acc * alpha[:, None] + pv, m_new, l
 
     acc, m, l = lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), block_k), body, init)
     if len(out_refs) == 3:  # one split: the normalised output
         o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)  # [rows, H], padding rows too
-    else:  # per split: unnormalised output, running max and sum, merged by `paged_attention.merge_splits`
+    else:  # per split: unnormalised output, running max and sum (`paged_attention.merge_splits`)
         m_ref, l_ref = out_refs[1], out_refs[2]
         o_ref[...] = acc
         m_ref[...] = m

@@ -165,6 +165,20 @@ def _positions(start, size: int):
 # ---------------------------------------------------------------------------------------
 # Forward kernel.
 
+def _row_logits(cfg: Config, q, k, j, bk: int, q_pos, q_seg, kvseg_ref, scale, precision,
+                masked: bool):
+    """A query tile's base-2 logits against K tile j [bq, bk]; -inf where not visible (only
+    on the masked loop). Shared by the forward and the dQ kernels, which sweep K/V tiles."""
+    s = dot_f32(q, k, trans_b=True, precision=precision) * scale
+    if masked:
+        kv_seg = kvseg_ref[pl.ds(j * bk, bk)][None, :] if cfg.segments else None
+        ok = _visible(q_pos[:, None], _positions(j * bk, bk)[None, :],
+                      None if q_seg is None else q_seg[:, None], kv_seg,
+                      causal=cfg.causal, kv_len=_length(cfg, bk))
+        s = jnp.where(ok, s, -jnp.inf)
+    return s
+
+
 def _fwd_kernel(qoff_ref, q_ref, k_ref, v_ref, qseg_ref, kvseg_ref,  # inputs
                 o_ref, lse_ref,  # outputs
                 *, cfg: Config, precision):
@@ -180,13 +194,7 @@ def _fwd_kernel(qoff_ref, q_ref, k_ref, v_ref, qseg_ref, kvseg_ref,  # inputs
         acc, m, l = carry
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
-        s = dot_f32(q, k, trans_b=True, precision=precision) * scale
-        if masked:
-            kv_seg = kvseg_ref[pl.ds(j * bk, bk)][None, :] if cfg.segments else None
-            ok = _visible(q_pos[:, None], _positions(j * bk, bk)[None, :],
-                          None if q_seg is None else q_seg[:, None], kv_seg,
-                          causal=cfg.causal, kv_len=_length(cfg, bk))
-            s = jnp.where(ok, s, -jnp.inf)
+        s = _row_logits(cfg, q, k, j, bk, q_pos, q_seg, kvseg_ref, scale, precision, masked)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         # A row with no visible key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not nan.
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
@@ -280,13 +288,7 @@ def _dq_kernel(qoff_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_r
     def step(j, dq, masked: bool):
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
-        s = dot_f32(q, k, trans_b=True, precision=precision) * scale
-        if masked:
-            kv_seg = kvseg_ref[pl.ds(j * bk, bk)][None, :] if cfg.segments else None
-            ok = _visible(q_pos[:, None], _positions(j * bk, bk)[None, :],
-                          None if q_seg is None else q_seg[:, None], kv_seg,
-                          causal=cfg.causal, kv_len=_length(cfg, bk))
-            s = jnp.where(ok, s, -jnp.inf)
+        s = _row_logits(cfg, q, k, j, bk, q_pos, q_seg, kvseg_ref, scale, precision, masked)
         p = jnp.exp2(s - lse[:, None])
         dp = dot_f32(do, v, trans_b=True, precision=precision)
         ds = p * (dp - delta[:, None])

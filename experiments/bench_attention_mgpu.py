@@ -20,6 +20,7 @@ short keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -47,7 +48,8 @@ PAGED_SHAPES = [(64, 4096, 32, 8, 16), (64, 4096, 32, 8, 64), (16, 16384, 32, 8,
 # takes >= 4 pages, splits in whole waves): one issuing thread, deeper rings of 64-token steps,
 # four context splits (against the wave model of `_default_splits`).
 PAGED_VARIANTS = [PagedBlockSizes(128, 2, issuers=1), PagedBlockSizes(64, 4), PagedBlockSizes(64, 5),
-                  PagedBlockSizes(64, 4, issuers=1), PagedBlockSizes(128, 2, num_splits=4)]
+                  PagedBlockSizes(64, 4, issuers=1), PagedBlockSizes(128, 2, num_splits=4),
+                  PagedBlockSizes(manual_barriers=False), PagedBlockSizes(64, 4, manual_barriers=False)]
 
 
 def legacy_paged_sizes(batch, ctx, hkv, page):
@@ -55,16 +57,25 @@ def legacy_paged_sizes(batch, ctx, hkv, page):
     context split in ceil(264 / (batch * kv heads)) at most, as timed then."""
     units = -(-ctx // math.lcm(128, 4 * page))
     return PagedBlockSizes(128, 2, num_splits=max(1, min(-(-264 // (batch * hkv)), units // 2 or 1)),
-                           issuers=1)
+                           issuers=1, manual_barriers=False)
 
 
 def variant_name(sizes):
     name = f"bk{sizes.block_k}_st{sizes.stages}"
     if sizes.issuers is not None:
         name += f"_iss{sizes.issuers}"
+    if not sizes.manual_barriers:
+        name += "_autobar"
     return name + (f"_s{sizes.num_splits}" if sizes.num_splits else "")
 # The backward kernels with three stages instead of two, timed on the non-causal cases only.
 ST3 = MosaicBlockSizes(stages_bwd=3)
+# The forward's two new parts, each taken out in turn (same run, same cases): one block per
+# query tile instead of the persistent grid, the mbarrier ping-pong instead of named barriers.
+FWD_VARIANTS = {
+    "ours_grid": dict(persistent=False),
+    "ours_mbar": dict(named_schedule=False),
+    "ours_grid_mbar": dict(persistent=False, named_schedule=False),
+}
 
 
 def warm_gpu(seconds: float = 3.0):
@@ -86,6 +97,11 @@ def rel(x, ref):
     return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
 
 
+def _variant(change, q, k, v, c):
+    blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(q.shape[-1]), **change)
+    return flash_attention(q, k, v, causal=c, block_sizes=blocks, implementation="mosaic")
+
+
 def fa_impls(names, smoke):
     impls = {
         "ours": lambda q, k, v, c: flash_attention(q, k, v, causal=c),
@@ -93,6 +109,8 @@ def fa_impls(names, smoke):
         "ours_bwd3": lambda q, k, v, c: flash_attention(q, k, v, causal=c, block_sizes=ST3),
         "ours_triton": lambda q, k, v, c: flash_attention(q, k, v, causal=c, implementation="triton"),
     }
+    for name, change in FWD_VARIANTS.items():
+        impls[name] = functools.partial(_variant, change)
     if smoke:
         impls = {"ours": lambda q, k, v, c: flash_attention(q, k, v, causal=c, implementation="mosaic"),
                  "xla": lambda q, k, v, c: jax.nn.dot_product_attention(q, k, v, is_causal=c)}
@@ -114,31 +132,44 @@ def run_fa(args, res, save):
         q, do = (jax.random.normal(kk, (b, s, n, d), jnp.bfloat16) for kk in keys[:2])
         k, v = (jax.random.normal(kk, (b, s, kh, d), jnp.bfloat16) for kk in keys[2:])
         flops = 4 * b * s * s * n * d * (0.5 if causal else 1.0)
-        peer_out = {}
-        for name, fn in impls.items():
-            if name == "ours_bwd3" and (causal or d != 128):
-                continue
-            if time.time() > args.deadline:
-                print("deadline: skipping", name, s, causal, flush=True)
-                continue
-            row = dict(impl=name, B=b, S=s, N=n, K=kh, D=d, causal=causal)
-            try:
-                fwd = jax.jit(functools.partial(fn, c=causal))
-                t, out = timed(fwd, q, k, v, n=args.iters)
-                row.update(fwd_ms=t * 1e3, fwd_tflops=flops / t / 1e12)
+        peer_out, rows, fns = {}, {}, {}
+        # Rounds: every implementation is timed once per round, in turn, and keeps its best
+        # round, so a clock or neighbour drift during the run does not favour whoever ran first.
+        for rnd in range(args.rounds):
+            for name, fn in impls.items():
+                if name == "ours_bwd3" and (causal or d != 128):
+                    continue
+                if time.time() > args.deadline:
+                    print("deadline: skipping", name, s, causal, "round", rnd, flush=True)
+                    continue
+                row = rows.setdefault(name, dict(impl=name, B=b, S=s, N=n, K=kh, D=d, causal=causal,
+                                                 fwd_ms_rounds=[], fwdbwd_ms_rounds=[]))
+                if "error" in row:
+                    continue
+                try:
+                    if name not in fns:
+                        def loss(q, k, v, do, fn=fn, causal=causal):  # do is an argument: not folded
+                            return jnp.sum(fn(q, k, v, causal).astype(jnp.float32) * do.astype(jnp.float32))
 
-                def loss(q, k, v, do, fn=fn, causal=causal):  # do is an argument: not folded
-                    return jnp.sum(fn(q, k, v, causal).astype(jnp.float32) * do.astype(jnp.float32))
-
-                grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-                t, grads = timed(grad, q, k, v, do, n=args.iters)
-                row.update(fwdbwd_ms=t * 1e3, fwdbwd_tflops=3.5 * flops / t / 1e12)
-                peer_out[name] = (out, *grads)
-            except Exception as e:  # noqa: BLE001 - record the failure and go on
-                row["error"] = repr(e)[:400]
+                        fns[name] = (jax.jit(functools.partial(fn, c=causal)),
+                                     jax.jit(jax.grad(loss, argnums=(0, 1, 2))))
+                    fwd, grad = fns[name]
+                    t, out = timed(fwd, q, k, v, n=args.iters)
+                    row["fwd_ms_rounds"].append(t * 1e3)
+                    t, grads = timed(grad, q, k, v, do, n=args.iters)
+                    row["fwdbwd_ms_rounds"].append(t * 1e3)
+                    if name not in peer_out:
+                        peer_out[name] = (out, *grads)
+                    row.update(fwd_ms=min(row["fwd_ms_rounds"]), fwdbwd_ms=min(row["fwdbwd_ms_rounds"]))
+                    row.update(fwd_tflops=flops / row["fwd_ms"] * 1e-9,
+                               fwdbwd_tflops=3.5 * flops / row["fwdbwd_ms"] * 1e-9)
+                except Exception as e:  # noqa: BLE001 - record the failure and go on
+                    row["error"] = repr(e)[:400]
+                print({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in row.items()
+                       if not k_.endswith("rounds")}, flush=True)
+        for row in rows.values():
             res["attention"].append(row)
-            save()
-            print({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+        save()
         ref_name = "xla" if args.smoke else "cudnn"
         if ref_name in peer_out:  # everyone's output and gradients against cuDNN's
             for row in res["attention"]:
@@ -177,6 +208,8 @@ def run_paged(args, res, save):
         t_ro, _ = timed(read_only, kp, vp, n=args.paged_iters)  # again after ours; the faster counts
         sweep = {"default": None, "legacy": legacy_paged_sizes(batch, ctx, hkv, page)}
         sweep.update((variant_name(v), v) for v in PAGED_VARIANTS)
+        if args.paged_variants:
+            sweep = {k: v for k, v in sweep.items() if k in args.paged_variants}
         if args.smoke:
             sweep = {"bk64_st2": PagedBlockSizes(64, 2), "bk64_st2_iss1": PagedBlockSizes(64, 2, issuers=1)}
         for name, sizes in sweep.items():
@@ -215,7 +248,10 @@ def main():
     parser.add_argument("--part", choices=("fa", "paged", "both"), default="both")
     parser.add_argument("--impls", nargs="*", default=None, help="subset of FA implementations")
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2, help="FA: each implementation's best of this many turns")
     parser.add_argument("--paged-iters", type=int, default=20)
+    parser.add_argument("--paged-variants", nargs="*", default=None,
+                        help="subset of the paged tilings by name (default, legacy, bk64_st4, ...)")
     parser.add_argument("--budget", type=float, default=1e9, help="seconds before no new case starts")
     parser.add_argument("--paged-triton", action="store_true", help="also time the Triton paged kernel")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, Mosaic interpreter)")

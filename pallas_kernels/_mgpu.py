@@ -11,6 +11,7 @@ the interpreter runs (and which the GPU also runs, so both paths are tested ther
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -28,6 +29,15 @@ LN2 = math.log(2.0)
 
 
 @functools.cache
+def sm_count(default: int = 132) -> int:
+    """Streaming multiprocessors of the default GPU (132 on an H100/H200 SXM)."""
+    try:
+        return int(getattr(jax.devices()[0], "core_count", None) or default)
+    except RuntimeError:
+        return default
+
+
+@functools.cache
 def on_sm90() -> bool:
     """True when the default device is a Hopper GPU (compute capability 9.x)."""
     try:
@@ -37,9 +47,24 @@ def on_sm90() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
+_RACES = {"detect": False}
+
+
+@contextlib.contextmanager
+def detecting_races():
+    """Kernels traced for the interpreter inside this block check every shared-memory access
+    for data races (slow: tests only; read the result with the interpreter's race state)."""
+    before = _RACES["detect"]
+    _RACES["detect"] = True
+    try:
+        yield
+    finally:
+        _RACES["detect"] = before
+
+
 def interpret_params(interpret: bool):
     """`interpret=` argument of `plgpu.kernel`: the GPU interpreter, or compile."""
-    return plgpu.InterpretGPUParams() if interpret else None
+    return plgpu.InterpretGPUParams(detect_races=_RACES["detect"]) if interpret else None
 
 
 def swizzle_for(row_bytes: int) -> int:
@@ -70,10 +95,19 @@ def smem_bytes(*buffers) -> int:
 
 
 def launch(kernel, args, *, out_type, scratch, grid, grid_names, num_threads: int,
-           interpret: bool):
+           interpret: bool, manual_barriers: bool = False):
     """Runs `kernel` over `grid` with the settings every kernel here shares: its threads are
     warpgroups named "wg", math may be approximate (exp2 on the multi-function unit), and
-    `interpret` picks Mosaic GPU's CPU interpreter."""
+    `interpret` picks Mosaic GPU's CPU interpreter.
+
+    manual_barriers=True turns off the warpgroup barriers Pallas inserts around every
+    shared-memory load/store and before every TMA issue (`unsafe_no_auto_barriers`), and the
+    cross-warp reduction scratch (row reductions of a wgmma tile stay inside a warp). The
+    kernel must then never read and write one shared region from the same thread without a
+    `commit_smem()` (a fence plus a warpgroup barrier) in between."""
+    params = (plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
+                                   reduction_scratch_bytes=0)
+              if manual_barriers else plgpu.CompilerParams(approx_math=True))
     return plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -82,9 +116,26 @@ def launch(kernel, args, *, out_type, scratch, grid, grid_names, num_threads: in
         grid_names=grid_names,
         num_threads=num_threads,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=params,
         interpret=interpret_params(interpret),
     )(*args)
+
+
+def named_barrier(op: str, barrier_id, threads: int):
+    """`bar.arrive` / `bar.sync` on a hardware named barrier of the block (ids 4-15: Mosaic GPU
+    keeps 0 and one per warpgroup for itself): `threads` is everyone taking part, arriving
+    or syncing. GPU only: the interpreter has no inline Mosaic GPU code."""
+    from jax.experimental import mosaic as _mosaic  # noqa: F401 - jax.experimental.mosaic.gpu
+    from jax.experimental.mosaic import gpu as mgpu
+
+    if op not in ("arrive", "sync"):
+        raise ValueError(f"named_barrier: op={op!r}; use 'arrive' or 'sync'.")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+    def bar(_, bid):
+        mgpu.utils.inline_ptx(f"bar.{op} $0, {threads};", bid.registers[()], has_side_effects=True)
+
+    bar(jnp.asarray(barrier_id, jnp.int32))
 
 
 def softmax_start(rows: int, width: int):

@@ -33,11 +33,13 @@ import math
 import jax.numpy as jnp
 
 from pallas_kernels._flash_vjp import make_flash, pad_seq
+from pallas_kernels._mgpu import sm_count
 from pallas_kernels.flash_attention_mgpu_bwd import backward_dkv, backward_dq
 from pallas_kernels.flash_attention_mgpu_common import MosaicBlockSizes, MosaicConfig
 from pallas_kernels.flash_attention_mgpu_fwd import forward
 
 SUPPORTED_HEAD_DIMS = (64, 128)
+INTERPRET_SMS = 2  # the persistent grid in the interpreter: 2 blocks, so each runs several tiles
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -79,11 +81,13 @@ def flash_attention_mgpu(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = False,
                          f"use one of {SUPPORTED_DTYPES} with head_dim in {SUPPORTED_HEAD_DIMS}.")
     blocks = block_sizes or MosaicBlockSizes.for_head_dim(h)
     regs = (not interpret) if regs is None else bool(regs)
-    blocks.check_smem(h, regs)
+    persistent = blocks.resolve_persistent(h, regs, bool(causal))
+    blocks.check_smem(h, regs, persistent)
     cfg = MosaicConfig(
         causal=bool(causal), sm_scale=float(1 / math.sqrt(h) if sm_scale is None else sm_scale),
         blocks=blocks, q_len=t, kv_len=s, groups=n // kh,
-        segments=q_segment_ids is not None, regs=regs, interpret=bool(interpret))
+        segments=q_segment_ids is not None, regs=regs, interpret=bool(interpret),
+        persistent=persistent, sms=INTERPRET_SMS if interpret else sm_count())
     qoff = jnp.asarray(q_offset, jnp.int32).reshape(1)
     q_seg = kv_seg = None
     if cfg.segments:

@@ -30,11 +30,18 @@ class MosaicBlockSizes:
     block_q_dkv: int = 64  # dK/dV kernel: query rows per pipeline step
     block_kv_dkv: int = 64  # dK/dV kernel: key rows per consumer warpgroup
     stages_bwd: int = 2  # backward kernels: tiles in flight
+    persistent: bool | None = None  # forward: one block per SM looping over query tiles (the
+    # next tile's Q load and K/V stream under this tile's epilogue); None: when not causal
+    named_schedule: bool | None = None  # forward: the consumers' ping-pong on two hardware
+    # named barriers (bar.arrive / bar.sync) instead of an mbarrier; None: when compiling
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name.startswith("stages"):
+            if f.name in ("persistent", "named_schedule"):
+                if value not in (None, True, False):
+                    raise ValueError(f"MosaicBlockSizes.persistent={value!r}: use True, False or None.")
+            elif f.name.startswith("stages"):
                 if value < 1:
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value}: use >= 1.")
             elif value % 64:
@@ -48,13 +55,20 @@ class MosaicBlockSizes:
             return cls(stages=3)
         return cls()
 
-    def check_smem(self, head_dim: int, regs: bool):
-        """Raises if a kernel's shared memory would exceed what one sm90 block has
-        (bf16/fp16 tiles; regs=False adds the P / dS staging buffers)."""
+    def resolve_persistent(self, head_dim: int, regs: bool, causal: bool) -> bool:
+        """The forward's grid: as asked, or (None) persistent when not causal and its own O
+        tiles fit in shared memory beside P's staging tiles (regs=False)."""
+        if self.persistent is not None:
+            return self.persistent
+        return not causal and self._need(head_dim, regs, True)["forward"] <= SMEM_LIMIT - 8192
+
+    def _need(self, head_dim: int, regs: bool, persistent: bool) -> dict[str, int]:
         d, w, h = head_dim, COMPUTE_WGS, jnp.float16
         staged = lambda shape: [] if regs else [(shape, h)]
-        need = {
-            "forward": smem_bytes(((w, self.block_q, d), h), ((2 * self.stages, self.block_kv, d), h),
+        return {
+            # Q tiles, and O tiles of their own in the persistent grid (else O goes out via Q's)
+            "forward": smem_bytes((((2 if persistent else 1) * w, self.block_q, d), h),
+                                  ((2 * self.stages, self.block_kv, d), h),
                                   ((w, self.block_q), jnp.float32),
                                   *staged((w, self.block_q, self.block_kv))),
             "dq": smem_bytes(((2 * w, self.block_q_dq, d), h),
@@ -65,7 +79,11 @@ class MosaicBlockSizes:
                               ((2 * self.stages_bwd, self.block_q_dkv), jnp.float32),
                               *staged((w, self.block_kv_dkv, self.block_q_dkv))),
         }
-        for name, n in need.items():
+
+    def check_smem(self, head_dim: int, regs: bool, persistent: bool = False):
+        """Raises if a kernel's shared memory would exceed what one sm90 block has
+        (bf16/fp16 tiles; regs=False adds the P / dS staging buffers)."""
+        for name, n in self._need(head_dim, regs, persistent).items():
             if n > SMEM_LIMIT - 8192:  # barriers and alignment take a few KiB more
                 raise ValueError(f"MosaicBlockSizes: the {name} kernel needs {n} bytes of shared "
                                  f"memory at head_dim={head_dim}; shrink its tiles or stages.")
@@ -84,6 +102,17 @@ class MosaicConfig:
     segments: bool
     regs: bool  # P and dS from registers (GPU); False stages them in shared memory
     interpret: bool
+    persistent: bool = False  # the forward runs one block per SM over the query tiles
+    sms: int = 132  # blocks of the persistent forward grid: one per streaming multiprocessor
+
+    @property
+    def named_schedule(self) -> bool:
+        """Whether the forward consumers alternate through hardware named barriers."""
+        n = self.blocks.named_schedule
+        if n and self.interpret:
+            raise ValueError("MosaicBlockSizes.named_schedule=True needs a GPU (the interpreter "
+                             "runs no inline PTX); use None or False with interpret=True.")
+        return (not self.interpret) if n is None else n
 
     @property
     def q_pad(self) -> int:
@@ -205,27 +234,31 @@ def own_tiles(pairs, wg, row0, n_rows: int, bi, head, bar):
 
 
 def stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, bi, kvh,
-              n_steps, bk: int, stages: int):
-    """The producer's ring: K/V tile j into slot j % stages once the consumers freed it
-    (k_free and v_free may be one barrier), then `drain`."""
+              n_steps, bk: int, stages: int, done=None):
+    """The producer's ring: K/V tile j into slot (done + j) % stages once the consumers freed
+    it (k_free and v_free may be one barrier). done=None: a block's only stream, drained
+    here; else the ring carries on after `done` earlier steps and the caller drains."""
+    base = 0 if done is None else done
+
     @pl.loop(0, n_steps)
     def _(j):
-        slot = lax.rem(j, stages)
+        slot = lax.rem(base + j, stages)
         rows = pl.ds(j * bk, bk)
 
-        @pl.when(j >= stages)
+        @pl.when(base + j >= stages)
         def _():
             plgpu.barrier_wait(k_free.at[slot])
 
         plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kvh], k_smem.at[slot], k_bar.at[slot])
         if v_free is not k_free:
-            @pl.when(j >= stages)
+            @pl.when(base + j >= stages)
             def _():
                 plgpu.barrier_wait(v_free.at[slot])
 
         plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kvh], v_smem.at[slot], v_bar.at[slot])
 
-    drain(n_steps, stages, *((k_free,) if v_free is k_free else (k_free, v_free)))
+    if done is None:
+        drain(n_steps, stages, *((k_free,) if v_free is k_free else (k_free, v_free)))
 
 
 def wgmma_from(acc, lhs, rhs, staged):

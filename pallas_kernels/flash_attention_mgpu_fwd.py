@@ -11,13 +11,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import COL, LN2, LOG2E, ROW, launch, softmax_start, tiled_smem
+from pallas_kernels._mgpu import (
+    COL,
+    LN2,
+    LOG2E,
+    ROW,
+    launch,
+    named_barrier,
+    softmax_start,
+    tiled_smem,
+)
 from pallas_kernels.flash_attention_mgpu_common import (
     COMPUTE_WGS,
     MosaicConfig,
     bcast_cols,
     bcast_rows,
     consumers,
+    drain,
     iota,
     kv_steps,
     needs_mask,
@@ -29,125 +39,204 @@ from pallas_kernels.flash_attention_mgpu_common import (
 )
 
 
+_SCHED_BARRIER = 4  # hardware named barriers 4 and 5: the consumers' turns (named_schedule)
+
+
 def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
-    """O [B, q_pad, N, D] and the base-2 LSE [B, N, q_pad] on padded inputs."""
+    """O [B, q_pad, N, D] and the base-2 LSE [B, N, q_pad] on padded inputs.
+
+    A tile is 2 x block_q query rows of one (batch, head): consumer warpgroup w owns rows
+    w * block_q of it. Without `cfg.persistent` the grid has one block per tile. With it the
+    grid has `cfg.sms` blocks and block i runs tiles i, i + sms, ... (in (batch, head, q tile)
+    order, so neighbouring SMs stream the same K/V through L2): the K/V ring and every barrier
+    carry on from one tile to the next, the next tile's Q copy is issued as soon as this
+    tile's last Q K^T is done, and O leaves through its own shared tile, so the next tile's
+    loads run under this tile's epilogue instead of after it (FlashAttention-3's persistent
+    schedule for the non-causal case).
+    """
     b, tp, n, d = q.shape
     bq, bk, st = cfg.blocks.block_q, cfg.blocks.block_kv, cfg.blocks.stages
     dtype, g = q.dtype, cfg.groups
     n_qt = tp // (COMPUTE_WGS * bq)
+    n_tiles = b * n * n_qt
+    blocks = min(cfg.sms, n_tiles) if cfg.persistent else n_tiles
     scale2 = cfg.sm_scale * LOG2E  # logits in base 2: exp(x) = exp2(x * log2 e)
+
+    def tile_of(t):
+        """(batch, head, q tile) of flat tile t; causal tiles longest rows first."""
+        bi, rest = lax.div(t, n * n_qt), lax.rem(t, n * n_qt)
+        h, qi = lax.div(rest, n_qt), lax.rem(rest, n_qt)
+        if cfg.causal:  # the longest rows first: a better tail
+            qi = n_qt - 1 - qi
+        return bi, h, qi
 
     def kernel(*refs):
         qoff_ref, (q_ref, k_ref, v_ref), qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 4)
-        o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, p_smem = rest[:7]
-        q_bar, k_bar, v_bar, k_free, v_free, sched = rest[7:]
-        qi = lax.axis_index("q")
-        if cfg.causal:  # the longest rows first: a better tail
-            qi = n_qt - 1 - qi
-        h, bi, wg = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("wg")
+        o_ref, lse_ref, q_smem, o_smem, k_smem, v_smem, lse_smem, p_smem = rest[:8]
+        if o_smem is None:  # one tile per block: O leaves through the Q tile
+            o_smem = q_smem
+        q_bar, k_bar, v_bar, k_free, v_free, sched = rest[8:]
+        wg = lax.axis_index("wg")
         q_off = qoff_ref[0]
-        block_lo = qi * (COMPUTE_WGS * bq)
-        n_full, n_end = kv_steps(cfg, q_off + block_lo, q_off + block_lo + COMPUTE_WGS * bq - 1, bk)
+        if cfg.persistent:
+            blk = lax.axis_index("sm")
+            n_mine = lax.div(n_tiles - 1 - blk, blocks) + 1  # tiles blk, blk + blocks, ...
+        else:
+            blk = lax.axis_index("t")
+            n_mine = 1
 
-        def schedule():  # the two consumers alternate: one's softmax under the other's matmuls
+        def steps_of(qi):
+            block_lo = qi * (COMPUTE_WGS * bq)
+            return kv_steps(cfg, q_off + block_lo, q_off + block_lo + COMPUTE_WGS * bq - 1, bk)
+
+        def tiles(body):
+            """body(local index, flat tile, K/V steps before it) -> the tile's K/V steps, over
+            this block's tiles; returns the block's K/V steps."""
+            def one(i, done):
+                return done + body(i, blk + i * blocks, done)
+            return lax.fori_loop(0, n_mine, one, jnp.int32(0))
+
+        # The two consumers alternate so that one's softmax runs under the other's matmuls.
+        # mbarrier form: one barrier of two arrivals, both consumers meet on it. Named form
+        # (FlashAttention-3's): consumer w waits its turn on hardware barrier 4 + w, which the
+        # other consumer's arrival opens.
+        def schedule():
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(sched)
 
+        def let_other_go():
+            named_barrier("arrive", _SCHED_BARRIER + 1 - wg, 2 * 128)
+
+        def wait_turn():
+            named_barrier("sync", _SCHED_BARRIER + wg, 2 * 128)
+
+        named = cfg.named_schedule
+
         @consumers(wg)
         def _consumer():
-            q_row = block_lo + wg * bq
-            q_tile = q_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_row, bq), h], q_tile, q_bar.at[wg])
-            q_seg = None
-            if cfg.segments:
-                q_seg = plgpu.load(qseg_ref.at[bi, pl.ds(q_row, bq)], layout=ROW, optimized=False)
-            plgpu.barrier_wait(q_bar.at[wg])
-            plgpu.barrier_wait(k_bar.at[0])
-            pl.when(wg == 1)(schedule)
+            q_tile, o_tile = q_smem.at[wg], o_smem.at[wg]
 
-            def step(j, carry, masked: bool):
-                acc, m, l = carry
-                slot = lax.rem(j, st)
+            def load_q(t):
+                bi, h, qi = tile_of(t)
+                q_row = qi * (COMPUTE_WGS * bq) + wg * bq
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_row, bq), h], q_tile, q_bar.at[wg])
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
-                    schedule()
-                    return acc_ref[...]
+            load_q(blk)
 
-                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-                if masked:
-                    kv_seg = None
-                    if cfg.segments:
-                        kv_seg = bcast_cols(plgpu.load(kvseg_ref.at[bi, pl.ds(j * bk, bk)],
-                                                        layout=COL, optimized=False), s.shape)
-                    ok = visible(cfg, q_off + q_row + iota(s.shape, 0), j * bk + iota(s.shape, 1),
-                                  None if q_seg is None else bcast_rows(q_seg, s.shape), kv_seg,
-                                  length=cfg.kv_len % bk != 0)
-                    s = jnp.where(ok, s, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1) * scale2)
-                # A row that has seen no key keeps m = -inf; shift it by 0 so exp2 gives 0.
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-                alpha = jnp.exp2(m - m_use)  # rescales what was summed under the old max
-                p = jnp.exp2(s * scale2 - bcast_rows(m_use, s.shape))
-                acc = acc * bcast_rows(alpha, acc.shape)
-                l = l * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
-                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                plgpu.barrier_arrive(sched)  # softmax done: let the other consumer's matmul go
-                plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.barrier_wait(sched)  # the tensor core is ours again
+            def run_tile(i, t, done):
+                bi, h, qi = tile_of(t)
+                n_full, n_end = steps_of(qi)
+                q_row = qi * (COMPUTE_WGS * bq) + wg * bq
+                q_seg = None
+                if cfg.segments:
+                    q_seg = plgpu.load(qseg_ref.at[bi, pl.ds(q_row, bq)], layout=ROW, optimized=False)
+                plgpu.barrier_wait(q_bar.at[wg])
+                plgpu.barrier_wait(k_bar.at[lax.rem(done, st)])
+                pl.when(wg == 1)(wait_turn if named else schedule)
 
-                def wait_next_k():
-                    @pl.when(j + 1 < n_end)
-                    def _():
-                        plgpu.barrier_wait(k_bar.at[lax.rem(j + 1, st)])
+                def step(j, carry, masked: bool):
+                    acc, m, l = carry
+                    slot = lax.rem(done + j, st)
 
-                if cfg.regs:
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                        wait_next_k()
-
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                else:
-                    p_tile = p_smem.at[wg]
-                    p_tile[...] = p16
-                    plgpu.commit_smem()
-
-                    def pv_scoped(acc_ref):
-                        plgpu.wgmma(acc_ref, p_tile, v_smem.at[slot])
-                        wait_next_k()
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+                        (let_other_go if named else schedule)()
                         return acc_ref[...]
 
-                    acc = acc + pl.run_scoped(pv_scoped, plgpu.ACC((bq, d), jnp.float32))
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l
+                    s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    if masked:
+                        kv_seg = None
+                        if cfg.segments:
+                            kv_seg = bcast_cols(plgpu.load(kvseg_ref.at[bi, pl.ds(j * bk, bk)],
+                                                            layout=COL, optimized=False), s.shape)
+                        ok = visible(cfg, q_off + q_row + iota(s.shape, 0), j * bk + iota(s.shape, 1),
+                                      None if q_seg is None else bcast_rows(q_seg, s.shape), kv_seg,
+                                      length=cfg.kv_len % bk != 0)
+                        s = jnp.where(ok, s, -jnp.inf)
+                    m_new = jnp.maximum(m, s.max(axis=1) * scale2)
+                    # A row that has seen no key keeps m = -inf; shift it by 0 so exp2 gives 0.
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+                    alpha = jnp.exp2(m - m_use)  # rescales what was summed under the old max
+                    p = jnp.exp2(s * scale2 - bcast_rows(m_use, s.shape))
+                    acc = acc * bcast_rows(alpha, acc.shape)
+                    l = l * alpha + p.sum(axis=1)
+                    p16 = p.astype(dtype)
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    if not named:
+                        plgpu.barrier_arrive(sched)  # softmax done: the other consumer's matmul may go
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    if named:
+                        wait_turn()  # the tensor core is ours again
+                    else:
+                        plgpu.barrier_wait(sched)
 
-            carry = softmax_start(bq, d)
-            carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-            if needs_mask(cfg, bk):
-                carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
-            acc, m, l = carry
-            pl.when(wg == 0)(schedule)
+                    def wait_next_k():  # the next tile's first K slot is waited in run_tile
+                        @pl.when(j + 1 < n_end)
+                        def _():
+                            plgpu.barrier_wait(k_bar.at[lax.rem(done + j + 1, st)])
 
-            seen = l > 0.0  # rows with no visible key give 0 and an LSE of +inf (P = 0 later)
-            inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-            q_tile[...] = (acc * bcast_rows(inv, acc.shape)).astype(dtype)
-            lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)) * (1 / LN2),
-                                             jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_tile, o_ref.at[bi, pl.ds(q_row, bq), h])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, h, pl.ds(q_row, bq)])
+                    if cfg.regs:
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                            wait_next_k()
+
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    else:
+                        p_tile = p_smem.at[wg]
+                        p_tile[...] = p16
+                        plgpu.commit_smem()
+
+                        def pv_scoped(acc_ref):
+                            plgpu.wgmma(acc_ref, p_tile, v_smem.at[slot])
+                            wait_next_k()
+                            return acc_ref[...]
+
+                        acc = acc + pl.run_scoped(pv_scoped, plgpu.ACC((bq, d), jnp.float32))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, l
+
+                carry = softmax_start(bq, d)
+                carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+                if needs_mask(cfg, bk):
+                    carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
+                acc, m, l = carry
+                pl.when(wg == 0)(let_other_go if named else schedule)
+                # Every Q K^T of this tile is done: the next tile's Q may land in q_tile now.
+                pl.when(i + 1 < n_mine)(lambda: load_q(t + blocks))
+
+                seen = l > 0.0  # rows with no visible key give 0 and an LSE of +inf (P = 0 later)
+                inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+                lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)) * (1 / LN2), jnp.inf)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's O has left
+                o_tile[...] = (acc * bcast_rows(inv, acc.shape)).astype(dtype)
+                lse_smem.at[wg][...] = lse
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_tile, o_ref.at[bi, pl.ds(q_row, bq), h], commit_group=False)
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[bi, h, pl.ds(q_row, bq)],
+                                        commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
+                return n_end
+
+            tiles(run_tile)
             plgpu.wait_smem_to_gmem(0)
 
         @producer(wg)
         def _producer():
-            stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, bi=bi,
-                      kvh=lax.div(h, jnp.int32(g)), n_steps=n_end, bk=bk, stages=st)
+            def feed(i, t, done):
+                bi, h, qi = tile_of(t)
+                n_end = steps_of(qi)[1]
+                stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, bi=bi,
+                          kvh=lax.div(h, jnp.int32(g)), n_steps=n_end, bk=bk, stages=st,
+                          done=done)
+                return n_end
+
+            drain(tiles(feed), st, k_free, v_free)
 
     w = COMPUTE_WGS
     scratch = (
-        tiled_smem((w, bq, d), dtype),  # Q tiles, then O tiles
+        tiled_smem((w, bq, d), dtype),  # Q tiles
+        tiled_smem((w, bq, d), dtype) if cfg.persistent else None,  # O tiles on their way out
         tiled_smem((st, bk, d), dtype),
         tiled_smem((st, bk, d), dtype),
         plgpu.SMEM((w, bq), jnp.float32),  # LSE rows
@@ -162,5 +251,5 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
     args = with_segments(cfg, [qoff, q, k, v], q_seg, kv_seg)
     return launch(kernel, args, out_type=(jax.ShapeDtypeStruct((b, tp, n, d), dtype),
                                           jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
-                  scratch=scratch, grid=(n_qt, n, b), grid_names=("q", "h", "b"),
-                  num_threads=w + 1, interpret=cfg.interpret)
+                  scratch=scratch, grid=(blocks,), grid_names=("sm" if cfg.persistent else "t",),
+                  num_threads=w + 1, interpret=cfg.interpret, manual_barriers=True)

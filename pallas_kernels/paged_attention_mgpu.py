@@ -59,6 +59,8 @@ class PagedBlockSizes:
     num_splits: int | None = None  # context splits per sequence; None: fill the GPU in whole waves
     issuers: int | None = None  # producer warps issuing a step's copies (1, 2 or 4); None: 4 when
     # a step takes >= 4 copies (pages smaller than block_k / 4), else 1
+    manual_barriers: bool = True  # no warpgroup barrier before each page copy (and around each
+    # shared-memory access) but the kernel's own; False: Pallas's automatic ones
 
     def __post_init__(self):
         if self.block_k % 64 or self.block_k < 64:
@@ -69,6 +71,8 @@ class PagedBlockSizes:
             raise ValueError(f"PagedBlockSizes.num_splits={self.num_splits}: use >= 1.")
         if self.issuers not in (None, 1, 2, 4):
             raise ValueError(f"PagedBlockSizes.issuers={self.issuers}: use 1, 2, 4 or None.")
+        if not isinstance(self.manual_barriers, bool):
+            raise ValueError(f"PagedBlockSizes.manual_barriers={self.manual_barriers!r}: use True or False.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +86,7 @@ class _Plan:
     split_tokens: int  # tokens per context split (a multiple of block_k and of 4 pages)
     splits: int
     group_rows: int  # G rounded up to 8: the output rows written per block
+    manual_barriers: bool
     regs: bool
     interpret: bool
 
@@ -115,7 +120,7 @@ def _plan(batch, kv_heads, group, capacity, page_size, head_dim, sizes: PagedBlo
     splits = min(sizes.num_splits or _default_splits(batch * kv_heads, units, unit), units)
     split_tokens = -(-units // splits) * unit
     plan = _Plan(bk, sizes.stages, per_copy, issuers, split_tokens, -(-capacity // split_tokens),
-                 max(8, -(-group // 8) * 8), regs, interpret)
+                 max(8, -(-group // 8) * 8), sizes.manual_barriers, regs, interpret)
     need = smem_bytes(((_ROWS, head_dim), jnp.float16), ((2 * sizes.stages, bk, head_dim), jnp.float16),
                       ((_ROWS, head_dim), jnp.float32), ((_ROWS, bk), jnp.float16))
     if need > SMEM_LIMIT - 4096:
@@ -178,7 +183,9 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                 @pl.when(valid < bk)  # the partial block: stale rows may hold NaN
                 def _():
                     row = plgpu.broadcasted_iota(jnp.int32, (bk, head_dim), 0, layout=WGMMA)
-                    v_tile[...] = jnp.where(row < valid, v_tile[...], jnp.zeros((), dtype))
+                    rows_v = v_tile[...]
+                    plgpu.commit_smem()  # every read is done before any write (manual barriers)
+                    v_tile[...] = jnp.where(row < valid, rows_v, jnp.zeros((), dtype))
                     plgpu.commit_smem()
 
                 if plan.regs:
@@ -271,7 +278,7 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                   out_type=(jax.ShapeDtypeStruct((s, batch, kv_heads, rows, head_dim), jnp.float32),
                             jax.ShapeDtypeStruct((s, batch, kv_heads, rows), jnp.float32)),
                   scratch=scratch, grid=(s, kv_heads, batch), grid_names=("s", "k", "b"),
-                  num_threads=2, interpret=plan.interpret)
+                  num_threads=2, interpret=plan.interpret, manual_barriers=plan.manual_barriers)
 
 
 def _merge(o_SBKRH, lse_SBKR):

@@ -6,6 +6,7 @@ CPU (it simulates every warpgroup, so it is slow), the whole shape suite in bf16
 compiled on an sm90 GPU. Each case is one compile of forward + backward; on CPU the program
 is compiled at XLA optimisation level 0, which only shortens the compile.
 """
+import dataclasses
 import math
 
 import chex
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels._mgpu import on_sm90
+from pallas_kernels._mgpu import detecting_races, on_sm90
 from pallas_kernels.flash_attention import (
     BlockSizes,
     SegmentIds,
@@ -25,6 +26,14 @@ from pallas_kernels.flash_attention import (
 from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes, flash_attention_mgpu
 
 ON_GPU = jax.default_backend() == "gpu"
+
+
+def interpreter_races_found() -> bool:
+    """Whether the last kernel that Mosaic GPU's interpreter ran with race detection found a
+    race (its state lives in jax's private interpreter module)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    return bool(interpret_pallas_call.get_races().races_found)
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 SMALL = BlockSizes(16, 16, 16, 16, 16, 16)  # many tiles per sequence: every loop runs
@@ -231,6 +240,36 @@ class TestMosaicFlashAttention:
         check_case((2, 300, 300, 4, 1, 128, True, BF16, 0, None, blocks),
                    lambda q, k, v, blocks, **kw: flash_attention(
                        q, k, v, block_sizes=blocks, implementation="mosaic", **kw))
+
+    @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+    def test_persistent_forward_equals_one_block_per_tile(self, causal):
+        """The persistent grid (each block several tiles, the K/V ring, barriers and the next
+        tile's Q carried over) gives bitwise the output of one block per tile. On CPU the
+        persistent grid has 2 blocks for 3 x 2 x 2 = 12 tiles (ragged query tiles, GQA)."""
+        rng = np.random.default_rng(7)
+        q, k, v = (normal(rng, (2, 300, 2, 64), BF16), normal(rng, (2, 200, 1, 64), BF16),
+                   normal(rng, (2, 200, 1, 64), BF16))
+        outs = [flash_attention_mgpu(q, k, v, causal=causal, interpret=not ON_GPU, block_sizes=dataclasses.replace(
+                    MosaicBlockSizes.for_head_dim(64), persistent=p)) for p in (False, True)]
+        np.testing.assert_array_equal(np.asarray(outs[1], np.float32), np.asarray(outs[0], np.float32))
+        ref = mha_reference(*(x.astype(F32) for x in (q, k, v)), causal=causal)
+        assert rel_err(outs[1], ref) < TOL[BF16]
+
+    @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector")
+    @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+    def test_forward_has_no_shared_memory_race(self, causal):
+        """The forward kernel sets its own barriers (`launch(manual_barriers=True)`): the
+        interpreter's race detector finds none, persistent or not (it finds the race when the
+        wait for the last tile's O copy is taken out)."""
+        rng = np.random.default_rng(8)
+        for persistent, heads in ((True, 2), (False, 1)):  # shapes no other test traces
+            q = normal(rng, (1, 256, heads, 64), BF16)
+            k, v = normal(rng, (1, 256, 1, 64), BF16), normal(rng, (1, 256, 1, 64), BF16)
+            blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(64), persistent=persistent)
+            with detecting_races():
+                out = flash_attention_mgpu(q, k, v, causal=causal, interpret=True, block_sizes=blocks)
+                jax.block_until_ready(out)
+            assert not interpreter_races_found(), f"persistent={persistent}"
 
     def test_auto_picks_mosaic_only_on_sm90(self):
         want = "mosaic" if ON_GPU and on_sm90() else "triton"

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gendist.timing import call_times
+from gendist.timing import call_times, pipelined_seconds
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
@@ -69,12 +69,14 @@ def variant_name(sizes):
     return name + (f"_s{sizes.num_splits}" if sizes.num_splits else "")
 # The backward kernels with three stages instead of two, timed on the non-causal cases only.
 ST3 = MosaicBlockSizes(stages_bwd=3)
-# The forward's two new parts, each taken out in turn (same run, same cases): one block per
-# query tile instead of the persistent grid, the mbarrier ping-pong instead of named barriers.
+# The kernels' new parts, each taken out in turn (same run, same cases): one block per query
+# tile instead of the persistent grid, the mbarrier ping-pong instead of named barriers, the
+# backward kernels with Pallas's automatic barriers.
 FWD_VARIANTS = {
     "ours_grid": dict(persistent=False),
     "ours_mbar": dict(named_schedule=False),
     "ours_grid_mbar": dict(persistent=False, named_schedule=False),
+    "ours_bwd_autobar": dict(manual_barriers_bwd=False),  # the backward with Pallas's barriers
 }
 
 
@@ -88,8 +90,14 @@ def warm_gpu(seconds: float = 3.0):
 
 
 def timed(f, *args, n):
+    """Median of `n` synchronised calls, or (`--pipelined`) `n` calls back to back."""
+    if PIPELINED["on"]:
+        return pipelined_seconds(f, *args, n=n, warm=1)
     ts, out = call_times(f, *args, n=n, warm=1)
     return float(np.median(ts)), out
+
+
+PIPELINED = {"on": False}
 
 
 def rel(x, ref):
@@ -255,7 +263,10 @@ def main():
     parser.add_argument("--budget", type=float, default=1e9, help="seconds before no new case starts")
     parser.add_argument("--paged-triton", action="store_true", help="also time the Triton paged kernel")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, Mosaic interpreter)")
+    parser.add_argument("--pipelined", action="store_true",
+                        help="time n calls back to back, one synchronisation (device time per call)")
     args = parser.parse_args()
+    PIPELINED["on"] = args.pipelined
     args.deadline = time.time() + args.budget
     out_dir = os.environ.get("OUT", ".")
     print(jax.devices(), "jax", jax.__version__, flush=True)

@@ -128,7 +128,7 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
     args = with_segments(cfg, [qoff, q, k, v, do, lse, delta], q_seg, kv_seg)
     return launch(kernel, args, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch,
                   grid=(n_qt, n, b), grid_names=("q", "h", "b"), num_threads=w + 1,
-                  interpret=cfg.interpret)
+                  interpret=cfg.interpret, manual_barriers=cfg.blocks.manual_barriers_bwd)
 
 
 def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta):
@@ -274,4 +274,4 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     out = jax.ShapeDtypeStruct((b, sp, kh, d), dtype)
     return launch(kernel, args, out_type=(out, out), scratch=scratch,
                   grid=(n_kt, kh, b), grid_names=("k", "h", "b"), num_threads=w + 1,
-                  interpret=cfg.interpret)
+                  interpret=cfg.interpret, manual_barriers=cfg.blocks.manual_barriers_bwd)

@@ -34,11 +34,16 @@ class MosaicBlockSizes:
     # next tile's Q load and K/V stream under this tile's epilogue); None: when not causal
     named_schedule: bool | None = None  # forward: the consumers' ping-pong on two hardware
     # named barriers (bar.arrive / bar.sync) instead of an mbarrier; None: when compiling
+    manual_barriers_bwd: bool = True  # backward kernels: only their own barriers (no warpgroup
+    # barrier per shared-memory load and TMA issue); False: Pallas's automatic ones
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("persistent", "named_schedule"):
+            if f.name == "manual_barriers_bwd":
+                if not isinstance(value, bool):
+                    raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
+            elif f.name in ("persistent", "named_schedule"):
                 if value not in (None, True, False):
                     raise ValueError(f"MosaicBlockSizes.persistent={value!r}: use True, False or None.")
             elif f.name.startswith("stages"):

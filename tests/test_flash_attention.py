@@ -257,10 +257,11 @@ class TestMosaicFlashAttention:
 
     @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector")
     @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-    def test_forward_has_no_shared_memory_race(self, causal):
-        """The forward kernel sets its own barriers (`launch(manual_barriers=True)`): the
-        interpreter's race detector finds none, persistent or not (it finds the race when the
-        wait for the last tile's O copy is taken out)."""
+    def test_kernels_have_no_shared_memory_race(self, causal):
+        """The kernels set their own barriers (`launch(manual_barriers=True)`): the
+        interpreter's race detector finds none in the forward (persistent or not) nor in the
+        dQ and dK/dV kernels (it finds the race when the forward's wait for the last tile's O
+        copy is taken out)."""
         rng = np.random.default_rng(8)
         for persistent, heads in ((True, 2), (False, 1)):  # shapes no other test traces
             q = normal(rng, (1, 256, heads, 64), BF16)
@@ -269,7 +270,12 @@ class TestMosaicFlashAttention:
             with detecting_races():
                 out = flash_attention_mgpu(q, k, v, causal=causal, interpret=True, block_sizes=blocks)
                 jax.block_until_ready(out)
-            assert not interpreter_races_found(), f"persistent={persistent}"
+                assert not interpreter_races_found(), f"forward, persistent={persistent}"
+                if persistent:  # the backward kernels once (they have no persistent form)
+                    _, vjp = jax.vjp(lambda q, k, v: flash_attention_mgpu(
+                        q, k, v, causal=causal, interpret=True, block_sizes=blocks), q, k, v)
+                    jax.block_until_ready(vjp(out))
+                    assert not interpreter_races_found(), "backward"
 
     def test_auto_picks_mosaic_only_on_sm90(self):
         want = "mosaic" if ON_GPU and on_sm90() else "triton"

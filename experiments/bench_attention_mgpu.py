@@ -77,6 +77,7 @@ FWD_VARIANTS = {
     "ours_mbar": dict(named_schedule=False),
     "ours_grid_mbar": dict(persistent=False, named_schedule=False),
     "ours_bwd_autobar": dict(manual_barriers_bwd=False),  # the backward with Pallas's barriers
+    "ours_two_kernel_bwd": dict(fused_bwd=False),  # separate dQ and dK/dV kernels (7 matmuls)
 }
 
 

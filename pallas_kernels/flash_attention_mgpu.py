@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from pallas_kernels._flash_vjp import make_flash, pad_seq
 from pallas_kernels._mgpu import sm_count
 from pallas_kernels.flash_attention_mgpu_bwd import backward_dkv, backward_dq
+from pallas_kernels.flash_attention_mgpu_bwd_fused import backward_fused
 from pallas_kernels.flash_attention_mgpu_common import MosaicBlockSizes, MosaicConfig
 from pallas_kernels.flash_attention_mgpu_fwd import forward
 
@@ -49,6 +50,8 @@ def _padded(cfg: MosaicConfig, q, k, v, q_seg, kv_seg):
 
 
 def _backward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta):
+    if cfg.blocks.fused_bwd:
+        return backward_fused(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
     dq = backward_dq(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
     dk, dv = backward_dkv(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
     return dq, dk, dv

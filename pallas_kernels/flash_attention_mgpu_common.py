@@ -36,11 +36,13 @@ class MosaicBlockSizes:
     # named barriers (bar.arrive / bar.sync) instead of an mbarrier; None: when compiling
     manual_barriers_bwd: bool = True  # backward kernels: only their own barriers (no warpgroup
     # barrier per shared-memory load and TMA issue); False: Pallas's automatic ones
+    fused_bwd: bool = True  # backward: one kernel for dQ, dK, dV (5 tile matmuls, dQ summed in
+    # fp32 by TMA reduce-add) instead of a dQ kernel and a dK/dV kernel (7)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "manual_barriers_bwd":
+            if f.name in ("manual_barriers_bwd", "fused_bwd"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
             elif f.name in ("persistent", "named_schedule"):
@@ -83,6 +85,11 @@ class MosaicBlockSizes:
                               ((2 * self.stages_bwd, self.block_q_dkv, d), h),
                               ((2 * self.stages_bwd, self.block_q_dkv), jnp.float32),
                               *staged((w, self.block_kv_dkv, self.block_q_dkv))),
+            "fused backward": smem_bytes(((2 * w, self.block_kv_dkv, d), h),
+                                         ((2 * self.stages_bwd, self.block_q_dkv, d), h),
+                                         ((2 * self.stages_bwd, self.block_q_dkv), jnp.float32),
+                                         ((w, self.block_kv_dkv, self.block_q_dkv), h),
+                                         ((w, self.block_q_dkv, d), jnp.float32)),
         }
 
     def check_smem(self, head_dim: int, regs: bool, persistent: bool = False):

@@ -224,6 +224,13 @@ class TestMosaicFlashAttention:
         check_case(case, lambda q, k, v, blocks, **kw: flash_attention(
             q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
 
+    @pytest.mark.parametrize("case", MOSAIC_INTERPRET[:2], ids=case_id)
+    def test_two_kernel_backward_matches_reference(self, case):
+        """fused_bwd=False: the separate dQ and dK/dV kernels (7 tile matmuls a pair)."""
+        blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(case[5]), fused_bwd=False)
+        check_case(case[:-1] + (blocks,), lambda q, k, v, blocks, **kw: flash_attention(
+            q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
+
     @pytest.mark.skipif(not ON_GPU, reason="the interpreter runs this path in the test above")
     @pytest.mark.parametrize("case", MOSAIC_INTERPRET, ids=case_id)
     def test_shared_memory_path_on_gpu(self, case):
@@ -271,11 +278,14 @@ class TestMosaicFlashAttention:
                 out = flash_attention_mgpu(q, k, v, causal=causal, interpret=True, block_sizes=blocks)
                 jax.block_until_ready(out)
                 assert not interpreter_races_found(), f"forward, persistent={persistent}"
-                if persistent:  # the backward kernels once (they have no persistent form)
-                    _, vjp = jax.vjp(lambda q, k, v: flash_attention_mgpu(
-                        q, k, v, causal=causal, interpret=True, block_sizes=blocks), q, k, v)
+                # The backward kernels (no persistent form): fused, then the two-kernel form
+                # (the race state is the last kernel's: dK/dV's there).
+                for fused in (True, False) if persistent else ():
+                    bb = dataclasses.replace(blocks, fused_bwd=fused)
+                    _, vjp = jax.vjp(lambda q, k, v, bb=bb: flash_attention_mgpu(
+                        q, k, v, causal=causal, interpret=True, block_sizes=bb), q, k, v)
                     jax.block_until_ready(vjp(out))
-                    assert not interpreter_races_found(), "backward"
+                    assert not interpreter_races_found(), f"backward, fused={fused}"
 
     def test_auto_picks_mosaic_only_on_sm90(self):
         want = "mosaic" if ON_GPU and on_sm90() else "triton"

@@ -78,6 +78,7 @@ FWD_VARIANTS = {
     "ours_grid_mbar": dict(persistent=False, named_schedule=False),
     "ours_bwd_autobar": dict(manual_barriers_bwd=False),  # the backward with Pallas's barriers
     "ours_two_kernel_bwd": dict(fused_bwd=False),  # separate dQ and dK/dV kernels (7 matmuls)
+    "ours_fused_bwd": dict(fused_bwd=True),  # dQ, dK, dV in one kernel (5 matmuls, reduce-add)
 }
 
 

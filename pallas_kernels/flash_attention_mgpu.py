@@ -11,9 +11,13 @@ Q/dO/LSE/delta tiles (dK/dV) into a ring of shared-memory slots with TMA bulk co
 complete on barriers; two consumer warpgroups, raised to 232 registers, each own 64 query
 (or key) rows and run the tile matmuls on the tensor core with `wgmma`, freeing a slot
 through a "consumed" barrier that the producer waits on before refilling it. In the forward
-pass the two consumers ping-pong through a schedule barrier so that one's softmax (exp2 on
-the multi-function unit) overlaps the other's matmuls, and P is fed to the second matmul
-from registers. Causal tiles above the diagonal are never loaded; only the diagonal tiles,
+pass the two consumers ping-pong (on two hardware named barriers when compiling, an
+mbarrier in the interpreter) so that one's softmax (exp2 on the multi-function unit)
+overlaps the other's matmuls, and P is fed to the second matmul from registers. Without a
+causal mask the forward grid is persistent: one block per SM loops over the query tiles,
+its next tile's loads under this tile's epilogue. The kernels set their own barriers
+(`_mgpu.launch(manual_barriers=True)`), checked by the interpreter's race detector in the
+tests. Causal tiles above the diagonal are never loaded; only the diagonal tiles,
 the ragged last key tile and (with segment ids) every tile run the masked step.
 
 The algorithm is the one of `flash_attention.py` (online softmax in base 2, LSE saved,
@@ -21,6 +25,9 @@ probabilities recomputed in the backward pass, delta = rowsum(dO * O) precompute
 public entry point there dispatches here on an sm90 GPU for bf16/fp16 with head dim 64 or
 128, and keeps the Triton kernels as the portable path. Grouped-query attention: the dK/dV
 kernel loops over every query head of its K/V head, so dK and dV are summed in the kernel.
+`MosaicBlockSizes(fused_bwd=True)` computes dQ in that kernel too (5 tile matmuls a pair
+instead of 7, dQ summed by TMA reduce-add: `backward_dkv(with_dq=True)`); it is
+correct but measured slower on the H200, so the two kernels are the default.
 
 Sequences are padded to whole tiles (keys past kv_len are masked, padded query rows get
 dO = 0), so any length runs. `regs=False` stages P and dS through shared memory instead of
@@ -35,7 +42,6 @@ import jax.numpy as jnp
 from pallas_kernels._flash_vjp import make_flash, pad_seq
 from pallas_kernels._mgpu import sm_count
 from pallas_kernels.flash_attention_mgpu_bwd import backward_dkv, backward_dq
-from pallas_kernels.flash_attention_mgpu_bwd_fused import backward_fused
 from pallas_kernels.flash_attention_mgpu_common import MosaicBlockSizes, MosaicConfig
 from pallas_kernels.flash_attention_mgpu_fwd import forward
 
@@ -51,7 +57,7 @@ def _padded(cfg: MosaicConfig, q, k, v, q_seg, kv_seg):
 
 def _backward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta):
     if cfg.blocks.fused_bwd:
-        return backward_fused(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
+        return backward_dkv(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta, with_dq=True)
     dq = backward_dq(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
     dk, dv = backward_dkv(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
     return dq, dk, dv

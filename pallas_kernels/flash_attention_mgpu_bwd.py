@@ -131,22 +131,33 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
                   interpret=cfg.interpret, manual_barriers=cfg.blocks.manual_barriers_bwd)
 
 
-def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta):
+def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta, *,
+                 with_dq: bool = False):
     """dK, dV [B, kv_pad, K, D]: per key tile, over every query tile and every query head of
     its group: S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta),
-    dK += dS^T Q. Summing over the group here is the GQA reduction, done in the kernel."""
+    dK += dS^T Q. Summing over the group here is the GQA reduction, done in the kernel.
+
+    with_dq=True returns (dQ, dK, dV): each step also computes its share of dQ, dS K, from the
+    dS^T it stages in shared memory (read there transposed), so S and dP are not recomputed
+    in a dQ kernel: 5 tile matmuls a (query, key) pair instead of 7, as FlashAttention-2/3 do.
+    Every key block adds into every query row's dQ, summed in fp32 in global memory: on the
+    GPU by TMA reduce-add copies into one zero-initialised buffer; the interpreter has no TMA
+    reductions, so there each consumer of each key block copies its share into a slot of its
+    own and XLA sums the slots."""
     b, tp, n, d = q.shape
     sp, kh = k.shape[1], k.shape[2]
     bq, bk, st = cfg.blocks.block_q_dkv, cfg.blocks.block_kv_dkv, cfg.blocks.stages_bwd
     dtype, g = q.dtype, cfg.groups
     n_kt, n_q = sp // (COMPUTE_WGS * bk), tp // bq
     scale2 = cfg.sm_scale * LOG2E
+    atomic = not cfg.interpret  # dQ by TMA reduce-add into one buffer (the interpreter has none)
 
     def kernel(*refs):
-        qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 7)
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+        qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 8 if with_dq else 7)
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
+        dq_ref = ins[6] if with_dq else None
         dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem = rest[:9]
-        kv_bar, q_bar, do_bar, free = rest[9:]
+        dq_smem, kv_bar, q_bar, do_bar, free = rest[9:]
         ki, kvh = lax.axis_index("k"), lax.axis_index("h")
         bi, wg = lax.axis_index("b"), lax.axis_index("wg")
         q_off = qoff_ref[0]
@@ -167,10 +178,35 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             k_row = block_lo + wg * bk
             rows, (k_tile, v_tile) = own_tiles([(k_ref, k_smem), (v_ref, v_smem)], wg, k_row,
                                                bk, bi, kvh, kv_bar)
+            ds_tile = None if ds_smem is None else ds_smem.at[wg]
             kv_seg = None
             if cfg.segments:
                 kv_seg = plgpu.load(kvseg_ref.at[bi, rows], layout=ROW, optimized=False)
             plgpu.barrier_wait(kv_bar.at[wg])
+
+            def dq_share(s_idx, dk_acc, ds_t, slot):
+                """dK += dS^T Q and this step's dQ share dS K, out to global memory."""
+                i, j = lax.div(s_idx, jnp.int32(g)), lax.rem(s_idx, jnp.int32(g))
+                plgpu.wgmma_wait(0)  # dV's matmul has read P^T (from registers or ds_tile)
+                ds_tile[...] = ds_t
+                plgpu.commit_smem()
+
+                def scoped(dq_acc):
+                    plgpu.wgmma(dk_acc, ds_tile, q_smem.at[slot])
+                    plgpu.wgmma(dq_acc, ds_tile.transpose((1, 0)), k_tile)
+                    plgpu.wgmma_wait(0)
+                    return dq_acc[...]
+
+                dq = pl.run_scoped(scoped, plgpu.ACC((bq, d), jnp.float32))
+                plgpu.barrier_arrive(free.at[slot])
+                dq_tile, q_rows, h = dq_smem.at[wg], pl.ds(i * bq, bq), kvh * g + j
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's share has left
+                dq_tile[...] = dq
+                plgpu.commit_smem()
+                if atomic:
+                    plgpu.copy_smem_to_gmem(dq_tile, dq_ref.at[bi, q_rows, h], reduction_op="add")
+                else:
+                    plgpu.copy_smem_to_gmem(dq_tile, dq_ref.at[ki * COMPUTE_WGS + wg, bi, q_rows, h])
 
             def run(dk_acc, dv_acc):
                 def step(s_idx, carry, masked: bool):
@@ -191,7 +227,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                                                            layout=COL, optimized=False), s_t.shape)
                         ok = visible(cfg, q_off + i * bq + iota(s_t.shape, 1), k_row + iota(s_t.shape, 0),
                                       q_seg, None if kv_seg is None else bcast_rows(kv_seg, s_t.shape),
-                                      length=False)  # padded keys' rows are dropped
+                                      length=False)  # padded keys' rows are dropped (zero in dQ)
                         s_t = jnp.where(ok, s_t, -jnp.inf)
                     p_t = jnp.exp2(s_t * scale2 - bcast_cols(lse_c, s_t.shape))
                     p16 = p_t.astype(dtype)
@@ -202,7 +238,6 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                             plgpu.wgmma(dv_acc, p16, do_smem.at[slot])
                             return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dP^T, not dV
                     else:
-                        ds_tile = ds_smem.at[wg]
                         ds_tile[...] = p16
                         plgpu.commit_smem()
 
@@ -215,6 +250,9 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                     dp_t = pl.run_scoped(dp_scoped, plgpu.ACC((bk, bq), jnp.float32))
                     delta_c = plgpu.load(delta_smem.at[slot], layout=COL)
                     ds_t = (p_t * (dp_t - bcast_cols(delta_c, s_t.shape))).astype(dtype)
+                    if with_dq:
+                        dq_share(s_idx, dk_acc, ds_t, slot)
+                        return carry
                     wgmma_from(dk_acc, ds_t, q_smem.at[slot], None if cfg.regs else ds_tile)
                     plgpu.wgmma_wait(0)
                     plgpu.barrier_arrive(free.at[slot])
@@ -257,6 +295,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             drain(s_end - s_start, st, free)
 
     w = COMPUTE_WGS
+    staged = with_dq or not cfg.regs  # dS^T (and P^T, regs=False) through shared memory
     scratch = (
         tiled_smem((w, bk, d), dtype),  # K tiles, then dK tiles
         tiled_smem((w, bk, d), dtype),  # V tiles, then dV tiles
@@ -264,14 +303,25 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         tiled_smem((st, bq, d), dtype),  # dO
         plgpu.SMEM((st, bq), jnp.float32),  # LSE
         plgpu.SMEM((st, bq), jnp.float32),  # delta
-        None if cfg.regs else tiled_smem((w, bk, bq), dtype),  # P^T / dS^T staged in smem
+        tiled_smem((w, bk, bq), dtype) if staged else None,  # P^T / dS^T staged in smem
+        tiled_smem((w, bq, d), jnp.float32) if with_dq else None,  # a step's dQ share, leaving
         plgpu.Barrier(num_arrivals=2, num_barriers=w),  # K and V loaded
         plgpu.Barrier(num_arrivals=2, num_barriers=st),  # Q and LSE slot filled
         plgpu.Barrier(num_arrivals=2, num_barriers=st),  # dO and delta slot filled
         plgpu.Barrier(num_arrivals=w, num_barriers=st),  # slot free again
     )
-    args = with_segments(cfg, [qoff, q, k, v, do, lse, delta], q_seg, kv_seg)
+    inputs = [qoff, q, k, v, do, lse, delta]
+    if with_dq:
+        dq_acc = jax.new_ref(jnp.zeros((b, tp, n, d) if atomic else (n_kt * w, b, tp, n, d),
+                                       jnp.float32))
+        inputs.append(dq_acc)
     out = jax.ShapeDtypeStruct((b, sp, kh, d), dtype)
-    return launch(kernel, args, out_type=(out, out), scratch=scratch,
-                  grid=(n_kt, kh, b), grid_names=("k", "h", "b"), num_threads=w + 1,
-                  interpret=cfg.interpret, manual_barriers=cfg.blocks.manual_barriers_bwd)
+    dk, dv = launch(kernel, with_segments(cfg, inputs, q_seg, kv_seg), out_type=(out, out),
+                    scratch=scratch, grid=(n_kt, kh, b), grid_names=("k", "h", "b"),
+                    num_threads=w + 1, interpret=cfg.interpret,
+                    manual_barriers=cfg.blocks.manual_barriers_bwd)
+    if not with_dq:
+        return dk, dv
+    dq = jax.freeze(dq_acc)
+    dq = dq if atomic else dq.sum(axis=0)
+    return (dq * cfg.sm_scale).astype(dtype), dk, dv

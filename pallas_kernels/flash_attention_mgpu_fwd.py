@@ -38,7 +38,6 @@ from pallas_kernels.flash_attention_mgpu_common import (
     with_segments,
 )
 
-
 _SCHED_BARRIER = 4  # hardware named barriers 4 and 5: the consumers' turns (named_schedule)
 
 

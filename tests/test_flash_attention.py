@@ -225,9 +225,9 @@ class TestMosaicFlashAttention:
             q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
 
     @pytest.mark.parametrize("case", MOSAIC_INTERPRET[:2], ids=case_id)
-    def test_two_kernel_backward_matches_reference(self, case):
-        """fused_bwd=False: the separate dQ and dK/dV kernels (7 tile matmuls a pair)."""
-        blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(case[5]), fused_bwd=False)
+    def test_fused_backward_matches_reference(self, case):
+        """fused_bwd=True: dQ, dK, dV from one kernel (dQ by TMA reduce-add on the GPU)."""
+        blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(case[5]), fused_bwd=True)
         check_case(case[:-1] + (blocks,), lambda q, k, v, blocks, **kw: flash_attention(
             q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
 

@@ -77,7 +77,6 @@ FWD_VARIANTS = {
     "ours_mbar": dict(named_schedule=False),
     "ours_grid_mbar": dict(persistent=False, named_schedule=False),
     "ours_bwd_autobar": dict(manual_barriers_bwd=False),  # the backward with Pallas's barriers
-    "ours_two_kernel_bwd": dict(fused_bwd=False),  # separate dQ and dK/dV kernels (7 matmuls)
     "ours_fused_bwd": dict(fused_bwd=True),  # dQ, dK, dV in one kernel (5 matmuls, reduce-add)
 }
 
@@ -91,15 +90,13 @@ def warm_gpu(seconds: float = 3.0):
         x = jax.block_until_ready(f(x)) * 0 + 1
 
 
-def timed(f, *args, n):
-    """Median of `n` synchronised calls, or (`--pipelined`) `n` calls back to back."""
-    if PIPELINED["on"]:
+def timed(f, *args, n, pipelined: bool):
+    """(seconds, output): median of `n` synchronised calls, or (`--pipelined`) `n` calls
+    back to back with one synchronisation."""
+    if pipelined:
         return pipelined_seconds(f, *args, n=n, warm=1)
     ts, out = call_times(f, *args, n=n, warm=1)
     return float(np.median(ts)), out
-
-
-PIPELINED = {"on": False}
 
 
 def rel(x, ref):
@@ -164,9 +161,9 @@ def run_fa(args, res, save):
                         fns[name] = (jax.jit(functools.partial(fn, c=causal)),
                                      jax.jit(jax.grad(loss, argnums=(0, 1, 2))))
                     fwd, grad = fns[name]
-                    t, out = timed(fwd, q, k, v, n=args.iters)
+                    t, out = timed(fwd, q, k, v, n=args.iters, pipelined=args.pipelined)
                     row["fwd_ms_rounds"].append(t * 1e3)
-                    t, grads = timed(grad, q, k, v, do, n=args.iters)
+                    t, grads = timed(grad, q, k, v, do, n=args.iters, pipelined=args.pipelined)
                     row["fwdbwd_ms_rounds"].append(t * 1e3)
                     if name not in peer_out:
                         peer_out[name] = (out, *grads)
@@ -215,7 +212,8 @@ def run_paged(args, res, save):
         row = dict(B=batch, ctx=ctx, Hq=hq, Hkv=hkv, page=page, kv_GB=kv_bytes / 1e9, ours={})
         ref = jax.jit(paged_attention_reference)(q, kp, vp, bt, lengths)
         read_only = jax.jit(lambda k, v: jnp.sum(k, dtype=jnp.float32) + jnp.sum(v, dtype=jnp.float32))
-        t_ro, _ = timed(read_only, kp, vp, n=args.paged_iters)  # again after ours; the faster counts
+        # timed again after ours; the faster counts
+        t_ro, _ = timed(read_only, kp, vp, n=args.paged_iters, pipelined=args.pipelined)
         sweep = {"default": None, "legacy": legacy_paged_sizes(batch, ctx, hkv, page)}
         sweep.update((variant_name(v), v) for v in PAGED_VARIANTS)
         if args.paged_variants:
@@ -229,19 +227,19 @@ def run_paged(args, res, save):
             try:
                 f = jax.jit(functools.partial(paged_attention, implementation="mosaic",
                                               mosaic_block_sizes=sizes))
-                t, out = timed(f, q, kp, vp, bt, lengths, n=args.paged_iters)
+                t, out = timed(f, q, kp, vp, bt, lengths, n=args.paged_iters, pipelined=args.pipelined)
                 row["ours"][name] = dict(ms=t * 1e3, TBps=kv_bytes / t / 1e12, rel_err=rel(out, ref))
             except Exception as e:  # noqa: BLE001
                 row["ours"][name] = dict(error=repr(e)[:400])
             print(shape, name, row["ours"][name], flush=True)
-        t, _ = timed(read_only, kp, vp, n=args.paged_iters)
+        t, _ = timed(read_only, kp, vp, n=args.paged_iters, pipelined=args.pipelined)
         row["xla_read_only_sum"] = dict(ms=min(t, t_ro) * 1e3, TBps=kv_bytes / min(t, t_ro) / 1e12,
                                         ms_before_after=[t_ro * 1e3, t * 1e3])
         print(shape, "xla_read_only_sum", row["xla_read_only_sum"], flush=True)
         if args.paged_triton:
             try:
                 f = jax.jit(functools.partial(paged_attention, implementation="triton"))
-                t, out = timed(f, q, kp, vp, bt, lengths, n=args.paged_iters)
+                t, out = timed(f, q, kp, vp, bt, lengths, n=args.paged_iters, pipelined=args.pipelined)
                 row["ours_triton"] = dict(ms=t * 1e3, TBps=kv_bytes / t / 1e12, rel_err=rel(out, ref))
             except Exception as e:  # noqa: BLE001
                 row["ours_triton"] = dict(error=repr(e)[:400])
@@ -268,7 +266,6 @@ def main():
     parser.add_argument("--pipelined", action="store_true",
                         help="time n calls back to back, one synchronisation (device time per call)")
     args = parser.parse_args()
-    PIPELINED["on"] = args.pipelined
     args.deadline = time.time() + args.budget
     out_dir = os.environ.get("OUT", ".")
     print(jax.devices(), "jax", jax.__version__, flush=True)

@@ -1,16 +1,10 @@
 #!/usr/bin/env bash
-# One H200 call: the Mosaic GPU kernel tests compiled (after the backward's manual barriers),
-# FlashAttention against cuDNN and tokamax again (pipelined, 3 rounds), and the decode floor
-# with the bandwidth measured both ways (synced and pipelined).
+# One H200 call: the Mosaic GPU kernel tests compiled, FlashAttention against cuDNN and tokamax
+# again (pipelined, 3 rounds), and the decode floor with the bandwidth measured both ways
+# (synced and pipelined).
 #   OUT=$OUT bash experiments/gpu_call_final_20.sh     (from the repository root)
-set -u
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .anchors/wheels/*.whl > "$OUT/pip.log" 2>&1
-export PYTHONPATH=/tmp/site:.anchors/stubs:.
-XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 150 python3 -m pytest -n 4 -q -rA \
-    -p no:cacheprovider tests/test_flash_attention.py tests/test_paged_attention.py \
-    -k "mosaic or Mosaic or linearly" > "$OUT/kernel_tests_mgpu_h200.log" 2>&1
-tail -3 "$OUT/kernel_tests_mgpu_h200.log"
+source "$(dirname "$0")/gpu_env.sh"
+mgpu_tests 150
 timeout 185 python3 experiments/bench_attention_mgpu.py --part fa --pipelined --iters 20 --rounds 3 \
     --impls ours cudnn tokamax_mosaic --budget 150 > "$OUT/fa.log" 2>&1
 grep -A12 "====" "$OUT/fa.log"

@@ -17,6 +17,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # Layouts of a wgmma accumulator and of one value per accumulator row / column.
@@ -125,9 +126,6 @@ def named_barrier(op: str, barrier_id, threads: int):
     """`bar.arrive` / `bar.sync` on a hardware named barrier of the block (ids 4-15: Mosaic GPU
     keeps 0 and one per warpgroup for itself): `threads` is everyone taking part, arriving
     or syncing. GPU only: the interpreter has no inline Mosaic GPU code."""
-    from jax.experimental import mosaic as _mosaic  # noqa: F401 - jax.experimental.mosaic.gpu
-    from jax.experimental.mosaic import gpu as mgpu
-
     if op not in ("arrive", "sync"):
         raise ValueError(f"named_barrier: op={op!r}; use 'arrive' or 'sync'.")
 

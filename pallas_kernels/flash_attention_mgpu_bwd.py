@@ -23,6 +23,7 @@ from pallas_kernels.flash_attention_mgpu_common import (
     drain,
     iota,
     kv_steps,
+    mask_rows_by_keys,
     own_tiles,
     producer,
     stream_kv,
@@ -81,15 +82,9 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
 
                     acc_t = plgpu.ACC((bq, bk), jnp.float32)
                     s, dp = pl.run_scoped(s_dp, acc_t, acc_t)
-                    if masked:
-                        kv_seg = None
-                        if cfg.segments:
-                            kv_seg = bcast_cols(plgpu.load(kvseg_ref.at[bi, pl.ds(j * bk, bk)],
-                                                            layout=COL, optimized=False), s.shape)
-                        ok = visible(cfg, q_off + q_row + iota(s.shape, 0), j * bk + iota(s.shape, 1),
-                                      None if q_seg is None else bcast_rows(q_seg, s.shape), kv_seg,
-                                      length=False)  # padded keys are zero: they add 0 to dQ
-                        s = jnp.where(ok, s, -jnp.inf)
+                    if masked:  # padded keys are zero: they add 0 to dQ (no length mask)
+                        s = mask_rows_by_keys(cfg, s, q_off + q_row, j * bk, q_seg, kvseg_ref, bi,
+                                              length=False)
                     p = jnp.exp2(s * scale2 - bcast_rows(lse_r, s.shape))
                     ds = (p * (dp - bcast_rows(delta_r, s.shape))).astype(dtype)
                     wgmma_from(dq_acc, ds, k_smem.at[slot], None if cfg.regs else ds_smem.at[wg])

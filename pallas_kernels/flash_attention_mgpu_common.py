@@ -13,7 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import SMEM_LIMIT, WGMMA, smem_bytes
+from pallas_kernels._mgpu import COL, SMEM_LIMIT, WGMMA, smem_bytes
 
 COMPUTE_WGS = 2  # consumer warpgroups per block; warpgroup 2 is the producer
 
@@ -190,6 +190,20 @@ def visible(cfg: MosaicConfig, q_pos, k_pos, q_seg, kv_seg, *, length: bool):
     if cfg.segments:
         ok = conj(ok, q_seg == kv_seg)
     return ok
+
+
+def mask_rows_by_keys(cfg: MosaicConfig, s, q_pos0, k_pos0, q_seg, kvseg_ref, bi, *,
+                      length: bool):
+    """s [query rows, keys] (a wgmma tile) with -inf where a query may not attend: rows from
+    query position q_pos0 (q_seg: their segment ids, ROW layout, or None), columns from key
+    position k_pos0 (their segment ids read from kvseg_ref[bi] when cfg.segments)."""
+    kv_seg = None
+    if cfg.segments:
+        kv_seg = bcast_cols(plgpu.load(kvseg_ref.at[bi, pl.ds(k_pos0, s.shape[1])], layout=COL,
+                                       optimized=False), s.shape)
+    ok = visible(cfg, q_pos0 + iota(s.shape, 0), k_pos0 + iota(s.shape, 1),
+                 None if q_seg is None else bcast_rows(q_seg, s.shape), kv_seg, length=length)
+    return jnp.where(ok, s, -jnp.inf)
 
 
 def drain(n_steps, stages: int, *free_barriers):

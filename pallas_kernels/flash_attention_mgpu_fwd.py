@@ -12,7 +12,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._mgpu import (
-    COL,
     LN2,
     LOG2E,
     ROW,
@@ -24,21 +23,55 @@ from pallas_kernels._mgpu import (
 from pallas_kernels.flash_attention_mgpu_common import (
     COMPUTE_WGS,
     MosaicConfig,
-    bcast_cols,
     bcast_rows,
     consumers,
     drain,
-    iota,
     kv_steps,
+    mask_rows_by_keys,
     needs_mask,
     producer,
     stream_kv,
     unpack,
-    visible,
     with_segments,
 )
 
 _SCHED_BARRIER = 4  # hardware named barriers 4 and 5: the consumers' turns (named_schedule)
+
+
+class PingPong:
+    """The two consumers' turns on the tensor core, so that one's softmax runs under the
+    other's matmuls. Named form (FlashAttention-3's; `sched` None): consumer w waits its turn
+    on hardware barrier 4 + w, which the other consumer's arrival opens. mbarrier form (the
+    interpreter's): one barrier of two arrivals that both consumers meet on."""
+
+    def __init__(self, wg, sched):
+        self.wg, self.sched = wg, sched
+
+    def _meet(self):
+        plgpu.barrier_arrive(self.sched)
+        plgpu.barrier_wait(self.sched)
+
+    def _let_other_go(self):
+        named_barrier("arrive", _SCHED_BARRIER + 1 - self.wg, 2 * 128)
+
+    def start(self):  # consumer 1 lets consumer 0 take the first turn
+        pl.when(self.wg == 1)(self.wait_turn if self.sched is None else self._meet)
+
+    def matmul_issued(self):  # after Q K^T is issued
+        (self._let_other_go if self.sched is None else self._meet)()
+
+    def softmax_done(self):
+        if self.sched is not None:
+            plgpu.barrier_arrive(self.sched)
+
+    def wait_turn(self):  # before P V is issued
+        if self.sched is None:
+            named_barrier("sync", _SCHED_BARRIER + self.wg, 2 * 128)
+        else:
+            plgpu.barrier_wait(self.sched)
+
+    def end(self):  # consumer 0 gives the last turn back: both made the same number of calls
+        pl.when(self.wg == 0)(self._let_other_go if self.sched is None else self._meet)
 
 
 def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
@@ -95,21 +128,7 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
                 return done + body(i, blk + i * blocks, done)
             return lax.fori_loop(0, n_mine, one, jnp.int32(0))
 
-        # The two consumers alternate so that one's softmax runs under the other's matmuls.
-        # mbarrier form: one barrier of two arrivals, both consumers meet on it. Named form
-        # (FlashAttention-3's): consumer w waits its turn on hardware barrier 4 + w, which the
-        # other consumer's arrival opens.
-        def schedule():
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
-
-        def let_other_go():
-            named_barrier("arrive", _SCHED_BARRIER + 1 - wg, 2 * 128)
-
-        def wait_turn():
-            named_barrier("sync", _SCHED_BARRIER + wg, 2 * 128)
-
-        named = cfg.named_schedule
+        turns = PingPong(wg, None if cfg.named_schedule else sched)
 
         @consumers(wg)
         def _consumer():
@@ -131,7 +150,7 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
                     q_seg = plgpu.load(qseg_ref.at[bi, pl.ds(q_row, bq)], layout=ROW, optimized=False)
                 plgpu.barrier_wait(q_bar.at[wg])
                 plgpu.barrier_wait(k_bar.at[lax.rem(done, st)])
-                pl.when(wg == 1)(wait_turn if named else schedule)
+                turns.start()
 
                 def step(j, carry, masked: bool):
                     acc, m, l = carry
@@ -139,20 +158,14 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
 
                     def qk(acc_ref):
                         plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
-                        (let_other_go if named else schedule)()
+                        turns.matmul_issued()
                         return acc_ref[...]
 
                     s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
                     if masked:
-                        kv_seg = None
-                        if cfg.segments:
-                            kv_seg = bcast_cols(plgpu.load(kvseg_ref.at[bi, pl.ds(j * bk, bk)],
-                                                            layout=COL, optimized=False), s.shape)
-                        ok = visible(cfg, q_off + q_row + iota(s.shape, 0), j * bk + iota(s.shape, 1),
-                                      None if q_seg is None else bcast_rows(q_seg, s.shape), kv_seg,
-                                      length=cfg.kv_len % bk != 0)
-                        s = jnp.where(ok, s, -jnp.inf)
+                        s = mask_rows_by_keys(cfg, s, q_off + q_row, j * bk, q_seg, kvseg_ref, bi,
+                                              length=cfg.kv_len % bk != 0)
                     m_new = jnp.maximum(m, s.max(axis=1) * scale2)
                     # A row that has seen no key keeps m = -inf; shift it by 0 so exp2 gives 0.
                     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
@@ -162,13 +175,9 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
                     l = l * alpha + p.sum(axis=1)
                     p16 = p.astype(dtype)
                     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                    if not named:
-                        plgpu.barrier_arrive(sched)  # softmax done: the other consumer's matmul may go
+                    turns.softmax_done()
                     plgpu.barrier_wait(v_bar.at[slot])
-                    if named:
-                        wait_turn()  # the tensor core is ours again
-                    else:
-                        plgpu.barrier_wait(sched)
+                    turns.wait_turn()  # the tensor core is ours again
 
                     def wait_next_k():  # the next tile's first K slot is waited in run_tile
                         @pl.when(j + 1 < n_end)
@@ -200,7 +209,7 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
                 if needs_mask(cfg, bk):
                     carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
                 acc, m, l = carry
-                pl.when(wg == 0)(let_other_go if named else schedule)
+                turns.end()
                 # Every Q K^T of this tile is done: the next tile's Q may land in q_tile now.
                 pl.when(i + 1 < n_mine)(lambda: load_q(t + blocks))
 
@@ -245,7 +254,7 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
         plgpu.Barrier(num_barriers=st),  # V slot filled
         plgpu.Barrier(num_arrivals=w, num_barriers=st),  # K slot free again
         plgpu.Barrier(num_arrivals=w, num_barriers=st),  # V slot free again
-        plgpu.Barrier(num_arrivals=w),  # consumers' schedule
+        None if cfg.named_schedule else plgpu.Barrier(num_arrivals=w),  # the consumers' turns
     )
     args = with_segments(cfg, [qoff, q, k, v], q_seg, kv_seg)
     return launch(kernel, args, out_type=(jax.ShapeDtypeStruct((b, tp, n, d), dtype),

@@ -1,0 +1,23 @@
+# Sourced by experiments/gpu_call_*.sh (one H200 call each, from the repository root, with
+# `.anchors/` a copy of ../shared/anchors): makes $OUT, installs the peers' wheels (tokamax),
+# sets PYTHONPATH, and defines the steps the calls share.
+set -u
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .anchors/wheels/*.whl > "$OUT/pip.log" 2>&1
+export PYTHONPATH=/tmp/site:.anchors/stubs:.
+
+mgpu_tests() {  # mgpu_tests SECONDS: the Mosaic GPU kernel tests compiled, log in $OUT
+    XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout "$1" python3 -m pytest -n 4 -q -rA \
+        -p no:cacheprovider tests/test_flash_attention.py tests/test_paged_attention.py \
+        -k "mosaic or Mosaic or linearly" > "$OUT/kernel_tests_mgpu_h200.log" 2>&1
+    tail -4 "$OUT/kernel_tests_mgpu_h200.log"
+}
+
+train_1b_alternated() {  # the 1b train step with cuDNN and with our attention, alternated twice
+    for round in 1 2; do
+        for att in cudnn pallas; do
+            timeout 75 python3 experiments/bench_train.py --presets 1b --steps 6 --set train.batch_size=24 \
+                model.attention=$att --out "$OUT" --tag "_1b_${att}_r${round}" 2>&1 | tail -1
+        done
+    done
+}

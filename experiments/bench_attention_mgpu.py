@@ -13,7 +13,7 @@ x3.5 for forward+backward. Our output and gradients are compared with cuDNN's (r
 Paged decode (`--part paged`): the five shapes of issue 20, bf16, D 128; TB/s = K and V
 bytes read once / median time; the ceiling is a read-only XLA sum over the same K/V pools
 timed in the same run. Variants of the Mosaic kernel's tiling are timed beside the default on
-every shape, and "legacy": the default of the 2026-11-30 run (one issuing thread, its splits).
+every shape, and "waves": the default before the stream-K schedule (a grid of context splits in whole waves).
 Writes attention_mgpu.json / paged_attention_mgpu.json to $OUT after every case, so a run cut
 short keeps what it measured.
 """
@@ -45,23 +45,33 @@ FA_CASES = [(4096, False, 16, 16, 128), (4096, True, 16, 16, 128), (16384, False
 PAGED_SHAPES = [(64, 4096, 32, 8, 16), (64, 4096, 32, 8, 64), (16, 16384, 32, 8, 64),
                 (128, 2048, 32, 32, 64), (8, 32768, 64, 8, 16)]
 # Beside the default (128-token steps, 2 stages, copies from 4 producer warps when a step
-# takes >= 4 pages, splits in whole waves): one issuing thread, deeper rings of 64-token steps,
-# four context splits (against the wave model of `_default_splits`).
-PAGED_VARIANTS = [PagedBlockSizes(128, 2, issuers=1), PagedBlockSizes(64, 4), PagedBlockSizes(64, 5),
-                  PagedBlockSizes(64, 4, issuers=1), PagedBlockSizes(128, 2, num_splits=4),
-                  PagedBlockSizes(manual_barriers=False), PagedBlockSizes(64, 4, manual_barriers=False)]
+# takes >= 4 pages, one block per SM with equal shares of the work: stream-K): shares rounded
+# to whole items (no merge), the grid of the previous default (context splits in whole waves
+# of one block per SM, `waves_sizes`), one issuing thread, deeper rings of 64-token steps,
+# Pallas's automatic barriers.
+PAGED_VARIANTS = [PagedBlockSizes(whole_items=True), PagedBlockSizes(128, 2, issuers=1),
+                  PagedBlockSizes(64, 4), PagedBlockSizes(64, 5), PagedBlockSizes(64, 4, issuers=1),
+                  PagedBlockSizes(128, 2, num_splits=4), PagedBlockSizes(manual_barriers=False),
+                  PagedBlockSizes(64, 4, manual_barriers=False)]
 
 
-def legacy_paged_sizes(batch, ctx, hkv, page):
-    """The kernel's default before the multi-warp issue (2026-11-30 run): one issuing thread,
-    context split in ceil(264 / (batch * kv heads)) at most, as timed then."""
-    units = -(-ctx // math.lcm(128, 4 * page))
-    return PagedBlockSizes(128, 2, num_splits=max(1, min(-(-264 // (batch * hkv)), units // 2 or 1)),
-                           issuers=1, manual_barriers=False)
+def waves_sizes(batch, ctx, hkv, page, sms=132, overhead=128):
+    """The default before the stream-K schedule (2026-12-01): one block per (sequence, KV
+    head, split), the splits that finish soonest in whole waves of `sms` blocks, each a
+    split's tokens plus `overhead` tokens' time."""
+    unit = math.lcm(128, 4 * page)
+    units = -(-ctx // unit)
+
+    def cost(splits):
+        per_split = -(-units // splits)
+        waves = -(-batch * hkv * -(-units // per_split) // sms)
+        return waves * (per_split * unit + overhead), splits
+
+    return PagedBlockSizes(num_splits=min(cost(s) for s in range(1, units + 1))[1])
 
 
 def variant_name(sizes):
-    name = f"bk{sizes.block_k}_st{sizes.stages}"
+    name = f"bk{sizes.block_k}_st{sizes.stages}" + ("_whole" if sizes.whole_items else "")
     if sizes.issuers is not None:
         name += f"_iss{sizes.issuers}"
     if not sizes.manual_barriers:
@@ -214,7 +224,7 @@ def run_paged(args, res, save):
         read_only = jax.jit(lambda k, v: jnp.sum(k, dtype=jnp.float32) + jnp.sum(v, dtype=jnp.float32))
         # timed again after ours; the faster counts
         t_ro, _ = timed(read_only, kp, vp, n=args.paged_iters, pipelined=args.pipelined)
-        sweep = {"default": None, "legacy": legacy_paged_sizes(batch, ctx, hkv, page)}
+        sweep = {"default": None, "waves": waves_sizes(batch, ctx, hkv, page)}
         sweep.update((variant_name(v), v) for v in PAGED_VARIANTS)
         if args.paged_variants:
             sweep = {k: v for k, v in sweep.items() if k in args.paged_variants}
@@ -259,7 +269,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=2, help="FA: each implementation's best of this many turns")
     parser.add_argument("--paged-iters", type=int, default=20)
     parser.add_argument("--paged-variants", nargs="*", default=None,
-                        help="subset of the paged tilings by name (default, legacy, bk64_st4, ...)")
+                        help="subset of the paged tilings by name (default, waves, bk128_st2_whole, bk64_st4, ...)")
     parser.add_argument("--budget", type=float, default=1e9, help="seconds before no new case starts")
     parser.add_argument("--paged-triton", action="store_true", help="also time the Triton paged kernel")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, Mosaic interpreter)")

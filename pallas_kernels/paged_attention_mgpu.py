@@ -1,19 +1,27 @@
 """Paged decode attention for Hopper (sm90) in Pallas Mosaic GPU.
 
-One thread block serves one (sequence, KV head, context split): the G = N/K query heads
-of the GQA group are packed as rows of one 64-row wgmma tile (rows past G are zero), so
-every K/V byte is read once per group. A producer warpgroup copies the split's slice of
-the block table into shared memory once, then brings pages in with TMA, one bulk copy per
+The work is (sequence, KV head) items, each the context in units of block_k tokens. The G = N/K
+query heads of an item's GQA group are packed as rows of one 64-row wgmma tile (rows past G
+are zero), so every K/V byte is read once per group. The grid is one block per SM, and block
+j takes the j-th of equal ranges of the flattened (item, unit) space (stream-K: Osama et al.
+2023), so every SM reads the same number of bytes whatever the batch: a range may start or
+end inside an item, and a block's range crosses items as segments. An item split across
+blocks is merged from its pieces' normalised outputs and base-2 log-sum-exps by a small XLA
+reduction (flash-decoding's merge: Dao et al. 2023). `PagedBlockSizes.num_splits` instead
+gives each block one of `num_splits` equal slices of an item (the grid may then exceed the
+SMs: the launch's waves do the scheduling).
+
+A producer warpgroup copies a segment's slice of the block table into shared memory (the
+next segment's while this one streams), then brings pages in with TMA, one bulk copy per
 page (or per block_k slice of a larger page), issued by up to four warps of the producer
-(small pages: 16 copies per 128-token step at page 16), into a ring of `stages` slots of block_k
-tokens, so that several pages are in flight while the consumer warpgroup computes
-S = Q K^T and P V with wgmma and folds them in with the online softmax (base 2). When the
-batch is small the context is split (flash-decoding: Dao et al. 2023) so the grid still
-fills the GPU; each split writes its normalised output and base-2 log-sum-exp, merged by a
-small XLA reduction.
+(small pages: 16 copies per 128-token step at page 16), into a ring of `stages` slots of
+block_k tokens that carries on across segments, so that the next segment's pages load under
+this one's epilogue. The consumer warpgroup computes S = Q K^T and P V with wgmma and folds
+them in with the online softmax (base 2); the next segment's Q is copied in as soon as this
+one's last Q K^T is done, and O leaves through its own shared tile.
 
 Positions >= length are never trusted: their logits are masked and, in the one partial
-block per split, their V rows are zeroed in shared memory before the P V matmul (a stale
+block per segment, their V rows are zeroed in shared memory before the P V matmul (a stale
 page may hold NaN, and 0 * NaN is NaN on the tensor core too). Page ids past the length
 may be garbage; they are clamped into the pool before a copy.
 
@@ -24,10 +32,11 @@ GPU's CPU interpreter runs the kernel (see `_mgpu.py`).
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -38,6 +47,7 @@ from pallas_kernels._mgpu import (
     SMEM_LIMIT,
     WGMMA,
     launch,
+    sm_count,
     smem_bytes,
     softmax_start,
     tiled_smem,
@@ -46,8 +56,11 @@ from pallas_kernels._mgpu import (
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 _ROWS = 64  # query rows of one wgmma tile; the GQA group is padded to it
-_SMS = 132  # streaming multiprocessors of an H100/H200 SXM: one block each (shared memory)
-_BLOCK_OVERHEAD = 128  # a block's start and end (Q, table, first page, output) in tokens' time
+_TABLE_MAX = 2048  # block-table entries of one segment at most (two buffers: 16 KiB)
+# The schedule's cost model, in tokens' time of one SM: a segment's start and end (Q, its
+# table, the epilogue) and the XLA merge that items split across blocks need.
+_SEGMENT_COST = 64
+_MERGE_COST = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +69,16 @@ class PagedBlockSizes:
 
     block_k: int = 128  # tokens per pipeline step (a multiple of 64)
     stages: int = 2  # steps in flight (each block_k tokens of K and of V)
-    num_splits: int | None = None  # context splits per sequence; None: fill the GPU in whole waves
+    num_splits: int | None = None  # None: one block per SM, equal shares of all the work
+    # (stream-K); n: every item in n slices, one block each, as many blocks as that takes
     issuers: int | None = None  # producer warps issuing a step's copies (1, 2 or 4); None: 4 when
     # a step takes >= 4 copies (pages smaller than block_k / 4), else 1
     manual_barriers: bool = True  # no warpgroup barrier before each page copy (and around each
     # shared-memory access) but the kernel's own; False: Pallas's automatic ones
+    whole_items: bool = False  # stream-K shares rounded to whole items (no merge); a variant
+    max_blocks: int | None = None  # stream-K blocks at most; None: the GPU's SM count
+    units_per_block: int | None = None  # stream-K share of each block in units of block_k
+    # tokens; None: the cost model's (`_balanced_share`)
 
     def __post_init__(self):
         if self.block_k % 64 or self.block_k < 64:
@@ -71,24 +89,59 @@ class PagedBlockSizes:
             raise ValueError(f"PagedBlockSizes.num_splits={self.num_splits}: use >= 1.")
         if self.issuers not in (None, 1, 2, 4):
             raise ValueError(f"PagedBlockSizes.issuers={self.issuers}: use 1, 2, 4 or None.")
+        if self.units_per_block is not None and self.units_per_block < 1:
+            raise ValueError(f"PagedBlockSizes.units_per_block={self.units_per_block}: use >= 1 or None.")
+        if self.max_blocks is not None and self.max_blocks < 1:
+            raise ValueError(f"PagedBlockSizes.max_blocks={self.max_blocks}: use >= 1 or None.")
         if not isinstance(self.manual_barriers, bool):
             raise ValueError(f"PagedBlockSizes.manual_barriers={self.manual_barriers!r}: use True or False.")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """Static layout of one call."""
+    """Static layout of one call: items of `item_units` units of block_k tokens; block j takes
+    units [j * share, (j + 1) * share) of the flattened (item, unit) space."""
 
     block_k: int
     stages: int
+    page_size: int
     per_copy: int  # tokens per TMA copy: a page, or a block_k slice of a bigger page
     issuers: int  # producer warps issuing copies: copy i of a step comes from warp i % issuers
-    split_tokens: int  # tokens per context split (a multiple of block_k and of 4 pages)
-    splits: int
+    item_units: int  # units per item; an item is (sequence, KV head, part)
+    parts: int  # items per (sequence, KV head): num_splits, or more to keep a segment's table
+    # slice within _TABLE_MAX entries
+    pairs: int  # (sequence, KV head) pairs
+    share: int  # units per block
+    blocks: int
     group_rows: int  # G rounded up to 8: the output rows written per block
     manual_barriers: bool
     regs: bool
     interpret: bool
+
+    @property
+    def total(self) -> int:  # units of all items
+        return self.pairs * self.parts * self.item_units
+
+    @property
+    def segment_pages(self) -> int:
+        """Block-table entries a segment copies: its pages from the 4-aligned one at or before
+        its first (16-byte TMA slices), a multiple of 4."""
+        pages = -(-min(self.share, self.item_units) * self.block_k // self.page_size) + 4
+        return -(-pages // 4) * 4
+
+    @functools.cached_property
+    def pieces(self) -> list[list[tuple[int, int]]]:
+        """Per (sequence, KV head) pair: its (block, segment) pieces, in context order."""
+        out = [[] for _ in range(self.pairs)]
+        for j in range(self.blocks):
+            u0, u1 = j * self.share, min((j + 1) * self.share, self.total)
+            for r, t in enumerate(range(u0 // self.item_units, (u1 - 1) // self.item_units + 1)):
+                out[t // self.parts].append((j, r))
+        return out
+
+    @property
+    def max_segments(self) -> int:
+        return max(r for pieces in self.pieces for _, r in pieces) + 1
 
 
 def supports(dtype, head_dim: int, page_size: int, group: int) -> bool:
@@ -97,17 +150,25 @@ def supports(dtype, head_dim: int, page_size: int, group: int) -> bool:
             and page_size >= 8 and page_size & (page_size - 1) == 0 and 1 <= group <= _ROWS)
 
 
-def _default_splits(blocks: int, units: int, unit: int) -> int:
-    """Context splits that finish soonest on one block per SM: whole waves of `_SMS` blocks,
-    each a split of the context (units of `unit` tokens) plus `_BLOCK_OVERHEAD` tokens' time.
-    A tail wave costs as much as a full one (8 x 32k tokens x 8 kv heads in 5 splits ran 320
-    blocks in 3 waves, 0.79 of the bandwidth; in 2 splits: 128 blocks, one wave)."""
-    def cost(splits):
-        per_split = -(-units // splits)
-        waves = -(-blocks * -(-units // per_split) // _SMS)
-        return waves * (per_split * unit + _BLOCK_OVERHEAD), splits
-
-    return min(cost(s) for s in range(1, units + 1))[1]
+def _balanced_share(items: int, item_units: int, unit: int, sms: int, whole_items: bool) -> int:
+    """Units per block for at most one block per SM, by the busiest block's time in tokens:
+    its units, `_SEGMENT_COST` per segment, `_MERGE_COST` when items are split across blocks
+    (a share that is not a multiple of an item). `whole_items`: only multiples of an item."""
+    total = items * item_units
+    lo = -(-total // sms)
+    best = None
+    for share in range(lo, 2 * max(lo, item_units) + 1):
+        if whole_items and share % item_units:
+            continue
+        blocks = -(-total // share)
+        u0 = np.arange(blocks) * share
+        u1 = np.minimum(u0 + share, total)
+        segments = int(((u1 - 1) // item_units - u0 // item_units + 1).max())
+        split = blocks > 1 and share % item_units != 0
+        cost = share * unit + _SEGMENT_COST * segments + _MERGE_COST * split
+        if best is None or cost < best[0]:
+            best = (cost, share)
+    return best[1]
 
 
 def _plan(batch, kv_heads, group, capacity, page_size, head_dim, sizes: PagedBlockSizes, regs,
@@ -115,147 +176,212 @@ def _plan(batch, kv_heads, group, capacity, page_size, head_dim, sizes: PagedBlo
     bk = sizes.block_k
     per_copy = min(page_size, bk)
     issuers = sizes.issuers or (4 if bk // per_copy >= 4 else 1)
-    unit = math.lcm(bk, 4 * page_size)  # a split's block-table slice is >= 16 bytes (TMA)
-    units = -(-capacity // unit)
-    splits = min(sizes.num_splits or _default_splits(batch * kv_heads, units, unit), units)
-    split_tokens = -(-units // splits) * unit
-    plan = _Plan(bk, sizes.stages, per_copy, issuers, split_tokens, -(-capacity // split_tokens),
-                 max(8, -(-group // 8) * 8), sizes.manual_barriers, regs, interpret)
+    units = -(-capacity // bk)
+    parts = max(-(-units * bk // page_size // _TABLE_MAX), min(sizes.num_splits or 1, units))
+    item_units = -(-units // parts)
+    pairs = batch * kv_heads
+    if sizes.num_splits:
+        share = item_units
+    elif sizes.units_per_block:
+        share = sizes.units_per_block
+    else:
+        share = _balanced_share(pairs * parts, item_units, bk, sizes.max_blocks or sm_count(),
+                                sizes.whole_items)
+    blocks = -(-pairs * parts * item_units // share)
+    plan = _Plan(bk, sizes.stages, page_size, per_copy, issuers, item_units, parts, pairs,
+                 share, blocks, max(8, -(-group // 8) * 8), sizes.manual_barriers, regs, interpret)
     need = smem_bytes(((_ROWS, head_dim), jnp.float16), ((2 * sizes.stages, bk, head_dim), jnp.float16),
-                      ((_ROWS, head_dim), jnp.float32), ((_ROWS, bk), jnp.float16))
+                      ((_ROWS, head_dim), jnp.float32), ((2, plan.segment_pages), jnp.int32),
+                      ((0 if regs else _ROWS, bk), jnp.float16))
     if need > SMEM_LIMIT - 4096:
         raise ValueError(f"PagedBlockSizes: {need} bytes of shared memory at block_k={bk}, "
                          f"stages={sizes.stages}, head_dim={head_dim}; use fewer stages.")
     return plan
 
 
-def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scale: float):
-    """Per split: normalised O [S, B, K, group_rows, H] (f32) and base-2 LSE [S, B, K, rows]."""
+def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scale: float,
+                 capacity: int):
+    """Per (block, segment): normalised O [blocks, segments, group_rows, H] (f32) and the
+    base-2 LSE [blocks, segments, group_rows]."""
     batch, kv_heads, _, head_dim = q_BKRH.shape
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
     dtype = q_BKRH.dtype
     bk, st, c, rows = plan.block_k, plan.stages, plan.per_copy, plan.group_rows
     copies = bk // c
-    split_pages = plan.split_tokens // page_size
-    table_chunks = [(lo, min(256, split_pages - lo)) for lo in range(0, split_pages, 256)]
+    seg_pages = plan.segment_pages
+    table_chunks = [(lo, min(256, seg_pages - lo)) for lo in range(0, seg_pages, 256)]
+    n, share, total = plan.item_units, plan.share, plan.total
     scale2 = sm_scale * LOG2E
 
     def kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, lse_ref,
                q_smem, k_smem, v_smem, o_smem, lse_smem, bt_smem, p_smem,
                q_bar, bt_bar, k_bar, v_bar, free):
-        si, kvh, bi = lax.axis_index("s"), lax.axis_index("k"), lax.axis_index("b")
-        wg = lax.axis_index("wg")
-        split_lo = si * plan.split_tokens
-        length = jnp.clip(len_ref[bi], 0, tables.shape[1] * page_size)
-        n_tok = jnp.clip(length - split_lo, 0, plan.split_tokens)
-        n_steps = lax.div(n_tok + (bk - 1), bk)
+        blk, wg = lax.axis_index("sm"), lax.axis_index("wg")
+        u0 = blk * share
+        u1 = jnp.minimum(u0 + share, total)
+        t0 = lax.div(u0, n)
+        n_seg = lax.div(u1 - 1, n) - t0 + 1
+
+        def segment(r):
+            """Segment r of this block: sequence, KV head, first token within the sequence,
+            tokens to read (below the length) and pipeline steps."""
+            t = t0 + r
+            lo_u = jnp.maximum(u0, t * n) - t * n
+            hi_u = jnp.minimum(u1, (t + 1) * n) - t * n
+            pair = lax.div(t, plan.parts)
+            bi, kvh = lax.div(pair, kv_heads), lax.rem(pair, kv_heads)
+            first = (lax.rem(t, plan.parts) * n + lo_u) * bk
+            length = jnp.clip(len_ref[bi], 0, capacity)
+            n_tok = jnp.clip(length - first, 0, (hi_u - lo_u) * bk)
+            return bi, kvh, first, n_tok, lax.div(n_tok + (bk - 1), bk)
+
+        def table_start(first):  # the 4-aligned block-table column at or before the first page
+            page = lax.div(first, page_size)
+            return page - lax.rem(page, 4)
 
         # Two warpgroups: each thread may hold up to 255 registers, so no setmaxnreg.
         @pl.when(wg == 0)
         def _consumer():
             q_smem[...] = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), dtype), WGMMA)
-            plgpu.commit_smem()  # the zero rows land before the TMA fills the group's rows
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh], q_smem.at[pl.ds(0, rows)], q_bar)
-            plgpu.barrier_wait(q_bar)
+            plgpu.commit_smem()  # the zero rows land before any TMA fills the group's rows
 
-            def step(j, carry):
-                acc, m, l = carry
-                slot = lax.rem(j, st)
-                plgpu.barrier_wait(k_bar.at[slot])
+            def load_q(r):
+                bi, kvh = segment(r)[:2]
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh], q_smem.at[pl.ds(0, rows)], q_bar)
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                    return acc_ref[...]
+            load_q(0)
 
-                s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bk), jnp.float32))
-                valid = n_tok - j * bk  # tokens of this block below the length
-                col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=WGMMA)
-                s = jnp.where(col < valid, s, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1) * scale2)
-                alpha = jnp.exp2(m - m_new)  # every row sees token 0 of the block: m_new finite
-                p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l = l * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(dtype)
-                plgpu.barrier_wait(v_bar.at[slot])
-                v_tile = v_smem.at[slot]
+            def run(r, done):
+                n_tok, n_steps = segment(r)[3:]
+                has_next = r + 1 < n_seg
+                plgpu.barrier_wait(q_bar)
 
-                @pl.when(valid < bk)  # the partial block: stale rows may hold NaN
-                def _():
-                    row = plgpu.broadcasted_iota(jnp.int32, (bk, head_dim), 0, layout=WGMMA)
-                    rows_v = v_tile[...]
-                    plgpu.commit_smem()  # every read is done before any write (manual barriers)
-                    v_tile[...] = jnp.where(row < valid, rows_v, jnp.zeros((), dtype))
-                    plgpu.commit_smem()
+                def step(j, carry):
+                    acc, m, l = carry
+                    slot = lax.rem(done + j, st)
+                    plgpu.barrier_wait(k_bar.at[slot])
 
-                if plan.regs:
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_tile)
-
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                else:
-                    p_smem[...] = p16
-                    plgpu.commit_smem()
-
-                    def pv_scoped(acc_ref):
-                        plgpu.wgmma(acc_ref, p_smem, v_tile)
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                         return acc_ref[...]
 
-                    acc = acc + pl.run_scoped(pv_scoped, plgpu.ACC((_ROWS, head_dim), jnp.float32))
-                plgpu.barrier_arrive(free.at[slot])
-                return acc, m_new, l
+                    s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bk), jnp.float32))
+                    # This segment's last Q K^T is done: the next segment's Q may land now.
+                    pl.when(has_next & (j == n_steps - 1))(lambda: load_q(r + 1))
+                    valid = n_tok - j * bk  # tokens of this block below the length
+                    col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=WGMMA)
+                    s = jnp.where(col < valid, s, -jnp.inf)
+                    m_new = jnp.maximum(m, s.max(axis=1) * scale2)
+                    alpha = jnp.exp2(m - m_new)  # every row sees token 0 of the block: m_new finite
+                    p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    l = l * alpha + p.sum(axis=1)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    p16 = p.astype(dtype)
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    v_tile = v_smem.at[slot]
 
-            carry = softmax_start(_ROWS, head_dim)
-            acc, m, l = lax.fori_loop(0, n_steps, step, carry)
-            seen = l > 0.0  # an empty split gives O = 0 and LSE = -inf (weight 0 in the merge)
-            inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-            o_smem[...] = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            lse_smem[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)) * (1 / LN2), -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[si, bi, kvh], commit_group=False)
-            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows)], lse_ref.at[si, bi, kvh], commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
+                    @pl.when(valid < bk)  # the partial block: stale rows may hold NaN
+                    def _():
+                        row = plgpu.broadcasted_iota(jnp.int32, (bk, head_dim), 0, layout=WGMMA)
+                        rows_v = v_tile[...]
+                        plgpu.commit_smem()  # every read is done before any write (manual barriers)
+                        v_tile[...] = jnp.where(row < valid, rows_v, jnp.zeros((), dtype))
+                        plgpu.commit_smem()
+
+                    if plan.regs:
+                        def pv(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, v_tile)
+
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    else:
+                        p_smem[...] = p16
+                        plgpu.commit_smem()
+
+                        def pv_scoped(acc_ref):
+                            plgpu.wgmma(acc_ref, p_smem, v_tile)
+                            return acc_ref[...]
+
+                        acc = acc + pl.run_scoped(pv_scoped, plgpu.ACC((_ROWS, head_dim), jnp.float32))
+                    plgpu.barrier_arrive(free.at[slot])
+                    return acc, m_new, l
+
+                acc, m, l = lax.fori_loop(0, n_steps, step, softmax_start(_ROWS, head_dim))
+                pl.when(has_next & (n_steps == 0))(lambda: load_q(r + 1))  # nothing read here
+                seen = l > 0.0  # nothing to see gives O = 0 and LSE = -inf (weight 0 in the merge)
+                inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last segment's O has left
+                o_smem[...] = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+                lse_smem[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)) * (1 / LN2), -jnp.inf)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[blk, r], commit_group=False)
+                plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows)], lse_ref.at[blk, r], commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
+                return done + n_steps
+
+            lax.fori_loop(0, n_seg, run, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 1)
         def _producer():
-            for lo, size in table_chunks:  # TMA copies at most 256 elements per dimension
-                plgpu.copy_gmem_to_smem(bt_ref.at[bi, pl.ds(si * split_pages + lo, size)],
-                                        bt_smem.at[pl.ds(lo, size)], bt_bar)
-            plgpu.barrier_wait(bt_bar)
+            def load_table(r):  # segment r's slice of the block table, into buffer r % 2
+                bi, _, first = segment(r)[:3]
+                buf = lax.rem(r, 2)
+                for lo, size in table_chunks:  # TMA copies at most 256 elements per dimension
+                    plgpu.copy_gmem_to_smem(bt_ref.at[bi, pl.ds(table_start(first) + lo, size)],
+                                            bt_smem.at[buf, pl.ds(lo, size)], bt_bar.at[buf])
 
-            @pl.loop(0, n_steps)
-            def _(j):
-                slot = lax.rem(j, st)
+            load_table(0)
 
-                @pl.when(j >= st)
+            def feed(r, done):
+                _, kvh, first, _, n_steps = segment(r)
+                col0 = table_start(first)
+                buf = lax.rem(r, 2)
+
+                @pl.when(r + 1 < n_seg)
                 def _():
-                    plgpu.barrier_wait(free.at[slot])
+                    plgpu.commit_smem()  # every warp has read segment r - 1's page ids
+                    load_table(r + 1)
 
-                # Page ids are read at warpgroup level (warp-level code takes no smem loads).
-                pages = []
-                for i in range(copies):
-                    tok = j * bk + i * c  # within the split
-                    pages.append((jnp.clip(bt_smem[lax.div(tok, page_size)], 0, num_pages - 1),
-                                  lax.rem(tok, page_size)))
+                plgpu.barrier_wait(bt_bar.at[buf])
 
-                def copy(i):  # the step's i-th page (or slice of a page), K and V
-                    page, src = pages[i][0], pl.ds(pages[i][1], c)
-                    dst = pl.ds(i * c, c)
-                    plgpu.copy_gmem_to_smem(k_ref.at[kvh, page, src], k_smem.at[slot, dst], k_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[kvh, page, src], v_smem.at[slot, dst], v_bar.at[slot])
+                @pl.loop(0, n_steps)
+                def _(j):
+                    slot = lax.rem(done + j, st)
 
-                if plan.issuers == 1:  # one thread of the warpgroup issues every copy
+                    @pl.when(done + j >= st)
+                    def _():
+                        plgpu.barrier_wait(free.at[slot])
+
+                    # Page ids are read at warpgroup level (warp-level code takes no smem loads).
+                    pages = []
                     for i in range(copies):
-                        copy(i)
-                else:  # warp w issues copies w, w + issuers, ...: in parallel, no barrier between
+                        tok = first + j * bk + i * c  # within the sequence
+                        pages.append((jnp.clip(bt_smem[buf, lax.div(tok, page_size) - col0], 0, num_pages - 1),
+                                      lax.rem(tok, page_size)))
 
-                    @plgpu.warp_map
-                    def _(warp):
+                    def copy(i):  # the step's i-th page (or slice of a page), K and V
+                        page, src = pages[i][0], pl.ds(pages[i][1], c)
+                        dst = pl.ds(i * c, c)
+                        plgpu.copy_gmem_to_smem(k_ref.at[kvh, page, src], k_smem.at[slot, dst],
+                                                k_bar.at[slot])
+                        plgpu.copy_gmem_to_smem(v_ref.at[kvh, page, src], v_smem.at[slot, dst],
+                                                v_bar.at[slot])
+
+                    if plan.issuers == 1:  # one thread of the warpgroup issues every copy
                         for i in range(copies):
-                            pl.when(warp == i % plan.issuers)(lambda i=i: copy(i))
+                            copy(i)
+                    else:  # warp w issues copies w, w + issuers, ...: in parallel, no barrier between
 
-            @pl.loop(jnp.maximum(n_steps - st, 0), n_steps)
+                        @plgpu.warp_map
+                        def _(warp):
+                            for i in range(copies):
+                                pl.when(warp == i % plan.issuers)(lambda i=i: copy(i))
+
+                return done + n_steps
+
+            steps = lax.fori_loop(0, n_seg, feed, jnp.int32(0))
+
+            @pl.loop(jnp.maximum(steps - st, 0), steps)
             def _(j):  # wait for the last slots' release: every barrier phase is observed
                 plgpu.barrier_wait(free.at[lax.rem(j, st)])
 
@@ -265,29 +391,42 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
         tiled_smem((st, bk, head_dim), dtype),
         tiled_smem((_ROWS, head_dim), jnp.float32),  # O staging
         plgpu.SMEM((_ROWS,), jnp.float32),  # LSE staging
-        plgpu.SMEM((split_pages,), jnp.int32),  # this split's block-table slice
+        plgpu.SMEM((2, seg_pages), jnp.int32),  # two segments' block-table slices
         None if plan.regs else tiled_smem((_ROWS, bk), dtype),  # P, when staged in smem
         plgpu.Barrier(),  # Q loaded
-        plgpu.Barrier(num_arrivals=len(table_chunks)),  # block table loaded
+        plgpu.Barrier(num_arrivals=len(table_chunks), num_barriers=2),  # block-table slice loaded
         plgpu.Barrier(num_arrivals=copies, num_barriers=st),  # K slot filled
         plgpu.Barrier(num_arrivals=copies, num_barriers=st),  # V slot filled
         plgpu.Barrier(num_barriers=st),  # slot free again
     )
-    s = plan.splits
+    segs = plan.max_segments
     return launch(kernel, (q_BKRH, k_pages, v_pages, tables, lengths),
-                  out_type=(jax.ShapeDtypeStruct((s, batch, kv_heads, rows, head_dim), jnp.float32),
-                            jax.ShapeDtypeStruct((s, batch, kv_heads, rows), jnp.float32)),
-                  scratch=scratch, grid=(s, kv_heads, batch), grid_names=("s", "k", "b"),
-                  num_threads=2, interpret=plan.interpret, manual_barriers=plan.manual_barriers)
+                  out_type=(jax.ShapeDtypeStruct((plan.blocks, segs, rows, head_dim), jnp.float32),
+                            jax.ShapeDtypeStruct((plan.blocks, segs, rows), jnp.float32)),
+                  scratch=scratch, grid=(plan.blocks,), grid_names=("sm",), num_threads=2,
+                  interpret=plan.interpret, manual_barriers=plan.manual_barriers)
 
 
-def _merge(o_SBKRH, lse_SBKR):
-    """Combines per-split outputs by their base-2 log-sum-exp weights."""
-    top = lse_SBKR.max(axis=0)
+def _assemble(plan: _Plan, o_JSRH, lse_JSR):
+    """[pairs, rows, H]: each (sequence, KV head)'s pieces gathered and, where there are several,
+    combined by their base-2 log-sum-exp weights."""
+    segs = o_JSRH.shape[1]
+    flat = [[j * segs + r for j, r in pieces] for pieces in plan.pieces]
+    width = max(map(len, flat))
+    o_flat = o_JSRH.reshape(-1, *o_JSRH.shape[2:])
+    if width == 1:
+        idx = np.array([f[0] for f in flat])
+        same = idx.size == o_flat.shape[0] and (idx == np.arange(idx.size)).all()
+        return o_flat if same else o_flat[idx]
+    idx = np.array([f + [f[0]] * (width - len(f)) for f in flat])  # padded with a repeat ...
+    live = np.array([[i < len(f) for i in range(width)] for f in flat])  # ... of weight 0
+    lse = jnp.where(live[..., None], lse_JSR.reshape(-1, lse_JSR.shape[-1])[idx], -jnp.inf)
+    o = o_flat[idx]  # [pairs, width, rows, H]
+    top = lse.max(axis=1)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp2(lse_SBKR - top[None])  # an empty split has LSE -inf: weight 0
-    total = w.sum(axis=0)
-    o = (w[..., None] * o_SBKRH).sum(axis=0)
+    w = jnp.exp2(lse - top[:, None])  # an empty piece has LSE -inf: weight 0
+    total = w.sum(axis=1)
+    o = (w[..., None] * o).sum(axis=1)
     return o * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)[..., None]
 
 
@@ -309,8 +448,9 @@ def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, *, sm_scale
     q_BKGH = q.reshape(batch, kv_heads, group, head_dim)
     if plan.group_rows != group:
         q_BKGH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, plan.group_rows - group), (0, 0)))
-    columns = plan.splits * plan.split_tokens // page_size
+    # Every segment's table slice stays inside the padded table.
+    columns = -(-plan.parts * plan.item_units * plan.block_k // page_size) + plan.segment_pages
     tables = jnp.pad(block_tables, ((0, 0), (0, columns - block_tables.shape[1])))
-    o, lse = _kernel_call(plan, q_BKGH, k_pages, v_pages, tables, lengths, sm_scale)
-    o = o[0] if plan.splits == 1 else _merge(o, lse)
+    o, lse = _kernel_call(plan, q_BKGH, k_pages, v_pages, tables, lengths, sm_scale, capacity)
+    o = _assemble(plan, o, lse).reshape(batch, kv_heads, plan.group_rows, head_dim)
     return o[:, :, :group].reshape(batch, heads, head_dim).astype(q.dtype)

@@ -77,6 +77,8 @@ class PagedBlockSizes:
     # shared-memory access) but the kernel's own; False: Pallas's automatic ones
     whole_items: bool = False  # stream-K shares rounded to whole items (no merge); a variant
     max_blocks: int | None = None  # stream-K blocks at most; None: the GPU's SM count
+    stream_only: bool = False  # a probe of the page stream's own speed: the consumer waits for
+    # each slot and frees it without any math (the output is then not attention: benchmarks only)
     units_per_block: int | None = None  # stream-K share of each block in units of block_k
     # tokens; None: the cost model's (`_balanced_share`)
 
@@ -105,6 +107,7 @@ class _Plan:
     block_k: int
     stages: int
     page_size: int
+    columns: int  # the block table's width (a multiple of 4: padded if it is not)
     per_copy: int  # tokens per TMA copy: a page, or a block_k slice of a bigger page
     issuers: int  # producer warps issuing copies: copy i of a step comes from warp i % issuers
     item_units: int  # units per item; an item is (sequence, KV head, part)
@@ -117,17 +120,18 @@ class _Plan:
     manual_barriers: bool
     regs: bool
     interpret: bool
+    stream_only: bool = False
 
     @property
     def total(self) -> int:  # units of all items
         return self.pairs * self.parts * self.item_units
 
     @property
-    def segment_pages(self) -> int:
+    def table_slice(self) -> int:
         """Block-table entries a segment copies: its pages from the 4-aligned one at or before
-        its first (16-byte TMA slices), a multiple of 4."""
+        its first (16-byte TMA slices), a multiple of 4, at most the table's width."""
         pages = -(-min(self.share, self.item_units) * self.block_k // self.page_size) + 4
-        return -(-pages // 4) * 4
+        return min(-(-pages // 4) * 4, self.columns)
 
     @functools.cached_property
     def pieces(self) -> list[list[tuple[int, int]]]:
@@ -140,8 +144,21 @@ class _Plan:
         return out
 
     @property
+    def width(self) -> int:  # pieces of the most split pair
+        return max(map(len, self.pieces))
+
+    @property
     def max_segments(self) -> int:
         return max(r for pieces in self.pieces for _, r in pieces) + 1
+
+    def output_slots(self) -> np.ndarray:
+        """int32 [blocks, max_segments]: where segment r of block j writes, a row of the
+        [pairs * width] output (pair-major, pieces in context order)."""
+        slots = np.zeros((self.blocks, self.max_segments), np.int32)
+        for pair, pieces in enumerate(self.pieces):
+            for p, (j, r) in enumerate(pieces):
+                slots[j, r] = pair * self.width + p
+        return slots
 
 
 def supports(dtype, head_dim: int, page_size: int, group: int) -> bool:
@@ -171,12 +188,12 @@ def _balanced_share(items: int, item_units: int, unit: int, sms: int, whole_item
     return best[1]
 
 
-def _plan(batch, kv_heads, group, capacity, page_size, head_dim, sizes: PagedBlockSizes, regs,
+def _plan(batch, kv_heads, group, columns, page_size, head_dim, sizes: PagedBlockSizes, regs,
           interpret) -> _Plan:
     bk = sizes.block_k
     per_copy = min(page_size, bk)
     issuers = sizes.issuers or (4 if bk // per_copy >= 4 else 1)
-    units = -(-capacity // bk)
+    units = -(-columns * page_size // bk)
     parts = max(-(-units * bk // page_size // _TABLE_MAX), min(sizes.num_splits or 1, units))
     item_units = -(-units // parts)
     pairs = batch * kv_heads
@@ -188,10 +205,11 @@ def _plan(batch, kv_heads, group, capacity, page_size, head_dim, sizes: PagedBlo
         share = _balanced_share(pairs * parts, item_units, bk, sizes.max_blocks or sm_count(),
                                 sizes.whole_items)
     blocks = -(-pairs * parts * item_units // share)
-    plan = _Plan(bk, sizes.stages, page_size, per_copy, issuers, item_units, parts, pairs,
-                 share, blocks, max(8, -(-group // 8) * 8), sizes.manual_barriers, regs, interpret)
-    need = smem_bytes(((_ROWS, head_dim), jnp.float16), ((2 * sizes.stages, bk, head_dim), jnp.float16),
-                      ((_ROWS, head_dim), jnp.float32), ((2, plan.segment_pages), jnp.int32),
+    plan = _Plan(bk, sizes.stages, page_size, -(-columns // 4) * 4, per_copy, issuers, item_units,
+                 parts, pairs, share, blocks, max(8, -(-group // 8) * 8), sizes.manual_barriers,
+                 regs, interpret, sizes.stream_only)
+    need = smem_bytes(((2, _ROWS, head_dim), jnp.float16), ((2 * sizes.stages, bk, head_dim), jnp.float16),
+                      ((_ROWS, head_dim), jnp.float32), ((2, -(-plan.table_slice // 32) * 32), jnp.int32),
                       ((0 if regs else _ROWS, bk), jnp.float16))
     if need > SMEM_LIMIT - 4096:
         raise ValueError(f"PagedBlockSizes: {need} bytes of shared memory at block_k={bk}, "
@@ -199,21 +217,23 @@ def _plan(batch, kv_heads, group, capacity, page_size, head_dim, sizes: PagedBlo
     return plan
 
 
-def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scale: float,
-                 capacity: int):
-    """Per (block, segment): normalised O [blocks, segments, group_rows, H] (f32) and the
-    base-2 LSE [blocks, segments, group_rows]."""
+def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scale: float):
+    """Normalised O [pairs * width, group_rows, H] and base-2 LSE [pairs * width, group_rows]:
+    each (sequence, KV head)'s pieces in context order. With one piece a pair (width 1) O is
+    final and in the input dtype; otherwise fp32, for the merge."""
     batch, kv_heads, _, head_dim = q_BKRH.shape
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
     dtype = q_BKRH.dtype
+    o_dtype = dtype if plan.width == 1 else jnp.float32
     bk, st, c, rows = plan.block_k, plan.stages, plan.per_copy, plan.group_rows
     copies = bk // c
-    seg_pages = plan.segment_pages
-    table_chunks = [(lo, min(256, seg_pages - lo)) for lo in range(0, seg_pages, 256)]
+    slice_len, columns = plan.table_slice, plan.columns
+    table_chunks = [(lo, min(256, slice_len - lo)) for lo in range(0, slice_len, 256)]
     n, share, total = plan.item_units, plan.share, plan.total
+    capacity = columns * page_size
     scale2 = sm_scale * LOG2E
 
-    def kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, lse_ref,
+    def kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, slot_ref, o_ref, lse_ref,
                q_smem, k_smem, v_smem, o_smem, lse_smem, bt_smem, p_smem,
                q_bar, bt_bar, k_bar, v_bar, free):
         blk, wg = lax.axis_index("sm"), lax.axis_index("wg")
@@ -235,39 +255,47 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
             n_tok = jnp.clip(length - first, 0, (hi_u - lo_u) * bk)
             return bi, kvh, first, n_tok, lax.div(n_tok + (bk - 1), bk)
 
-        def table_start(first):  # the 4-aligned block-table column at or before the first page
+        def table_start(first):
+            """The first column of a segment's table slice: 4-aligned, at or before its first
+            page, and early enough that the slice ends inside the table."""
             page = lax.div(first, page_size)
-            return page - lax.rem(page, 4)
+            return jnp.minimum(page - lax.rem(page, 4), columns - slice_len)
 
         # Two warpgroups: each thread may hold up to 255 registers, so no setmaxnreg.
         @pl.when(wg == 0)
         def _consumer():
-            q_smem[...] = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), dtype), WGMMA)
+            for b in range(2):
+                q_smem.at[b][...] = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), dtype), WGMMA)
             plgpu.commit_smem()  # the zero rows land before any TMA fills the group's rows
 
-            def load_q(r):
+            def load_q(r):  # segment r's Q into buffer r % 2
                 bi, kvh = segment(r)[:2]
-                plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh], q_smem.at[pl.ds(0, rows)], q_bar)
+                buf = lax.rem(r, 2)
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh], q_smem.at[buf, pl.ds(0, rows)], q_bar.at[buf])
 
             load_q(0)
 
             def run(r, done):
                 n_tok, n_steps = segment(r)[3:]
-                has_next = r + 1 < n_seg
-                plgpu.barrier_wait(q_bar)
+                # The other buffer's Q K^T (segment r - 1) are done: the next Q loads under this one.
+                pl.when(r + 1 < n_seg)(lambda: load_q(r + 1))
+                q_tile = q_smem.at[lax.rem(r, 2)]
+                plgpu.barrier_wait(q_bar.at[lax.rem(r, 2)])
 
                 def step(j, carry):
                     acc, m, l = carry
                     slot = lax.rem(done + j, st)
                     plgpu.barrier_wait(k_bar.at[slot])
+                    if plan.stream_only:
+                        plgpu.barrier_wait(v_bar.at[slot])
+                        plgpu.barrier_arrive(free.at[slot])
+                        return carry
 
                     def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
                         return acc_ref[...]
 
                     s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bk), jnp.float32))
-                    # This segment's last Q K^T is done: the next segment's Q may land now.
-                    pl.when(has_next & (j == n_steps - 1))(lambda: load_q(r + 1))
                     valid = n_tok - j * bk  # tokens of this block below the length
                     col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=WGMMA)
                     s = jnp.where(col < valid, s, -jnp.inf)
@@ -306,15 +334,15 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                     return acc, m_new, l
 
                 acc, m, l = lax.fori_loop(0, n_steps, step, softmax_start(_ROWS, head_dim))
-                pl.when(has_next & (n_steps == 0))(lambda: load_q(r + 1))  # nothing read here
                 seen = l > 0.0  # nothing to see gives O = 0 and LSE = -inf (weight 0 in the merge)
                 inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last segment's O has left
-                o_smem[...] = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+                o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_dtype)
                 lse_smem[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)) * (1 / LN2), -jnp.inf)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[blk, r], commit_group=False)
-                plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows)], lse_ref.at[blk, r], commit_group=False)
+                out = slot_ref[blk, r]
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[out], commit_group=False)
+                plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows)], lse_ref.at[out], commit_group=False)
                 plgpu.commit_smem_to_gmem_group()
                 return done + n_steps
 
@@ -386,47 +414,39 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                 plgpu.barrier_wait(free.at[lax.rem(j, st)])
 
     scratch = (
-        tiled_smem((_ROWS, head_dim), dtype),
+        tiled_smem((2, _ROWS, head_dim), dtype),  # two segments' Q
         tiled_smem((st, bk, head_dim), dtype),
         tiled_smem((st, bk, head_dim), dtype),
-        tiled_smem((_ROWS, head_dim), jnp.float32),  # O staging
+        tiled_smem((_ROWS, head_dim), o_dtype),  # O staging
         plgpu.SMEM((_ROWS,), jnp.float32),  # LSE staging
-        plgpu.SMEM((2, seg_pages), jnp.int32),  # two segments' block-table slices
+        # two segments' block-table slices, each 128-byte aligned (TMA)
+        plgpu.SMEM((2, -(-slice_len // 32) * 32), jnp.int32),
         None if plan.regs else tiled_smem((_ROWS, bk), dtype),  # P, when staged in smem
-        plgpu.Barrier(),  # Q loaded
+        plgpu.Barrier(num_barriers=2),  # Q loaded
         plgpu.Barrier(num_arrivals=len(table_chunks), num_barriers=2),  # block-table slice loaded
         plgpu.Barrier(num_arrivals=copies, num_barriers=st),  # K slot filled
         plgpu.Barrier(num_arrivals=copies, num_barriers=st),  # V slot filled
         plgpu.Barrier(num_barriers=st),  # slot free again
     )
-    segs = plan.max_segments
-    return launch(kernel, (q_BKRH, k_pages, v_pages, tables, lengths),
-                  out_type=(jax.ShapeDtypeStruct((plan.blocks, segs, rows, head_dim), jnp.float32),
-                            jax.ShapeDtypeStruct((plan.blocks, segs, rows), jnp.float32)),
+    slots = jnp.asarray(plan.output_slots())
+    pieces = plan.pairs * plan.width
+    return launch(kernel, (q_BKRH, k_pages, v_pages, tables, lengths, slots),
+                  out_type=(jax.ShapeDtypeStruct((pieces, rows, head_dim), o_dtype),
+                            jax.ShapeDtypeStruct((pieces, rows), jnp.float32)),
                   scratch=scratch, grid=(plan.blocks,), grid_names=("sm",), num_threads=2,
                   interpret=plan.interpret, manual_barriers=plan.manual_barriers)
 
 
-def _assemble(plan: _Plan, o_JSRH, lse_JSR):
-    """[pairs, rows, H]: each (sequence, KV head)'s pieces gathered and, where there are several,
-    combined by their base-2 log-sum-exp weights."""
-    segs = o_JSRH.shape[1]
-    flat = [[j * segs + r for j, r in pieces] for pieces in plan.pieces]
-    width = max(map(len, flat))
-    o_flat = o_JSRH.reshape(-1, *o_JSRH.shape[2:])
-    if width == 1:
-        idx = np.array([f[0] for f in flat])
-        same = idx.size == o_flat.shape[0] and (idx == np.arange(idx.size)).all()
-        return o_flat if same else o_flat[idx]
-    idx = np.array([f + [f[0]] * (width - len(f)) for f in flat])  # padded with a repeat ...
-    live = np.array([[i < len(f) for i in range(width)] for f in flat])  # ... of weight 0
-    lse = jnp.where(live[..., None], lse_JSR.reshape(-1, lse_JSR.shape[-1])[idx], -jnp.inf)
-    o = o_flat[idx]  # [pairs, width, rows, H]
+def _merge(plan: _Plan, o_PWRH, lse_PWR):
+    """[pairs, rows, H]: each pair's pieces combined by their base-2 log-sum-exp weights (a
+    pair with fewer pieces than the widest has its missing ones at weight 0)."""
+    live = np.array([[p < len(pieces) for p in range(plan.width)] for pieces in plan.pieces])
+    lse = jnp.where(live[..., None], lse_PWR, -jnp.inf)
     top = lse.max(axis=1)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     w = jnp.exp2(lse - top[:, None])  # an empty piece has LSE -inf: weight 0
     total = w.sum(axis=1)
-    o = (w[..., None] * o).sum(axis=1)
+    o = (w[..., None] * jnp.where(live[..., None, None], o_PWRH, 0.0)).sum(axis=1)
     return o * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)[..., None]
 
 
@@ -443,14 +463,17 @@ def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, *, sm_scale
     batch, heads, head_dim = q.shape
     kv_heads, _, page_size, _ = k_pages.shape
     group = heads // kv_heads
-    capacity = block_tables.shape[1] * page_size
-    plan = _plan(batch, kv_heads, group, capacity, page_size, head_dim, block_sizes, regs, interpret)
+    plan = _plan(batch, kv_heads, group, block_tables.shape[1], page_size, head_dim, block_sizes,
+                 regs, interpret)
     q_BKGH = q.reshape(batch, kv_heads, group, head_dim)
     if plan.group_rows != group:
         q_BKGH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, plan.group_rows - group), (0, 0)))
-    # Every segment's table slice stays inside the padded table.
-    columns = -(-plan.parts * plan.item_units * plan.block_k // page_size) + plan.segment_pages
-    tables = jnp.pad(block_tables, ((0, 0), (0, columns - block_tables.shape[1])))
-    o, lse = _kernel_call(plan, q_BKGH, k_pages, v_pages, tables, lengths, sm_scale, capacity)
-    o = _assemble(plan, o, lse).reshape(batch, kv_heads, plan.group_rows, head_dim)
+    tables = block_tables
+    if plan.columns != tables.shape[1]:  # rows of the table 16-byte aligned (TMA)
+        tables = jnp.pad(tables, ((0, 0), (0, plan.columns - tables.shape[1])))
+    o, lse = _kernel_call(plan, q_BKGH, k_pages, v_pages, tables, lengths, sm_scale)
+    if plan.width > 1:
+        o = _merge(plan, o.reshape(plan.pairs, plan.width, *o.shape[1:]),
+                   lse.reshape(plan.pairs, plan.width, -1))
+    o = o.reshape(batch, kv_heads, plan.group_rows, head_dim)
     return o[:, :, :group].reshape(batch, heads, head_dim).astype(q.dtype)

@@ -114,24 +114,25 @@ def test_mosaic_decode_matches_reference(page_size, group, dtype, head_dim, leng
 
 # Stream-K schedules on few blocks, so that a block runs several segments (the K/V ring, Q and
 # the block-table buffers carry across them) and items are split between blocks (merged):
-# (max_blocks, whole_items, lengths, split): 4 sequences x 2 KV heads = 8 items of 64-token
-# units; split: whether the plan splits items between blocks.
-STREAM = [(7, False, [300, 21, 130, 0], True), (3, True, [130, 64, 1, 99], False),
-          (1, False, [33, 130, 0, 7], False)]
+# (max_blocks, whole_items, lengths, split, inner): 4 sequences x 2 KV heads = 8 items of
+# 64-token units; split: whether the plan splits items between blocks; inner: whether a
+# segment's block-table slice is narrower than the table (it starts inside it).
+STREAM = [(7, False, [300, 21, 130, 0], True, False), (3, True, [130, 64, 1, 99], False, False),
+          (1, False, [33, 130, 0, 7], False, False), (12, False, [1000, 5, 0, 700], True, True)]
 
 
 @pytest.mark.skipif(ON_GPU and not on_sm90(), reason="Mosaic GPU needs an sm90 GPU (or the CPU interpreter)")
-@pytest.mark.parametrize("max_blocks,whole_items,lengths,split", STREAM)
-def test_mosaic_stream_schedule_matches_reference(max_blocks, whole_items, lengths, split):
+@pytest.mark.parametrize("max_blocks,whole_items,lengths,split,inner", STREAM)
+def test_mosaic_stream_schedule_matches_reference(max_blocks, whole_items, lengths, split, inner):
     from pallas_kernels import paged_attention_mgpu as pam
 
     rng = np.random.default_rng(max_blocks)
     k, v, tables, lens = make_cache(rng, lengths, 2, 16, jnp.bfloat16, head_dim=64)
     q = jnp.asarray(rng.standard_normal((len(lengths), 4, 64)), jnp.bfloat16)
     sizes = PagedBlockSizes(block_k=64, stages=2, max_blocks=max_blocks, whole_items=whole_items)
-    plan = pam._plan(4, 2, 2, tables.shape[1] * 16, 16, 64, sizes, False, True)
+    plan = pam._plan(4, 2, 2, tables.shape[1], 16, 64, sizes, False, True)
     assert plan.blocks <= max_blocks and plan.max_segments >= 2  # several segments per block
-    assert (max(map(len, plan.pieces)) > 1) == split
+    assert (plan.width > 1) == split and (plan.table_slice < plan.columns) == inner
     out = paged_attention(q, k, v, tables, lens, implementation="mosaic", mosaic_block_sizes=sizes)
     assert_close(out, paged_attention_reference(q, k, v, tables, lens), jnp.bfloat16)
     assert not np.asarray(out[np.asarray(lens) == 0], np.float32).any()
@@ -153,8 +154,8 @@ def test_mosaic_decode_has_no_shared_memory_race():
     q = jnp.asarray(rng.standard_normal((3, 3, 64)), jnp.bfloat16)  # a shape no other test traces
     from pallas_kernels import paged_attention_mgpu as pam
     sizes = PagedBlockSizes(block_k=64, units_per_block=3)  # 3 items of 2 units on 2 blocks
-    plan = pam._plan(3, 1, 3, tables.shape[1] * 16, 16, 64, sizes, False, True)
-    assert plan.blocks == 2 and plan.max_segments == 2 and max(map(len, plan.pieces)) == 2
+    plan = pam._plan(3, 1, 3, tables.shape[1], 16, 64, sizes, False, True)
+    assert plan.blocks == 2 and plan.max_segments == 2 and plan.width == 2
     with detecting_races():
         out = paged_attention(q, k, v, tables, lens, implementation="mosaic",
                               mosaic_block_sizes=sizes)

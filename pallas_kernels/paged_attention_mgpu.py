@@ -58,9 +58,13 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 _ROWS = 64  # query rows of one wgmma tile; the GQA group is padded to it
 _TABLE_MAX = 2048  # block-table entries of one segment at most (two buffers: 16 KiB)
 # The schedule's cost model, in tokens' time of one SM: a segment's start and end (Q, its
-# table, the epilogue) and the XLA merge that items split across blocks need.
+# table, the epilogue); items split across blocks cost the XLA merge and fp32 partials, which
+# on the H200 made the kernel ~5% slower plus a fixed cost (64/4096/32q8kv/page 16: 125-unit
+# split shares 276 us against 269 us for 128-unit whole ones; 128/2048/32/32: 497-unit split
+# shares 3% slower than 512-unit whole ones; benchmarks/paged_attention_mgpu_h200_stream.json).
 _SEGMENT_COST = 64
-_MERGE_COST = 256
+_MERGE_SLOWDOWN = 0.05
+_MERGE_COST = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +79,7 @@ class PagedBlockSizes:
     # a step takes >= 4 copies (pages smaller than block_k / 4), else 1
     manual_barriers: bool = True  # no warpgroup barrier before each page copy (and around each
     # shared-memory access) but the kernel's own; False: Pallas's automatic ones
-    whole_items: bool = False  # stream-K shares rounded to whole items (no merge); a variant
+    whole_items: bool = False  # stream-K shares only in whole items (no merge), whatever it costs
     max_blocks: int | None = None  # stream-K blocks at most; None: the GPU's SM count
     stream_only: bool = False  # a probe of the page stream's own speed: the consumer waits for
     # each slot and frees it without any math (the output is then not attention: benchmarks only)
@@ -169,8 +173,10 @@ def supports(dtype, head_dim: int, page_size: int, group: int) -> bool:
 
 def _balanced_share(items: int, item_units: int, unit: int, sms: int, whole_items: bool) -> int:
     """Units per block for at most one block per SM, by the busiest block's time in tokens:
-    its units, `_SEGMENT_COST` per segment, `_MERGE_COST` when items are split across blocks
-    (a share that is not a multiple of an item). `whole_items`: only multiples of an item."""
+    its units, `_SEGMENT_COST` per segment, and when items are split across blocks (a share
+    that is not a multiple of an item) `_MERGE_SLOWDOWN` more and `_MERGE_COST`. So items are
+    split only when whole ones would leave much of the GPU idle (few, long sequences).
+    `whole_items`: only multiples of an item."""
     total = items * item_units
     lo = -(-total // sms)
     best = None
@@ -182,7 +188,7 @@ def _balanced_share(items: int, item_units: int, unit: int, sms: int, whole_item
         u1 = np.minimum(u0 + share, total)
         segments = int(((u1 - 1) // item_units - u0 // item_units + 1).max())
         split = blocks > 1 and share % item_units != 0
-        cost = share * unit + _SEGMENT_COST * segments + _MERGE_COST * split
+        cost = share * unit * (1 + _MERGE_SLOWDOWN * split) + _SEGMENT_COST * segments + _MERGE_COST * split
         if best is None or cost < best[0]:
             best = (cost, share)
     return best[1]
@@ -235,7 +241,7 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
 
     def kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, slot_ref, o_ref, lse_ref,
                q_smem, k_smem, v_smem, o_smem, lse_smem, bt_smem, p_smem,
-               q_bar, bt_bar, k_bar, v_bar, free):
+               q_bar, bt_bar, k_bar, v_bar, k_free, v_free):
         blk, wg = lax.axis_index("sm"), lax.axis_index("wg")
         u0 = blk * share
         u1 = jnp.minimum(u0 + share, total)
@@ -288,7 +294,8 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                     plgpu.barrier_wait(k_bar.at[slot])
                     if plan.stream_only:
                         plgpu.barrier_wait(v_bar.at[slot])
-                        plgpu.barrier_arrive(free.at[slot])
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        plgpu.barrier_arrive(v_free.at[slot])
                         return carry
 
                     def qk(acc_ref):
@@ -296,6 +303,7 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                         return acc_ref[...]
 
                     s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bk), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])  # the next K may land under this softmax
                     valid = n_tok - j * bk  # tokens of this block below the length
                     col = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=WGMMA)
                     s = jnp.where(col < valid, s, -jnp.inf)
@@ -330,7 +338,7 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                             return acc_ref[...]
 
                         acc = acc + pl.run_scoped(pv_scoped, plgpu.ACC((_ROWS, head_dim), jnp.float32))
-                    plgpu.barrier_arrive(free.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l
 
                 acc, m, l = lax.fori_loop(0, n_steps, step, softmax_start(_ROWS, head_dim))
@@ -375,35 +383,35 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                 @pl.loop(0, n_steps)
                 def _(j):
                     slot = lax.rem(done + j, st)
-
-                    @pl.when(done + j >= st)
-                    def _():
-                        plgpu.barrier_wait(free.at[slot])
-
-                    # Page ids are read at warpgroup level (warp-level code takes no smem loads).
+                    # Page ids are read at warpgroup level (warp-level code takes no smem loads),
+                    # before the slot is free.
                     pages = []
                     for i in range(copies):
                         tok = first + j * bk + i * c  # within the sequence
                         pages.append((jnp.clip(bt_smem[buf, lax.div(tok, page_size) - col0], 0, num_pages - 1),
                                       lax.rem(tok, page_size)))
 
-                    def copy(i):  # the step's i-th page (or slice of a page), K and V
-                        page, src = pages[i][0], pl.ds(pages[i][1], c)
-                        dst = pl.ds(i * c, c)
-                        plgpu.copy_gmem_to_smem(k_ref.at[kvh, page, src], k_smem.at[slot, dst],
-                                                k_bar.at[slot])
-                        plgpu.copy_gmem_to_smem(v_ref.at[kvh, page, src], v_smem.at[slot, dst],
-                                                v_bar.at[slot])
+                    def copies_of(ref, smem, bar):  # the step's pages (or slices of a page)
+                        def copy(i):
+                            page, src = pages[i][0], pl.ds(pages[i][1], c)
+                            plgpu.copy_gmem_to_smem(ref.at[kvh, page, src], smem.at[slot, pl.ds(i * c, c)],
+                                                    bar.at[slot])
 
-                    if plan.issuers == 1:  # one thread of the warpgroup issues every copy
-                        for i in range(copies):
-                            copy(i)
-                    else:  # warp w issues copies w, w + issuers, ...: in parallel, no barrier between
-
-                        @plgpu.warp_map
-                        def _(warp):
+                        if plan.issuers == 1:  # one thread of the warpgroup issues every copy
                             for i in range(copies):
-                                pl.when(warp == i % plan.issuers)(lambda i=i: copy(i))
+                                copy(i)
+                        else:  # warp w issues copies w, w + issuers, ...: in parallel
+
+                            @plgpu.warp_map
+                            def _(warp):
+                                for i in range(copies):
+                                    pl.when(warp == i % plan.issuers)(lambda i=i: copy(i))
+
+                    # K is free once the consumer's Q K^T is done, V once its P V is.
+                    pl.when(done + j >= st)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                    copies_of(k_ref, k_smem, k_bar)
+                    pl.when(done + j >= st)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                    copies_of(v_ref, v_smem, v_bar)
 
                 return done + n_steps
 
@@ -411,7 +419,8 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
 
             @pl.loop(jnp.maximum(steps - st, 0), steps)
             def _(j):  # wait for the last slots' release: every barrier phase is observed
-                plgpu.barrier_wait(free.at[lax.rem(j, st)])
+                plgpu.barrier_wait(k_free.at[lax.rem(j, st)])
+                plgpu.barrier_wait(v_free.at[lax.rem(j, st)])
 
     scratch = (
         tiled_smem((2, _ROWS, head_dim), dtype),  # two segments' Q
@@ -426,7 +435,8 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
         plgpu.Barrier(num_arrivals=len(table_chunks), num_barriers=2),  # block-table slice loaded
         plgpu.Barrier(num_arrivals=copies, num_barriers=st),  # K slot filled
         plgpu.Barrier(num_arrivals=copies, num_barriers=st),  # V slot filled
-        plgpu.Barrier(num_barriers=st),  # slot free again
+        plgpu.Barrier(num_barriers=st),  # K slot free again
+        plgpu.Barrier(num_barriers=st),  # V slot free again
     )
     slots = jnp.asarray(plan.output_slots())
     pieces = plan.pairs * plan.width

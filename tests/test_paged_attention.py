@@ -114,28 +114,52 @@ def test_mosaic_decode_matches_reference(page_size, group, dtype, head_dim, leng
 
 # Stream-K schedules on few blocks, so that a block runs several segments (the K/V ring, Q and
 # the block-table buffers carry across them) and items are split between blocks (merged):
-# (max_blocks, whole_items, lengths, split, inner): 4 sequences x 2 KV heads = 8 items of
+# (PagedBlockSizes fields, lengths, split, inner): 4 sequences x 2 KV heads = 8 items of
 # 64-token units; split: whether the plan splits items between blocks; inner: whether a
 # segment's block-table slice is narrower than the table (it starts inside it).
-STREAM = [(7, False, [300, 21, 130, 0], True, False), (3, True, [130, 64, 1, 99], False, False),
-          (1, False, [33, 130, 0, 7], False, False), (12, False, [1000, 5, 0, 700], True, True)]
+STREAM = [(dict(units_per_block=6), [300, 21, 130, 0], True, False),
+          (dict(max_blocks=3, whole_items=True), [130, 64, 1, 99], False, False),
+          (dict(max_blocks=1), [33, 130, 0, 7], False, False),
+          (dict(units_per_block=11), [1000, 5, 0, 700], True, True)]
 
 
 @pytest.mark.skipif(ON_GPU and not on_sm90(), reason="Mosaic GPU needs an sm90 GPU (or the CPU interpreter)")
-@pytest.mark.parametrize("max_blocks,whole_items,lengths,split,inner", STREAM)
-def test_mosaic_stream_schedule_matches_reference(max_blocks, whole_items, lengths, split, inner):
+@pytest.mark.parametrize("fields,lengths,split,inner", STREAM)
+def test_mosaic_stream_schedule_matches_reference(fields, lengths, split, inner):
     from pallas_kernels import paged_attention_mgpu as pam
 
-    rng = np.random.default_rng(max_blocks)
+    rng = np.random.default_rng(len(fields) + lengths[0])
     k, v, tables, lens = make_cache(rng, lengths, 2, 16, jnp.bfloat16, head_dim=64)
     q = jnp.asarray(rng.standard_normal((len(lengths), 4, 64)), jnp.bfloat16)
-    sizes = PagedBlockSizes(block_k=64, stages=2, max_blocks=max_blocks, whole_items=whole_items)
+    sizes = PagedBlockSizes(block_k=64, stages=2, **fields)
     plan = pam._plan(4, 2, 2, tables.shape[1], 16, 64, sizes, False, True)
-    assert plan.blocks <= max_blocks and plan.max_segments >= 2  # several segments per block
+    assert plan.max_segments >= 2  # several segments per block
     assert (plan.width > 1) == split and (plan.table_slice < plan.columns) == inner
     out = paged_attention(q, k, v, tables, lens, implementation="mosaic", mosaic_block_sizes=sizes)
     assert_close(out, paged_attention_reference(q, k, v, tables, lens), jnp.bfloat16)
     assert not np.asarray(out[np.asarray(lens) == 0], np.float32).any()
+
+
+def test_stream_schedule_splits_only_few_long_sequences():
+    """The default schedule on 132 SMs: whole items (no merge) when there are enough of them
+    to fill the GPU, items split between blocks when there are few, long ones; every unit of
+    work is given to exactly one block, and no block gets more than 3% over an even share."""
+    from pallas_kernels import paged_attention_mgpu as pam
+
+    def plan(batch, ctx, kv_heads, page):
+        p = pam._plan(batch, kv_heads, 4, ctx // page, page, 128, PagedBlockSizes(max_blocks=132),
+                      True, False)
+        pieces = sorted(piece for pair in p.pieces for piece in pair)
+        assert len(pieces) == len(set(pieces)) and p.blocks <= 132
+        assert p.share * p.blocks >= p.total > p.share * (p.blocks - 1)
+        return p
+
+    for shape in [(64, 4096, 8, 16), (128, 2048, 32, 64), (16, 16384, 8, 64)]:
+        p = plan(*shape)
+        assert p.width == 1 and p.share <= 1.032 * p.total / 132, shape
+    for shape in [(8, 32768, 8, 16), (1, 4096, 8, 16)]:
+        p = plan(*shape)
+        assert p.width > 1 and p.share <= 1.03 * p.total / 132 + 1, shape
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector")

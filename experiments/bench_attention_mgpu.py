@@ -46,11 +46,13 @@ PAGED_SHAPES = [(64, 4096, 32, 8, 16), (64, 4096, 32, 8, 64), (16, 16384, 32, 8,
                 (128, 2048, 32, 32, 64), (8, 32768, 64, 8, 16)]
 # Beside the default (128-token steps, 2 stages, copies from 4 producer warps when a step
 # takes >= 4 pages, one block per SM with equal shares of the work: stream-K, items split
-# between blocks only when whole ones leave SMs idle): shares in whole items always, the grid
+# between blocks when the cost model says it pays): shares in whole items only ("whole"), the
+# most even shares ("even"), the grid
 # of the previous default (context splits in whole waves of one block per SM, `waves_sizes`),
 # copies from one or two issuing threads, deeper rings of 64-token steps, Pallas's automatic
 # barriers, and probes of the page stream alone (no math: not attention, rel_err shows it).
-PAGED_VARIANTS = [PagedBlockSizes(whole_items=True), PagedBlockSizes(128, 2, issuers=1),
+PAGED_VARIANTS = [PagedBlockSizes(split_items=False), PagedBlockSizes(split_items=True),
+                  PagedBlockSizes(128, 2, issuers=1),
                   PagedBlockSizes(128, 2, issuers=2), PagedBlockSizes(64, 4), PagedBlockSizes(64, 5),
                   PagedBlockSizes(64, 4, issuers=1), PagedBlockSizes(128, 2, num_splits=4),
                   PagedBlockSizes(manual_barriers=False), PagedBlockSizes(64, 4, manual_barriers=False),
@@ -73,7 +75,7 @@ def waves_sizes(batch, ctx, hkv, page, sms=132, overhead=128):
 
 
 def variant_name(sizes):
-    name = f"bk{sizes.block_k}_st{sizes.stages}" + ("_whole" if sizes.whole_items else "")
+    name = f"bk{sizes.block_k}_st{sizes.stages}" + {None: "", False: "_whole", True: "_even"}[sizes.split_items]
     name += "_streamonly" if sizes.stream_only else ""
     if sizes.issuers is not None:
         name += f"_iss{sizes.issuers}"

@@ -58,13 +58,11 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 _ROWS = 64  # query rows of one wgmma tile; the GQA group is padded to it
 _TABLE_MAX = 2048  # block-table entries of one segment at most (two buffers: 16 KiB)
 # The schedule's cost model, in tokens' time of one SM: a segment's start and end (Q, its
-# table, the epilogue); items split across blocks cost the XLA merge and fp32 partials, which
-# on the H200 made the kernel ~5% slower plus a fixed cost (64/4096/32q8kv/page 16: 125-unit
-# split shares 276 us against 269 us for 128-unit whole ones; 128/2048/32/32: 497-unit split
-# shares 3% slower than 512-unit whole ones; benchmarks/paged_attention_mgpu_h200_stream.json).
+# table, the epilogue); a split item's pieces go out in fp32 and are merged by XLA (a gather,
+# the combination, a scatter into the output: a few small kernels, ~4 us on the H200).
 _SEGMENT_COST = 64
-_MERGE_SLOWDOWN = 0.05
-_MERGE_COST = 512
+_MERGE_SLOWDOWN = 0.01
+_MERGE_COST = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +77,9 @@ class PagedBlockSizes:
     # a step takes >= 4 copies (pages smaller than block_k / 4), else 1
     manual_barriers: bool = True  # no warpgroup barrier before each page copy (and around each
     # shared-memory access) but the kernel's own; False: Pallas's automatic ones
-    whole_items: bool = False  # stream-K shares only in whole items (no merge), whatever it costs
+    split_items: bool | None = None  # stream-K: None, split items between blocks when the cost
+    # model says it pays (few, long sequences; or an SM tail worth more than the merge);
+    # True: the most even shares; False: whole items only (no merge)
     max_blocks: int | None = None  # stream-K blocks at most; None: the GPU's SM count
     stream_only: bool = False  # a probe of the page stream's own speed: the consumer waits for
     # each slot and frees it without any math (the output is then not attention: benchmarks only)
@@ -151,17 +151,25 @@ class _Plan:
     def width(self) -> int:  # pieces of the most split pair
         return max(map(len, self.pieces))
 
+    @functools.cached_property
+    def split_pairs(self) -> list[int]:  # pairs with more than one piece
+        return [pair for pair, pieces in enumerate(self.pieces) if len(pieces) > 1]
+
     @property
     def max_segments(self) -> int:
         return max(r for pieces in self.pieces for _, r in pieces) + 1
 
     def output_slots(self) -> np.ndarray:
-        """int32 [blocks, max_segments]: where segment r of block j writes, a row of the
-        [pairs * width] output (pair-major, pieces in context order)."""
+        """int32 [blocks, max_segments]: where segment r of block j writes: s >= 0, row s of
+        the final output [pairs] (its pair's only piece); s < 0, row -1 - s of the partials
+        [split pairs * width] (split-pair-major, pieces in context order)."""
         slots = np.zeros((self.blocks, self.max_segments), np.int32)
         for pair, pieces in enumerate(self.pieces):
-            for p, (j, r) in enumerate(pieces):
-                slots[j, r] = pair * self.width + p
+            for j, r in pieces:
+                slots[j, r] = pair
+        for k, pair in enumerate(self.split_pairs):
+            for p, (j, r) in enumerate(self.pieces[pair]):
+                slots[j, r] = -1 - (k * self.width + p)
         return slots
 
 
@@ -171,24 +179,25 @@ def supports(dtype, head_dim: int, page_size: int, group: int) -> bool:
             and page_size >= 8 and page_size & (page_size - 1) == 0 and 1 <= group <= _ROWS)
 
 
-def _balanced_share(items: int, item_units: int, unit: int, sms: int, whole_items: bool) -> int:
+def _balanced_share(items: int, item_units: int, unit: int, sms: int, split_items: bool | None) -> int:
     """Units per block for at most one block per SM, by the busiest block's time in tokens:
     its units, `_SEGMENT_COST` per segment, and when items are split across blocks (a share
     that is not a multiple of an item) `_MERGE_SLOWDOWN` more and `_MERGE_COST`. So items are
-    split only when whole ones would leave much of the GPU idle (few, long sequences).
-    `whole_items`: only multiples of an item."""
+    split only when whole ones would leave enough of the GPU idle. `split_items` False: only
+    multiples of an item; True: the most even shares (no merge cost)."""
     total = items * item_units
     lo = -(-total // sms)
     best = None
     for share in range(lo, 2 * max(lo, item_units) + 1):
-        if whole_items and share % item_units:
+        if split_items is False and share % item_units:
             continue
         blocks = -(-total // share)
         u0 = np.arange(blocks) * share
         u1 = np.minimum(u0 + share, total)
         segments = int(((u1 - 1) // item_units - u0 // item_units + 1).max())
         split = blocks > 1 and share % item_units != 0
-        cost = share * unit * (1 + _MERGE_SLOWDOWN * split) + _SEGMENT_COST * segments + _MERGE_COST * split
+        merge = split and split_items is None
+        cost = share * unit * (1 + _MERGE_SLOWDOWN * merge) + _SEGMENT_COST * segments + _MERGE_COST * merge
         if best is None or cost < best[0]:
             best = (cost, share)
     return best[1]
@@ -209,13 +218,15 @@ def _plan(batch, kv_heads, group, columns, page_size, head_dim, sizes: PagedBloc
         share = sizes.units_per_block
     else:
         share = _balanced_share(pairs * parts, item_units, bk, sizes.max_blocks or sm_count(),
-                                sizes.whole_items)
+                                sizes.split_items)
     blocks = -(-pairs * parts * item_units // share)
     plan = _Plan(bk, sizes.stages, page_size, -(-columns // 4) * 4, per_copy, issuers, item_units,
                  parts, pairs, share, blocks, max(8, -(-group // 8) * 8), sizes.manual_barriers,
                  regs, interpret, sizes.stream_only)
     need = smem_bytes(((2, _ROWS, head_dim), jnp.float16), ((2 * sizes.stages, bk, head_dim), jnp.float16),
-                      ((_ROWS, head_dim), jnp.float32), ((2, -(-plan.table_slice // 32) * 32), jnp.int32),
+                      ((_ROWS, head_dim), jnp.float16),
+                      ((_ROWS if plan.split_pairs else 0, head_dim), jnp.float32),
+                      ((2, -(-plan.table_slice // 32) * 32), jnp.int32),
                       ((0 if regs else _ROWS, bk), jnp.float16))
     if need > SMEM_LIMIT - 4096:
         raise ValueError(f"PagedBlockSizes: {need} bytes of shared memory at block_k={bk}, "
@@ -224,23 +235,23 @@ def _plan(batch, kv_heads, group, columns, page_size, head_dim, sizes: PagedBloc
 
 
 def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scale: float):
-    """Normalised O [pairs * width, group_rows, H] and base-2 LSE [pairs * width, group_rows]:
-    each (sequence, KV head)'s pieces in context order. With one piece a pair (width 1) O is
-    final and in the input dtype; otherwise fp32, for the merge."""
+    """O [pairs, group_rows, H] in the input dtype (final for every pair in one piece), and
+    the pieces of the split pairs [split pairs * width, group_rows, H] (fp32) with their
+    base-2 LSE [split pairs * width, group_rows], for the merge."""
     batch, kv_heads, _, head_dim = q_BKRH.shape
     num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
     dtype = q_BKRH.dtype
-    o_dtype = dtype if plan.width == 1 else jnp.float32
     bk, st, c, rows = plan.block_k, plan.stages, plan.per_copy, plan.group_rows
     copies = bk // c
     slice_len, columns = plan.table_slice, plan.columns
     table_chunks = [(lo, min(256, slice_len - lo)) for lo in range(0, slice_len, 256)]
     n, share, total = plan.item_units, plan.share, plan.total
+    split = bool(plan.split_pairs)
     capacity = columns * page_size
     scale2 = sm_scale * LOG2E
 
-    def kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, slot_ref, o_ref, lse_ref,
-               q_smem, k_smem, v_smem, o_smem, lse_smem, bt_smem, p_smem,
+    def kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, slot_ref, o_ref, part_ref, lse_ref,
+               q_smem, k_smem, v_smem, o_smem, part_smem, lse_smem, bt_smem, p_smem,
                q_bar, bt_bar, k_bar, v_bar, k_free, v_free):
         blk, wg = lax.axis_index("sm"), lax.axis_index("wg")
         u0 = blk * share
@@ -344,14 +355,29 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                 acc, m, l = lax.fori_loop(0, n_steps, step, softmax_start(_ROWS, head_dim))
                 seen = l > 0.0  # nothing to see gives O = 0 and LSE = -inf (weight 0 in the merge)
                 inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last segment's O has left
-                o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_dtype)
-                lse_smem[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)) * (1 / LN2), -jnp.inf)
-                plgpu.commit_smem()
+                o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
                 out = slot_ref[blk, r]
-                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[out], commit_group=False)
-                plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows)], lse_ref.at[out], commit_group=False)
-                plgpu.commit_smem_to_gmem_group()
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last segment's O has left
+
+                @pl.when(out >= 0)  # the pair's only piece: final
+                def _():
+                    o_smem[...] = o.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[out])
+
+                if split:
+                    @pl.when(out < 0)  # one of a split pair's pieces: fp32, with its LSE
+                    def _():
+                        part_smem[...] = o
+                        lse_smem[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)) * (1 / LN2),
+                                                  -jnp.inf)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(part_smem.at[pl.ds(0, rows)], part_ref.at[-1 - out],
+                                                commit_group=False)
+                        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows)], lse_ref.at[-1 - out],
+                                                commit_group=False)
+                        plgpu.commit_smem_to_gmem_group()
+
                 return done + n_steps
 
             lax.fori_loop(0, n_seg, run, jnp.int32(0))
@@ -426,7 +452,8 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
         tiled_smem((2, _ROWS, head_dim), dtype),  # two segments' Q
         tiled_smem((st, bk, head_dim), dtype),
         tiled_smem((st, bk, head_dim), dtype),
-        tiled_smem((_ROWS, head_dim), o_dtype),  # O staging
+        tiled_smem((_ROWS, head_dim), dtype),  # O staging
+        tiled_smem((_ROWS, head_dim), jnp.float32) if split else None,  # a piece's O staging
         plgpu.SMEM((_ROWS,), jnp.float32),  # LSE staging
         # two segments' block-table slices, each 128-byte aligned (TMA)
         plgpu.SMEM((2, -(-slice_len // 32) * 32), jnp.int32),
@@ -439,18 +466,19 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
         plgpu.Barrier(num_barriers=st),  # V slot free again
     )
     slots = jnp.asarray(plan.output_slots())
-    pieces = plan.pairs * plan.width
+    pieces = max(1, len(plan.split_pairs) * plan.width)
     return launch(kernel, (q_BKRH, k_pages, v_pages, tables, lengths, slots),
-                  out_type=(jax.ShapeDtypeStruct((pieces, rows, head_dim), o_dtype),
+                  out_type=(jax.ShapeDtypeStruct((plan.pairs, rows, head_dim), dtype),
+                            jax.ShapeDtypeStruct((pieces, rows, head_dim), jnp.float32),
                             jax.ShapeDtypeStruct((pieces, rows), jnp.float32)),
                   scratch=scratch, grid=(plan.blocks,), grid_names=("sm",), num_threads=2,
                   interpret=plan.interpret, manual_barriers=plan.manual_barriers)
 
 
 def _merge(plan: _Plan, o_PWRH, lse_PWR):
-    """[pairs, rows, H]: each pair's pieces combined by their base-2 log-sum-exp weights (a
-    pair with fewer pieces than the widest has its missing ones at weight 0)."""
-    live = np.array([[p < len(pieces) for p in range(plan.width)] for pieces in plan.pieces])
+    """[split pairs, rows, H]: each split pair's pieces combined by their base-2 log-sum-exp
+    weights (a pair with fewer pieces than the widest has its missing ones at weight 0)."""
+    live = np.array([[p < len(plan.pieces[pair]) for p in range(plan.width)] for pair in plan.split_pairs])
     lse = jnp.where(live[..., None], lse_PWR, -jnp.inf)
     top = lse.max(axis=1)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -481,9 +509,10 @@ def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, *, sm_scale
     tables = block_tables
     if plan.columns != tables.shape[1]:  # rows of the table 16-byte aligned (TMA)
         tables = jnp.pad(tables, ((0, 0), (0, plan.columns - tables.shape[1])))
-    o, lse = _kernel_call(plan, q_BKGH, k_pages, v_pages, tables, lengths, sm_scale)
-    if plan.width > 1:
-        o = _merge(plan, o.reshape(plan.pairs, plan.width, *o.shape[1:]),
-                   lse.reshape(plan.pairs, plan.width, -1))
+    o, part, lse = _kernel_call(plan, q_BKGH, k_pages, v_pages, tables, lengths, sm_scale)
+    if plan.split_pairs:
+        n = len(plan.split_pairs)
+        merged = _merge(plan, part.reshape(n, plan.width, *part.shape[1:]), lse.reshape(n, plan.width, -1))
+        o = o.at[np.array(plan.split_pairs)].set(merged.astype(o.dtype))
     o = o.reshape(batch, kv_heads, plan.group_rows, head_dim)
     return o[:, :, :group].reshape(batch, heads, head_dim).astype(q.dtype)

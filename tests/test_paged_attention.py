@@ -118,7 +118,7 @@ def test_mosaic_decode_matches_reference(page_size, group, dtype, head_dim, leng
 # 64-token units; split: whether the plan splits items between blocks; inner: whether a
 # segment's block-table slice is narrower than the table (it starts inside it).
 STREAM = [(dict(units_per_block=6), [300, 21, 130, 0], True, False),
-          (dict(max_blocks=3, whole_items=True), [130, 64, 1, 99], False, False),
+          (dict(max_blocks=3, split_items=False), [130, 64, 1, 99], False, False),
           (dict(max_blocks=1), [33, 130, 0, 7], False, False),
           (dict(units_per_block=11), [1000, 5, 0, 700], True, True)]
 
@@ -141,25 +141,25 @@ def test_mosaic_stream_schedule_matches_reference(fields, lengths, split, inner)
 
 
 def test_stream_schedule_splits_only_few_long_sequences():
-    """The default schedule on 132 SMs: whole items (no merge) when there are enough of them
-    to fill the GPU, items split between blocks when there are few, long ones; every unit of
-    work is given to exactly one block, and no block gets more than 3% over an even share."""
+    """Schedules on 132 SMs: every unit of work goes to exactly one block. The default keeps
+    items whole when that leaves few SMs idle (512 items of 32 units: 128 blocks of 4) and
+    splits them when there are few, long ones (64 items of 256 units); split_items=True gives
+    the most even shares, False whole items only."""
     from pallas_kernels import paged_attention_mgpu as pam
 
-    def plan(batch, ctx, kv_heads, page):
-        p = pam._plan(batch, kv_heads, 4, ctx // page, page, 128, PagedBlockSizes(max_blocks=132),
-                      True, False)
+    def plan(batch, ctx, kv_heads, page, split_items=None):
+        p = pam._plan(batch, kv_heads, 4, ctx // page, page, 128,
+                      PagedBlockSizes(max_blocks=132, split_items=split_items), True, False)
         pieces = sorted(piece for pair in p.pieces for piece in pair)
         assert len(pieces) == len(set(pieces)) and p.blocks <= 132
         assert p.share * p.blocks >= p.total > p.share * (p.blocks - 1)
         return p
 
-    for shape in [(64, 4096, 8, 16), (128, 2048, 32, 64), (16, 16384, 8, 64)]:
-        p = plan(*shape)
-        assert p.width == 1 and p.share <= 1.032 * p.total / 132, shape
-    for shape in [(8, 32768, 8, 16), (1, 4096, 8, 16)]:
-        p = plan(*shape)
-        assert p.width > 1 and p.share <= 1.03 * p.total / 132 + 1, shape
+    assert plan(64, 4096, 8, 16).width == 1
+    assert plan(8, 32768, 8, 16).width > 1
+    for shape in [(64, 4096, 8, 16), (8, 32768, 8, 16), (128, 2048, 32, 64)]:
+        even, whole = plan(*shape, split_items=True), plan(*shape, split_items=False)
+        assert even.share == -(-even.total // 132) and whole.width == 1, shape
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector")

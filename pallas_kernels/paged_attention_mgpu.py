@@ -259,18 +259,25 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
         t0 = lax.div(u0, n)
         n_seg = lax.div(u1 - 1, n) - t0 + 1
 
-        def segment(r):
+        def segment(r, length=None):
             """Segment r of this block: sequence, KV head, first token within the sequence,
-            tokens to read (below the length) and pipeline steps."""
+            tokens to read (below `length`, the sequence's length) and pipeline steps."""
             t = t0 + r
             lo_u = jnp.maximum(u0, t * n) - t * n
             hi_u = jnp.minimum(u1, (t + 1) * n) - t * n
             pair = lax.div(t, plan.parts)
             bi, kvh = lax.div(pair, kv_heads), lax.rem(pair, kv_heads)
             first = (lax.rem(t, plan.parts) * n + lo_u) * bk
-            length = jnp.clip(len_ref[bi], 0, capacity)
+            if length is None:
+                return bi, kvh, first
             n_tok = jnp.clip(length - first, 0, (hi_u - lo_u) * bk)
             return bi, kvh, first, n_tok, lax.div(n_tok + (bk - 1), bk)
+
+        def seq_length(r):
+            """The length of segment r's sequence (r clamped to the last segment): a load
+            from global memory, issued a segment before it is used, off the critical path."""
+            bi = segment(jnp.minimum(r, n_seg - 1))[0]
+            return jnp.clip(len_ref[bi], 0, capacity)
 
         def table_start(first):
             """The first column of a segment's table slice: 4-aligned, at or before its first
@@ -292,8 +299,10 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
 
             load_q(0)
 
-            def run(r, done):
-                n_tok, n_steps = segment(r)[3:]
+            def run(r, carry):
+                done, length, out = carry
+                next_length, next_out = seq_length(r + 1), slot_ref[blk, jnp.minimum(r + 1, n_seg - 1)]
+                n_tok, n_steps = segment(r, length)[3:]
                 # The other buffer's Q K^T (segment r - 1) are done: the next Q loads under this one.
                 pl.when(r + 1 < n_seg)(lambda: load_q(r + 1))
                 q_tile = q_smem.at[lax.rem(r, 2)]
@@ -356,7 +365,6 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                 seen = l > 0.0  # nothing to see gives O = 0 and LSE = -inf (weight 0 in the merge)
                 inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
                 o = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-                out = slot_ref[blk, r]
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last segment's O has left
 
                 @pl.when(out >= 0)  # the pair's only piece: final
@@ -378,9 +386,9 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                                                 commit_group=False)
                         plgpu.commit_smem_to_gmem_group()
 
-                return done + n_steps
+                return done + n_steps, next_length, next_out
 
-            lax.fori_loop(0, n_seg, run, jnp.int32(0))
+            lax.fori_loop(0, n_seg, run, (jnp.int32(0), seq_length(0), slot_ref[blk, 0]))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 1)
@@ -394,8 +402,10 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
 
             load_table(0)
 
-            def feed(r, done):
-                _, kvh, first, _, n_steps = segment(r)
+            def feed(r, carry):
+                done, length = carry
+                next_length = seq_length(r + 1)
+                _, kvh, first, _, n_steps = segment(r, length)
                 col0 = table_start(first)
                 buf = lax.rem(r, 2)
 
@@ -439,9 +449,9 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                     pl.when(done + j >= st)(lambda: plgpu.barrier_wait(v_free.at[slot]))
                     copies_of(v_ref, v_smem, v_bar)
 
-                return done + n_steps
+                return done + n_steps, next_length
 
-            steps = lax.fori_loop(0, n_seg, feed, jnp.int32(0))
+            steps, _ = lax.fori_loop(0, n_seg, feed, (jnp.int32(0), seq_length(0)))
 
             @pl.loop(jnp.maximum(steps - st, 0), steps)
             def _(j):  # wait for the last slots' release: every barrier phase is observed

@@ -167,19 +167,20 @@ def test_mosaic_decode_has_no_shared_memory_race():
     """With its own barriers only (`PagedBlockSizes.manual_barriers`, the default) the kernel
     has no shared-memory race in the interpreter: pages from 4 warps, a partial last block
     whose stale V rows are zeroed in place, and two blocks each running several segments
-    (the K/V ring, Q and the block-table buffers reused across them, O leaving under the next
-    segment), one item split between them."""
+    (the K/V ring, Q and the block-table buffers reused across them, a final O leaving under
+    the next segment's), one item split between them."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
     from pallas_kernels._mgpu import detecting_races
 
     rng = np.random.default_rng(11)
-    k, v, tables, lens = make_cache(rng, [70, 21, 50], 1, 16, jnp.bfloat16, head_dim=64)
-    q = jnp.asarray(rng.standard_normal((3, 3, 64)), jnp.bfloat16)  # a shape no other test traces
+    k, v, tables, lens = make_cache(rng, [70, 21, 50, 40], 1, 16, jnp.bfloat16, head_dim=64)
+    q = jnp.asarray(rng.standard_normal((4, 3, 64)), jnp.bfloat16)  # a shape no other test traces
     from pallas_kernels import paged_attention_mgpu as pam
-    sizes = PagedBlockSizes(block_k=64, units_per_block=3)  # 3 items of 2 units on 2 blocks
-    plan = pam._plan(3, 1, 3, tables.shape[1], 16, 64, sizes, False, True)
-    assert plan.blocks == 2 and plan.max_segments == 2 and plan.width == 2
+    # 4 items of 2 units on 2 blocks: block 0 has two whole items, then half of the third.
+    sizes = PagedBlockSizes(block_k=64, units_per_block=5)
+    plan = pam._plan(4, 1, 3, tables.shape[1], 16, 64, sizes, False, True)
+    assert plan.blocks == 2 and plan.max_segments == 3 and plan.width == 2
     with detecting_races():
         out = paged_attention(q, k, v, tables, lens, implementation="mosaic",
                               mosaic_block_sizes=sizes)

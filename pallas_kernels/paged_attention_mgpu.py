@@ -4,21 +4,23 @@ The work is (sequence, KV head) items, each the context in units of block_k toke
 query heads of an item's GQA group are packed as rows of one 64-row wgmma tile (rows past G
 are zero), so every K/V byte is read once per group. The grid is one block per SM, and block
 j takes the j-th of equal ranges of the flattened (item, unit) space (stream-K: Osama et al.
-2023), so every SM reads the same number of bytes whatever the batch: a range may start or
-end inside an item, and a block's range crosses items as segments. An item split across
-blocks is merged from its pieces' normalised outputs and base-2 log-sum-exps by a small XLA
-reduction (flash-decoding's merge: Dao et al. 2023). `PagedBlockSizes.num_splits` instead
-gives each block one of `num_splits` equal slices of an item (the grid may then exceed the
-SMs: the launch's waves do the scheduling).
+2023); a block's range crosses items as segments. The range may also start or end inside an
+item when a cost model says that pays (few, long sequences would otherwise leave SMs idle):
+the split item's pieces go out in fp32 with their base-2 log-sum-exps and a small XLA
+reduction merges them (flash-decoding's merge: Dao et al. 2023); an item in one piece
+writes its final O from the kernel. `PagedBlockSizes.num_splits` instead gives each block
+one of `num_splits` equal slices of an item (the grid may then exceed the SMs: the launch's
+waves do the scheduling).
 
 A producer warpgroup copies a segment's slice of the block table into shared memory (the
 next segment's while this one streams), then brings pages in with TMA, one bulk copy per
 page (or per block_k slice of a larger page), issued by up to four warps of the producer
 (small pages: 16 copies per 128-token step at page 16), into a ring of `stages` slots of
 block_k tokens that carries on across segments, so that the next segment's pages load under
-this one's epilogue. The consumer warpgroup computes S = Q K^T and P V with wgmma and folds
-them in with the online softmax (base 2); the next segment's Q is copied in as soon as this
-one's last Q K^T is done, and O leaves through its own shared tile.
+this one's epilogue. A slot's K is refilled as soon as the consumer's Q K^T has read it, its
+V once P V has. The consumer warpgroup computes S = Q K^T and P V with wgmma and folds
+them in with the online softmax (base 2); Q is double-buffered (the next segment's loads
+under this one) and O leaves through its own shared tile.
 
 Positions >= length are never trusted: their logits are masked and, in the one partial
 block per segment, their V rows are zeroed in shared memory before the P V matmul (a stale

@@ -236,6 +236,30 @@ def _plan(batch, kv_heads, group, columns, page_size, head_dim, sizes: PagedBloc
     return plan
 
 
+def schedule(batch: int, kv_heads: int, group: int, pages: int, page_size: int, head_dim: int = 128,
+             block_sizes: PagedBlockSizes = PagedBlockSizes(), sms: int | None = None):
+    """The work of each thread block of a call on block tables of `pages` columns: per block,
+    its segments in order as (sequence, KV head, first token, tokens); a (sequence, KV head)
+    that appears in several blocks is split between them and merged. `sms` stands in for the
+    GPU's SM count (`block_sizes.max_blocks` if given)."""
+    if sms is not None and block_sizes.max_blocks is None:
+        block_sizes = dataclasses.replace(block_sizes, max_blocks=sms)
+    plan = _plan(batch, kv_heads, group, pages, page_size, head_dim, block_sizes, True, False)
+    n, bk = plan.item_units, plan.block_k
+    out = []
+    for j in range(plan.blocks):
+        u0, u1 = j * plan.share, min((j + 1) * plan.share, plan.total)
+        segments = []
+        for t in range(u0 // n, (u1 - 1) // n + 1):
+            lo, hi = max(u0, t * n) - t * n, min(u1, (t + 1) * n) - t * n
+            pair, part = divmod(t, plan.parts)
+            first = (part * n + lo) * bk
+            tokens = min(hi * bk + part * n * bk, pages * page_size) - first
+            segments.append((pair // kv_heads, pair % kv_heads, first, max(tokens, 0)))
+        out.append(segments)
+    return out
+
+
 def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scale: float):
     """O [pairs, group_rows, H] in the input dtype (final for every pair in one piece), and
     the pieces of the split pairs [split pairs * width, group_rows, H] (fp32) with their

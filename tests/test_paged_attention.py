@@ -156,6 +156,14 @@ def test_stream_schedule_splits_only_few_long_sequences():
         return p
 
     assert plan(64, 4096, 8, 16).width == 1
+    # schedule(): every token of every (sequence, KV head) in exactly one block's segments
+    from pallas_kernels.paged_attention_mgpu import schedule
+    for batch, ctx, sizes in [(5, 300, PagedBlockSizes(split_items=True)), (3, 1000, PagedBlockSizes(64, 2))]:
+        seen = np.zeros((batch, 2, ctx), int)
+        for segments in schedule(batch, 2, 4, ctx // 4, 4, 64, sizes, sms=7):
+            for b_, k_, first, tokens in segments:
+                seen[b_, k_, first:first + tokens] += 1
+        assert (seen == 1).all()
     assert plan(8, 32768, 8, 16).width > 1
     for shape in [(64, 4096, 8, 16), (8, 32768, 8, 16), (128, 2048, 32, 64)]:
         even, whole = plan(*shape, split_items=True), plan(*shape, split_items=False)

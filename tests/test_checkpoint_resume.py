@@ -13,7 +13,7 @@ import pytest
 from helpers import mesh_of, small_config
 
 from gendist import loop, train
-from gendist.checkpoint import CheckpointError, Checkpointer
+from gendist.checkpoint import Checkpointer, CheckpointError
 from gendist.data import TextData
 
 

@@ -58,7 +58,6 @@ def test_loss_grads_and_three_steps_match_single_device(data, n_data):
 
 
 def test_batch_sharded_over_data(data):
-    cfg = small_config()
     mesh = mesh_of(8, data=8)
     b = shard_batch(data.global_batch(0, 8, 16), mesh)
     assert b["inputs"].sharding.shard_shape(b["inputs"].shape) == (1, 16)

@@ -93,6 +93,7 @@ FWD_VARIANTS = {
     "ours_grid_mbar": dict(persistent=False, named_schedule=False),
     "ours_bwd_autobar": dict(manual_barriers_bwd=False),  # the backward with Pallas's barriers
     "ours_fused_bwd": dict(fused_bwd=True),  # dQ, dK, dV in one kernel (5 matmuls, reduce-add)
+    "ours_serial_dq": dict(pingpong_dq=False),  # the dQ kernel's three matmuls a step in turn
 }
 
 
@@ -147,7 +148,7 @@ def fa_impls(names, smoke):
 
 def run_fa(args, res, save):
     impls = fa_impls(args.impls, args.smoke)
-    cases = [(128, True, 4, 2, 64)] if args.smoke else FA_CASES
+    cases = [(128, True, 4, 2, 64)] if args.smoke else [FA_CASES[i] for i in args.cases or range(len(FA_CASES))]
     for s, causal, n, kh, d in cases:
         b = max(1, (256 if args.smoke else TOKENS) // s)
         keys = jax.random.split(jax.random.key(s + d + n), 4)
@@ -277,6 +278,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("fa", "paged", "both"), default="both")
     parser.add_argument("--impls", nargs="*", default=None, help="subset of FA implementations")
+    parser.add_argument("--cases", nargs="*", type=int, default=None, help="FA: indices into FA_CASES")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2, help="FA: each implementation's best of this many turns")
     parser.add_argument("--paged-iters", type=int, default=20)

@@ -13,7 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import COL, SMEM_LIMIT, WGMMA, smem_bytes
+from pallas_kernels._mgpu import COL, SMEM_LIMIT, WGMMA, named_barrier, smem_bytes
 
 COMPUTE_WGS = 2  # consumer warpgroups per block; warpgroup 2 is the producer
 
@@ -36,6 +36,9 @@ class MosaicBlockSizes:
     # named barriers (bar.arrive / bar.sync) instead of an mbarrier; None: when compiling
     manual_barriers_bwd: bool = True  # backward kernels: only their own barriers (no warpgroup
     # barrier per shared-memory load and TMA issue); False: Pallas's automatic ones
+    pingpong_dq: bool = True  # dQ kernel: the consumers take turns on the tensor core (as
+    # named_schedule says) and each issues step j - 1's dQ += dS K with step j's S and dP
+    # matmuls; False: each step's three matmuls in turn, both consumers at once
     fused_bwd: bool = False  # backward: one kernel for dQ, dK, dV (5 tile matmuls, dQ summed in
     # fp32 by TMA reduce-add) instead of a dQ kernel and a dK/dV kernel (7). Off: measured
     # 0.63-0.79x the two-kernel form's forward+backward on the H200 (benchmarks/README.md)
@@ -43,7 +46,7 @@ class MosaicBlockSizes:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("manual_barriers_bwd", "fused_bwd"):
+            if f.name in ("manual_barriers_bwd", "fused_bwd", "pingpong_dq"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
             elif f.name in ("persistent", "named_schedule"):
@@ -123,7 +126,8 @@ class MosaicConfig:
 
     @property
     def named_schedule(self) -> bool:
-        """Whether the forward consumers alternate through hardware named barriers."""
+        """Whether the consumers (forward; dQ with pingpong_dq) alternate through hardware named
+        barriers rather than an mbarrier."""
         n = self.blocks.named_schedule
         if n and self.interpret:
             raise ValueError("MosaicBlockSizes.named_schedule=True needs a GPU (the interpreter "
@@ -300,3 +304,42 @@ def wgmma_from(acc, lhs, rhs, staged):
         staged[...] = lhs
         plgpu.commit_smem()
         plgpu.wgmma(acc, staged, rhs)
+
+
+_SCHED_BARRIER = 4  # hardware named barriers 4 and 5: the consumers' turns (named_schedule)
+
+
+class PingPong:
+    """The two consumers' turns on the tensor core, so that one's softmax (or, in the dQ
+    kernel, its dS) runs under the other's matmuls. Named form (FlashAttention-3's; `sched` None): consumer w waits its turn
+    on hardware barrier 4 + w, which the other consumer's arrival opens. mbarrier form (the
+    interpreter's): one barrier of two arrivals that both consumers meet on."""
+
+    def __init__(self, wg, sched):
+        self.wg, self.sched = wg, sched
+
+    def _meet(self):
+        plgpu.barrier_arrive(self.sched)
+        plgpu.barrier_wait(self.sched)
+
+    def _let_other_go(self):
+        named_barrier("arrive", _SCHED_BARRIER + 1 - self.wg, 2 * 128)
+
+    def start(self):  # consumer 1 lets consumer 0 take the first turn
+        pl.when(self.wg == 1)(self.wait_turn if self.sched is None else self._meet)
+
+    def matmul_issued(self):  # after Q K^T is issued
+        (self._let_other_go if self.sched is None else self._meet)()
+
+    def softmax_done(self):
+        if self.sched is not None:
+            plgpu.barrier_arrive(self.sched)
+
+    def wait_turn(self):  # before P V is issued
+        if self.sched is None:
+            named_barrier("sync", _SCHED_BARRIER + self.wg, 2 * 128)
+        else:
+            plgpu.barrier_wait(self.sched)
+
+    def end(self):  # consumer 0 gives the last turn back: both made the same number of calls
+        pl.when(self.wg == 0)(self._let_other_go if self.sched is None else self._meet)

@@ -24,6 +24,8 @@ from pallas_kernels.flash_attention import (
     pick_implementation,
 )
 from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes, flash_attention_mgpu
+from pallas_kernels.flash_attention_mgpu_bwd import backward_dq
+from pallas_kernels.flash_attention_mgpu_common import MosaicConfig
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -266,9 +268,10 @@ class TestMosaicFlashAttention:
     @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
     def test_kernels_have_no_shared_memory_race(self, causal):
         """The kernels set their own barriers (`launch(manual_barriers=True)`): the
-        interpreter's race detector finds none in the forward (persistent or not) nor in the
-        dQ and dK/dV kernels (it finds the race when the forward's wait for the last tile's O
-        copy is taken out)."""
+        interpreter's race detector finds none in the forward (persistent or not), the fused
+        backward, the dK/dV kernel nor the dQ kernel run alone (it finds the race when the
+        forward's wait for the last tile's O copy is taken out; it misses a K/V slot freed
+        before the dQ kernel's matmul has read it, so that order is checked on the GPU only)."""
         rng = np.random.default_rng(8)
         for persistent, heads in ((True, 2), (False, 1)):  # shapes no other test traces
             q = normal(rng, (1, 256, heads, 64), BF16)
@@ -286,6 +289,15 @@ class TestMosaicFlashAttention:
                         q, k, v, causal=causal, interpret=True, block_sizes=bb), q, k, v)
                     jax.block_until_ready(vjp(out))
                     assert not interpreter_races_found(), f"backward, fused={fused}"
+                if persistent:  # the dQ kernel alone (ping-pong and pipelined, the default)
+                    cfg = MosaicConfig(causal=causal, sm_scale=0.125, blocks=blocks, q_len=256,
+                                       kv_len=256, groups=heads, segments=False, regs=False,
+                                       interpret=True)
+                    rows = jnp.zeros((1, heads, 256), jnp.float32)  # LSE and delta: any values
+                    jax.block_until_ready(jax.jit(lambda q, k, v, do, rows, cfg=cfg: backward_dq(
+                        cfg, q, k, v, jnp.zeros((1,), jnp.int32), None, None, rows, do, rows))(
+                        q, k, v, out, rows))
+                    assert not interpreter_races_found(), "dQ kernel"
 
     def test_auto_picks_mosaic_only_on_sm90(self):
         want = "mosaic" if ON_GPU and on_sm90() else "triton"

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# One H200 call (issue 20): the Mosaic GPU FlashAttention tests compiled (the dQ kernel's
+# ping-pong and pipelined matmuls now the default), then forward+backward timed pipelined,
+# best of 2 rounds, ours beside ours with the serial dQ kernel and cuDNN, at 4k, 16k and 4k causal.
+#   OUT=$OUT bash experiments/gpu_call_pingpong_dq.sh     (from the repository root)
+source "$(dirname "$0")/gpu_env.sh"
+XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 130 python3 -m pytest -n 4 -q -rA \
+    -p no:cacheprovider tests/test_flash_attention.py -k "Mosaic" > "$OUT/fa_tests_mgpu_h200.log" 2>&1
+tail -3 "$OUT/fa_tests_mgpu_h200.log"
+timeout 140 python3 experiments/bench_attention_mgpu.py --part fa --pipelined --iters 10 --rounds 2 \
+    --cases 0 2 1 --impls ours ours_serial_dq cudnn --budget 120 > "$OUT/fa.log" 2>&1
+grep -A6 "====" "$OUT/fa.log"

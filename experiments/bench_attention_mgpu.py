@@ -94,6 +94,7 @@ FWD_VARIANTS = {
     "ours_bwd_autobar": dict(manual_barriers_bwd=False),  # the backward with Pallas's barriers
     "ours_fused_bwd": dict(fused_bwd=True),  # dQ, dK, dV in one kernel (5 matmuls, reduce-add)
     "ours_serial_dq": dict(pingpong_dq=False),  # the dQ kernel's three matmuls a step in turn
+    "ours_serial_bwd": dict(pingpong_dq=False, pingpong_dkv=False),  # both backward kernels serial
 }
 
 

@@ -39,6 +39,8 @@ class MosaicBlockSizes:
     pingpong_dq: bool = True  # dQ kernel: the consumers take turns on the tensor core (as
     # named_schedule says) and each issues step j - 1's dQ += dS K with step j's S and dP
     # matmuls; False: each step's three matmuls in turn, both consumers at once
+    pingpong_dkv: bool = True  # dK/dV kernel: the consumers take turns, two a step (S^T with
+    # the last step's dK += dS^T Q; dP^T with dV += P^T dO); False: each step's four in turn
     fused_bwd: bool = False  # backward: one kernel for dQ, dK, dV (5 tile matmuls, dQ summed in
     # fp32 by TMA reduce-add) instead of a dQ kernel and a dK/dV kernel (7). Off: measured
     # 0.63-0.79x the two-kernel form's forward+backward on the H200 (benchmarks/README.md)
@@ -46,7 +48,7 @@ class MosaicBlockSizes:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("manual_barriers_bwd", "fused_bwd", "pingpong_dq"):
+            if f.name in ("manual_barriers_bwd", "fused_bwd", "pingpong_dq", "pingpong_dkv"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
             elif f.name in ("persistent", "named_schedule"):

@@ -93,8 +93,8 @@ FWD_VARIANTS = {
     "ours_grid_mbar": dict(persistent=False, named_schedule=False),
     "ours_bwd_autobar": dict(manual_barriers_bwd=False),  # the backward with Pallas's barriers
     "ours_fused_bwd": dict(fused_bwd=True),  # dQ, dK, dV in one kernel (5 matmuls, reduce-add)
-    "ours_serial_dq": dict(pingpong_dq=False),  # the dQ kernel's three matmuls a step in turn
-    "ours_serial_bwd": dict(pingpong_dq=False, pingpong_dkv=False),  # both backward kernels serial
+    "ours_pingpong_dq": dict(pingpong_dq=True),  # the dQ kernel's consumers taking turns
+    "ours_pingpong_bwd": dict(pingpong_dq=True, pingpong_dkv=True),  # both backward kernels
 }
 
 

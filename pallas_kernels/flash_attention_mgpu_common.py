@@ -36,11 +36,15 @@ class MosaicBlockSizes:
     # named barriers (bar.arrive / bar.sync) instead of an mbarrier; None: when compiling
     manual_barriers_bwd: bool = True  # backward kernels: only their own barriers (no warpgroup
     # barrier per shared-memory load and TMA issue); False: Pallas's automatic ones
-    pingpong_dq: bool = True  # dQ kernel: the consumers take turns on the tensor core (as
-    # named_schedule says) and each issues step j - 1's dQ += dS K with step j's S and dP
-    # matmuls; False: each step's three matmuls in turn, both consumers at once
-    pingpong_dkv: bool = True  # dK/dV kernel: the consumers take turns, two a step (S^T with
-    # the last step's dK += dS^T Q; dP^T with dV += P^T dO); False: each step's four in turn
+    # Backward ping-pong (FlashAttention-3's schedule in the forward, applied to the backward):
+    # the consumers take turns on the tensor core (as named_schedule says) and each computes
+    # its elementwise part under the other's matmuls. Off by default: correct in the
+    # interpreter and lowered for sm90, not yet compiled or timed on a GPU
+    # (experiments/gpu_call_pingpong_bwd.sh does both).
+    pingpong_dq: bool = False  # dQ kernel: step j - 1's dQ += dS K issued with step j's S and
+    # dP; False: each step's three matmuls in turn, both consumers at once
+    pingpong_dkv: bool = False  # dK/dV kernel: two turns a step (S^T with the last step's
+    # dK += dS^T Q; dP^T with dV += P^T dO); False: each step's four matmuls in turn
     fused_bwd: bool = False  # backward: one kernel for dQ, dK, dV (5 tile matmuls, dQ summed in
     # fp32 by TMA reduce-add) instead of a dQ kernel and a dK/dV kernel (7). Off: measured
     # 0.63-0.79x the two-kernel form's forward+backward on the H200 (benchmarks/README.md)

@@ -1,0 +1,60 @@
+"""The Mosaic GPU kernels lowered for an sm90 GPU on a host without one.
+
+Lowering runs Mosaic GPU's own checks (tile-aligned shared-memory slices, 16-byte global
+strides for TMA, layouts, register operands of wgmma) that the CPU interpreter skips; it
+stops before PTX, so what only the hardware shows (alignment of shared-memory addresses,
+deadlocks, speed) stays for the GPU runs. Real GPU kernels, the GPU path of each: P and dS
+from registers, named barriers, TMA reduce-add."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes
+from pallas_kernels.paged_attention_mgpu import PagedBlockSizes, paged_attention_mgpu
+
+BF16 = jnp.bfloat16
+
+
+def kernels_lowered_for_sm90(f, *shapes) -> int:
+    """Mosaic GPU kernels in f's program lowered for a CUDA GPU (raises what Mosaic raises)."""
+    text = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    return text.count("stablehlo.custom_call @mosaic_gpu")
+
+
+# (seq, q heads, kv heads, head dim, causal, MosaicBlockSizes changes)
+FA = [(4096, 16, 16, 128, False, {}), (2048, 32, 8, 128, True, dict(pingpong_dq=True, pingpong_dkv=True)),
+      (1024, 8, 8, 64, True, dict(fused_bwd=True))]
+
+
+@pytest.mark.parametrize("seq,heads,kv_heads,head_dim,causal,change", FA)
+def test_flash_attention_forward_and_backward_lower_for_sm90(seq, heads, kv_heads, head_dim, causal, change):
+    blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(head_dim), **change)
+
+    def loss(q, k, v):
+        o = flash_attention(q, k, v, causal=causal, block_sizes=blocks, implementation="mosaic",
+                            interpret=False)
+        return o.astype(jnp.float32).sum()
+
+    q = jax.ShapeDtypeStruct((1, seq, heads, head_dim), BF16)
+    kv = jax.ShapeDtypeStruct((1, seq, kv_heads, head_dim), BF16)
+    kernels = kernels_lowered_for_sm90(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    assert kernels == (2 if change.get("fused_bwd") else 3)  # forward, dQ (unless fused), dK/dV
+
+
+# (batch, q heads, kv heads, page size, table columns, PagedBlockSizes): whole items, split
+# items (few long sequences), a table width that is not a multiple of 4 (padded), GQA 1.
+PAGED = [(64, 32, 8, 16, 256, PagedBlockSizes()), (4, 64, 8, 16, 2048, PagedBlockSizes()),
+         (5, 8, 8, 64, 37, PagedBlockSizes(split_items=True)), (3, 16, 2, 32, 100, PagedBlockSizes(num_splits=3))]
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,page,columns,sizes", PAGED)
+def test_paged_attention_lowers_for_sm90(batch, heads, kv_heads, page, columns, sizes):
+    q = jax.ShapeDtypeStruct((batch, heads, 128), BF16)
+    pages = jax.ShapeDtypeStruct((kv_heads, batch * columns, page, 128), BF16)
+    tables = jax.ShapeDtypeStruct((batch, columns), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    assert kernels_lowered_for_sm90(lambda *a: paged_attention_mgpu(*a, sm_scale=0.088, block_sizes=sizes),
+                                    q, pages, pages, tables, lengths) == 1

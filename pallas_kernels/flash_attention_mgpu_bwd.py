@@ -96,8 +96,7 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
                     if not cfg.regs:  # step j - 1's dS was read by its (finished) dQ matmul
                         ds_tile[...] = ds
                         plgpu.commit_smem()
-                    turns.softmax_done()
-                    turns.wait_turn()
+                    turns.next_turn()
                     return ds
 
                 ds = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), WGMMA)
@@ -291,8 +290,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                     if not cfg.regs:  # step s - 1's dS^T was read by its (finished) dK matmul
                         ds_tile[...] = p16
                         plgpu.commit_smem()
-                    turns.softmax_done()
-                    turns.wait_turn()
+                    turns.next_turn()
                     plgpu.barrier_wait(do_bar.at[slot])
 
                     def dp_turn(acc):
@@ -311,8 +309,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                     if not cfg.regs:
                         ds_tile[...] = ds_t
                         plgpu.commit_smem()
-                    turns.softmax_done()
-                    turns.wait_turn()
+                    turns.next_turn()
                     return ds_t
 
                 ds = plgpu.layout_cast(jnp.zeros((bk, bq), dtype), WGMMA)

@@ -347,5 +347,9 @@ class PingPong:
         else:
             plgpu.barrier_wait(self.sched)
 
+    def next_turn(self):  # this consumer's elementwise work is done: wait for its next turn
+        self.softmax_done()
+        self.wait_turn()
+
     def end(self):  # consumer 0 gives the last turn back: both made the same number of calls
         pl.when(self.wg == 0)(self._let_other_go if self.sched is None else self._meet)

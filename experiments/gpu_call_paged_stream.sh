@@ -5,9 +5,7 @@
 # stream alone (no math) as a probe of the kernel's ceiling.
 #   OUT=$OUT bash experiments/gpu_call_paged_stream.sh     (from the repository root)
 source "$(dirname "$0")/gpu_env.sh"
-XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 150 python3 -m pytest -n 4 -q -rA \
-    -p no:cacheprovider tests/test_paged_attention.py > "$OUT/paged_tests_h200.log" 2>&1
-tail -3 "$OUT/paged_tests_h200.log"
+gpu_tests 150 paged_tests_h200.log tests/test_paged_attention.py
 timeout 200 python3 experiments/bench_attention_mgpu.py --part paged --pipelined --budget 170 \
     --paged-rounds 2 --paged-variants default bk128_st2_whole bk128_st2_even waves bk128_st2_streamonly \
     > "$OUT/paged.log" 2>&1

@@ -6,11 +6,16 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .anchors/wheels/*.whl > "$OUT/pip.log" 2>&1
 export PYTHONPATH=/tmp/site:.anchors/stubs:.
 
+gpu_tests() {  # gpu_tests SECONDS LOG PYTEST_ARGS...: tests compiled on the GPU, log in $OUT/LOG
+    local seconds=$1 log=$2; shift 2
+    XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout "$seconds" python3 -m pytest -n 4 -q -rA \
+        -p no:cacheprovider "$@" > "$OUT/$log" 2>&1
+    tail -4 "$OUT/$log"
+}
+
 mgpu_tests() {  # mgpu_tests SECONDS: the Mosaic GPU kernel tests compiled, log in $OUT
-    XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout "$1" python3 -m pytest -n 4 -q -rA \
-        -p no:cacheprovider tests/test_flash_attention.py tests/test_paged_attention.py \
-        -k "mosaic or Mosaic or linearly" > "$OUT/kernel_tests_mgpu_h200.log" 2>&1
-    tail -4 "$OUT/kernel_tests_mgpu_h200.log"
+    gpu_tests "$1" kernel_tests_mgpu_h200.log tests/test_flash_attention.py tests/test_paged_attention.py \
+        -k "mosaic or Mosaic or linearly"
 }
 
 train_1b_alternated() {  # the 1b train step with cuDNN and with our attention, alternated twice

@@ -61,13 +61,59 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
 
         turns = PingPong(wg, None if cfg.named_schedule else sched) if pingpong else None
 
-        def pipelined(q_row, q_tile, do_tile, lse_r, delta_r, q_seg):
-            """The consumers take turns on the tensor core: in its turn a consumer issues step
-            j - 1's dQ += dS K together with step j's S = Q K^T and dP = dO V^T, then computes
-            dS while the other consumer's matmuls run (FlashAttention-3's ping-pong)."""
+        @consumers(wg)
+        def _consumer():
+            q_row = block_lo + wg * bq
+            rows, (q_tile, do_tile) = own_tiles([(q_ref, q_smem), (do_ref, do_smem)], wg, q_row,
+                                                bq, bi, h, qdo_bar)
+            lse_r = plgpu.load(lse_ref.at[bi, h, rows], layout=ROW, optimized=False)
+            delta_r = plgpu.load(delta_ref.at[bi, h, rows], layout=ROW, optimized=False)
+            q_seg = None
+            if cfg.segments:
+                q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=ROW, optimized=False)
             ds_tile = None if cfg.regs else ds_smem.at[wg]
+            plgpu.barrier_wait(qdo_bar.at[wg])
 
-            def run(dq_acc):
+            def ds_of(j, s, dp, masked: bool):
+                """dS = P (dP - delta) of key step j, from S and dP."""
+                if masked:  # padded keys are zero: they add 0 to dQ (no length mask)
+                    s = mask_rows_by_keys(cfg, s, q_off + q_row, j * bk, q_seg, kvseg_ref, bi,
+                                          length=False)
+                p = jnp.exp2(s * scale2 - bcast_rows(lse_r, s.shape))
+                return (p * (dp - bcast_rows(delta_r, s.shape))).astype(dtype)
+
+            def steps(step, carry):  # the visible key steps: unmasked, then masked
+                carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+                if cfg.causal or cfg.segments:
+                    carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
+                return carry
+
+            def run_serial(dq_acc):
+                def step(j, carry, masked: bool):
+                    slot = lax.rem(j, st)
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_wait(v_bar.at[slot])
+
+                    def s_dp(s_acc, dp_acc):
+                        plgpu.wgmma(s_acc, q_tile, k_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(dp_acc, do_tile, v_smem.at[slot].transpose((1, 0)))
+                        return s_acc[...], dp_acc[...]
+
+                    acc_t = plgpu.ACC((bq, bk), jnp.float32)
+                    s, dp = pl.run_scoped(s_dp, acc_t, acc_t)
+                    wgmma_from(dq_acc, ds_of(j, s, dp, masked), k_smem.at[slot], ds_tile)
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(free.at[slot])
+                    return carry
+
+                steps(step, 0)
+                return dq_acc[...]
+
+            def run_pingpong(dq_acc):
+                """The consumers take turns on the tensor core: in its turn a consumer issues
+                step j - 1's dQ += dS K together with step j's S = Q K^T and dP = dO V^T, then
+                computes dS while the other consumer's matmuls run (FlashAttention-3's
+                ping-pong)."""
                 turns.start()
 
                 def step(j, ds_prev, masked: bool):
@@ -88,21 +134,15 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
                     acc_t = plgpu.ACC((bq, bk), jnp.float32)
                     s, dp = pl.run_scoped(issue, acc_t, acc_t)
                     pl.when(j > 0)(lambda: plgpu.barrier_arrive(free.at[prev]))
-                    if masked:  # padded keys are zero: they add 0 to dQ (no length mask)
-                        s = mask_rows_by_keys(cfg, s, q_off + q_row, j * bk, q_seg, kvseg_ref, bi,
-                                              length=False)
-                    p = jnp.exp2(s * scale2 - bcast_rows(lse_r, s.shape))
-                    ds = (p * (dp - bcast_rows(delta_r, s.shape))).astype(dtype)
+                    ds = ds_of(j, s, dp, masked)
                     if not cfg.regs:  # step j - 1's dS was read by its (finished) dQ matmul
                         ds_tile[...] = ds
                         plgpu.commit_smem()
                     turns.next_turn()
                     return ds
 
-                ds = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), WGMMA)
-                ds = lax.fori_loop(0, n_full, functools.partial(step, masked=False), ds)
-                if cfg.causal or cfg.segments:
-                    ds = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), ds)
+                ds = steps(step, plgpu.layout_cast(jnp.zeros((bq, bk), dtype), WGMMA))
+
                 @pl.when(n_end > 0)  # the last step's dQ += dS K, in this consumer's turn
                 def _():
                     last = lax.rem(n_end + st - 1, st)
@@ -113,56 +153,7 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
                 turns.end()
                 return dq_acc[...]
 
-            dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
-            q_tile[...] = (dq * cfg.sm_scale).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[bi, pl.ds(q_row, bq), h])
-            plgpu.wait_smem_to_gmem(0)
-
-        @consumers(wg)
-        def _consumer():
-            q_row = block_lo + wg * bq
-            rows, (q_tile, do_tile) = own_tiles([(q_ref, q_smem), (do_ref, do_smem)], wg, q_row,
-                                                bq, bi, h, qdo_bar)
-            lse_r = plgpu.load(lse_ref.at[bi, h, rows], layout=ROW, optimized=False)
-            delta_r = plgpu.load(delta_ref.at[bi, h, rows], layout=ROW, optimized=False)
-            q_seg = None
-            if cfg.segments:
-                q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=ROW, optimized=False)
-            plgpu.barrier_wait(qdo_bar.at[wg])
-
-            if pingpong:
-                return pipelined(q_row, q_tile, do_tile, lse_r, delta_r, q_seg)
-
-            def run(dq_acc):
-                def step(j, carry, masked: bool):
-                    slot = lax.rem(j, st)
-                    plgpu.barrier_wait(k_bar.at[slot])
-                    plgpu.barrier_wait(v_bar.at[slot])
-
-                    def s_dp(s_acc, dp_acc):
-                        plgpu.wgmma(s_acc, q_tile, k_smem.at[slot].transpose((1, 0)))
-                        plgpu.wgmma(dp_acc, do_tile, v_smem.at[slot].transpose((1, 0)))
-                        return s_acc[...], dp_acc[...]
-
-                    acc_t = plgpu.ACC((bq, bk), jnp.float32)
-                    s, dp = pl.run_scoped(s_dp, acc_t, acc_t)
-                    if masked:  # padded keys are zero: they add 0 to dQ (no length mask)
-                        s = mask_rows_by_keys(cfg, s, q_off + q_row, j * bk, q_seg, kvseg_ref, bi,
-                                              length=False)
-                    p = jnp.exp2(s * scale2 - bcast_rows(lse_r, s.shape))
-                    ds = (p * (dp - bcast_rows(delta_r, s.shape))).astype(dtype)
-                    wgmma_from(dq_acc, ds, k_smem.at[slot], None if cfg.regs else ds_smem.at[wg])
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(free.at[slot])
-                    return carry
-
-                lax.fori_loop(0, n_full, functools.partial(step, masked=False), 0)
-                if cfg.causal or cfg.segments:
-                    lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), 0)
-                return dq_acc[...]
-
-            dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
+            dq = pl.run_scoped(run_pingpong if pingpong else run_serial, plgpu.ACC((bq, d), jnp.float32))
             q_tile[...] = (dq * cfg.sm_scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[bi, rows, h])
@@ -262,6 +253,10 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                     s_t = jnp.where(ok, s_t, -jnp.inf)
                 return jnp.exp2(s_t * scale2 - bcast_cols(lse_c, s_t.shape))
 
+            def ds_t_of(p_t, dp_t, slot):  # dS^T = P^T (dP^T - delta)
+                delta_c = plgpu.load(delta_smem.at[slot], layout=COL)
+                return (p_t * (dp_t - bcast_cols(delta_c, p_t.shape))).astype(dtype)
+
             def run_pingpong(dk_acc, dv_acc):
                 """The consumers take turns on the tensor core, two turns a step: S^T of step s
                 with dK += dS^T Q of step s - 1, then dP^T and dV += P^T dO; each computes P^T
@@ -303,8 +298,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                         return acc[...]
 
                     dp_t = pl.run_scoped(dp_turn, plgpu.ACC((bk, bq), jnp.float32))
-                    delta_c = plgpu.load(delta_smem.at[slot], layout=COL)
-                    ds_t = (p_t * (dp_t - bcast_cols(delta_c, p_t.shape))).astype(dtype)
+                    ds_t = ds_t_of(p_t, dp_t, slot)
                     plgpu.wgmma_wait(0)  # dV (under dS^T) is done: its P^T registers are free
                     if not cfg.regs:
                         ds_tile[...] = ds_t
@@ -380,8 +374,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                             return acc[...]
 
                     dp_t = pl.run_scoped(dp_scoped, plgpu.ACC((bk, bq), jnp.float32))
-                    delta_c = plgpu.load(delta_smem.at[slot], layout=COL)
-                    ds_t = (p_t * (dp_t - bcast_cols(delta_c, s_t.shape))).astype(dtype)
+                    ds_t = ds_t_of(p_t, dp_t, slot)
                     if with_dq:
                         dq_share(s_idx, dk_acc, ds_t, slot)
                         return carry

@@ -139,13 +139,20 @@ class _Plan:
         pages = -(-min(self.share, self.item_units) * self.block_k // self.page_size) + 4
         return min(-(-pages // 4) * 4, self.columns)
 
+    def segments(self, j: int) -> list[tuple[int, int, int]]:
+        """Block j's segments in order as (item, first unit, end unit) within the item (the
+        kernel's `segment()`, in Python)."""
+        n = self.item_units
+        u0, u1 = j * self.share, min((j + 1) * self.share, self.total)
+        return [(t, max(u0, t * n) - t * n, min(u1, (t + 1) * n) - t * n)
+                for t in range(u0 // n, (u1 - 1) // n + 1)]
+
     @functools.cached_property
     def pieces(self) -> list[list[tuple[int, int]]]:
         """Per (sequence, KV head) pair: its (block, segment) pieces, in context order."""
         out = [[] for _ in range(self.pairs)]
         for j in range(self.blocks):
-            u0, u1 = j * self.share, min((j + 1) * self.share, self.total)
-            for r, t in enumerate(range(u0 // self.item_units, (u1 - 1) // self.item_units + 1)):
+            for r, (t, _, _) in enumerate(self.segments(j)):
                 out[t // self.parts].append((j, r))
         return out
 
@@ -248,14 +255,11 @@ def schedule(batch: int, kv_heads: int, group: int, pages: int, page_size: int, 
     n, bk = plan.item_units, plan.block_k
     out = []
     for j in range(plan.blocks):
-        u0, u1 = j * plan.share, min((j + 1) * plan.share, plan.total)
         segments = []
-        for t in range(u0 // n, (u1 - 1) // n + 1):
-            lo, hi = max(u0, t * n) - t * n, min(u1, (t + 1) * n) - t * n
+        for t, lo, hi in plan.segments(j):
             pair, part = divmod(t, plan.parts)
-            first = (part * n + lo) * bk
-            tokens = min(hi * bk + part * n * bk, pages * page_size) - first
-            segments.append((pair // kv_heads, pair % kv_heads, first, max(tokens, 0)))
+            first, end = (part * n + lo) * bk, min((part * n + hi) * bk, pages * page_size)
+            segments.append((pair // kv_heads, pair % kv_heads, first, max(end - first, 0)))
         out.append(segments)
     return out
 

@@ -95,6 +95,7 @@ FWD_VARIANTS = {
     "ours_fused_bwd": dict(fused_bwd=True),  # dQ, dK, dV in one kernel (5 matmuls, reduce-add)
     "ours_pingpong_dq": dict(pingpong_dq=True),  # the dQ kernel's consumers taking turns
     "ours_pingpong_bwd": dict(pingpong_dq=True, pingpong_dkv=True),  # both backward kernels
+    "ours_pingpong_dkv": dict(pingpong_dkv=True),  # the dK/dV kernel only
 }
 
 

@@ -12,7 +12,8 @@ and the first token included, so the figure is conservative by about one step in
     python experiments/decode_floor.py --presets 350m 1b --batches 1 8 64 --out $OUT
 
 Variants: `fast` (the GPU default: decode weight layout, per-layer cache, attention reading
-only valid tokens; one-token steps through the fused decode kernels), `fast_unfused` (the
+only valid tokens; one-token steps through the fused decode kernels), `fast_mv` (fast with
+the weight products through the Mosaic GPU matrix-vector kernel), `fast_unfused` (the
 same without the fused kernels: XLA's RMSNorm and RoPE, the paged kernel), `fast@<tiling>`
 (fast with the fused attention kernel tiled as `LayerKVCache.tiling` says), `fast_xla` (the same with jnp attention over all
 max_len slots), `reference` (stacked weights, one stacked cache, the layer scan unrolled:
@@ -44,7 +45,7 @@ from gendist.models import decode_layout, transformer
 from gendist.presets import preset
 from gendist.timing import call_times, pipelined_seconds
 
-VARIANTS = ("fast", "fast_unfused", "fast_xla", "reference")
+VARIANTS = ("fast", "fast_mv", "fast_unfused", "fast_xla", "reference")
 
 
 def read_only_tbps(gib: float = 2.0, n: int = 10) -> dict[str, float]:
@@ -113,7 +114,8 @@ def run_case(cfg, params, batch, variant, args, profile: bool):
         tiling = variant.split("@", 1)[1] if "@" in variant else ""
         kw = dict(fast=True, cache=fastpath.make_cache(cfg, batch, P + N, True, backend=backend,
                                                        fused=variant != "fast_unfused",
-                                                       tiling=tiling))
+                                                       tiling=tiling,
+                                                       matvec=variant == "fast_mv"))
     t0 = time.perf_counter()
     compiled = generate_tokens.lower(mcfg, params, prompt, lens, key, max_new_tokens=N, sp=sp,
                                      **kw).compile()
@@ -152,6 +154,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="profile the first case per preset")
+    ap.add_argument("--profile-all", action="store_true", help="profile every case")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip cases after this long")
     ap.add_argument("--warm-s", type=float, default=2.0)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
@@ -195,7 +198,7 @@ def main():
                 first = True
             cfg = preset(name).model
             p = params["reference" if variant == "reference" else "fast"]
-            row = run_case(cfg, p, batch, variant, args, profile=args.profile and first)
+            row = run_case(cfg, p, batch, variant, args, profile=args.profile_all or (args.profile and first))
             first = False
             w, kv = step_bytes(cfg, params["fast"], batch, args.prompt, args.new_tokens)
             row.update(preset=name, weight_bytes=w, kv_bytes_mean=kv)

@@ -48,7 +48,7 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _OPCODE = re.compile(r"[\]\}\)]\s([a-z][a-z0-9\-]*)\(")
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_MATMUL_NAME = re.compile(r"gemm|cublas|matmul|nvjet|cutlass|xmma|wgmma", re.I)
+_MATMUL_NAME = re.compile(r"gemm|cublas|matmul|matvec|nvjet|cutlass|xmma|wgmma", re.I)
 _ATTN_NAME = re.compile(r"fmha|sdpa|flash|attention|attn", re.I)
 
 

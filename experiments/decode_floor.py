@@ -12,8 +12,7 @@ and the first token included, so the figure is conservative by about one step in
     python experiments/decode_floor.py --presets 350m 1b --batches 1 8 64 --out $OUT
 
 Variants: `fast` (the GPU default: decode weight layout, per-layer cache, attention reading
-only valid tokens; one-token steps through the fused decode kernels), `fast_mv` (fast with
-the weight products through the Mosaic GPU matrix-vector kernel), `fast_unfused` (the
+only valid tokens; one-token steps through the fused decode kernels), `fast_unfused` (the
 same without the fused kernels: XLA's RMSNorm and RoPE, the paged kernel), `fast@<tiling>`
 (fast with the fused attention kernel tiled as `LayerKVCache.tiling` says), `fast_xla` (the same with jnp attention over all
 max_len slots), `reference` (stacked weights, one stacked cache, the layer scan unrolled:
@@ -45,7 +44,7 @@ from gendist.models import decode_layout, transformer
 from gendist.presets import preset
 from gendist.timing import call_times, pipelined_seconds
 
-VARIANTS = ("fast", "fast_mv", "fast_unfused", "fast_xla", "reference")
+VARIANTS = ("fast", "fast_unfused", "fast_xla", "reference")
 
 
 def read_only_tbps(gib: float = 2.0, n: int = 10) -> dict[str, float]:
@@ -114,8 +113,7 @@ def run_case(cfg, params, batch, variant, args, profile: bool):
         tiling = variant.split("@", 1)[1] if "@" in variant else ""
         kw = dict(fast=True, cache=fastpath.make_cache(cfg, batch, P + N, True, backend=backend,
                                                        fused=variant != "fast_unfused",
-                                                       tiling=tiling,
-                                                       matvec=variant == "fast_mv"))
+                                                       tiling=tiling))
     t0 = time.perf_counter()
     compiled = generate_tokens.lower(mcfg, params, prompt, lens, key, max_new_tokens=N, sp=sp,
                                      **kw).compile()

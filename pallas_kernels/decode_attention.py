@@ -7,11 +7,7 @@ context its merge; `benchmarks/README.md`, issue 19). This kernel does that part
 in one launch, for one new token per sequence:
 
 * it reads the fused q|k|v projection [B, N+2K, H] as it comes out of the decode layout's
-  one matrix-vector product (no slices materialised between the two), or that product's
-  S fp32 partial sums [S, B, N+2K, H] (a product split over its input dimension,
-  `matvec_mgpu`): told apart by ndim (4 = partials), these are summed in fp32 as the rows
-  are loaded and rounded to the cache dtype (as `parts.sum(0).astype(dtype)` would be),
-  so the sum costs no kernel of its own;
+  one matrix-vector product (no slices materialised between the two);
 * rotates q and the new k (NeoX RoPE, pairs (x[:H/2], x[H/2:]), angles given as cos/sin);
 * writes the rotated k and v into row `pos[b]` of the contiguous per-sequence cache
   [K, B, S, H] in place (the cache buffers are aliased to the outputs);
@@ -61,24 +57,6 @@ def _rope(x1, x2, c, s, dtype):
     return (x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)
 
 
-def _rows(qkv_ref, idx, dt, live=None):
-    """Rows `idx` (indexers of a [C, H] block) of the projection: loaded as they are from a
-    [C, H] block; from a [S, C, H] block of partial sums, the S pieces summed in fp32 (in
-    order 0 … S-1) and cast to `dt`, as if given `parts.sum(0).astype(dt)`. With `live`
-    (bool [rows]): a masked load, rows where False are 0."""
-    def load(ix):
-        if live is None:
-            return qkv_ref[ix]
-        return plgpu.load(qkv_ref.at[ix], mask=live[:, None], other=0)
-
-    if len(qkv_ref.shape) == 2:
-        return load(idx)
-    total = load((0, *idx)).astype(jnp.float32)
-    for i in range(1, qkv_ref.shape[0]):  # S is static and small: unrolled 2-d loads
-        total = total + load((i, *idx)).astype(jnp.float32)
-    return total.astype(dt)
-
-
 def _kernel(qkv_ref, pos_ref, cos_ref, sin_ref, k_in, v_in, *out_refs,
             num_heads, group, rows, block_k, split_tokens, scale_log2, precision):
     kh, split = pl.program_id(1), pl.program_id(2)
@@ -89,12 +67,12 @@ def _kernel(qkv_ref, pos_ref, cos_ref, sin_ref, k_in, v_in, *out_refs,
     c, s = cos_ref[...], sin_ref[...]  # [1, H/2] fp32
 
     # The new token's k and v (rows N + kh and N + K + kh of q|k|v), k rotated; split 0
-    # writes them into the cache. Every program reads (and with partials sums) its rows.
-    kv_heads = (qkv_ref.shape[-2] - num_heads) // 2
+    # writes them into the cache.
+    kv_heads = (qkv_ref.shape[0] - num_heads) // 2
     k_row, v_row = num_heads + kh, num_heads + kv_heads + kh
-    k1, k2 = _rope(_rows(qkv_ref, (pl.ds(k_row, 1), pl.ds(0, h2)), dt),
-                   _rows(qkv_ref, (pl.ds(k_row, 1), pl.ds(h2, h2)), dt), c, s, dt)
-    v_new = _rows(qkv_ref, (pl.ds(v_row, 1), slice(None)), dt).astype(dt)  # [1, H]
+    k1, k2 = _rope(qkv_ref[pl.ds(k_row, 1), pl.ds(0, h2)], qkv_ref[pl.ds(k_row, 1), pl.ds(h2, h2)],
+                   c, s, dt)
+    v_new = qkv_ref[pl.ds(v_row, 1), :].astype(dt)  # [1, H]
     o_ref, k_out, v_out = out_refs[0], out_refs[-2], out_refs[-1]
 
     @pl.when(split == 0)
@@ -108,8 +86,8 @@ def _kernel(qkv_ref, pos_ref, cos_ref, sin_ref, k_in, v_in, *out_refs,
     live = r < group
     q_rows = jnp.where(live, kh * group + r, 0)[:, None]
     d2 = jnp.arange(h2, dtype=jnp.int32)[None, :]
-    q1 = _rows(qkv_ref, (q_rows, d2), dt, live)
-    q2 = _rows(qkv_ref, (q_rows, d2 + h2), dt, live)
+    q1 = plgpu.load(qkv_ref.at[q_rows, d2], mask=live[:, None], other=0)
+    q2 = plgpu.load(qkv_ref.at[q_rows, d2 + h2], mask=live[:, None], other=0)
     q1, q2 = _rope(q1, q2, c, s, dt)  # [rows, H/2]
 
     # Split 0's online softmax starts from the new token (m = its logit, l = 1, acc = its
@@ -197,12 +175,8 @@ def supports(head_dim: int) -> bool:
 
 
 def check(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, num_heads: int):
-    """Shape and dtype checks; errors name the argument and the fix. q|k|v is [B, C, H], or
-    [S, B, C, H] partial sums."""
-    if qkv_BCH.ndim not in (3, 4):
-        raise ValueError(f"q|k|v must be [batch, heads, head_dim] or [S, batch, heads, "
-                         f"head_dim] partial sums; got shape {qkv_BCH.shape}")
-    B, C, H = qkv_BCH.shape[-3:]
+    """Shape and dtype checks; errors name the argument and the fix."""
+    B, C, H = qkv_BCH.shape
     if k_KBSH.ndim != 4 or k_KBSH.shape != v_KBSH.shape:
         raise ValueError(f"k and v caches must both be [kv_heads, batch, slots, head_dim]; got "
                          f"{k_KBSH.shape} and {v_KBSH.shape}")
@@ -230,10 +204,7 @@ def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *, num_head
     """(o [B, N, H], k cache, v cache) after writing the new token's rotated k and its v at
     `pos_B` and attending each sequence's new token to positions 0 … pos_B[b].
 
-    qkv_BCH: the fused projection of the new tokens, rows q (N heads), k (K), v (K); or,
-    if 4-d, S fp32 partial sums of it [S, B, N+2K, H] (a split matrix-vector product's
-    pieces), summed in fp32 in the kernel and cast to the cache dtype: the same as passing
-    `qkv_SBCH.sum(0).astype(k_KBSH.dtype)` (up to the order of the fp32 sum);
+    qkv_BCH: the fused projection of the new tokens, rows q (N heads), k (K), v (K);
     k_KBSH, v_KBSH: the caches [K, B, S, H] (updated in place when donated by the caller's
     jit); pos_B int32: where each new token goes (clamped to [0, S)); cos_Bh, sin_Bh fp32
     [B, H/2]: the RoPE angles of the new tokens (`gendist.models.layers.rope_angles`).
@@ -242,11 +213,7 @@ def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *, num_head
     (num_splits then from `default_splits`).
     """
     check(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, num_heads)
-    B, C, H = qkv_BCH.shape[-3:]
-    if qkv_BCH.ndim == 4:  # partial sums: each program reads all S pieces of its sequence
-        qkv_spec = pl.BlockSpec((qkv_BCH.shape[0], None, C, H), lambda b, k, s: (0, b, 0, 0))
-    else:
-        qkv_spec = pl.BlockSpec((None, C, H), lambda b, k, s: (b, 0, 0))
+    B, C, H = qkv_BCH.shape
     K, _, S, _ = k_KBSH.shape
     given = dict(block_k=block_k, num_splits=num_splits, num_warps=num_warps,
                  num_stages=num_stages)
@@ -277,7 +244,7 @@ def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *, num_head
     n_o = len(o_shapes)
     *o, k_new, v_new = pl.pallas_call(
         kernel, grid=(B, K, splits),
-        in_specs=[qkv_spec,
+        in_specs=[pl.BlockSpec((None, C, H), lambda b, k, s: (b, 0, 0)),
                   pl.BlockSpec((1,), lambda b, k, s: (b,)),
                   pl.BlockSpec((1, H // 2), lambda b, k, s: (b, 0)),
                   pl.BlockSpec((1, H // 2), lambda b, k, s: (b, 0)),

@@ -25,6 +25,13 @@ partials [splits, B, N] that `matvec_mgpu` sums in XLA (`matvec_mgpu_partials` r
 unsummed, for a consumer that sums them itself).
 
 `interpret=True` runs Mosaic GPU's CPU interpreter (see `_mgpu.py`).
+
+Measured on the H200 (`benchmarks/README.md`, issue 19): 3.60 TB/s on the 1b gate|up
+product (46 MB; XLA 3.14), 2.55 on down (23 MB; XLA 2.16), but slower than XLA's one-row
+reduction on every product under ~10 MB: a kernel's fixed cost of 2-3 us (launch, first
+copy, epilogue) dominates there. A decode step through it was slower (1b 1.106 against
+1.065 ms, 350m 0.699 against 0.511), so the decode path does not use it (that path is in
+commit 123ede2); it stays as a tested building block with its benchmark.
 """
 from __future__ import annotations
 

@@ -38,14 +38,7 @@ def _norm_kernel(x_ref, scale_ref, o_ref, *, eps: float):
 
 
 def _add_norm_kernel(x_ref, d_ref, scale_ref, sum_ref, o_ref, *, eps: float):
-    if len(d_ref.shape) == 2:  # [1, D]
-        d = d_ref[...].astype(jnp.float32)
-    else:  # [S, 1, D]: a split product's partials, summed in order (unrolled [1, D] loads:
-        # Triton takes power-of-two tiles only)
-        d = d_ref[0].astype(jnp.float32)
-        for i in range(1, d_ref.shape[0]):
-            d = d + d_ref[i].astype(jnp.float32)
-    s = (x_ref[...].astype(jnp.float32) + d).astype(sum_ref.dtype)
+    s = (x_ref[...].astype(jnp.float32) + d_ref[...].astype(jnp.float32)).astype(sum_ref.dtype)
     sum_ref[...] = s
     _norm(s, scale_ref, o_ref, eps)
 
@@ -56,10 +49,7 @@ def rms_norm(x_RD, scale_D, residual_RD=None, *, eps: float, num_warps: int = 4,
     """RMSNorm over the last axis of x [..., D] with gain scale [D], in x's dtype.
 
     With `residual_RD` (x's shape): the residual add first, in the same kernel; returns
-    (x + residual in x's dtype, its RMSNorm), as `s = x + r; rms_norm(s)` would. The
-    residual may also come as S partial sums [S, *x.shape] (the fp32 pieces of a
-    matrix-vector product split over its input, `matvec_mgpu_partials`): they are summed in
-    fp32 in the kernel, so `r = sum(partials)` costs no kernel of its own.
+    (x + residual in x's dtype, its RMSNorm), as `s = x + r; rms_norm(s)` would.
     """
     D = x_RD.shape[-1]
     if scale_D.shape != (D,):
@@ -67,10 +57,8 @@ def rms_norm(x_RD, scale_D, residual_RD=None, *, eps: float, num_warps: int = 4,
     if not supports(D):
         raise ValueError(f"rms_norm kernel: width {D} is not a power of two >= 16; use "
                          "gendist.models.layers.rms_norm")
-    parts = residual_RD is not None and residual_RD.ndim == x_RD.ndim + 1
-    if residual_RD is not None and residual_RD.shape[parts:] != x_RD.shape:
-        raise ValueError(f"residual {residual_RD.shape} must have x's shape {x_RD.shape} "
-                         "(or be [S, *x.shape] partial sums)")
+    if residual_RD is not None and residual_RD.shape != x_RD.shape:
+        raise ValueError(f"residual {residual_RD.shape} must have x's shape {x_RD.shape}")
     rows = x_RD.reshape(-1, D)
     R = rows.shape[0]
     row = pl.BlockSpec((1, D), lambda r: (r, 0))
@@ -83,13 +71,8 @@ def rms_norm(x_RD, scale_D, residual_RD=None, *, eps: float, num_warps: int = 4,
                            out_specs=row, out_shape=out, name="rms_norm", **common,
                            )(rows, scale_D.reshape(1, D))
         return h.reshape(x_RD.shape)
-    if parts:
-        S = residual_RD.shape[0]
-        delta, delta_spec = residual_RD.reshape(S, R, D), pl.BlockSpec((S, 1, D), lambda r: (0, r, 0))
-    else:
-        delta, delta_spec = residual_RD.reshape(R, D), row
     s, h = pl.pallas_call(functools.partial(_add_norm_kernel, eps=float(eps)),
-                          in_specs=[row, delta_spec, gain], out_specs=[row, row],
-                          out_shape=[out, out], name="add_rms_norm", **common,
-                          )(rows, delta, scale_D.reshape(1, D))
+                          in_specs=[row, row, gain], out_specs=[row, row], out_shape=[out, out],
+                          name="add_rms_norm", **common,
+                          )(rows, residual_RD.reshape(-1, D), scale_D.reshape(1, D))
     return s.reshape(x_RD.shape), h.reshape(x_RD.shape)

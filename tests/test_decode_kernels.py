@@ -15,7 +15,6 @@ from gendist.inference.cache import ContiguousKVCache
 from gendist.inference.layer_cache import LayerKVCache
 from gendist.inference.sampling import SamplingParams
 from gendist.models import layers, transformer
-from pallas_kernels import matvec_mgpu
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.rms_norm import rms_norm
 
@@ -100,22 +99,6 @@ def test_rms_norm_kernel_matches_layers(dtype):
         rms_norm(x[..., :48], g[:48], eps=1e-6)
 
 
-def test_add_rms_norm_sums_partials():
-    """The residual as 3 fp32 partial sums (a split matrix-vector product's pieces) is summed
-    in the kernel: the same as adding their sum."""
-    x = jax.random.normal(jax.random.key(1), (2, 1, 64), jnp.float32).astype(jnp.bfloat16)
-    parts = jax.random.normal(jax.random.key(2), (3, 2, 1, 64), jnp.float32)
-    g = jax.random.normal(jax.random.key(3), (64,), jnp.float32)
-    s, h = rms_norm(x, g, parts, eps=1e-6)
-    want = (x.astype(jnp.float32) + parts.sum(0)).astype(jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(want, np.float32))
-    np.testing.assert_allclose(np.asarray(h, np.float32),
-                               np.asarray(layers.rms_norm(want, g, 1e-6), np.float32),
-                               rtol=1e-2, atol=1e-2)
-    with pytest.raises(ValueError, match="partial sums"):
-        rms_norm(x, g, parts[:, :1], eps=1e-6)
-
-
 @pytest.mark.parametrize("heads,tiling", [((4, 2), ""), ((2, 2), "bk16_sp2_w2")],
                          ids=["gqa", "mha-split"])
 def test_fused_decode_greedy_equals_reference(heads, tiling):
@@ -143,37 +126,3 @@ def test_fused_decode_greedy_equals_reference(heads, tiling):
         fastpath.make_cache(cfg, 3, 8, True, backend="pallas", tiling="split2")
     out, _ = G.generate_tokens(*args, max_new_tokens=9, sp=greedy, fast=True, cache=cache)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
-
-
-@pytest.mark.parametrize("splits", [None, 2], ids=["default", "split2"])
-def test_matvec_kernel_decode_greedy_equals_xla(splits, monkeypatch):
-    """The fused path with the weight products through the Mosaic GPU matrix-vector kernel
-    (its interpreter here) gives the same greedy tokens as with XLA's products, and does call
-    the kernel. split2: every product split in two along its input, the partial sums summed
-    inside the norm kernel, the attention kernel and the SwiGLU fusion."""
-    if splits:
-        monkeypatch.setattr(matvec_mgpu, "default_block_sizes",
-                            lambda B, N, K: matvec_mgpu.MatvecBlockSizes(64, 64, 2, splits))
-    cfg = ModelConfig(d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-                      d_ff=128, max_seq_len=64, dtype="bfloat16")
-    params = fastpath.prepare(cfg, jax.tree.map(lambda x: x * 4 if x.ndim > 1 else x,
-                                                transformer.init_params(cfg, 1)), True)
-    pb, lb = G.pad_prompts([np.array([1, 2, 3, 4, 5]), np.array([7, 8])])
-    greedy = SamplingParams(temperature=0.0)
-    args = (cfg, params, jnp.asarray(pb), jnp.asarray(lb), jax.random.key(0))
-
-    def run(matvec):
-        cache = fastpath.make_cache(cfg, 2, pb.shape[1] + 6, True, backend="pallas",
-                                    matvec=matvec)
-        assert cache.matvec_kernel(2, 1) is matvec
-        out, _ = G.generate_tokens(*args, max_new_tokens=6, sp=greedy, fast=True, cache=cache)
-        return np.asarray(out), cache
-
-    want, _ = run(False)
-    got, cache = run(True)
-    jaxpr = str(jax.make_jaxpr(lambda c: G.generate_tokens(
-        *args, max_new_tokens=6, sp=greedy, fast=True, cache=c))(cache))
-    assert "matvec_mgpu" in jaxpr
-    if splits:  # the partial sums go to the next kernels as they are
-        assert "matvec_mgpu_partials" in jaxpr
-    np.testing.assert_array_equal(got, want)

@@ -55,23 +55,12 @@ class KVCache(abc.ABC):
         `LayerKVCache` turns them on for its GPU backend."""
         return False, False
 
-    def matvec_kernel(self, batch: int, tokens: int) -> bool:
-        """Whether a decode-layout model runs the step's weight products (q|k|v, output,
-        gate|up, down) through the Mosaic GPU matrix-vector kernel
-        (`pallas_kernels.matvec_mgpu`) instead of XLA's. Off here; `LayerKVCache` turns it
-        on for its fused GPU path."""
-        return False
-
     def attend_qkv(self, layer_state, qkv_BTCH, num_heads: int, q_pos_BT, cos_BTh, sin_BTh,
                    sm_scale):
         """`attend` from the fused q|k|v projection [B, T, N+2K, H] before RoPE (angles
         cos/sin [B, T, H/2]). Here: split, rotate, `attend`, the model's own steps;
         `LayerKVCache` does it in one kernel (the model calls this only when
-        `decode_kernels` says attention is fused). The projection may come as fp32 partial
-        sums [S, B, T, N+2K, H] (a split matrix-vector product, `decode_layout.project`):
-        summed here."""
-        if qkv_BTCH.ndim == 5:
-            qkv_BTCH = qkv_BTCH.sum(axis=0)
+        `decode_kernels` says attention is fused)."""
         kv_heads = (qkv_BTCH.shape[2] - num_heads) // 2
         q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [num_heads, num_heads + kv_heads], axis=2)
         return self.attend(layer_state, apply_rope(q_BTNH, cos_BTh, sin_BTh),

@@ -53,13 +53,10 @@ class LayerKVCache(KVCache):
     fused: bool = dataclasses.field(default=True, metadata=dict(static=True))
     # The fused attention kernel's tiling as a tag ("bk128_sp1_w4_st3"; "": its defaults).
     tiling: str = dataclasses.field(default="", metadata=dict(static=True))
-    # The fused path's weight products of a step of up to 64 tokens: True, the Mosaic GPU
-    # matrix-vector kernel (Hopper only); False, XLA's (`matvec_kernel`).
-    matvec: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
     def create(cls, num_layers, batch, max_len, num_kv_heads, head_dim, dtype=jnp.float32, *,
-               backend="xla", page_size=64, fused=True, tiling="", matvec=False):
+               backend="xla", page_size=64, fused=True, tiling=""):
         """Empty buffers for `batch` sequences of up to `max_len` tokens (rounded up to whole
         pages of `page_size` tokens for the "pallas" backend)."""
         if backend not in BACKENDS:
@@ -76,7 +73,7 @@ class LayerKVCache(KVCache):
         zeros_v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         decode_attention.parse_tiling(tiling)  # a bad tag fails here, not inside a trace
         return cls(zeros, zeros_v, jnp.zeros((batch,), jnp.int32), backend, page_size, fused,
-                   tiling, bool(matvec))
+                   tiling)
 
     @property
     def max_len(self) -> int:
@@ -110,18 +107,11 @@ class LayerKVCache(KVCache):
                      and (S <= 4096 or B * K >= 132))
         return batch * tokens <= 64, attention
 
-    def matvec_kernel(self, batch: int, tokens: int) -> bool:
-        """With `matvec`, on the fused "pallas" path, for up to 64 tokens (one wgmma tile of
-        rows; `pallas_kernels.matvec_mgpu`)."""
-        return self.matvec and self.backend == "pallas" and self.fused and batch * tokens <= 64
-
     def attend_qkv(self, layer_state, qkv_BTCH, num_heads, q_pos_BT, cos_BTh, sin_BTh,
                    sm_scale):
         k_buf, v_buf = layer_state
-        # [B, T, C, H], or [S, B, T, C, H] partial sums (summed in the kernel).
-        qkv = qkv_BTCH[:, :, 0] if qkv_BTCH.ndim == 5 else qkv_BTCH[:, 0]
         o_BNH, k_buf, v_buf = decode_attention.decode_attention(
-            qkv, k_buf, v_buf, q_pos_BT[:, 0], cos_BTh[:, 0], sin_BTh[:, 0],
+            qkv_BTCH[:, 0], k_buf, v_buf, q_pos_BT[:, 0], cos_BTh[:, 0], sin_BTh[:, 0],
             num_heads=num_heads, sm_scale=sm_scale, **decode_attention.parse_tiling(self.tiling))
         return o_BNH[:, None], (k_buf, v_buf)
 

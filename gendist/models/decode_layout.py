@@ -30,6 +30,10 @@ XLA's reduction over the extended matrix lost its fast path. Also tried and remo
 Pallas matrix-vector kernel that computes SwiGLU (down projection) or the split context's
 merge (output projection) inside the product: 350m batch 1 went from 229 to 181 kernels
 per step but from 0.503 to 0.540-0.619 ms (`benchmarks/decode_floor_matvec2_h200.json`).
+And the products through a Mosaic GPU matrix-vector kernel (`pallas_kernels.matvec_mgpu`,
+TMA ring; split products' partial sums summed inside the norm and attention kernels): faster
+only on the two largest 1b products, a whole step slower (1b 1.106 against 1.065 ms, 350m
+0.699 against 0.511; `benchmarks/decode_floor_matvec_mgpu_h200.json`, code in 123ede2).
 """
 
 from __future__ import annotations
@@ -41,7 +45,6 @@ from gendist.config import ModelConfig
 from gendist.models import layers
 from gendist.models import params as P
 from gendist.models.layers import mlp_hidden
-from pallas_kernels import matvec_mgpu as matvec_kernel
 from pallas_kernels import rms_norm as norm_kernel
 
 
@@ -126,48 +129,16 @@ def add_rms_norm(x_BTD, delta_BTD, scale_D, eps: float, kernel: bool,
     under the same conditions as `rms_norm`. `constrain` (a sharding constraint) applies to
     the sum before the norm reads it, as the model's own `x + delta` would be."""
     if kernel and norm_kernel.supports(x_BTD.shape[-1]):
-        if delta_BTD.ndim == x_BTD.ndim:  # partial sums [S, ...] (`project`) go in as they are
-            delta_BTD = delta_BTD.astype(x_BTD.dtype)
-        s_BTD, h_BTD = norm_kernel.rms_norm(x_BTD, scale_D, delta_BTD, eps=eps)
+        s_BTD, h_BTD = norm_kernel.rms_norm(x_BTD, scale_D, delta_BTD.astype(x_BTD.dtype),
+                                            eps=eps)
         return constrain(s_BTD), h_BTD
-    s_BTD = constrain(x_BTD + total(delta_BTD, x_BTD))
+    s_BTD = constrain(x_BTD + delta_BTD)
     return s_BTD, layers.rms_norm(s_BTD, scale_D, eps)
 
 
-def project(x_BTK, w_NK, kernel: bool = False, parts: bool = False):
-    """x @ w^T [B, T, N] for an output-major matrix w [N, K]: XLA's product, or with `kernel`
-    (a decode step on the fused path that asks for it, `KVCache.matvec_kernel`) the Mosaic
-    GPU matrix-vector kernel where it takes the shapes (`pallas_kernels.matvec_mgpu`).
-
-    With `parts` the kernel's product comes back as its fp32 partial sums [S, B, T, N] (one
-    per split of K; S may be 1) for a consumer that sums them in its own kernel (`add_rms_norm`,
-    `mlp`); XLA's product is returned as it is ([B, T, N]). `total` sums either."""
-    B, T, K = x_BTK.shape
-    w_NK = w_NK.astype(x_BTK.dtype)
-    if kernel and matvec_kernel.supports((B * T, K), w_NK.shape, x_BTK.dtype):
-        x_RK = x_BTK.reshape(B * T, K)
-        interpret = jax.default_backend() != "gpu"  # tests: Mosaic GPU's interpreter
-        if parts:
-            return matvec_kernel.matvec_mgpu_partials(x_RK, w_NK, interpret=interpret).reshape(
-                -1, B, T, w_NK.shape[0])
-        return matvec_kernel.matvec_mgpu(x_RK, w_NK, interpret=interpret).reshape(B, T, -1)
-    return jnp.einsum("BTK,NK->BTN", x_BTK, w_NK)
-
-
-def total(y_BTN, like_BTD):
-    """`project`'s result as one array in `like_BTD`'s dtype: partial sums [S, B, T, N]
-    summed in fp32 (XLA fuses the sum into the elementwise work that reads it)."""
-    if y_BTN.ndim == like_BTD.ndim + 1:
-        return y_BTN.sum(axis=0).astype(like_BTD.dtype)
-    return y_BTN
-
-
-def qkv_fused(h_BTD, p: dict, kernel: bool = False, parts: bool = False):
-    """The q|k|v projection [B, T, N+2K, H] of the normed input: one matmul (`project`; with
-    `parts` maybe as partial sums [S, B, T, N+2K, H] for the fused attention kernel)."""
-    C, H, D = p["wqkv_CHD"].shape
-    y = project(h_BTD, p["wqkv_CHD"].reshape(C * H, D), kernel, parts)
-    return y.reshape(*y.shape[:-1], C, H)
+def qkv_fused(h_BTD, p: dict):
+    """The q|k|v projection [B, T, N+2K, H] of the normed input: one matmul."""
+    return jnp.einsum("BTD,CHD->BTCH", h_BTD, p["wqkv_CHD"].astype(h_BTD.dtype))
 
 
 def qkv(h_BTD, p: dict, num_kv_heads: int):
@@ -177,18 +148,14 @@ def qkv(h_BTD, p: dict, num_kv_heads: int):
     return tuple(jnp.split(qkv_BTCH, [n, n + num_kv_heads], axis=2))
 
 
-def attention_output(o_BTNH, p: dict, kernel: bool = False, parts: bool = False):
-    """The attention's output projection [B, T, D] (`project`; with `parts` maybe as partial
-    sums [S, B, T, D] for `add_rms_norm`)."""
-    B, T, N, H = o_BTNH.shape
-    D = p["wo_DNH"].shape[0]
-    return project(o_BTNH.reshape(B, T, N * H), p["wo_DNH"].reshape(D, N * H), kernel, parts)
+def attention_output(o_BTNH, p: dict):
+    """The attention's output projection [B, T, D]."""
+    return jnp.einsum("BTNH,DNH->BTD", o_BTNH, p["wo_DNH"].astype(o_BTNH.dtype))
 
 
-def mlp(h_BTD, p: dict, cfg: ModelConfig, kernel: bool = False, parts: bool = False):
-    """The MLP on the normed input: w_gate_up_GD (or w_up_FD), the activation, w_down_DF
-    (`project`: the first product's partial sums are summed inside the activation's fusion;
-    with `parts` the output may be the down product's partial sums [S, B, T, D])."""
+def mlp(h_BTD, p: dict, cfg: ModelConfig):
+    """The MLP on the normed input: w_gate_up_GD (or w_up_FD), the activation, w_down_DF."""
+    dt = h_BTD.dtype
     w_in = p["w_gate_up_GD"] if cfg.mlp == "swiglu" else p["w_up_FD"]
-    u_BTG = total(project(h_BTD, w_in, kernel, parts=kernel), h_BTD)
-    return project(mlp_hidden((u_BTG,), cfg.mlp), p["w_down_DF"], kernel, parts)
+    u_BTG = jnp.einsum("BTD,GD->BTG", h_BTD, w_in.astype(dt))
+    return jnp.einsum("BTF,DF->BTD", mlp_hidden((u_BTG,), cfg.mlp), p["w_down_DF"].astype(dt))

@@ -99,7 +99,6 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     B, T = pos_BT.shape
     layout = decode_layout.is_layer(p)  # a decode step's weights (`decode_layout`)
     norm_k, attn_k = cache.decode_kernels(B, T) if layout and cache is not None else (False, False)
-    mv_k = layout and cache is not None and cache.matvec_kernel(B, T)  # the weight products
 
     def residual(s_BTD):  # the residual stream's layout
         return ops.constrain(s_BTD, ("batch", "act_seq", "embed"))
@@ -112,7 +111,7 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     cos, sin = rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     if attn_k:  # RoPE, the cache write and attention in one kernel, from q|k|v unsplit
-        qkv_BTCH = decode_layout.qkv_fused(ops.enter(h_BTD), p, mv_k, parts=True)  # maybe [S, ...]
+        qkv_BTCH = decode_layout.qkv_fused(ops.enter(h_BTD), p)
         o_BTNH, layer_state = cache.attend_qkv(layer_state, qkv_BTCH, cfg.num_heads, pos_BT,
                                                cos, sin, sm_scale)
     else:
@@ -120,8 +119,7 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
                                          layer_state)
     o_BTNH = ops.constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
     if layout:
-        # With the norm kernel after it, the kernel's partial sums go to it unsummed.
-        attn_BTD = ops.leave(decode_layout.attention_output(o_BTNH, p, mv_k, parts=norm_k))
+        attn_BTD = ops.leave(decode_layout.attention_output(o_BTNH, p))
     else:
         attn_BTD = ops.row(o_BTNH, p["wo"], 2)  # the row-parallel matmul, then g
     x_BTD, h_BTD = decode_layout.add_rms_norm(x_BTD, attn_BTD, p["mlp_norm"], cfg.norm_eps,
@@ -132,8 +130,7 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
         stats = (aux.weighted_loss(cfg), aux.drop_fraction, aux.expert_load_E)
         y_BTD = ops.leave(y_BTD)  # g
     elif layout:
-        y_BTD = ops.leave(decode_layout.mlp(ops.enter(h_BTD), p, cfg, mv_k,
-                                            parts=defer_add and norm_k))
+        y_BTD = ops.leave(decode_layout.mlp(ops.enter(h_BTD), p, cfg))
     else:
         outs = ops.column(h_BTD, mlp_inputs(p, cfg.mlp, cfg.fused_projections))
         y_BTD = ops.row(mlp_hidden(outs, cfg.mlp), p["w_down"], 1)

@@ -43,13 +43,12 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
     dtype, g = q.dtype, cfg.groups
     n_qt = tp // (COMPUTE_WGS * bq)
     scale2 = cfg.sm_scale * LOG2E
-    pingpong = cfg.blocks.pingpong_dq
 
     def kernel(*refs):
         qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 7)
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
         dq_ref, q_smem, do_smem, k_smem, v_smem, ds_smem = rest[:6]
-        qdo_bar, k_bar, v_bar, free, sched = rest[6:]
+        qdo_bar, k_bar, v_bar, free = rest[6:]
         qi = lax.axis_index("q")
         if cfg.causal:
             qi = n_qt - 1 - qi
@@ -58,8 +57,6 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
         block_lo = qi * (COMPUTE_WGS * bq)
         n_full, n_end = kv_steps(cfg, q_off + block_lo, q_off + block_lo + COMPUTE_WGS * bq - 1, bk,
                                   length=False)
-
-        turns = PingPong(wg, None if cfg.named_schedule else sched) if pingpong else None
 
         @consumers(wg)
         def _consumer():
@@ -109,51 +106,7 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
                 steps(step, 0)
                 return dq_acc[...]
 
-            def run_pingpong(dq_acc):
-                """The consumers take turns on the tensor core: in its turn a consumer issues
-                step j - 1's dQ += dS K together with step j's S = Q K^T and dP = dO V^T, then
-                computes dS while the other consumer's matmuls run (FlashAttention-3's
-                ping-pong)."""
-                turns.start()
-
-                def step(j, ds_prev, masked: bool):
-                    slot, prev = lax.rem(j, st), lax.rem(j + st - 1, st)
-                    plgpu.barrier_wait(k_bar.at[slot])
-                    plgpu.barrier_wait(v_bar.at[slot])
-
-                    def issue(s_acc, dp_acc):
-                        @pl.when(j > 0)
-                        def _():
-                            plgpu.wgmma(dq_acc, ds_prev if cfg.regs else ds_tile, k_smem.at[prev])
-
-                        plgpu.wgmma(s_acc, q_tile, k_smem.at[slot].transpose((1, 0)))
-                        plgpu.wgmma(dp_acc, do_tile, v_smem.at[slot].transpose((1, 0)))
-                        turns.matmul_issued()
-                        return s_acc[...], dp_acc[...]  # every matmul issued here is done
-
-                    acc_t = plgpu.ACC((bq, bk), jnp.float32)
-                    s, dp = pl.run_scoped(issue, acc_t, acc_t)
-                    pl.when(j > 0)(lambda: plgpu.barrier_arrive(free.at[prev]))
-                    ds = ds_of(j, s, dp, masked)
-                    if not cfg.regs:  # step j - 1's dS was read by its (finished) dQ matmul
-                        ds_tile[...] = ds
-                        plgpu.commit_smem()
-                    turns.next_turn()
-                    return ds
-
-                ds = steps(step, plgpu.layout_cast(jnp.zeros((bq, bk), dtype), WGMMA))
-
-                @pl.when(n_end > 0)  # the last step's dQ += dS K, in this consumer's turn
-                def _():
-                    last = lax.rem(n_end + st - 1, st)
-                    plgpu.wgmma(dq_acc, ds if cfg.regs else ds_tile, k_smem.at[last])
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(free.at[last])
-
-                turns.end()
-                return dq_acc[...]
-
-            dq = pl.run_scoped(run_pingpong if pingpong else run_serial, plgpu.ACC((bq, d), jnp.float32))
+            dq = pl.run_scoped(run_serial, plgpu.ACC((bq, d), jnp.float32))
             q_tile[...] = (dq * cfg.sm_scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[bi, rows, h])
@@ -175,7 +128,6 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
         plgpu.Barrier(num_barriers=st),  # K slot filled
         plgpu.Barrier(num_barriers=st),  # V slot filled
         plgpu.Barrier(num_arrivals=w, num_barriers=st),  # K/V slot free again
-        plgpu.Barrier(num_arrivals=w) if pingpong and not cfg.named_schedule else None,  # turns
     )
     args = with_segments(cfg, [qoff, q, k, v, do, lse, delta], q_seg, kv_seg)
     return launch(kernel, args, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch,

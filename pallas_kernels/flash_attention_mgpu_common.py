@@ -36,13 +36,11 @@ class MosaicBlockSizes:
     # named barriers (bar.arrive / bar.sync) instead of an mbarrier; None: when compiling
     manual_barriers_bwd: bool = True  # backward kernels: only their own barriers (no warpgroup
     # barrier per shared-memory load and TMA issue); False: Pallas's automatic ones
-    # Backward ping-pong (FlashAttention-3's schedule in the forward, applied to the backward):
-    # the consumers take turns on the tensor core (as named_schedule says) and each computes
-    # its elementwise part under the other's matmuls. Off by default: correct in the
-    # interpreter and lowered for sm90, not yet compiled or timed on a GPU
-    # (experiments/gpu_call_pingpong_bwd.sh does both).
-    pingpong_dq: bool = False  # dQ kernel: step j - 1's dQ += dS K issued with step j's S and
-    # dP; False: each step's three matmuls in turn, both consumers at once
+    # Backward ping-pong (FlashAttention-3's schedule in the forward, applied to the dK/dV
+    # kernel): the consumers take turns on the tensor core (as named_schedule says) and each
+    # computes its elementwise part under the other's matmuls. Off by default: on the H200
+    # forward+backward went +3.6% at 16k and -1% at 4k (one call each, noise ~2%;
+    # benchmarks/README.md). The same for the dQ kernel was 22-24% slower and is gone (code in 92d21ed).
     pingpong_dkv: bool = False  # dK/dV kernel: two turns a step (S^T with the last step's
     # dK += dS^T Q; dP^T with dV += P^T dO); False: each step's four matmuls in turn
     fused_bwd: bool = False  # backward: one kernel for dQ, dK, dV (5 tile matmuls, dQ summed in
@@ -52,7 +50,7 @@ class MosaicBlockSizes:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("manual_barriers_bwd", "fused_bwd", "pingpong_dq", "pingpong_dkv"):
+            if f.name in ("manual_barriers_bwd", "fused_bwd", "pingpong_dkv"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
             elif f.name in ("persistent", "named_schedule"):
@@ -132,7 +130,7 @@ class MosaicConfig:
 
     @property
     def named_schedule(self) -> bool:
-        """Whether the consumers (forward; dQ with pingpong_dq) alternate through hardware named
+        """Whether the consumers (forward; dK/dV with pingpong_dkv) alternate through hardware named
         barriers rather than an mbarrier."""
         n = self.blocks.named_schedule
         if n and self.interpret:

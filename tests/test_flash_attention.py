@@ -24,8 +24,6 @@ from pallas_kernels.flash_attention import (
     pick_implementation,
 )
 from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes, flash_attention_mgpu
-from pallas_kernels.flash_attention_mgpu_bwd import backward_dq
-from pallas_kernels.flash_attention_mgpu_common import MosaicConfig
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -239,11 +237,10 @@ class TestMosaicFlashAttention:
 
     @pytest.mark.parametrize("case", MOSAIC_INTERPRET if ON_GPU else MOSAIC_INTERPRET[:2], ids=case_id)
     def test_pingpong_backward_matches_reference(self, case):
-        """pingpong_dq / pingpong_dkv: the backward kernels' consumers taking turns on the
-        tensor core (named barriers on the GPU, an mbarrier in the interpreter), each step's
-        last matmul issued with the next step's first."""
-        blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(case[5]), pingpong_dq=True,
-                                     pingpong_dkv=True)
+        """pingpong_dkv: the dK/dV kernel's consumers taking turns on the tensor core (named
+        barriers on the GPU, an mbarrier in the interpreter), each step's last matmul issued
+        with the next step's first."""
+        blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(case[5]), pingpong_dkv=True)
         check_case(case[:-1] + (blocks,), lambda q, k, v, blocks, **kw: flash_attention(
             q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
 
@@ -298,21 +295,11 @@ class TestMosaicFlashAttention:
                 # The backward kernels (no persistent form): fused, then the two-kernel form
                 # (the race state is the last kernel's: dK/dV's there).
                 for fused, pp in ((True, False), (False, False), (False, True)) if persistent else ():
-                    bb = dataclasses.replace(blocks, fused_bwd=fused, pingpong_dq=pp, pingpong_dkv=pp)
+                    bb = dataclasses.replace(blocks, fused_bwd=fused, pingpong_dkv=pp)
                     _, vjp = jax.vjp(lambda q, k, v, bb=bb: flash_attention_mgpu(
                         q, k, v, causal=causal, interpret=True, block_sizes=bb), q, k, v)
                     jax.block_until_ready(vjp(out))
                     assert not interpreter_races_found(), f"backward, fused={fused}, ping-pong={pp}"
-                if persistent:  # the dQ kernel alone, with its ping-pong
-                    cfg = MosaicConfig(causal=causal, sm_scale=0.125, q_len=256,
-                                       blocks=dataclasses.replace(blocks, pingpong_dq=True),
-                                       kv_len=256, groups=heads, segments=False, regs=False,
-                                       interpret=True)
-                    rows = jnp.zeros((1, heads, 256), jnp.float32)  # LSE and delta: any values
-                    jax.block_until_ready(jax.jit(lambda q, k, v, do, rows, cfg=cfg: backward_dq(
-                        cfg, q, k, v, jnp.zeros((1,), jnp.int32), None, None, rows, do, rows))(
-                        q, k, v, out, rows))
-                    assert not interpreter_races_found(), "dQ kernel"
 
     def test_auto_picks_mosaic_only_on_sm90(self):
         want = "mosaic" if ON_GPU and on_sm90() else "triton"

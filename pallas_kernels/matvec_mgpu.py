@@ -52,10 +52,11 @@ MAX_BATCH = 64  # rows of one wgmma tile: the batch takes its first rows
 _ROWS = 64
 _SMEM_SLACK = 2048  # shared memory left to Mosaic GPU (barriers, alignment)
 _SM_SMEM = 228 * 1024  # shared memory of one SM (each block also takes 1 KiB the system reserves)
-# The splits' cost model (`_time_us`), rough H200 numbers to be calibrated by
-# experiments/bench_matvec_mgpu.py: HBM read bandwidth, the most one SM streams in fair shares
-# of it, a block's fixed time (its first copy's latency, the epilogue) and the XLA sum of split
-# partials (a kernel launch).
+# The splits' cost model (`_time_us`), rough H200 guesses, not fitted: HBM read bandwidth, the
+# most one SM streams in fair shares of it, a block's fixed time (its first copy's latency, the
+# epilogue) and the XLA sum of split partials (a kernel launch). Measured
+# (benchmarks/matvec_mgpu_h200.json, batch 1) its picks are the fastest of five tilings on
+# three of the eight decode products and within 12% of the fastest on the other five.
 _HBM_BPS = 4.3e12
 _SM_RATE = 2.0
 _BLOCK_US = 1.0

@@ -48,7 +48,7 @@ SHAPES = {  # preset: {product: (N, K)}, the decode layout w [N, K]
     "tiny": {"a": (256, 512), "b": (128, 256)},  # --interpret: Mosaic GPU's CPU interpreter
 }
 VARIANTS = ["n128_kc128_st4_s1", "n128_kc128_st4_s2", "n128_kc128_st4_s4", "n64_kc256_st3",
-            "n256_kc64_st4", "n128_kc64_st3"]
+            "n64_kc128_st4", "n128_kc64_st3"]
 _TAG = re.compile(r"n(\d+)_kc(\d+)_st(\d+)(?:_s(\d+))?$")
 
 

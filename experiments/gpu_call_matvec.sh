@@ -9,5 +9,5 @@
 source "$(dirname "$0")/gpu_env.sh"
 gpu_tests 100 matvec_tests_h200.log tests/test_matvec_mgpu.py
 timeout 150 python3 experiments/bench_matvec_mgpu.py --out "$OUT" --copy-bytes 128e6 --program-bytes 128e6 \
-    --variants n128_kc128_st4_s1 n128_kc128_st4_s2 n64_kc256_st3 n256_kc64_st4 --budget 120 > "$OUT/matvec.log" 2>&1
+    --variants n128_kc128_st4_s1 n128_kc128_st4_s2 n64_kc256_st3 n64_kc128_st4 --budget 120 > "$OUT/matvec.log" 2>&1
 grep -A20 "====" "$OUT/matvec.log"

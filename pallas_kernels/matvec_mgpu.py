@@ -47,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._mgpu import SMEM_LIMIT, launch, sm_count, smem_bytes, tiled_smem
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
-N_TILES = (64, 128, 256)
+N_TILES = (64, 128)  # 256 fails Mosaic GPU's layout inference on jax 0.12 (untiled output)
 MAX_BATCH = 64  # rows of one wgmma tile: the batch takes its first rows
 _ROWS = 64
 _SMEM_SLACK = 2048  # shared memory left to Mosaic GPU (barriers, alignment)
@@ -67,7 +67,7 @@ _SPLIT_US = 2.0
 class MatvecBlockSizes:
     """Tiling of the Mosaic GPU matvec; None picks a default from the shapes."""
 
-    n_tile: int = 128  # rows of w per block (64, 128 or 256; the wgmma's N)
+    n_tile: int = 128  # rows of w per block (64 or 128; the wgmma's N)
     kc: int = 128  # columns of K per pipeline step (a multiple of 64)
     stages: int = 4  # slots of the shared-memory ring (>= 2: a slot is freed a step late)
     splits: int | None = None  # blocks along K (a divisor of K / kc); None: `default_splits`

@@ -93,9 +93,7 @@ FWD_VARIANTS = {
     "ours_grid_mbar": dict(persistent=False, named_schedule=False),
     "ours_bwd_autobar": dict(manual_barriers_bwd=False),  # the backward with Pallas's barriers
     "ours_fused_bwd": dict(fused_bwd=True),  # dQ, dK, dV in one kernel (5 matmuls, reduce-add)
-    "ours_pingpong_dkv": dict(pingpong_dkv=True),  # the dK/dV kernel's consumers taking turns
     "ours_dq_bk128": dict(block_kv_dq=128),  # the dQ kernel: 128 key rows a step (wgmma N 128)
-    "ours_dq_bk128_ppdkv": dict(block_kv_dq=128, pingpong_dkv=True),
 }
 
 

@@ -12,11 +12,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import COL, LOG2E, ROW, WGMMA, launch, tiled_smem
+from pallas_kernels._mgpu import COL, LOG2E, ROW, launch, tiled_smem
 from pallas_kernels.flash_attention_mgpu_common import (
     COMPUTE_WGS,
     MosaicConfig,
-    PingPong,
     bcast_cols,
     bcast_rows,
     cdiv,
@@ -68,24 +67,9 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
             q_seg = None
             if cfg.segments:
                 q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=ROW, optimized=False)
-            ds_tile = None if cfg.regs else ds_smem.at[wg]
             plgpu.barrier_wait(qdo_bar.at[wg])
 
-            def ds_of(j, s, dp, masked: bool):
-                """dS = P (dP - delta) of key step j, from S and dP."""
-                if masked:  # padded keys are zero: they add 0 to dQ (no length mask)
-                    s = mask_rows_by_keys(cfg, s, q_off + q_row, j * bk, q_seg, kvseg_ref, bi,
-                                          length=False)
-                p = jnp.exp2(s * scale2 - bcast_rows(lse_r, s.shape))
-                return (p * (dp - bcast_rows(delta_r, s.shape))).astype(dtype)
-
-            def steps(step, carry):  # the visible key steps: unmasked, then masked
-                carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-                if cfg.causal or cfg.segments:
-                    carry = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
-                return carry
-
-            def run_serial(dq_acc):
+            def run(dq_acc):
                 def step(j, carry, masked: bool):
                     slot = lax.rem(j, st)
                     plgpu.barrier_wait(k_bar.at[slot])
@@ -98,15 +82,22 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
 
                     acc_t = plgpu.ACC((bq, bk), jnp.float32)
                     s, dp = pl.run_scoped(s_dp, acc_t, acc_t)
-                    wgmma_from(dq_acc, ds_of(j, s, dp, masked), k_smem.at[slot], ds_tile)
+                    if masked:  # padded keys are zero: they add 0 to dQ (no length mask)
+                        s = mask_rows_by_keys(cfg, s, q_off + q_row, j * bk, q_seg, kvseg_ref, bi,
+                                              length=False)
+                    p = jnp.exp2(s * scale2 - bcast_rows(lse_r, s.shape))
+                    ds = (p * (dp - bcast_rows(delta_r, s.shape))).astype(dtype)
+                    wgmma_from(dq_acc, ds, k_smem.at[slot], None if cfg.regs else ds_smem.at[wg])
                     plgpu.wgmma_wait(0)
                     plgpu.barrier_arrive(free.at[slot])
                     return carry
 
-                steps(step, 0)
+                lax.fori_loop(0, n_full, functools.partial(step, masked=False), 0)
+                if cfg.causal or cfg.segments:
+                    lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), 0)
                 return dq_acc[...]
 
-            dq = pl.run_scoped(run_serial, plgpu.ACC((bq, d), jnp.float32))
+            dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
             q_tile[...] = (dq * cfg.sm_scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[bi, rows, h])
@@ -155,17 +146,15 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     n_kt, n_q = sp // (COMPUTE_WGS * bk), tp // bq
     scale2 = cfg.sm_scale * LOG2E
     atomic = not cfg.interpret  # dQ by TMA reduce-add into one buffer (the interpreter has none)
-    pingpong = cfg.blocks.pingpong_dkv and not with_dq
 
     def kernel(*refs):
         qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 8 if with_dq else 7)
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
         dq_ref = ins[6] if with_dq else None
         dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem = rest[:9]
-        dq_smem, kv_bar, q_bar, do_bar, free, sched = rest[9:]
+        dq_smem, kv_bar, q_bar, do_bar, free = rest[9:]
         ki, kvh = lax.axis_index("k"), lax.axis_index("h")
         bi, wg = lax.axis_index("b"), lax.axis_index("wg")
-        turns = PingPong(wg, None if cfg.named_schedule else sched) if pingpong else None
         q_off = qoff_ref[0]
         block_lo = ki * (COMPUTE_WGS * bk)
         block_hi = block_lo + COMPUTE_WGS * bk - 1
@@ -189,89 +178,6 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             if cfg.segments:
                 kv_seg = plgpu.load(kvseg_ref.at[bi, rows], layout=ROW, optimized=False)
             plgpu.barrier_wait(kv_bar.at[wg])
-
-            def probs_t(s_idx, s_t, slot, masked: bool):
-                """P^T of step s_idx from S^T: masked (causal, segments) when asked."""
-                i = lax.div(s_idx, jnp.int32(g))
-                lse_c = plgpu.load(lse_smem.at[slot], layout=COL)
-                if masked:
-                    q_seg = None
-                    if cfg.segments:
-                        q_seg = bcast_cols(plgpu.load(qseg_ref.at[bi, pl.ds(i * bq, bq)],
-                                                       layout=COL, optimized=False), s_t.shape)
-                    ok = visible(cfg, q_off + i * bq + iota(s_t.shape, 1), k_row + iota(s_t.shape, 0),
-                                  q_seg, None if kv_seg is None else bcast_rows(kv_seg, s_t.shape),
-                                  length=False)  # padded keys' rows are dropped (zero in dQ)
-                    s_t = jnp.where(ok, s_t, -jnp.inf)
-                return jnp.exp2(s_t * scale2 - bcast_cols(lse_c, s_t.shape))
-
-            def ds_t_of(p_t, dp_t, slot):  # dS^T = P^T (dP^T - delta)
-                delta_c = plgpu.load(delta_smem.at[slot], layout=COL)
-                return (p_t * (dp_t - bcast_cols(delta_c, p_t.shape))).astype(dtype)
-
-            def run_pingpong(dk_acc, dv_acc):
-                """The consumers take turns on the tensor core, two turns a step: S^T of step s
-                with dK += dS^T Q of step s - 1, then dP^T and dV += P^T dO; each computes P^T
-                and dS^T while the other's matmuls run (FlashAttention-3's ping-pong)."""
-                turns.start()
-
-                def step(s_idx, ds_prev, masked: bool):
-                    slot = lax.rem(s_idx - s_start, st)
-                    prev = lax.rem(s_idx - s_start + st - 1, st)
-                    later = s_idx > s_start
-                    plgpu.barrier_wait(q_bar.at[slot])
-
-                    def s_turn(acc):
-                        @pl.when(later)
-                        def _():
-                            plgpu.wgmma(dk_acc, ds_prev if cfg.regs else ds_tile, q_smem.at[prev])
-
-                        plgpu.wgmma(acc, k_tile, q_smem.at[slot].transpose((1, 0)))
-                        turns.matmul_issued()
-                        return acc[...]  # every matmul issued here is done
-
-                    s_t = pl.run_scoped(s_turn, plgpu.ACC((bk, bq), jnp.float32))
-                    pl.when(later)(lambda: plgpu.barrier_arrive(free.at[prev]))
-                    p_t = probs_t(s_idx, s_t, slot, masked)
-                    p16 = p_t.astype(dtype)
-                    if not cfg.regs:  # step s - 1's dS^T was read by its (finished) dK matmul
-                        ds_tile[...] = p16
-                        plgpu.commit_smem()
-                    turns.next_turn()
-                    plgpu.barrier_wait(do_bar.at[slot])
-
-                    def dp_turn(acc):
-                        plgpu.wgmma(acc, v_tile, do_smem.at[slot].transpose((1, 0)))
-                        plgpu.wgmma(dv_acc, p16 if cfg.regs else ds_tile, do_smem.at[slot])
-                        turns.matmul_issued()
-                        if cfg.regs:
-                            return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dP^T, not dV
-                        plgpu.wgmma_wait(0)
-                        return acc[...]
-
-                    dp_t = pl.run_scoped(dp_turn, plgpu.ACC((bk, bq), jnp.float32))
-                    ds_t = ds_t_of(p_t, dp_t, slot)
-                    plgpu.wgmma_wait(0)  # dV (under dS^T) is done: its P^T registers are free
-                    if not cfg.regs:
-                        ds_tile[...] = ds_t
-                        plgpu.commit_smem()
-                    turns.next_turn()
-                    return ds_t
-
-                ds = plgpu.layout_cast(jnp.zeros((bk, bq), dtype), WGMMA)
-                if cfg.causal or cfg.segments:
-                    ds = lax.fori_loop(s_start, s_full, functools.partial(step, masked=True), ds)
-                ds = lax.fori_loop(s_full, s_end, functools.partial(step, masked=False), ds)
-
-                @pl.when(s_end > s_start)  # the last step's dK += dS^T Q, in this consumer's turn
-                def _():
-                    last = lax.rem(s_end - s_start + st - 1, st)
-                    plgpu.wgmma(dk_acc, ds if cfg.regs else ds_tile, q_smem.at[last])
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(free.at[last])
-
-                turns.end()
-                return dk_acc[...], dv_acc[...]
 
             def dq_share(s_idx, dk_acc, ds_t, slot):
                 """dK += dS^T Q and this step's dQ share dS K, out to global memory."""
@@ -300,6 +206,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             def run(dk_acc, dv_acc):
                 def step(s_idx, carry, masked: bool):
                     slot = lax.rem(s_idx - s_start, st)
+                    i = lax.div(s_idx, jnp.int32(g))
                     plgpu.barrier_wait(q_bar.at[slot])
 
                     def st_scoped(acc):
@@ -307,7 +214,17 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                         return acc[...]
 
                     s_t = pl.run_scoped(st_scoped, plgpu.ACC((bk, bq), jnp.float32))
-                    p_t = probs_t(s_idx, s_t, slot, masked)
+                    lse_c = plgpu.load(lse_smem.at[slot], layout=COL)
+                    if masked:
+                        q_seg = None
+                        if cfg.segments:
+                            q_seg = bcast_cols(plgpu.load(qseg_ref.at[bi, pl.ds(i * bq, bq)],
+                                                           layout=COL, optimized=False), s_t.shape)
+                        ok = visible(cfg, q_off + i * bq + iota(s_t.shape, 1), k_row + iota(s_t.shape, 0),
+                                      q_seg, None if kv_seg is None else bcast_rows(kv_seg, s_t.shape),
+                                      length=False)  # padded keys' rows are dropped (zero in dQ)
+                        s_t = jnp.where(ok, s_t, -jnp.inf)
+                    p_t = jnp.exp2(s_t * scale2 - bcast_cols(lse_c, s_t.shape))
                     p16 = p_t.astype(dtype)
                     plgpu.barrier_wait(do_bar.at[slot])
                     if cfg.regs:
@@ -326,7 +243,8 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                             return acc[...]
 
                     dp_t = pl.run_scoped(dp_scoped, plgpu.ACC((bk, bq), jnp.float32))
-                    ds_t = ds_t_of(p_t, dp_t, slot)
+                    delta_c = plgpu.load(delta_smem.at[slot], layout=COL)
+                    ds_t = (p_t * (dp_t - bcast_cols(delta_c, s_t.shape))).astype(dtype)
                     if with_dq:
                         dq_share(s_idx, dk_acc, ds_t, slot)
                         return carry
@@ -341,7 +259,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                 return dk_acc[...], dv_acc[...]
 
             acc_t = plgpu.ACC((bk, d), jnp.float32)
-            dk, dv = pl.run_scoped(run_pingpong if pingpong else run, acc_t, acc_t)
+            dk, dv = pl.run_scoped(run, acc_t, acc_t)
             k_tile[...] = (dk * cfg.sm_scale).astype(dtype)
             v_tile[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -386,7 +304,6 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         plgpu.Barrier(num_arrivals=2, num_barriers=st),  # Q and LSE slot filled
         plgpu.Barrier(num_arrivals=2, num_barriers=st),  # dO and delta slot filled
         plgpu.Barrier(num_arrivals=w, num_barriers=st),  # slot free again
-        plgpu.Barrier(num_arrivals=w) if pingpong and not cfg.named_schedule else None,  # turns
     )
     inputs = [qoff, q, k, v, do, lse, delta]
     if with_dq:

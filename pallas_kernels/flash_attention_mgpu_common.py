@@ -13,7 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import COL, SMEM_LIMIT, WGMMA, named_barrier, smem_bytes
+from pallas_kernels._mgpu import COL, SMEM_LIMIT, WGMMA, smem_bytes
 
 COMPUTE_WGS = 2  # consumer warpgroups per block; warpgroup 2 is the producer
 
@@ -36,13 +36,6 @@ class MosaicBlockSizes:
     # named barriers (bar.arrive / bar.sync) instead of an mbarrier; None: when compiling
     manual_barriers_bwd: bool = True  # backward kernels: only their own barriers (no warpgroup
     # barrier per shared-memory load and TMA issue); False: Pallas's automatic ones
-    # Backward ping-pong (FlashAttention-3's schedule in the forward, applied to the dK/dV
-    # kernel): the consumers take turns on the tensor core (as named_schedule says) and each
-    # computes its elementwise part under the other's matmuls. Off by default: on the H200
-    # forward+backward went +3.6% at 16k and -1% at 4k (one call each, noise ~2%;
-    # benchmarks/README.md). The same for the dQ kernel was 22-24% slower and is gone (code in 92d21ed).
-    pingpong_dkv: bool = False  # dK/dV kernel: two turns a step (S^T with the last step's
-    # dK += dS^T Q; dP^T with dV += P^T dO); False: each step's four matmuls in turn
     fused_bwd: bool = False  # backward: one kernel for dQ, dK, dV (5 tile matmuls, dQ summed in
     # fp32 by TMA reduce-add) instead of a dQ kernel and a dK/dV kernel (7). Off: measured
     # 0.63-0.79x the two-kernel form's forward+backward on the H200 (benchmarks/README.md)
@@ -50,7 +43,7 @@ class MosaicBlockSizes:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("manual_barriers_bwd", "fused_bwd", "pingpong_dkv"):
+            if f.name in ("manual_barriers_bwd", "fused_bwd"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
             elif f.name in ("persistent", "named_schedule"):
@@ -130,8 +123,7 @@ class MosaicConfig:
 
     @property
     def named_schedule(self) -> bool:
-        """Whether the consumers (forward; dK/dV with pingpong_dkv) alternate through hardware named
-        barriers rather than an mbarrier."""
+        """Whether the forward consumers alternate through hardware named barriers."""
         n = self.blocks.named_schedule
         if n and self.interpret:
             raise ValueError("MosaicBlockSizes.named_schedule=True needs a GPU (the interpreter "
@@ -308,46 +300,3 @@ def wgmma_from(acc, lhs, rhs, staged):
         staged[...] = lhs
         plgpu.commit_smem()
         plgpu.wgmma(acc, staged, rhs)
-
-
-_SCHED_BARRIER = 4  # hardware named barriers 4 and 5: the consumers' turns (named_schedule)
-
-
-class PingPong:
-    """The two consumers' turns on the tensor core, so that one's softmax (or, in the dQ
-    kernel, its dS) runs under the other's matmuls. Named form (FlashAttention-3's; `sched` None): consumer w waits its turn
-    on hardware barrier 4 + w, which the other consumer's arrival opens. mbarrier form (the
-    interpreter's): one barrier of two arrivals that both consumers meet on."""
-
-    def __init__(self, wg, sched):
-        self.wg, self.sched = wg, sched
-
-    def _meet(self):
-        plgpu.barrier_arrive(self.sched)
-        plgpu.barrier_wait(self.sched)
-
-    def _let_other_go(self):
-        named_barrier("arrive", _SCHED_BARRIER + 1 - self.wg, 2 * 128)
-
-    def start(self):  # consumer 1 lets consumer 0 take the first turn
-        pl.when(self.wg == 1)(self.wait_turn if self.sched is None else self._meet)
-
-    def matmul_issued(self):  # after Q K^T is issued
-        (self._let_other_go if self.sched is None else self._meet)()
-
-    def softmax_done(self):
-        if self.sched is not None:
-            plgpu.barrier_arrive(self.sched)
-
-    def wait_turn(self):  # before P V is issued
-        if self.sched is None:
-            named_barrier("sync", _SCHED_BARRIER + self.wg, 2 * 128)
-        else:
-            plgpu.barrier_wait(self.sched)
-
-    def next_turn(self):  # this consumer's elementwise work is done: wait for its next turn
-        self.softmax_done()
-        self.wait_turn()
-
-    def end(self):  # consumer 0 gives the last turn back: both made the same number of calls
-        pl.when(self.wg == 0)(self._let_other_go if self.sched is None else self._meet)

@@ -16,13 +16,13 @@ from pallas_kernels._mgpu import (
     LOG2E,
     ROW,
     launch,
+    named_barrier,
     softmax_start,
     tiled_smem,
 )
 from pallas_kernels.flash_attention_mgpu_common import (
     COMPUTE_WGS,
     MosaicConfig,
-    PingPong,
     bcast_rows,
     consumers,
     drain,
@@ -34,6 +34,44 @@ from pallas_kernels.flash_attention_mgpu_common import (
     unpack,
     with_segments,
 )
+
+_SCHED_BARRIER = 4  # hardware named barriers 4 and 5: the consumers' turns (named_schedule)
+
+
+class PingPong:
+    """The two consumers' turns on the tensor core, so that one's softmax runs under the
+    other's matmuls. Named form (FlashAttention-3's; `sched` None): consumer w waits its turn
+    on hardware barrier 4 + w, which the other consumer's arrival opens. mbarrier form (the
+    interpreter's): one barrier of two arrivals that both consumers meet on."""
+
+    def __init__(self, wg, sched):
+        self.wg, self.sched = wg, sched
+
+    def _meet(self):
+        plgpu.barrier_arrive(self.sched)
+        plgpu.barrier_wait(self.sched)
+
+    def _let_other_go(self):
+        named_barrier("arrive", _SCHED_BARRIER + 1 - self.wg, 2 * 128)
+
+    def start(self):  # consumer 1 lets consumer 0 take the first turn
+        pl.when(self.wg == 1)(self.wait_turn if self.sched is None else self._meet)
+
+    def matmul_issued(self):  # after Q K^T is issued
+        (self._let_other_go if self.sched is None else self._meet)()
+
+    def softmax_done(self):
+        if self.sched is not None:
+            plgpu.barrier_arrive(self.sched)
+
+    def wait_turn(self):  # before P V is issued
+        if self.sched is None:
+            named_barrier("sync", _SCHED_BARRIER + self.wg, 2 * 128)
+        else:
+            plgpu.barrier_wait(self.sched)
+
+    def end(self):  # consumer 0 gives the last turn back: both made the same number of calls
+        pl.when(self.wg == 0)(self._let_other_go if self.sched is None else self._meet)
 
 
 def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):

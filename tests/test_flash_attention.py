@@ -235,15 +235,6 @@ class TestMosaicFlashAttention:
         check_case(case[:-1] + (blocks,), lambda q, k, v, blocks, **kw: flash_attention(
             q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
 
-    @pytest.mark.parametrize("case", MOSAIC_INTERPRET if ON_GPU else MOSAIC_INTERPRET[:2], ids=case_id)
-    def test_pingpong_backward_matches_reference(self, case):
-        """pingpong_dkv: the dK/dV kernel's consumers taking turns on the tensor core (named
-        barriers on the GPU, an mbarrier in the interpreter), each step's last matmul issued
-        with the next step's first."""
-        blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(case[5]), pingpong_dkv=True)
-        check_case(case[:-1] + (blocks,), lambda q, k, v, blocks, **kw: flash_attention(
-            q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
-
     @pytest.mark.skipif(not ON_GPU, reason="the interpreter runs this path in the test above")
     @pytest.mark.parametrize("case", MOSAIC_INTERPRET, ids=case_id)
     def test_shared_memory_path_on_gpu(self, case):
@@ -279,10 +270,9 @@ class TestMosaicFlashAttention:
     @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
     def test_kernels_have_no_shared_memory_race(self, causal):
         """The kernels set their own barriers (`launch(manual_barriers=True)`): the
-        interpreter's race detector finds none in the forward (persistent or not), the fused
-        backward, the dK/dV kernel nor the dQ kernel run alone (it finds the race when the
-        forward's wait for the last tile's O copy is taken out; it misses a K/V slot freed
-        before the dQ kernel's matmul has read it, so that order is checked on the GPU only)."""
+        interpreter's race detector finds none in the forward (persistent or not) nor in the
+        dQ and dK/dV kernels (it finds the race when the forward's wait for the last tile's O
+        copy is taken out)."""
         rng = np.random.default_rng(8)
         for persistent, heads in ((True, 2), (False, 1)):  # shapes no other test traces
             q = normal(rng, (1, 256, heads, 64), BF16)
@@ -294,12 +284,12 @@ class TestMosaicFlashAttention:
                 assert not interpreter_races_found(), f"forward, persistent={persistent}"
                 # The backward kernels (no persistent form): fused, then the two-kernel form
                 # (the race state is the last kernel's: dK/dV's there).
-                for fused, pp in ((True, False), (False, False), (False, True)) if persistent else ():
-                    bb = dataclasses.replace(blocks, fused_bwd=fused, pingpong_dkv=pp)
+                for fused in (True, False) if persistent else ():
+                    bb = dataclasses.replace(blocks, fused_bwd=fused)
                     _, vjp = jax.vjp(lambda q, k, v, bb=bb: flash_attention_mgpu(
                         q, k, v, causal=causal, interpret=True, block_sizes=bb), q, k, v)
                     jax.block_until_ready(vjp(out))
-                    assert not interpreter_races_found(), f"backward, fused={fused}, ping-pong={pp}"
+                    assert not interpreter_races_found(), f"backward, fused={fused}"
 
     def test_auto_picks_mosaic_only_on_sm90(self):
         want = "mosaic" if ON_GPU and on_sm90() else "triton"

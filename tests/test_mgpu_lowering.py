@@ -25,7 +25,7 @@ def kernels_lowered_for_sm90(f, *shapes) -> int:
 
 
 # (seq, q heads, kv heads, head dim, causal, MosaicBlockSizes changes)
-FA = [(4096, 16, 16, 128, False, {}), (2048, 32, 8, 128, True, dict(pingpong_dkv=True)),
+FA = [(4096, 16, 16, 128, False, {}), (2048, 32, 8, 128, True, {}),
       (1024, 8, 8, 64, True, dict(fused_bwd=True))]
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gendist.timing import call_times, pipelined_seconds
+from gendist.timing import call_times, pipelined_seconds, warm_gpu
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
@@ -95,15 +95,6 @@ FWD_VARIANTS = {
     "ours_fused_bwd": dict(fused_bwd=True),  # dQ, dK, dV in one kernel (5 matmuls, reduce-add)
     "ours_dq_bk128": dict(block_kv_dq=128),  # the dQ kernel: 128 key rows a step (wgmma N 128)
 }
-
-
-def warm_gpu(seconds: float = 3.0):
-    """Bring the clocks up before the first timing (an idle H200 sits at 345 MHz)."""
-    x = jnp.ones((8192, 8192), jnp.bfloat16)
-    f = jax.jit(lambda x: (x @ x).astype(jnp.bfloat16))
-    end = time.time() + seconds
-    while time.time() < end:
-        x = jax.block_until_ready(f(x)) * 0 + 1
 
 
 def timed(f, *args, n, pipelined: bool):
@@ -296,7 +287,7 @@ def main():
     out_dir = os.environ.get("OUT", ".")
     print(jax.devices(), "jax", jax.__version__, flush=True)
     if not args.smoke:
-        warm_gpu()
+        warm_gpu(3.0)
     if args.part in ("fa", "both"):
         res = dict(jax=jax.__version__, device=str(jax.devices()[0]), attention=[])
         path = os.path.join(out_dir, "attention_mgpu.json")

@@ -40,6 +40,7 @@ import numpy as np
 from jax import lax
 
 from gendist import profiling
+from gendist.timing import warm_gpu
 from pallas_kernels.matvec_mgpu import MatvecBlockSizes, matvec_mgpu, resolve_block_sizes
 
 SHAPES = {  # preset: {product: (N, K)}, the decode layout w [N, K]
@@ -58,14 +59,6 @@ def parse_variant(tag: str) -> MatvecBlockSizes:
         raise ValueError(f"variant {tag!r}: want n<n_tile>_kc<kc>_st<stages>[_s<splits>]")
     n, kc, st, s = m.groups()
     return MatvecBlockSizes(int(n), int(kc), int(st), int(s) if s else None)
-
-
-def warm_gpu(seconds: float):
-    """Bring the clocks up before the first timing (an idle H200 sits at 345 MHz)."""
-    x = jnp.ones((4096, 4096), jnp.bfloat16)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        jax.block_until_ready(x @ x)
 
 
 def chained(impl, calls: int):

@@ -42,7 +42,7 @@ from gendist.inference.generate import generate_tokens
 from gendist.inference.sampling import SamplingParams
 from gendist.models import decode_layout, transformer
 from gendist.presets import preset
-from gendist.timing import call_times, pipelined_seconds
+from gendist.timing import call_times, pipelined_seconds, warm_gpu
 
 VARIANTS = ("fast", "fast_unfused", "fast_xla", "reference")
 
@@ -61,15 +61,6 @@ def read_only_tbps(gib: float = 2.0, n: int = 10) -> dict[str, float]:
     nbytes = 2 * (int(gib * 2**30) // 2)
     del x
     return {"synced": nbytes / float(np.median(ts)) / 1e12, "pipelined": nbytes / t_pipe / 1e12}
-
-
-def warm_gpu(seconds: float) -> None:
-    """A few seconds of matmuls: an idle H200 sits at a low clock (benchmarks/README.md)."""
-    a = jnp.ones((4096, 4096), jnp.bfloat16)
-    f = jax.jit(lambda a: a @ a)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        jax.block_until_ready(f(a))
 
 
 def step_bytes(cfg, dparams, batch: int, prompt: int, new: int) -> tuple[int, int]:

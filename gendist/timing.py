@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -45,3 +46,13 @@ def pipelined_seconds(f, *args, n: int = 20, warm: int = 1):
         out = f(*args)
     jax.block_until_ready(out)
     return (time.perf_counter() - t) / n, first
+
+
+def warm_gpu(seconds: float = 2.0) -> None:
+    """A few seconds of matmuls before the first timing: an idle H200 sits at a low clock
+    (345 MHz; benchmarks/README.md)."""
+    a = jnp.ones((4096, 4096), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        jax.block_until_ready(f(a))

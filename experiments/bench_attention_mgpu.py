@@ -50,16 +50,13 @@ PAGED_SHAPES = [(64, 4096, 32, 8, 16), (64, 4096, 32, 8, 64), (16, 16384, 32, 8,
 # most even shares ("even"), the grid
 # of the previous default (context splits in whole waves of one block per SM, `waves_sizes`),
 # copies from one or two issuing threads, deeper rings of 64-token steps, Pallas's automatic
-# barriers, probes of the page stream alone (no math: not attention, rel_err shows it), and
-# L2 prefetches of the pages 1, 2 or 4 steps ahead ("pf").
+# barriers, and probes of the page stream alone (no math: not attention, rel_err shows it).
 PAGED_VARIANTS = [PagedBlockSizes(split_items=False), PagedBlockSizes(split_items=True),
                   PagedBlockSizes(128, 2, issuers=1),
                   PagedBlockSizes(128, 2, issuers=2), PagedBlockSizes(64, 4), PagedBlockSizes(64, 5),
                   PagedBlockSizes(64, 4, issuers=1), PagedBlockSizes(128, 2, num_splits=4),
                   PagedBlockSizes(manual_barriers=False), PagedBlockSizes(64, 4, manual_barriers=False),
-                  PagedBlockSizes(stream_only=True), PagedBlockSizes(64, 4, stream_only=True),
-                  PagedBlockSizes(prefetch=1), PagedBlockSizes(prefetch=2), PagedBlockSizes(prefetch=4),
-                  PagedBlockSizes(stream_only=True, prefetch=2)]
+                  PagedBlockSizes(stream_only=True), PagedBlockSizes(64, 4, stream_only=True)]
 
 
 def waves_sizes(batch, ctx, hkv, page, sms=132, overhead=128):
@@ -84,8 +81,6 @@ def variant_name(sizes):
         name += f"_iss{sizes.issuers}"
     if not sizes.manual_barriers:
         name += "_autobar"
-    if sizes.prefetch:
-        name += f"_pf{sizes.prefetch}"
     return name + (f"_s{sizes.num_splits}" if sizes.num_splits else "")
 # The backward kernels with three stages instead of two, timed on the non-causal cases only.
 ST3 = MosaicBlockSizes(stages_bwd=3)

@@ -3,7 +3,8 @@
 # with L2 prefetches), then the five paged shapes timed pipelined, best of 3 rounds: the
 # default beside the producer prefetching pages 1, 2 or 4 steps ahead into L2, and the page
 # stream alone (no math) without and with prefetches, as probes of the kernel's ceiling.
-#   OUT=$OUT bash experiments/gpu_call_paged_prefetch.sh     (from the repository root)
+#   OUT=$OUT bash experiments/gpu_call_paged_prefetch.sh     (at 4ea0716: the prefetch is removed since,
+#   it cost 11-40%: benchmarks/paged_attention_mgpu_h200_prefetch.json)
 source "$(dirname "$0")/gpu_env.sh"
 gpu_tests 120 paged_tests_h200.log tests/test_paged_attention.py -k "mosaic or Mosaic or stream"
 timeout 300 python3 experiments/bench_attention_mgpu.py --part paged --pipelined --budget 260 \

@@ -87,8 +87,6 @@ class PagedBlockSizes:
     # each slot and frees it without any math (the output is then not attention: benchmarks only)
     units_per_block: int | None = None  # stream-K share of each block in units of block_k
     # tokens; None: the cost model's (`_balanced_share`)
-    prefetch: int = 0  # steps ahead whose pages the producer asks into L2 (TMA prefetch) before
-    # it waits for a free slot, so more bytes are in flight than the ring holds; 0: none
 
     def __post_init__(self):
         if self.block_k % 64 or self.block_k < 64:
@@ -103,8 +101,6 @@ class PagedBlockSizes:
             raise ValueError(f"PagedBlockSizes.units_per_block={self.units_per_block}: use >= 1 or None.")
         if self.max_blocks is not None and self.max_blocks < 1:
             raise ValueError(f"PagedBlockSizes.max_blocks={self.max_blocks}: use >= 1 or None.")
-        if self.prefetch < 0:
-            raise ValueError(f"PagedBlockSizes.prefetch={self.prefetch}: use >= 0 (steps ahead; 0 is off).")
         if not isinstance(self.manual_barriers, bool):
             raise ValueError(f"PagedBlockSizes.manual_barriers={self.manual_barriers!r}: use True or False.")
 
@@ -131,7 +127,6 @@ class _Plan:
     regs: bool
     interpret: bool
     stream_only: bool = False
-    prefetch: int = 0  # steps ahead prefetched into L2
 
     @property
     def total(self) -> int:  # units of all items
@@ -236,7 +231,7 @@ def _plan(batch, kv_heads, group, columns, page_size, head_dim, sizes: PagedBloc
     blocks = -(-pairs * parts * item_units // share)
     plan = _Plan(bk, sizes.stages, page_size, -(-columns // 4) * 4, per_copy, issuers, item_units,
                  parts, pairs, share, blocks, max(8, -(-group // 8) * 8), sizes.manual_barriers,
-                 regs, interpret, sizes.stream_only, sizes.prefetch)
+                 regs, interpret, sizes.stream_only)
     need = smem_bytes(((2, _ROWS, head_dim), jnp.float16), ((2 * sizes.stages, bk, head_dim), jnp.float16),
                       ((_ROWS, head_dim), jnp.float16),
                       ((_ROWS if plan.split_pairs else 0, head_dim), jnp.float32),
@@ -456,15 +451,18 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                     slot = lax.rem(done + j, st)
                     # Page ids are read at warpgroup level (warp-level code takes no smem loads),
                     # before the slot is free.
-                    def pages_of(step):  # (page, first token in it) of each copy of a step
-                        out = []
-                        for i in range(copies):
-                            tok = first + step * bk + i * c  # within the sequence
-                            col = jnp.minimum(lax.div(tok, page_size) - col0, slice_len - 1)
-                            out.append((jnp.clip(bt_smem[buf, col], 0, num_pages - 1), lax.rem(tok, page_size)))
-                        return out
+                    pages = []
+                    for i in range(copies):
+                        tok = first + j * bk + i * c  # within the sequence
+                        pages.append((jnp.clip(bt_smem[buf, lax.div(tok, page_size) - col0], 0, num_pages - 1),
+                                      lax.rem(tok, page_size)))
 
-                    def issue(copy):  # copy(i) for each of a step's copies, spread over the issuers
+                    def copies_of(ref, smem, bar):  # the step's pages (or slices of a page)
+                        def copy(i):
+                            page, src = pages[i][0], pl.ds(pages[i][1], c)
+                            plgpu.copy_gmem_to_smem(ref.at[kvh, page, src], smem.at[slot, pl.ds(i * c, c)],
+                                                    bar.at[slot])
+
                         if plan.issuers == 1:  # one thread of the warpgroup issues every copy
                             for i in range(copies):
                                 copy(i)
@@ -474,25 +472,6 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                             def _(warp):
                                 for i in range(copies):
                                     pl.when(warp == i % plan.issuers)(lambda i=i: copy(i))
-
-                    pages = pages_of(j)
-
-                    def copies_of(ref, smem, bar):  # the step's pages (or slices of a page)
-                        def copy(i):
-                            page, src = pages[i][0], pl.ds(pages[i][1], c)
-                            plgpu.copy_gmem_to_smem(ref.at[kvh, page, src], smem.at[slot, pl.ds(i * c, c)],
-                                                    bar.at[slot])
-
-                        issue(copy)
-
-                    if plan.prefetch:  # a later step's pages into L2, before this step's waits
-                        ahead = pages_of(j + plan.prefetch)
-
-                        @pl.when(j + plan.prefetch < n_steps)
-                        def _():
-                            for ref in (k_ref, v_ref):
-                                issue(lambda i, ref=ref: plgpu.async_prefetch(
-                                    ref.at[kvh, ahead[i][0], pl.ds(ahead[i][1], c)]))
 
                     # K is free once the consumer's Q K^T is done, V once its P V is.
                     pl.when(done + j >= st)(lambda: plgpu.barrier_wait(k_free.at[slot]))

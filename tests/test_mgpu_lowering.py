@@ -45,11 +45,9 @@ def test_flash_attention_forward_and_backward_lower_for_sm90(seq, heads, kv_head
 
 
 # (batch, q heads, kv heads, page size, table columns, PagedBlockSizes): whole items, split
-# items (few long sequences), a table width that is not a multiple of 4 (padded), GQA 1; L2
-# prefetches of pages steps ahead (page 16: 16 prefetches a step from four warps).
+# items (few long sequences), a table width that is not a multiple of 4 (padded), GQA 1.
 PAGED = [(64, 32, 8, 16, 256, PagedBlockSizes()), (4, 64, 8, 16, 2048, PagedBlockSizes()),
-         (5, 8, 8, 64, 37, PagedBlockSizes(split_items=True)), (3, 16, 2, 32, 100, PagedBlockSizes(num_splits=3)),
-         (64, 32, 8, 16, 256, PagedBlockSizes(prefetch=2)), (5, 8, 8, 64, 37, PagedBlockSizes(prefetch=1))]
+         (5, 8, 8, 64, 37, PagedBlockSizes(split_items=True)), (3, 16, 2, 32, 100, PagedBlockSizes(num_splits=3))]
 
 
 @pytest.mark.parametrize("batch,heads,kv_heads,page,columns,sizes", PAGED)

@@ -120,8 +120,7 @@ def test_mosaic_decode_matches_reference(page_size, group, dtype, head_dim, leng
 STREAM = [(dict(units_per_block=6), [300, 21, 130, 0], True, False),
           (dict(max_blocks=3, split_items=False), [130, 64, 1, 99], False, False),
           (dict(max_blocks=1), [33, 130, 0, 7], False, False),
-          (dict(units_per_block=11), [1000, 5, 0, 700], True, True),
-          (dict(units_per_block=11, prefetch=3), [1000, 5, 0, 700], True, True)]
+          (dict(units_per_block=11), [1000, 5, 0, 700], True, True)]
 
 
 @pytest.mark.skipif(ON_GPU and not on_sm90(), reason="Mosaic GPU needs an sm90 GPU (or the CPU interpreter)")
@@ -306,8 +305,6 @@ def test_bad_inputs_raise_clear_errors():
         paged_attention(q, k[:, :, :6].repeat(2, 2), v[:, :, :6].repeat(2, 2), tables, lens)
     with pytest.raises(ValueError, match="block_k"):
         paged_attention(q, k, v, tables, lens, pages_per_compute_block=1)  # 8-token tiles
-    with pytest.raises(ValueError, match="PagedBlockSizes.prefetch=-1"):
-        PagedBlockSizes(prefetch=-1)
     with pytest.raises(ValueError, match="exactly one"):
         paged_attention_chunk(q[:, None], k, v, tables, lens)
     with pytest.raises(ValueError, match="q_positions_BT must be int32"):

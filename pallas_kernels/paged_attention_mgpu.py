@@ -19,8 +19,12 @@ page (or per block_k slice of a larger page), issued by up to four warps of the 
 block_k tokens that carries on across segments, so that the next segment's pages load under
 this one's epilogue. A slot's K is refilled as soon as the consumer's Q K^T has read it, its
 V once P V has. The consumer warpgroup computes S = Q K^T and P V with wgmma and folds
-them in with the online softmax (base 2); Q is double-buffered (the next segment's loads
-under this one) and O leaves through its own shared tile.
+them in with the online softmax (base 2). Q and O move as the group's G rows of q and of the
+output viewed as [B * N, H], through untiled shared buffers (a G-row TMA copy at row b N +
+kvh G: a tiled buffer would need that offset to divide its 8-row tile), so no XLA pad of the
+group to 8 rows and no slice after the kernel: Q lands in one of two such buffers (the next
+segment's under this one) and goes to registers (rows past G zero), wgmma's A operand for the
+segment (regs=False: through a tiled tile); O leaves through its own untiled buffer.
 
 Positions >= length are never trusted: their logits are masked and, in the one partial
 block per segment, their V rows are zeroed in shared memory before the P V matmul (a stale
@@ -122,11 +126,15 @@ class _Plan:
     pairs: int  # (sequence, KV head) pairs
     share: int  # units per block
     blocks: int
-    group_rows: int  # G rounded up to 8: the output rows written per block
+    group: int  # G: query rows of one (sequence, KV head)
     manual_barriers: bool
     regs: bool
     interpret: bool
     stream_only: bool = False
+
+    @property
+    def group_rows(self) -> int:  # G rounded up to 8: the rows of a split pair's fp32 piece
+        return -(-self.group // 8) * 8
 
     @property
     def total(self) -> int:  # units of all items
@@ -230,10 +238,10 @@ def _plan(batch, kv_heads, group, columns, page_size, head_dim, sizes: PagedBloc
                                 sizes.split_items)
     blocks = -(-pairs * parts * item_units // share)
     plan = _Plan(bk, sizes.stages, page_size, -(-columns // 4) * 4, per_copy, issuers, item_units,
-                 parts, pairs, share, blocks, max(8, -(-group // 8) * 8), sizes.manual_barriers,
+                 parts, pairs, share, blocks, group, sizes.manual_barriers,
                  regs, interpret, sizes.stream_only)
-    need = smem_bytes(((2, _ROWS, head_dim), jnp.float16), ((2 * sizes.stages, bk, head_dim), jnp.float16),
-                      ((_ROWS, head_dim), jnp.float16),
+    need = smem_bytes(((3 if regs else 4, _ROWS, head_dim), jnp.float16),
+                      ((2 * sizes.stages, bk, head_dim), jnp.float16),
                       ((_ROWS if plan.split_pairs else 0, head_dim), jnp.float32),
                       ((2, -(-plan.table_slice // 32) * 32), jnp.int32),
                       ((0 if regs else _ROWS, bk), jnp.float16))
@@ -264,14 +272,14 @@ def schedule(batch: int, kv_heads: int, group: int, pages: int, page_size: int, 
     return out
 
 
-def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scale: float):
-    """O [pairs, group_rows, H] in the input dtype (final for every pair in one piece), and
-    the pieces of the split pairs [split pairs * width, group_rows, H] (fp32) with their
-    base-2 LSE [split pairs * width, group_rows], for the merge."""
-    batch, kv_heads, _, head_dim = q_BKRH.shape
-    num_pages, page_size = k_pages.shape[1], k_pages.shape[2]
-    dtype = q_BKRH.dtype
-    bk, st, c, rows = plan.block_k, plan.stages, plan.per_copy, plan.group_rows
+def _kernel_call(plan: _Plan, q_RH, k_pages, v_pages, tables, lengths, sm_scale: float):
+    """O [B * N, H] in the input dtype (final for every pair in one piece: pair p's rows
+    [p G, (p + 1) G)), and the pieces of the split pairs [split pairs * width, group_rows, H]
+    (fp32) with their base-2 LSE [split pairs * width, group_rows], for the merge."""
+    head_dim = q_RH.shape[1]
+    kv_heads, num_pages, page_size = k_pages.shape[:3]
+    dtype = q_RH.dtype
+    bk, st, c, rows, g = plan.block_k, plan.stages, plan.per_copy, plan.group_rows, plan.group
     copies = bk // c
     slice_len, columns = plan.table_slice, plan.columns
     table_chunks = [(lo, min(256, slice_len - lo)) for lo in range(0, slice_len, 256)]
@@ -281,7 +289,7 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
     scale2 = sm_scale * LOG2E
 
     def kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, slot_ref, o_ref, part_ref, lse_ref,
-               q_smem, k_smem, v_smem, o_smem, part_smem, lse_smem, bt_smem, p_smem,
+               q_land, q_smem, k_smem, v_smem, o_smem, part_smem, lse_smem, bt_smem, p_smem,
                q_bar, bt_bar, k_bar, v_bar, k_free, v_free):
         blk, wg = lax.axis_index("sm"), lax.axis_index("wg")
         u0 = blk * share
@@ -319,13 +327,14 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
         @pl.when(wg == 0)
         def _consumer():
             for b in range(2):
-                q_smem.at[b][...] = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), dtype), WGMMA)
+                q_land.at[b][...] = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), dtype), WGMMA)
             plgpu.commit_smem()  # the zero rows land before any TMA fills the group's rows
 
-            def load_q(r):  # segment r's Q into buffer r % 2
+            def load_q(r):  # segment r's G rows of Q into landing buffer r % 2
                 bi, kvh = segment(r)[:2]
                 buf = lax.rem(r, 2)
-                plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh], q_smem.at[buf, pl.ds(0, rows)], q_bar.at[buf])
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds((bi * kv_heads + kvh) * g, g)],
+                                        q_land.at[buf, pl.ds(0, g)], q_bar.at[buf])
 
             load_q(0)
 
@@ -335,8 +344,12 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                 n_tok, n_steps = segment(r, length)[3:]
                 # The other buffer's Q K^T (segment r - 1) are done: the next Q loads under this one.
                 pl.when(r + 1 < n_seg)(lambda: load_q(r + 1))
-                q_tile = q_smem.at[lax.rem(r, 2)]
                 plgpu.barrier_wait(q_bar.at[lax.rem(r, 2)])
+                q_tile = plgpu.load(q_land.at[lax.rem(r, 2)], layout=WGMMA, optimized=False)
+                if not plan.regs:  # wgmma's A from the tiled tile (segment r - 1's Q K^T are done)
+                    q_smem[...] = q_tile
+                    plgpu.commit_smem()
+                    q_tile = q_smem
 
                 def step(j, carry):
                     acc, m, l = carry
@@ -401,7 +414,7 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                 def _():
                     o_smem[...] = o.astype(dtype)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[out])
+                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, g)], o_ref.at[pl.ds(out * g, g)])
 
                 if split:
                     @pl.when(out < 0)  # one of a split pair's pieces: fp32, with its LSE
@@ -489,10 +502,11 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
                 plgpu.barrier_wait(v_free.at[lax.rem(j, st)])
 
     scratch = (
-        tiled_smem((2, _ROWS, head_dim), dtype),  # two segments' Q
+        plgpu.SMEM((2, _ROWS, head_dim), dtype),  # two segments' Q as they land (untiled)
+        None if plan.regs else tiled_smem((_ROWS, head_dim), dtype),  # the segment's Q for wgmma
         tiled_smem((st, bk, head_dim), dtype),
         tiled_smem((st, bk, head_dim), dtype),
-        tiled_smem((_ROWS, head_dim), dtype),  # O staging
+        plgpu.SMEM((_ROWS, head_dim), dtype),  # O staging (untiled: G rows leave at any row)
         tiled_smem((_ROWS, head_dim), jnp.float32) if split else None,  # a piece's O staging
         plgpu.SMEM((_ROWS,), jnp.float32),  # LSE staging
         # two segments' block-table slices, each 128-byte aligned (TMA)
@@ -507,8 +521,8 @@ def _kernel_call(plan: _Plan, q_BKRH, k_pages, v_pages, tables, lengths, sm_scal
     )
     slots = jnp.asarray(plan.output_slots())
     pieces = max(1, len(plan.split_pairs) * plan.width)
-    return launch(kernel, (q_BKRH, k_pages, v_pages, tables, lengths, slots),
-                  out_type=(jax.ShapeDtypeStruct((plan.pairs, rows, head_dim), dtype),
+    return launch(kernel, (q_RH, k_pages, v_pages, tables, lengths, slots),
+                  out_type=(jax.ShapeDtypeStruct((plan.pairs * g, head_dim), dtype),
                             jax.ShapeDtypeStruct((pieces, rows, head_dim), jnp.float32),
                             jax.ShapeDtypeStruct((pieces, rows), jnp.float32)),
                   scratch=scratch, grid=(plan.blocks,), grid_names=("sm",), num_threads=2,
@@ -543,16 +557,14 @@ def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, *, sm_scale
     group = heads // kv_heads
     plan = _plan(batch, kv_heads, group, block_tables.shape[1], page_size, head_dim, block_sizes,
                  regs, interpret)
-    q_BKGH = q.reshape(batch, kv_heads, group, head_dim)
-    if plan.group_rows != group:
-        q_BKGH = jnp.pad(q_BKGH, ((0, 0), (0, 0), (0, plan.group_rows - group), (0, 0)))
     tables = block_tables
     if plan.columns != tables.shape[1]:  # rows of the table 16-byte aligned (TMA)
         tables = jnp.pad(tables, ((0, 0), (0, plan.columns - tables.shape[1])))
-    o, part, lse = _kernel_call(plan, q_BKGH, k_pages, v_pages, tables, lengths, sm_scale)
+    o, part, lse = _kernel_call(plan, q.reshape(batch * heads, head_dim), k_pages, v_pages, tables,
+                                lengths, sm_scale)
     if plan.split_pairs:
         n = len(plan.split_pairs)
         merged = _merge(plan, part.reshape(n, plan.width, *part.shape[1:]), lse.reshape(n, plan.width, -1))
-        o = o.at[np.array(plan.split_pairs)].set(merged.astype(o.dtype))
-    o = o.reshape(batch, kv_heads, plan.group_rows, head_dim)
-    return o[:, :, :group].reshape(batch, heads, head_dim).astype(q.dtype)
+        o = o.reshape(plan.pairs, group, head_dim).at[np.array(plan.split_pairs)].set(
+            merged[:, :group].astype(o.dtype))
+    return o.reshape(batch, heads, head_dim)

@@ -9,6 +9,7 @@ source "$(dirname "$0")/gpu_env.sh"
 gpu_tests 150 paged_tests_h200.log tests/test_paged_attention.py tests/test_paged_decode.py tests/test_decode_fast.py
 mkdir -p /tmp/before && cp -r pallas_kernels /tmp/before/ && cp .anchors/paged_attention_mgpu_before.py \
     /tmp/before/pallas_kernels/paged_attention_mgpu.py
+n=0
 for run in new before new before; do
     mkdir -p "$OUT/$run$((++n))"
     if [ $run = before ]; then pp=/tmp/site:.anchors/stubs:/tmp/before:.; else pp=$PYTHONPATH; fi

@@ -6,7 +6,7 @@
 # new, before, new, before.
 #   OUT=$OUT bash experiments/gpu_call_paged_rows.sh     (from the repository root)
 source "$(dirname "$0")/gpu_env.sh"
-gpu_tests 150 paged_tests_h200.log tests/test_paged_attention.py tests/test_paged_decode.py tests/test_decode_fast.py
+gpu_tests 150 paged_tests_h200.log tests/test_paged_attention.py
 mkdir -p /tmp/before && cp -r pallas_kernels /tmp/before/ && cp .anchors/paged_attention_mgpu_before.py \
     /tmp/before/pallas_kernels/paged_attention_mgpu.py
 n=0
@@ -16,6 +16,6 @@ for run in new before new before; do
     PYTHONPATH=$pp OUT="$OUT/$run$n" timeout 100 python3 experiments/bench_attention_mgpu.py --part paged \
         --pipelined --budget 80 --paged-rounds 2 --paged-variants default bk128_st2_streamonly \
         > "$OUT/$run$n/paged.log" 2>&1
-    echo "== $run ($n): $(PYTHONPATH=$pp python3 -c 'import pallas_kernels.paged_attention_mgpu as m; print(m.__file__)')"
+    echo "== $run ($n): $(PYTHONPATH=$pp python3 -P -c 'import pallas_kernels.paged_attention_mgpu as m; print(m.__file__)')"
     grep -A6 "====" "$OUT/$run$n/paged.log"
 done

@@ -22,9 +22,9 @@ V once P V has. The consumer warpgroup computes S = Q K^T and P V with wgmma and
 them in with the online softmax (base 2). Q and O move as the group's G rows of q and of the
 output viewed as [B * N, H], through untiled shared buffers (a G-row TMA copy at row b N +
 kvh G: a tiled buffer would need that offset to divide its 8-row tile), so no XLA pad of the
-group to 8 rows and no slice after the kernel: Q lands in one of two such buffers (the next
-segment's under this one) and goes to registers (rows past G zero), wgmma's A operand for the
-segment (regs=False: through a tiled tile); O leaves through its own untiled buffer.
+group to 8 rows and no slice after the kernel. Q lands in such a buffer (the next segment's
+under this one) and at a segment's start goes through registers into the tiled 64-row tile
+that wgmma reads (rows past G zero); O leaves through its own untiled buffer.
 
 Positions >= length are never trusted: their logits are masked and, in the one partial
 block per segment, their V rows are zeroed in shared memory before the P V matmul (a stale
@@ -240,7 +240,7 @@ def _plan(batch, kv_heads, group, columns, page_size, head_dim, sizes: PagedBloc
     plan = _Plan(bk, sizes.stages, page_size, -(-columns // 4) * 4, per_copy, issuers, item_units,
                  parts, pairs, share, blocks, group, sizes.manual_barriers,
                  regs, interpret, sizes.stream_only)
-    need = smem_bytes(((3 if regs else 4, _ROWS, head_dim), jnp.float16),
+    need = smem_bytes(((3, _ROWS, head_dim), jnp.float16),
                       ((2 * sizes.stages, bk, head_dim), jnp.float16),
                       ((_ROWS if plan.split_pairs else 0, head_dim), jnp.float32),
                       ((2, -(-plan.table_slice // 32) * 32), jnp.int32),
@@ -326,15 +326,13 @@ def _kernel_call(plan: _Plan, q_RH, k_pages, v_pages, tables, lengths, sm_scale:
         # Two warpgroups: each thread may hold up to 255 registers, so no setmaxnreg.
         @pl.when(wg == 0)
         def _consumer():
-            for b in range(2):
-                q_land.at[b][...] = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), dtype), WGMMA)
+            q_land[...] = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), dtype), WGMMA)
             plgpu.commit_smem()  # the zero rows land before any TMA fills the group's rows
 
-            def load_q(r):  # segment r's G rows of Q into landing buffer r % 2
+            def load_q(r):  # segment r's G rows of Q into the landing buffer
                 bi, kvh = segment(r)[:2]
-                buf = lax.rem(r, 2)
                 plgpu.copy_gmem_to_smem(q_ref.at[pl.ds((bi * kv_heads + kvh) * g, g)],
-                                        q_land.at[buf, pl.ds(0, g)], q_bar.at[buf])
+                                        q_land.at[pl.ds(0, g)], q_bar.at[0])
 
             load_q(0)
 
@@ -342,14 +340,13 @@ def _kernel_call(plan: _Plan, q_RH, k_pages, v_pages, tables, lengths, sm_scale:
                 done, length, out = carry
                 next_length, next_out = seq_length(r + 1), slot_ref[blk, jnp.minimum(r + 1, n_seg - 1)]
                 n_tok, n_steps = segment(r, length)[3:]
-                # The other buffer's Q K^T (segment r - 1) are done: the next Q loads under this one.
+                # Segment r's Q into the tile wgmma reads (segment r - 1's Q K^T are done with it),
+                # then the next segment's lands under this one.
+                plgpu.barrier_wait(q_bar.at[0])
+                q_smem[...] = plgpu.load(q_land, layout=WGMMA, optimized=False)
+                plgpu.commit_smem()  # every thread has read the landing buffer, the tile is written
                 pl.when(r + 1 < n_seg)(lambda: load_q(r + 1))
-                plgpu.barrier_wait(q_bar.at[lax.rem(r, 2)])
-                q_tile = plgpu.load(q_land.at[lax.rem(r, 2)], layout=WGMMA, optimized=False)
-                if not plan.regs:  # wgmma's A from the tiled tile (segment r - 1's Q K^T are done)
-                    q_smem[...] = q_tile
-                    plgpu.commit_smem()
-                    q_tile = q_smem
+                q_tile = q_smem
 
                 def step(j, carry):
                     acc, m, l = carry
@@ -502,8 +499,8 @@ def _kernel_call(plan: _Plan, q_RH, k_pages, v_pages, tables, lengths, sm_scale:
                 plgpu.barrier_wait(v_free.at[lax.rem(j, st)])
 
     scratch = (
-        plgpu.SMEM((2, _ROWS, head_dim), dtype),  # two segments' Q as they land (untiled)
-        None if plan.regs else tiled_smem((_ROWS, head_dim), dtype),  # the segment's Q for wgmma
+        plgpu.SMEM((_ROWS, head_dim), dtype),  # the next segment's Q as it lands (untiled)
+        tiled_smem((_ROWS, head_dim), dtype),  # this segment's Q, as wgmma reads it
         tiled_smem((st, bk, head_dim), dtype),
         tiled_smem((st, bk, head_dim), dtype),
         plgpu.SMEM((_ROWS, head_dim), dtype),  # O staging (untiled: G rows leave at any row)
@@ -512,7 +509,7 @@ def _kernel_call(plan: _Plan, q_RH, k_pages, v_pages, tables, lengths, sm_scale:
         # two segments' block-table slices, each 128-byte aligned (TMA)
         plgpu.SMEM((2, -(-slice_len // 32) * 32), jnp.int32),
         None if plan.regs else tiled_smem((_ROWS, bk), dtype),  # P, when staged in smem
-        plgpu.Barrier(num_barriers=2),  # Q loaded
+        plgpu.Barrier(num_barriers=1),  # Q landed
         plgpu.Barrier(num_arrivals=len(table_chunks), num_barriers=2),  # block-table slice loaded
         plgpu.Barrier(num_arrivals=copies, num_barriers=st),  # K slot filled
         plgpu.Barrier(num_arrivals=copies, num_barriers=st),  # V slot filled

@@ -5,7 +5,10 @@
 # (350m, 1b; the default fast path) with this paged kernel and with the one before its Q/O
 # change (edc32c1, carried as .anchors/paged_attention_mgpu_before.py), in separate processes.
 #   OUT=$OUT bash experiments/gpu_call_kernels_decode.sh    (from the repository root)
+# Make the "before" copy first, here: git show edc32c1:pallas_kernels/paged_attention_mgpu.py \
+#   > .anchors/paged_attention_mgpu_before.py   (.anchors/ is carried: git-ignored)
 source "$(dirname "$0")/gpu_env.sh"
+[ -f .anchors/paged_attention_mgpu_before.py ] || { echo "missing .anchors/paged_attention_mgpu_before.py (see the header)" >&2; exit 2; }
 gpu_tests 240 kernel_tests_mgpu_h200.log tests/test_flash_attention.py tests/test_paged_attention.py \
     tests/test_matvec_mgpu.py tests/test_mgpu_lowering.py -k "mosaic or Mosaic or linearly or matvec or lower"
 gpu_tests 120 paged_decode_tests_h200.log tests/test_paged_decode.py tests/test_decode_fast.py

@@ -5,7 +5,10 @@
 # (edc32c1, carried as .anchors/paged_attention_mgpu_before.py) in separate processes:
 # new, before, new, before.
 #   OUT=$OUT bash experiments/gpu_call_paged_rows.sh     (from the repository root)
+# Make the "before" copy first, here: git show edc32c1:pallas_kernels/paged_attention_mgpu.py \
+#   > .anchors/paged_attention_mgpu_before.py   (.anchors/ is carried: git-ignored)
 source "$(dirname "$0")/gpu_env.sh"
+[ -f .anchors/paged_attention_mgpu_before.py ] || { echo "missing .anchors/paged_attention_mgpu_before.py (see the header)" >&2; exit 2; }
 gpu_tests 150 paged_tests_h200.log tests/test_paged_attention.py
 mkdir -p /tmp/before && cp -r pallas_kernels /tmp/before/ && cp .anchors/paged_attention_mgpu_before.py \
     /tmp/before/pallas_kernels/paged_attention_mgpu.py

@@ -94,8 +94,6 @@ FWD_VARIANTS = {
     "ours_bwd_autobar": dict(manual_barriers_bwd=False),  # the backward with Pallas's barriers
     "ours_fused_bwd": dict(fused_bwd=True),  # dQ, dK, dV in one kernel (5 matmuls, reduce-add)
     "ours_dq_bk128": dict(block_kv_dq=128),  # the dQ kernel: 128 key rows a step (wgmma N 128)
-    "ours_overlap": dict(overlap_bwd=True),  # backward steps' last matmuls left in flight
-    "ours_overlap_st3": dict(overlap_bwd=True, stages_bwd=3),  # the same with 3 tiles in flight
 }
 
 

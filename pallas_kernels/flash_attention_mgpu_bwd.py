@@ -42,7 +42,6 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
     dtype, g = q.dtype, cfg.groups
     n_qt = tp // (COMPUTE_WGS * bq)
     scale2 = cfg.sm_scale * LOG2E
-    overlap = cfg.blocks.overlap_bwd
 
     def kernel(*refs):
         qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 7)
@@ -83,27 +82,19 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
 
                     acc_t = plgpu.ACC((bq, bk), jnp.float32)
                     s, dp = pl.run_scoped(s_dp, acc_t, acc_t)
-                    if overlap:  # reading S waited for every matmul before it: step j - 1's dQ
-                        pl.when(j > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(j - 1 + st, st)]))
                     if masked:  # padded keys are zero: they add 0 to dQ (no length mask)
                         s = mask_rows_by_keys(cfg, s, q_off + q_row, j * bk, q_seg, kvseg_ref, bi,
                                               length=False)
                     p = jnp.exp2(s * scale2 - bcast_rows(lse_r, s.shape))
                     ds = (p * (dp - bcast_rows(delta_r, s.shape))).astype(dtype)
                     wgmma_from(dq_acc, ds, k_smem.at[slot], None if cfg.regs else ds_smem.at[wg])
-                    if not overlap:
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(free.at[slot])
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(free.at[slot])
                     return carry
 
                 lax.fori_loop(0, n_full, functools.partial(step, masked=False), 0)
                 if cfg.causal or cfg.segments:
                     lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), 0)
-                if overlap:  # the last step's dQ matmul, then its slot
-                    @pl.when(n_end > 0)
-                    def _():
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(free.at[lax.rem(n_end - 1, st)])
                 return dq_acc[...]
 
             dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
@@ -154,7 +145,6 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     dtype, g = q.dtype, cfg.groups
     n_kt, n_q = sp // (COMPUTE_WGS * bk), tp // bq
     scale2 = cfg.sm_scale * LOG2E
-    overlap = cfg.blocks.overlap_bwd and not with_dq
     atomic = not cfg.interpret  # dQ by TMA reduce-add into one buffer (the interpreter has none)
 
     def kernel(*refs):
@@ -224,9 +214,6 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                         return acc[...]
 
                     s_t = pl.run_scoped(st_scoped, plgpu.ACC((bk, bq), jnp.float32))
-                    if overlap:  # reading S^T waited for every matmul before it: the last step's
-                        pl.when(s_idx > s_start)(  # dV and dK, which read its Q and dO
-                            lambda: plgpu.barrier_arrive(free.at[lax.rem(s_idx - s_start - 1 + st, st)]))
                     lse_c = plgpu.load(lse_smem.at[slot], layout=COL)
                     if masked:
                         q_seg = None
@@ -262,19 +249,13 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                         dq_share(s_idx, dk_acc, ds_t, slot)
                         return carry
                     wgmma_from(dk_acc, ds_t, q_smem.at[slot], None if cfg.regs else ds_tile)
-                    if not overlap:
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(free.at[slot])
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(free.at[slot])
                     return carry
 
                 if cfg.causal or cfg.segments:
                     lax.fori_loop(s_start, s_full, functools.partial(step, masked=True), 0)
                 lax.fori_loop(s_full, s_end, functools.partial(step, masked=False), 0)
-                if overlap:  # the last step's dV and dK matmuls, then its slot
-                    @pl.when(s_end > s_start)
-                    def _():
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(free.at[lax.rem(s_end - s_start - 1, st)])
                 return dk_acc[...], dv_acc[...]
 
             acc_t = plgpu.ACC((bk, d), jnp.float32)

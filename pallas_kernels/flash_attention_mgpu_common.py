@@ -36,9 +36,6 @@ class MosaicBlockSizes:
     # named barriers (bar.arrive / bar.sync) instead of an mbarrier; None: when compiling
     manual_barriers_bwd: bool = True  # backward kernels: only their own barriers (no warpgroup
     # barrier per shared-memory load and TMA issue); False: Pallas's automatic ones
-    overlap_bwd: bool = False  # backward kernels: a step's last matmuls (dQ += dS K; dV, dK) are
-    # not waited for; the next step's first matmul, which waits for them, frees their slot, so
-    # they run on the tensor core while the next step is issued
     fused_bwd: bool = False  # backward: one kernel for dQ, dK, dV (5 tile matmuls, dQ summed in
     # fp32 by TMA reduce-add) instead of a dQ kernel and a dK/dV kernel (7). Off: measured
     # 0.63-0.79x the two-kernel form's forward+backward on the H200 (benchmarks/README.md)
@@ -46,7 +43,7 @@ class MosaicBlockSizes:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("manual_barriers_bwd", "fused_bwd", "overlap_bwd"):
+            if f.name in ("manual_barriers_bwd", "fused_bwd"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
             elif f.name in ("persistent", "named_schedule"):

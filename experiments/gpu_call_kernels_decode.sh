@@ -22,3 +22,4 @@ for run in new before; do
         --variants fast --reps 3 --out "$OUT/decode_$run" > "$OUT/decode_$run/decode.log" 2>&1
     grep "^| 350m\|^| 1b\|Error\|error" "$OUT/decode_$run/decode.log" | head -4
 done
+pack_out

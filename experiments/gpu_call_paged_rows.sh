@@ -22,3 +22,4 @@ for run in new before new before; do
     echo "== $run ($n): $(PYTHONPATH=$pp python3 -P -c 'import pallas_kernels.paged_attention_mgpu as m; print(m.__file__)')"
     grep -A6 "====" "$OUT/$run$n/paged.log"
 done
+pack_out

@@ -137,14 +137,13 @@ def default_block_sizes(B: int, N: int, K: int) -> MatvecBlockSizes:
 
 
 def supports(x_shape, w_shape, dtype) -> bool:
-    """Whether the kernel takes x [B, K] @ w [N, K]^T of this dtype: B <= 8 or a multiple of 8
-    up to 64 (x's copy: a TMA box of more than 8 rows needs whole 8-row tiles), K a multiple of 64,
-    N a multiple of 64, bf16 or fp16."""
-    if len(x_shape) != 2 or len(w_shape) != 2:
+    """Whether the kernel takes x [B, K] @ w [N, K]^T of this dtype (`resolve_block_sizes`'s
+    rules: B <= 8 or a multiple of 8 up to 64, K and N multiples of 64, bf16 or fp16)."""
+    try:
+        resolve_block_sizes(jax.ShapeDtypeStruct(x_shape, dtype), jax.ShapeDtypeStruct(w_shape, dtype))
+    except ValueError:
         return False
-    (B, K), (N, K2) = x_shape, w_shape
-    return (jnp.dtype(dtype) in map(jnp.dtype, SUPPORTED_DTYPES) and K == K2 and 1 <= B <= MAX_BATCH
-            and (B <= 8 or B % 8 == 0) and K % 64 == 0 and N % 64 == 0)
+    return True
 
 
 def resolve_block_sizes(x_BK, w_NK, sizes: MatvecBlockSizes | None = None) -> MatvecBlockSizes:
@@ -155,6 +154,8 @@ def resolve_block_sizes(x_BK, w_NK, sizes: MatvecBlockSizes | None = None) -> Ma
     if x_BK.dtype != w_NK.dtype or jnp.dtype(x_BK.dtype) not in map(jnp.dtype, SUPPORTED_DTYPES):
         raise ValueError(f"matvec_mgpu: dtypes x {x_BK.dtype}, w {w_NK.dtype}: want both bf16 or both fp16.")
     (B, K), N = x_BK.shape, w_NK.shape[0]
+    if B < 1:
+        raise ValueError(f"matvec_mgpu: batch B={B}: want at least one row.")
     if B > MAX_BATCH:
         raise ValueError(f"matvec_mgpu: batch B={B} > {MAX_BATCH} (one wgmma tile); split the batch.")
     if B > 8 and B % 8:

@@ -8,16 +8,13 @@
 # Make the "before" copy first, here: git show edc32c1:pallas_kernels/paged_attention_mgpu.py \
 #   > .anchors/paged_attention_mgpu_before.py   (.anchors/ is carried: git-ignored)
 source "$(dirname "$0")/gpu_env.sh"
-[ -f .anchors/paged_attention_mgpu_before.py ] || { echo "missing .anchors/paged_attention_mgpu_before.py (see the header)" >&2; exit 2; }
-gpu_tests 240 kernel_tests_mgpu_h200.log tests/test_flash_attention.py tests/test_paged_attention.py \
-    tests/test_matvec_mgpu.py tests/test_mgpu_lowering.py -k "mosaic or Mosaic or linearly or matvec or lower"
+before_tree
+kernel_suite 240
 gpu_tests 120 paged_decode_tests_h200.log tests/test_paged_decode.py tests/test_decode_fast.py
-mkdir -p /tmp/before && cp -r pallas_kernels /tmp/before/ && cp .anchors/paged_attention_mgpu_before.py \
-    /tmp/before/pallas_kernels/paged_attention_mgpu.py
 for run in new before; do
     mkdir -p "$OUT/decode_$run"
-    if [ $run = before ]; then pp=/tmp/site:.anchors/stubs:/tmp/before:.; else pp=$PYTHONPATH; fi
-    echo "== $run: $(PYTHONPATH=$pp python3 -P -c 'import pallas_kernels.paged_attention_mgpu as m; print(m.__file__)')"
+    if [ $run = before ]; then pp=$BEFORE_PATH; else pp=$PYTHONPATH; fi
+    echo "== $run: $(paged_module "$pp")"
     PYTHONPATH=$pp timeout 110 python3 experiments/decode_floor.py --presets 350m 1b --batches 1 \
         --variants fast --reps 3 --out "$OUT/decode_$run" > "$OUT/decode_$run/decode.log" 2>&1
     grep "^| 350m\|^| 1b\|Error\|error" "$OUT/decode_$run/decode.log" | head -4

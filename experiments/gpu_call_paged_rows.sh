@@ -8,18 +8,16 @@
 # Make the "before" copy first, here: git show edc32c1:pallas_kernels/paged_attention_mgpu.py \
 #   > .anchors/paged_attention_mgpu_before.py   (.anchors/ is carried: git-ignored)
 source "$(dirname "$0")/gpu_env.sh"
-[ -f .anchors/paged_attention_mgpu_before.py ] || { echo "missing .anchors/paged_attention_mgpu_before.py (see the header)" >&2; exit 2; }
+before_tree
 gpu_tests 150 paged_tests_h200.log tests/test_paged_attention.py
-mkdir -p /tmp/before && cp -r pallas_kernels /tmp/before/ && cp .anchors/paged_attention_mgpu_before.py \
-    /tmp/before/pallas_kernels/paged_attention_mgpu.py
 n=0
 for run in new before new before; do
     mkdir -p "$OUT/$run$((++n))"
-    if [ $run = before ]; then pp=/tmp/site:.anchors/stubs:/tmp/before:.; else pp=$PYTHONPATH; fi
+    if [ $run = before ]; then pp=$BEFORE_PATH; else pp=$PYTHONPATH; fi
     PYTHONPATH=$pp OUT="$OUT/$run$n" timeout 100 python3 experiments/bench_attention_mgpu.py --part paged \
         --pipelined --budget 80 --paged-rounds 2 --paged-variants default bk128_st2_streamonly \
         > "$OUT/$run$n/paged.log" 2>&1
-    echo "== $run ($n): $(PYTHONPATH=$pp python3 -P -c 'import pallas_kernels.paged_attention_mgpu as m; print(m.__file__)')"
+    echo "== $run ($n): $(paged_module "$pp")"
     grep -A6 "====" "$OUT/$run$n/paged.log"
 done
 pack_out

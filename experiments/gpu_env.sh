@@ -18,6 +18,26 @@ mgpu_tests() {  # mgpu_tests SECONDS: the Mosaic GPU kernel tests compiled, log 
         -k "mosaic or Mosaic or linearly"
 }
 
+kernel_suite() {  # kernel_suite SECONDS: every Mosaic GPU kernel's tests compiled (FlashAttention,
+    # paged decode, the matrix-vector kernel, their sm90 lowering), log in $OUT
+    gpu_tests "$1" kernel_tests_mgpu_h200.log tests/test_flash_attention.py tests/test_paged_attention.py \
+        tests/test_matvec_mgpu.py tests/test_mgpu_lowering.py -k "mosaic or Mosaic or linearly or matvec or lower"
+}
+
+before_tree() {  # the paged kernel before its Q/O change (edc32c1) in a copy of pallas_kernels under
+    # /tmp/before; BEFORE_PATH puts it first. Make the copy first, on this machine:
+    #   git show edc32c1:pallas_kernels/paged_attention_mgpu.py > .anchors/paged_attention_mgpu_before.py
+    [ -f .anchors/paged_attention_mgpu_before.py ] || {
+        echo "missing .anchors/paged_attention_mgpu_before.py (see before_tree in gpu_env.sh)" >&2; exit 2; }
+    mkdir -p /tmp/before && cp -r pallas_kernels /tmp/before/ &&
+        cp .anchors/paged_attention_mgpu_before.py /tmp/before/pallas_kernels/paged_attention_mgpu.py
+    BEFORE_PATH=/tmp/site:.anchors/stubs:/tmp/before:.
+}
+
+paged_module() {  # paged_module PYTHONPATH: the paged kernel's file that path imports
+    PYTHONPATH=$1 python3 -P -c 'import pallas_kernels.paged_attention_mgpu as m; print(m.__file__)'
+}
+
 train_1b_alternated() {  # the 1b train step with cuDNN and with our attention, alternated twice
     for round in 1 2; do
         for att in cudnn pallas; do

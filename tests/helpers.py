@@ -70,3 +70,10 @@ def full_forward_greedy(model_cfg, params, prompt, n: int) -> list[int]:
     for _ in range(n):
         seq.append(int(jnp.argmax(forward(params, jnp.asarray([seq]))[0, -1])))
     return seq[len(prompt):]
+
+
+def lowered_for_sm90(f, *shapes) -> str:
+    """f's program lowered for a CUDA GPU as text: Mosaic GPU's own checks run (tile-aligned
+    shared-memory slices, TMA strides, layouts) with no GPU. Its Mosaic GPU kernels are the
+    text's `stablehlo.custom_call @mosaic_gpu` calls."""
+    return jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import lowered_for_sm90
 
 from pallas_kernels._mgpu import on_sm90
 from pallas_kernels.matvec_mgpu import (
@@ -87,11 +88,6 @@ def test_no_shared_memory_race():
     assert_close(y, reference(x, w), TOL[jnp.bfloat16])
 
 
-def kernels_lowered_for_sm90(f, *shapes) -> str:
-    """f's program lowered for a CUDA GPU (Mosaic GPU's own checks run; no GPU needed)."""
-    return jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-
-
 # The 1b preset's decode products: qkv, o, gate_up, down as [N, K].
 SHAPES_1B = [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]
 
@@ -101,7 +97,7 @@ SHAPES_1B = [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]
 def test_lowers_for_sm90(B, N, K):
     x = jax.ShapeDtypeStruct((B, K), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((N, K), jnp.bfloat16)
-    text = kernels_lowered_for_sm90(matvec_mgpu, x, w)
+    text = lowered_for_sm90(matvec_mgpu, x, w)
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
     if default_block_sizes(B, N, K).splits == 1:  # the kernel alone: no pad, no sum
         assert "stablehlo.pad" not in text and "stablehlo.reduce" not in text
@@ -113,7 +109,7 @@ def test_benchmark_variants_lower_for_sm90(sizes):
     """The tilings experiments/bench_matvec_mgpu.py times, at B = 5 (x's copy runs past its end)."""
     x = jax.ShapeDtypeStruct((5, 2048), jnp.float16)
     w = jax.ShapeDtypeStruct((1024, 2048), jnp.float16)
-    text = kernels_lowered_for_sm90(lambda x, w: matvec_mgpu(x, w, block_sizes=sizes), x, w)
+    text = lowered_for_sm90(lambda x, w: matvec_mgpu(x, w, block_sizes=sizes), x, w)
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import lowered_for_sm90
 
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes
@@ -20,8 +21,7 @@ BF16 = jnp.bfloat16
 
 def kernels_lowered_for_sm90(f, *shapes) -> int:
     """Mosaic GPU kernels in f's program lowered for a CUDA GPU (raises what Mosaic raises)."""
-    text = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    return text.count("stablehlo.custom_call @mosaic_gpu")
+    return lowered_for_sm90(f, *shapes).count("stablehlo.custom_call @mosaic_gpu")
 
 
 # (seq, q heads, kv heads, head dim, causal, MosaicBlockSizes changes)

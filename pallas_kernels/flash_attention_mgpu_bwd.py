@@ -20,6 +20,7 @@ from pallas_kernels.flash_attention_mgpu_common import (
     bcast_rows,
     cdiv,
     consumers,
+    dq_parts,
     drain,
     iota,
     kv_steps,
@@ -132,13 +133,16 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     its group: S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta),
     dK += dS^T Q. Summing over the group here is the GQA reduction, done in the kernel.
 
-    with_dq=True returns (dQ, dK, dV): each step also computes its share of dQ, dS K, from the
-    dS^T it stages in shared memory (read there transposed), so S and dP are not recomputed
-    in a dQ kernel: 5 tile matmuls a (query, key) pair instead of 7, as FlashAttention-2/3 do.
-    Every key block adds into every query row's dQ, summed in fp32 in global memory: on the
-    GPU by TMA reduce-add copies into one zero-initialised buffer; the interpreter has no TMA
-    reductions, so there each consumer of each key block copies its share into a slot of its
-    own and XLA sums the slots."""
+    with_dq=True returns (dQ, dK, dV): each step also computes the query tile's dQ share dS K
+    over the block's 2 x bk keys, so S and dP are not recomputed in a dQ kernel: 5 tile
+    matmuls a (query, key) pair instead of 7, as FlashAttention-2/3 do. FlashAttention-3's
+    split: both consumers store their dS^T rows into a shared tile (double-buffered by step
+    parity), meet on a barrier, and each computes half of dQ's columns from all 2 x bk keys
+    (head dim 64: the whole tile, the consumers taking turns by step), so each (query tile,
+    key block) adds one fp32 tile into dQ, not one per consumer. dQ is summed over key blocks
+    in fp32 in global memory: on the GPU by TMA reduce-add copies into one zero-initialised
+    buffer; the interpreter has no TMA reductions, so there each key block copies its share
+    into a slot of its own and XLA sums the slots."""
     b, tp, n, d = q.shape
     sp, kh = k.shape[1], k.shape[2]
     bq, bk, st = cfg.blocks.block_q_dkv, cfg.blocks.block_kv_dkv, cfg.blocks.stages_bwd
@@ -146,13 +150,16 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     n_kt, n_q = sp // (COMPUTE_WGS * bk), tp // bq
     scale2 = cfg.sm_scale * LOG2E
     atomic = not cfg.interpret  # dQ by TMA reduce-add into one buffer (the interpreter has none)
+    w = COMPUTE_WGS
+    parts = dq_parts(d)  # dQ column parts a step: one per consumer (D 128), or one (D 64)
+    dq_cols = d // parts
 
     def kernel(*refs):
         qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 8 if with_dq else 7)
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
         dq_ref = ins[6] if with_dq else None
-        dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem = rest[:9]
-        dq_smem, kv_bar, q_bar, do_bar, free = rest[9:]
+        dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem = rest[:9]
+        ds_smem, dq_smem, ds_bar, kv_bar, q_bar, do_bar, free = rest[9:]
         ki, kvh = lax.axis_index("k"), lax.axis_index("h")
         bi, wg = lax.axis_index("b"), lax.axis_index("wg")
         q_off = qoff_ref[0]
@@ -173,35 +180,58 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             k_row = block_lo + wg * bk
             rows, (k_tile, v_tile) = own_tiles([(k_ref, k_smem), (v_ref, v_smem)], wg, k_row,
                                                bk, bi, kvh, kv_bar)
-            ds_tile = None if ds_smem is None else ds_smem.at[wg]
+            p_tile = None if p_smem is None else p_smem.at[wg]
             kv_seg = None
             if cfg.segments:
                 kv_seg = plgpu.load(kvseg_ref.at[bi, rows], layout=ROW, optimized=False)
             plgpu.barrier_wait(kv_bar.at[wg])
 
             def dq_share(s_idx, dk_acc, ds_t, slot):
-                """dK += dS^T Q and this step's dQ share dS K, out to global memory."""
+                """dK += dS^T Q; dS^T into the shared tile; once both consumers' rows are
+                there, this consumer's columns of dQ += dS K over the block's keys, out to
+                global memory (the slot is freed once dK and dQ have read Q and K)."""
                 i, j = lax.div(s_idx, jnp.int32(g)), lax.rem(s_idx, jnp.int32(g))
-                plgpu.wgmma_wait(0)  # dV's matmul has read P^T (from registers or ds_tile)
-                ds_tile[...] = ds_t
+                buf = lax.rem(s_idx - s_start, 2)
+                ds_own = ds_smem.at[buf, wg]
+                ds_own[...] = ds_t
                 plgpu.commit_smem()
+                plgpu.wgmma(dk_acc, ds_t if cfg.regs else ds_own, q_smem.at[slot])
+                plgpu.barrier_arrive(ds_bar.at[buf])
+                plgpu.barrier_wait(ds_bar.at[buf])  # both consumers' dS^T rows are stored
+                part = wg if parts == w else lax.rem(s_idx - s_start, w)  # D 64: taking turns
+                cols = pl.ds(part * dq_cols, dq_cols) if parts > 1 else slice(None)
 
                 def scoped(dq_acc):
-                    plgpu.wgmma(dk_acc, ds_tile, q_smem.at[slot])
-                    plgpu.wgmma(dq_acc, ds_tile.transpose((1, 0)), k_tile)
+                    for owner in range(w):  # dS [bq, 2 bk] K [2 bk, cols], one owner's keys a time
+                        plgpu.wgmma(dq_acc, ds_smem.at[buf, owner].transpose((1, 0)),
+                                    k_smem.at[owner, :, cols] if parts > 1 else k_smem.at[owner])
                     plgpu.wgmma_wait(0)
                     return dq_acc[...]
 
-                dq = pl.run_scoped(scoped, plgpu.ACC((bq, d), jnp.float32))
-                plgpu.barrier_arrive(free.at[slot])
-                dq_tile, q_rows, h = dq_smem.at[wg], pl.ds(i * bq, bq), kvh * g + j
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's share has left
-                dq_tile[...] = dq
-                plgpu.commit_smem()
-                if atomic:
-                    plgpu.copy_smem_to_gmem(dq_tile, dq_ref.at[bi, q_rows, h], reduction_op="add")
+                def out(dq):
+                    dq_tile, q_rows, h = dq_smem.at[wg], pl.ds(i * bq, bq), kvh * g + j
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last share has left
+                    dq_tile[...] = dq
+                    plgpu.commit_smem()
+                    dst = dq_ref.at[bi, q_rows, h] if atomic else dq_ref.at[ki, bi, q_rows, h]
+                    dst = dst.at[:, cols] if parts > 1 else dst
+                    plgpu.copy_smem_to_gmem(dq_tile, dst, reduction_op="add" if atomic else None)
+
+                if parts == w:
+                    dq = pl.run_scoped(scoped, plgpu.ACC((bq, dq_cols), jnp.float32))
+                    plgpu.barrier_arrive(free.at[slot])
+                    out(dq)
                 else:
-                    plgpu.copy_smem_to_gmem(dq_tile, dq_ref.at[ki * COMPUTE_WGS + wg, bi, q_rows, h])
+                    @pl.when(part == wg)
+                    def _():
+                        dq = pl.run_scoped(scoped, plgpu.ACC((bq, dq_cols), jnp.float32))
+                        plgpu.barrier_arrive(free.at[slot])
+                        out(dq)
+
+                    @pl.when(part != wg)
+                    def _():
+                        plgpu.wgmma_wait(0)  # dK has read Q
+                        plgpu.barrier_arrive(free.at[slot])
 
             def run(dk_acc, dv_acc):
                 def step(s_idx, carry, masked: bool):
@@ -233,12 +263,12 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                             plgpu.wgmma(dv_acc, p16, do_smem.at[slot])
                             return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dP^T, not dV
                     else:
-                        ds_tile[...] = p16
+                        p_tile[...] = p16
                         plgpu.commit_smem()
 
                         def dp_scoped(acc):
                             plgpu.wgmma(acc, v_tile, do_smem.at[slot].transpose((1, 0)))
-                            plgpu.wgmma(dv_acc, ds_tile, do_smem.at[slot])
+                            plgpu.wgmma(dv_acc, p_tile, do_smem.at[slot])
                             plgpu.wgmma_wait(0)
                             return acc[...]
 
@@ -248,7 +278,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                     if with_dq:
                         dq_share(s_idx, dk_acc, ds_t, slot)
                         return carry
-                    wgmma_from(dk_acc, ds_t, q_smem.at[slot], None if cfg.regs else ds_tile)
+                    wgmma_from(dk_acc, ds_t, q_smem.at[slot], p_tile)
                     plgpu.wgmma_wait(0)
                     plgpu.barrier_arrive(free.at[slot])
                     return carry
@@ -260,6 +290,9 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
 
             acc_t = plgpu.ACC((bk, d), jnp.float32)
             dk, dv = pl.run_scoped(run, acc_t, acc_t)
+            if with_dq:  # the other consumer's last dQ matmul has read this one's K tile
+                plgpu.barrier_arrive(ds_bar.at[2])
+                plgpu.barrier_wait(ds_bar.at[2])
             k_tile[...] = (dk * cfg.sm_scale).astype(dtype)
             v_tile[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -289,8 +322,6 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
 
             drain(s_end - s_start, st, free)
 
-    w = COMPUTE_WGS
-    staged = with_dq or not cfg.regs  # dS^T (and P^T, regs=False) through shared memory
     scratch = (
         tiled_smem((w, bk, d), dtype),  # K tiles, then dK tiles
         tiled_smem((w, bk, d), dtype),  # V tiles, then dV tiles
@@ -298,8 +329,11 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         tiled_smem((st, bq, d), dtype),  # dO
         plgpu.SMEM((st, bq), jnp.float32),  # LSE
         plgpu.SMEM((st, bq), jnp.float32),  # delta
-        tiled_smem((w, bk, bq), dtype) if staged else None,  # P^T / dS^T staged in smem
-        tiled_smem((w, bq, d), jnp.float32) if with_dq else None,  # a step's dQ share, leaving
+        None if cfg.regs else tiled_smem((w, bk, bq), dtype),  # P^T (and dS^T) staged in smem
+        tiled_smem((2, w, bk, bq), dtype) if with_dq else None,  # dS^T of both consumers
+        tiled_smem((w, bq, dq_cols), jnp.float32) if with_dq else None,  # a dQ share, leaving
+        # dS^T stored (by step parity); [2]: both consumers' last dQ matmul done (K tiles free)
+        plgpu.Barrier(num_arrivals=w, num_barriers=3) if with_dq else None,
         plgpu.Barrier(num_arrivals=2, num_barriers=w),  # K and V loaded
         plgpu.Barrier(num_arrivals=2, num_barriers=st),  # Q and LSE slot filled
         plgpu.Barrier(num_arrivals=2, num_barriers=st),  # dO and delta slot filled
@@ -307,7 +341,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     )
     inputs = [qoff, q, k, v, do, lse, delta]
     if with_dq:
-        dq_acc = jax.new_ref(jnp.zeros((b, tp, n, d) if atomic else (n_kt * w, b, tp, n, d),
+        dq_acc = jax.new_ref(jnp.zeros((b, tp, n, d) if atomic else (n_kt, b, tp, n, d),
                                        jnp.float32))
         inputs.append(dq_acc)
     out = jax.ShapeDtypeStruct((b, sp, kh, d), dtype)
@@ -320,3 +354,4 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     dq = jax.freeze(dq_acc)
     dq = dq if atomic else dq.sum(axis=0)
     return (dq * cfg.sm_scale).astype(dtype), dk, dv
+

@@ -89,8 +89,9 @@ class MosaicBlockSizes:
             "fused backward": smem_bytes(((2 * w, self.block_kv_dkv, d), h),
                                          ((2 * self.stages_bwd, self.block_q_dkv, d), h),
                                          ((2 * self.stages_bwd, self.block_q_dkv), jnp.float32),
-                                         ((w, self.block_kv_dkv, self.block_q_dkv), h),
-                                         ((w, self.block_q_dkv, d), jnp.float32)),
+                                         *staged((w, self.block_kv_dkv, self.block_q_dkv)),
+                                         ((2 * w, self.block_kv_dkv, self.block_q_dkv), h),
+                                         ((w, self.block_q_dkv, d // dq_parts(d)), jnp.float32)),
         }
 
     def check_smem(self, head_dim: int, regs: bool, persistent: bool = False):
@@ -141,6 +142,12 @@ class MosaicConfig:
         b = self.blocks
         tile = math.lcm(b.block_kv, b.block_kv_dq, COMPUTE_WGS * b.block_kv_dkv)
         return -(-self.kv_len // tile) * tile
+
+
+def dq_parts(head_dim: int) -> int:
+    """Column parts of the fused backward's dQ tile a step: one per consumer when a part is
+    at least 64 columns (one 128-byte swizzled tile of bf16 keys), else one."""
+    return COMPUTE_WGS if head_dim // COMPUTE_WGS >= 64 else 1
 
 
 def bcast_rows(x, shape):

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One H200 call (issue 20): the fused backward in FlashAttention-3's split (both consumers' dS^T
+# in a shared tile, each computes half of dQ's columns over the block's 128 keys, one fp32
+# reduce-add tile per (query tile, key block)) tested compiled on every GPU case, then
+# forward+backward timed pipelined, best of 2 rounds: the two-kernel backward (default), the
+# fused one, cuDNN; 4k and 16k without a mask, 16k causal.
+#   OUT=$OUT bash experiments/gpu_call_fused_bwd2.sh
+source "$(dirname "$0")/gpu_env.sh"
+gpu_tests 130 fused_bwd_tests_h200.log tests/test_flash_attention.py -k "fused_backward"
+timeout 260 python3 experiments/bench_attention_mgpu.py --part fa --pipelined --iters 10 --rounds 2 \
+    --cases 0 2 3 --impls ours ours_fused_bwd cudnn --budget 220 > "$OUT/fa.log" 2>&1
+grep -i "error" "$OUT/fa.log" | head -5
+grep "fwdbwd_tflops" "$OUT/fa.log" | python3 -c '
+import ast, sys
+for line in sys.stdin:
+    r = ast.literal_eval(line.strip())
+    print(r["impl"], r["S"], r["causal"], "fwd", round(r.get("fwd_tflops", 0)), "fwd+bwd", round(r.get("fwdbwd_tflops", 0)))'
+python3 -c '
+import json, sys
+for r in json.load(open(sys.argv[1]))["attention"]:
+    print(r["impl"], r["S"], r["causal"], "rel_err vs cuDNN (out, dq, dk, dv):",
+          [f"{e:.1e}" for e in r.get("rel_err_vs_cudnn", [])])' "$OUT/attention_mgpu.json"
+pack_out

@@ -3,12 +3,21 @@
 # in a shared tile, each computes half of dQ's columns over the block's 128 keys, one fp32
 # reduce-add tile per (query tile, key block)) tested compiled on every GPU case, then
 # forward+backward timed pipelined, best of 2 rounds: the two-kernel backward (default), the
-# fused one, cuDNN; 4k and 16k without a mask, 16k causal.
+# fused one, cuDNN; 4k and 16k without a mask, 16k causal. FUSED_VARIANTS=1: also the consumers
+# meeting on an mbarrier instead of a named barrier, and key blocks staggered over the query
+# tiles, at the five D 128 cases.
 #   OUT=$OUT bash experiments/gpu_call_fused_bwd2.sh
+#   OUT=$OUT FUSED_VARIANTS=1 bash experiments/gpu_call_fused_bwd2.sh
 source "$(dirname "$0")/gpu_env.sh"
 gpu_tests 130 fused_bwd_tests_h200.log tests/test_flash_attention.py -k "fused_backward"
-timeout 260 python3 experiments/bench_attention_mgpu.py --part fa --pipelined --iters 10 --rounds 2 \
-    --cases 0 2 3 --impls ours ours_fused_bwd cudnn --budget 220 > "$OUT/fa.log" 2>&1
+if [ "${FUSED_VARIANTS:-0}" = 1 ]; then
+    bench=(--cases 0 1 2 3 4 --impls ours ours_fused_bwd ours_fused_mbar ours_fused_stagger
+           ours_fused_stagger_mbar cudnn --budget 260)
+else
+    bench=(--cases 0 2 3 --impls ours ours_fused_bwd cudnn --budget 220)
+fi
+timeout 300 python3 experiments/bench_attention_mgpu.py --part fa --pipelined --iters 10 --rounds 2 \
+    "${bench[@]}" > "$OUT/fa.log" 2>&1
 grep -i "error" "$OUT/fa.log" | head -5
 grep "fwdbwd_tflops" "$OUT/fa.log" | python3 -c '
 import ast, sys

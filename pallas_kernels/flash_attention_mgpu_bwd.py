@@ -12,7 +12,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import COL, LOG2E, ROW, launch, tiled_smem
+from pallas_kernels._mgpu import COL, LOG2E, ROW, launch, named_barrier, tiled_smem
 from pallas_kernels.flash_attention_mgpu_common import (
     COMPUTE_WGS,
     MosaicConfig,
@@ -33,6 +33,8 @@ from pallas_kernels.flash_attention_mgpu_common import (
     wgmma_from,
     with_segments,
 )
+
+_SYNC_BARRIER = 6  # hardware named barrier of the fused backward's consumers (named_sync_bwd)
 
 
 def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta):
@@ -174,6 +176,21 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         if cfg.segments:
             i_full = n_q
         s_start, s_full, s_end = i_start * g, i_full * g, n_q * g
+        stagger = with_dq and cfg.blocks.stagger_bwd and not cfg.causal
+
+        def tile_of(s_idx):
+            """Step -> (query tile, head of the group); staggered: key block k from tile k on."""
+            i, j = lax.div(s_idx, jnp.int32(g)), lax.rem(s_idx, jnp.int32(g))
+            return (lax.rem(i + ki, jnp.int32(n_q)) if stagger else i), j
+
+        def consumers_meet(bar_idx):
+            """Both consumers here: after their stores to shared memory (committed), before
+            either reads the other's (dS^T rows, K tiles)."""
+            if cfg.named_sync_bwd:
+                named_barrier("sync", _SYNC_BARRIER, w * 128)
+            else:
+                plgpu.barrier_arrive(ds_bar.at[bar_idx])
+                plgpu.barrier_wait(ds_bar.at[bar_idx])
 
         @consumers(wg)
         def _consumer():
@@ -190,14 +207,13 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                 """dK += dS^T Q; dS^T into the shared tile; once both consumers' rows are
                 there, this consumer's columns of dQ += dS K over the block's keys, out to
                 global memory (the slot is freed once dK and dQ have read Q and K)."""
-                i, j = lax.div(s_idx, jnp.int32(g)), lax.rem(s_idx, jnp.int32(g))
+                i, j = tile_of(s_idx)
                 buf = lax.rem(s_idx - s_start, 2)
                 ds_own = ds_smem.at[buf, wg]
                 ds_own[...] = ds_t
                 plgpu.commit_smem()
                 plgpu.wgmma(dk_acc, ds_t if cfg.regs else ds_own, q_smem.at[slot])
-                plgpu.barrier_arrive(ds_bar.at[buf])
-                plgpu.barrier_wait(ds_bar.at[buf])  # both consumers' dS^T rows are stored
+                consumers_meet(buf)  # both consumers' dS^T rows are stored
                 part = wg if parts == w else lax.rem(s_idx - s_start, w)  # D 64: taking turns
                 cols = pl.ds(part * dq_cols, dq_cols) if parts > 1 else slice(None)
 
@@ -236,7 +252,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             def run(dk_acc, dv_acc):
                 def step(s_idx, carry, masked: bool):
                     slot = lax.rem(s_idx - s_start, st)
-                    i = lax.div(s_idx, jnp.int32(g))
+                    i, _ = tile_of(s_idx)
                     plgpu.barrier_wait(q_bar.at[slot])
 
                     def st_scoped(acc):
@@ -291,8 +307,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             acc_t = plgpu.ACC((bk, d), jnp.float32)
             dk, dv = pl.run_scoped(run, acc_t, acc_t)
             if with_dq:  # the other consumer's last dQ matmul has read this one's K tile
-                plgpu.barrier_arrive(ds_bar.at[2])
-                plgpu.barrier_wait(ds_bar.at[2])
+                consumers_meet(2)
             k_tile[...] = (dk * cfg.sm_scale).astype(dtype)
             v_tile[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -307,7 +322,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             @pl.loop(s_start, s_end)
             def _(s_idx):
                 slot = lax.rem(s_idx - s_start, st)
-                i, j = lax.div(s_idx, jnp.int32(g)), lax.rem(s_idx, jnp.int32(g))
+                i, j = tile_of(s_idx)
                 h = kvh * g + j
                 rows = pl.ds(i * bq, bq)
 
@@ -333,7 +348,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         tiled_smem((2, w, bk, bq), dtype) if with_dq else None,  # dS^T of both consumers
         tiled_smem((w, bq, dq_cols), jnp.float32) if with_dq else None,  # a dQ share, leaving
         # dS^T stored (by step parity); [2]: both consumers' last dQ matmul done (K tiles free)
-        plgpu.Barrier(num_arrivals=w, num_barriers=3) if with_dq else None,
+        plgpu.Barrier(num_arrivals=w, num_barriers=3) if with_dq and not cfg.named_sync_bwd else None,
         plgpu.Barrier(num_arrivals=2, num_barriers=w),  # K and V loaded
         plgpu.Barrier(num_arrivals=2, num_barriers=st),  # Q and LSE slot filled
         plgpu.Barrier(num_arrivals=2, num_barriers=st),  # dO and delta slot filled

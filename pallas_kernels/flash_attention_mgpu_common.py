@@ -37,18 +37,21 @@ class MosaicBlockSizes:
     manual_barriers_bwd: bool = True  # backward kernels: only their own barriers (no warpgroup
     # barrier per shared-memory load and TMA issue); False: Pallas's automatic ones
     fused_bwd: bool = False  # backward: one kernel for dQ, dK, dV (5 tile matmuls, dQ summed in
-    # fp32 by TMA reduce-add) instead of a dQ kernel and a dK/dV kernel (7). Off: measured
-    # 0.63-0.79x the two-kernel form's forward+backward on the H200 (benchmarks/README.md)
+    # fp32 by TMA reduce-add) instead of a dQ kernel and a dK/dV kernel (7)
+    stagger_bwd: bool = False  # fused backward without a causal mask: key block k starts at query
+    # tile k (mod the tiles), so concurrent blocks reduce-add into different dQ rows
+    named_sync_bwd: bool | None = None  # fused backward: the consumers meet on a hardware named
+    # barrier (bar.sync) instead of an mbarrier; None: when compiling
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("manual_barriers_bwd", "fused_bwd"):
+            if f.name in ("manual_barriers_bwd", "fused_bwd", "stagger_bwd"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
-            elif f.name in ("persistent", "named_schedule"):
+            elif f.name in ("persistent", "named_schedule", "named_sync_bwd"):
                 if value not in (None, True, False):
-                    raise ValueError(f"MosaicBlockSizes.persistent={value!r}: use True, False or None.")
+                    raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True, False or None.")
             elif f.name.startswith("stages"):
                 if value < 1:
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value}: use >= 1.")
@@ -128,6 +131,15 @@ class MosaicConfig:
         n = self.blocks.named_schedule
         if n and self.interpret:
             raise ValueError("MosaicBlockSizes.named_schedule=True needs a GPU (the interpreter "
+                             "runs no inline PTX); use None or False with interpret=True.")
+        return (not self.interpret) if n is None else n
+
+    @property
+    def named_sync_bwd(self) -> bool:
+        """Whether the fused backward's consumers meet on a hardware named barrier."""
+        n = self.blocks.named_sync_bwd
+        if n and self.interpret:
+            raise ValueError("MosaicBlockSizes.named_sync_bwd=True needs a GPU (the interpreter "
                              "runs no inline PTX); use None or False with interpret=True.")
         return (not self.interpret) if n is None else n
 

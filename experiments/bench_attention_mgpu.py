@@ -93,9 +93,6 @@ FWD_VARIANTS = {
     "ours_grid_mbar": dict(persistent=False, named_schedule=False),
     "ours_bwd_autobar": dict(manual_barriers_bwd=False),  # the backward with Pallas's barriers
     "ours_fused_bwd": dict(fused_bwd=True),  # dQ, dK, dV in one kernel (5 matmuls, reduce-add)
-    "ours_fused_mbar": dict(fused_bwd=True, named_sync_bwd=False),  # consumers meet on an mbarrier
-    "ours_fused_stagger": dict(fused_bwd=True, stagger_bwd=True),  # key block k from query tile k
-    "ours_fused_stagger_mbar": dict(fused_bwd=True, stagger_bwd=True, named_sync_bwd=False),
     "ours_dq_bk128": dict(block_kv_dq=128),  # the dQ kernel: 128 key rows a step (wgmma N 128)
 }
 

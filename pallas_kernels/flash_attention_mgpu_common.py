@@ -38,18 +38,14 @@ class MosaicBlockSizes:
     # barrier per shared-memory load and TMA issue); False: Pallas's automatic ones
     fused_bwd: bool = False  # backward: one kernel for dQ, dK, dV (5 tile matmuls, dQ summed in
     # fp32 by TMA reduce-add) instead of a dQ kernel and a dK/dV kernel (7)
-    stagger_bwd: bool = False  # fused backward without a causal mask: key block k starts at query
-    # tile k (mod the tiles), so concurrent blocks reduce-add into different dQ rows
-    named_sync_bwd: bool | None = None  # fused backward: the consumers meet on a hardware named
-    # barrier (bar.sync) instead of an mbarrier; None: when compiling
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("manual_barriers_bwd", "fused_bwd", "stagger_bwd"):
+            if f.name in ("manual_barriers_bwd", "fused_bwd"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
-            elif f.name in ("persistent", "named_schedule", "named_sync_bwd"):
+            elif f.name in ("persistent", "named_schedule"):
                 if value not in (None, True, False):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True, False or None.")
             elif f.name.startswith("stages"):
@@ -93,7 +89,7 @@ class MosaicBlockSizes:
                                          ((2 * self.stages_bwd, self.block_q_dkv, d), h),
                                          ((2 * self.stages_bwd, self.block_q_dkv), jnp.float32),
                                          *staged((w, self.block_kv_dkv, self.block_q_dkv)),
-                                         ((2 * w, self.block_kv_dkv, self.block_q_dkv), h),
+                                         ((2 * w, self.block_kv_dkv, self.block_q_dkv), h),  # NB = 2 dS^T tiles
                                          ((w, self.block_q_dkv, d // dq_parts(d)), jnp.float32)),
         }
 
@@ -131,15 +127,6 @@ class MosaicConfig:
         n = self.blocks.named_schedule
         if n and self.interpret:
             raise ValueError("MosaicBlockSizes.named_schedule=True needs a GPU (the interpreter "
-                             "runs no inline PTX); use None or False with interpret=True.")
-        return (not self.interpret) if n is None else n
-
-    @property
-    def named_sync_bwd(self) -> bool:
-        """Whether the fused backward's consumers meet on a hardware named barrier."""
-        n = self.blocks.named_sync_bwd
-        if n and self.interpret:
-            raise ValueError("MosaicBlockSizes.named_sync_bwd=True needs a GPU (the interpreter "
                              "runs no inline PTX); use None or False with interpret=True.")
         return (not self.interpret) if n is None else n
 

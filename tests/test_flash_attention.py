@@ -237,15 +237,6 @@ class TestMosaicFlashAttention:
         check_case(case[:-1] + (blocks,), lambda q, k, v, blocks, **kw: flash_attention(
             q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
 
-    @pytest.mark.parametrize("case", [c for c in (_mosaic_gpu_cases() if ON_GPU else MOSAIC_INTERPRET)
-                                      if not c[6]][:3], ids=case_id)
-    def test_fused_backward_staggered_matches_reference(self, case):
-        """stagger_bwd=True (no causal mask): key block k visits the query tiles from tile k on."""
-        blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(case[5]), fused_bwd=True,
-                                     stagger_bwd=True)
-        check_case(case[:-1] + (blocks,), lambda q, k, v, blocks, **kw: flash_attention(
-            q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
-
     @pytest.mark.skipif(not ON_GPU, reason="the interpreter runs this path in the test above")
     @pytest.mark.parametrize("case", MOSAIC_INTERPRET, ids=case_id)
     def test_shared_memory_path_on_gpu(self, case):

@@ -26,8 +26,9 @@ public entry point there dispatches here on an sm90 GPU for bf16/fp16 with head 
 128, and keeps the Triton kernels as the portable path. Grouped-query attention: the dK/dV
 kernel loops over every query head of its K/V head, so dK and dV are summed in the kernel.
 `MosaicBlockSizes(fused_bwd=True)` computes dQ in that kernel too (5 tile matmuls a pair
-instead of 7, dQ summed by TMA reduce-add: `backward_dkv(with_dq=True)`); it is
-correct but measured slower on the H200, so the two kernels are the default.
+instead of 7, dQ summed by TMA reduce-add: `backward_dkv(with_dq=True)`); by default it runs
+at head dim 128 from 8k keys on, where it measured faster on the H200, and the two kernels
+elsewhere.
 
 Sequences are padded to whole tiles (keys past kv_len are masked, padded query rows get
 dO = 0), so any length runs. `regs=False` stages P and dS through shared memory instead of
@@ -35,6 +36,7 @@ registers: slower, but Mosaic GPU's CPU interpreter runs it (see `_mgpu.py`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -89,6 +91,7 @@ def flash_attention_mgpu(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = False,
         raise ValueError(f"flash_attention_mgpu: dtype {q_BTNH.dtype} / head_dim={h} unsupported; "
                          f"use one of {SUPPORTED_DTYPES} with head_dim in {SUPPORTED_HEAD_DIMS}.")
     blocks = block_sizes or MosaicBlockSizes.for_head_dim(h)
+    blocks = dataclasses.replace(blocks, fused_bwd=blocks.resolve_fused_bwd(h, s))
     regs = (not interpret) if regs is None else bool(regs)
     persistent = blocks.resolve_persistent(h, regs, bool(causal))
     blocks.check_smem(h, regs, persistent)

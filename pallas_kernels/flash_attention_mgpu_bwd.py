@@ -34,8 +34,6 @@ from pallas_kernels.flash_attention_mgpu_common import (
     with_segments,
 )
 
-NB = 2  # fused backward: steps' dS^T tiles in shared memory (written at t, read at t + 1)
-
 
 def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta):
     """dQ [B, q_pad, N, D]: per query tile, S = Q K^T, dP = dO V^T, dS = P (dP - delta),
@@ -161,7 +159,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
         dq_ref = ins[6] if with_dq else None
         dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem = rest[:9]
-        ds_smem, dq_smem, ds_full, ds_empty, kv_bar, q_bar, do_bar, free = rest[9:]
+        ds_smem, dq_smem, ds_bar, kv_bar, q_bar, do_bar, free = rest[9:]
         ki, kvh = lax.axis_index("k"), lax.axis_index("h")
         bi, wg = lax.axis_index("b"), lax.axis_index("wg")
         q_off = qoff_ref[0]
@@ -177,10 +175,6 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             i_full = n_q
         s_start, s_full, s_end = i_start * g, i_full * g, n_q * g
 
-        def tile_of(s_idx):
-            """Step -> (query tile, head of the group)."""
-            return lax.div(s_idx, jnp.int32(g)), lax.rem(s_idx, jnp.int32(g))
-
         @consumers(wg)
         def _consumer():
             k_row = block_lo + wg * bk
@@ -192,42 +186,19 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                 kv_seg = plgpu.load(kvseg_ref.at[bi, rows], layout=ROW, optimized=False)
             plgpu.barrier_wait(kv_bar.at[wg])
 
-            def stage_ds(s_idx, dk_acc, ds_t, slot):
-                """dS^T into this consumer's rows of the step's shared tile (once both
-                consumers have read the tile NB steps ago), then dK += dS^T Q; then the dQ
-                share of the step before (the other consumer's rows for it are stored by now
-                unless it lags by most of a step)."""
-                t = s_idx - s_start
-                buf = lax.rem(t, NB)
-
-                @pl.when(t >= NB)
-                def _():
-                    plgpu.barrier_wait(ds_empty.at[buf])
-
+            def dq_share(s_idx, dk_acc, ds_t, slot):
+                """dK += dS^T Q; dS^T into the shared tile; once both consumers' rows are
+                there, this consumer's columns of dQ += dS K over the block's keys, out to
+                global memory (the slot is freed once dK and dQ have read Q and K)."""
+                i, j = lax.div(s_idx, jnp.int32(g)), lax.rem(s_idx, jnp.int32(g))
+                buf = lax.rem(s_idx - s_start, 2)
                 ds_own = ds_smem.at[buf, wg]
                 ds_own[...] = ds_t
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(ds_full.at[buf])
                 plgpu.wgmma(dk_acc, ds_t if cfg.regs else ds_own, q_smem.at[slot])
-
-                @pl.when(t >= 1)
-                def _():
-                    dq_share(s_idx - 1, slot)
-
-                @pl.when(t == 0)
-                def _():
-                    plgpu.wgmma_wait(0)  # dK has read Q
-                    plgpu.barrier_arrive(free.at[slot])
-
-            def dq_share(s_prev, slot):
-                """This consumer's part of step s_prev's dQ share, dS K over the block's 2 x bk
-                keys, out to global memory by reduce-add; frees the Q/dO slot `slot` (None:
-                none) once every matmul issued so far is done."""
-                t_prev = s_prev - s_start
-                buf = lax.rem(t_prev, NB)
-                i, j = tile_of(s_prev)
-                plgpu.barrier_wait(ds_full.at[buf])  # both consumers' dS^T rows are stored
-                part = wg if parts == w else lax.rem(t_prev, w)  # D 64: taking turns
+                plgpu.barrier_arrive(ds_bar.at[buf])
+                plgpu.barrier_wait(ds_bar.at[buf])  # both consumers' dS^T rows are stored
+                part = wg if parts == w else lax.rem(s_idx - s_start, w)  # D 64: taking turns
                 cols = pl.ds(part * dq_cols, dq_cols) if parts > 1 else slice(None)
 
                 def scoped(dq_acc):
@@ -237,14 +208,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                     plgpu.wgmma_wait(0)
                     return dq_acc[...]
 
-                def done():
-                    plgpu.barrier_arrive(ds_empty.at[buf])
-                    if slot is not None:
-                        plgpu.barrier_arrive(free.at[slot])
-
-                def mine():
-                    dq = pl.run_scoped(scoped, plgpu.ACC((bq, dq_cols), jnp.float32))
-                    done()
+                def out(dq):
                     dq_tile, q_rows, h = dq_smem.at[wg], pl.ds(i * bq, bq), kvh * g + j
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last share has left
                     dq_tile[...] = dq
@@ -254,19 +218,25 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                     plgpu.copy_smem_to_gmem(dq_tile, dst, reduction_op="add" if atomic else None)
 
                 if parts == w:
-                    mine()
+                    dq = pl.run_scoped(scoped, plgpu.ACC((bq, dq_cols), jnp.float32))
+                    plgpu.barrier_arrive(free.at[slot])
+                    out(dq)
                 else:
-                    pl.when(part == wg)(mine)
+                    @pl.when(part == wg)
+                    def _():
+                        dq = pl.run_scoped(scoped, plgpu.ACC((bq, dq_cols), jnp.float32))
+                        plgpu.barrier_arrive(free.at[slot])
+                        out(dq)
 
                     @pl.when(part != wg)
                     def _():
                         plgpu.wgmma_wait(0)  # dK has read Q
-                        done()
+                        plgpu.barrier_arrive(free.at[slot])
 
             def run(dk_acc, dv_acc):
                 def step(s_idx, carry, masked: bool):
                     slot = lax.rem(s_idx - s_start, st)
-                    i, _ = tile_of(s_idx)
+                    i = lax.div(s_idx, jnp.int32(g))
                     plgpu.barrier_wait(q_bar.at[slot])
 
                     def st_scoped(acc):
@@ -306,7 +276,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                     delta_c = plgpu.load(delta_smem.at[slot], layout=COL)
                     ds_t = (p_t * (dp_t - bcast_cols(delta_c, s_t.shape))).astype(dtype)
                     if with_dq:
-                        stage_ds(s_idx, dk_acc, ds_t, slot)
+                        dq_share(s_idx, dk_acc, ds_t, slot)
                         return carry
                     wgmma_from(dk_acc, ds_t, q_smem.at[slot], p_tile)
                     plgpu.wgmma_wait(0)
@@ -316,20 +286,13 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                 if cfg.causal or cfg.segments:
                     lax.fori_loop(s_start, s_full, functools.partial(step, masked=True), 0)
                 lax.fori_loop(s_full, s_end, functools.partial(step, masked=False), 0)
-                if with_dq:
-                    @pl.when(s_end > s_start)
-                    def _():
-                        dq_share(s_end - 1, None)  # the last step's share
-
-                    # Both consumers are done with the last NB tiles (and so with each
-                    # other's K tiles, which dK and dV overwrite next).
-                    @pl.loop(jnp.maximum(s_end - s_start - NB, 0), s_end - s_start)
-                    def _(t):
-                        plgpu.barrier_wait(ds_empty.at[lax.rem(t, NB)])
                 return dk_acc[...], dv_acc[...]
 
             acc_t = plgpu.ACC((bk, d), jnp.float32)
             dk, dv = pl.run_scoped(run, acc_t, acc_t)
+            if with_dq:  # the other consumer's last dQ matmul has read this one's K tile
+                plgpu.barrier_arrive(ds_bar.at[2])
+                plgpu.barrier_wait(ds_bar.at[2])
             k_tile[...] = (dk * cfg.sm_scale).astype(dtype)
             v_tile[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -344,7 +307,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             @pl.loop(s_start, s_end)
             def _(s_idx):
                 slot = lax.rem(s_idx - s_start, st)
-                i, j = tile_of(s_idx)
+                i, j = lax.div(s_idx, jnp.int32(g)), lax.rem(s_idx, jnp.int32(g))
                 h = kvh * g + j
                 rows = pl.ds(i * bq, bq)
 
@@ -367,10 +330,10 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         plgpu.SMEM((st, bq), jnp.float32),  # LSE
         plgpu.SMEM((st, bq), jnp.float32),  # delta
         None if cfg.regs else tiled_smem((w, bk, bq), dtype),  # P^T (and dS^T) staged in smem
-        tiled_smem((NB, w, bk, bq), dtype) if with_dq else None,  # dS^T of both consumers
+        tiled_smem((2, w, bk, bq), dtype) if with_dq else None,  # dS^T of both consumers
         tiled_smem((w, bq, dq_cols), jnp.float32) if with_dq else None,  # a dQ share, leaving
-        plgpu.Barrier(num_arrivals=w, num_barriers=NB) if with_dq else None,  # dS^T rows stored
-        plgpu.Barrier(num_arrivals=w, num_barriers=NB) if with_dq else None,  # dS^T tile read
+        # dS^T stored (by step parity); [2]: both consumers' last dQ matmul done (K tiles free)
+        plgpu.Barrier(num_arrivals=w, num_barriers=3) if with_dq else None,
         plgpu.Barrier(num_arrivals=2, num_barriers=w),  # K and V loaded
         plgpu.Barrier(num_arrivals=2, num_barriers=st),  # Q and LSE slot filled
         plgpu.Barrier(num_arrivals=2, num_barriers=st),  # dO and delta slot filled

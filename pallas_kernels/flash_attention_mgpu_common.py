@@ -16,6 +16,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._mgpu import COL, SMEM_LIMIT, WGMMA, smem_bytes
 
 COMPUTE_WGS = 2  # consumer warpgroups per block; warpgroup 2 is the producer
+FUSED_BWD_MIN_KV = 8192  # keys from which the fused backward is the default (head dim 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,16 +37,17 @@ class MosaicBlockSizes:
     # named barriers (bar.arrive / bar.sync) instead of an mbarrier; None: when compiling
     manual_barriers_bwd: bool = True  # backward kernels: only their own barriers (no warpgroup
     # barrier per shared-memory load and TMA issue); False: Pallas's automatic ones
-    fused_bwd: bool = False  # backward: one kernel for dQ, dK, dV (5 tile matmuls, dQ summed in
-    # fp32 by TMA reduce-add) instead of a dQ kernel and a dK/dV kernel (7)
+    fused_bwd: bool | None = None  # backward: one kernel for dQ, dK, dV (5 tile matmuls, dQ
+    # summed in fp32 by TMA reduce-add) instead of a dQ kernel and a dK/dV kernel (7); None:
+    # where it measured faster on the H200 (`resolve_fused_bwd`)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("manual_barriers_bwd", "fused_bwd"):
+            if f.name == "manual_barriers_bwd":
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
-            elif f.name in ("persistent", "named_schedule"):
+            elif f.name in ("persistent", "named_schedule", "fused_bwd"):
                 if value not in (None, True, False):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True, False or None.")
             elif f.name.startswith("stages"):
@@ -68,6 +70,14 @@ class MosaicBlockSizes:
         if self.persistent is not None:
             return self.persistent
         return not causal and self._need(head_dim, regs, True)["forward"] <= SMEM_LIMIT - 8192
+
+    def resolve_fused_bwd(self, head_dim: int, kv_len: int) -> bool:
+        """The backward's form: as asked, or (None) fused at head dim 128 from 8k keys on, where
+        it measured 1-4% faster than the two kernels on the H200 (16k, causal and not); at 4k
+        it measured 4-10% slower (benchmarks/README.md)."""
+        if self.fused_bwd is not None:
+            return self.fused_bwd
+        return head_dim == 128 and kv_len >= FUSED_BWD_MIN_KV
 
     def _need(self, head_dim: int, regs: bool, persistent: bool) -> dict[str, int]:
         d, w, h = head_dim, COMPUTE_WGS, jnp.float16

@@ -293,6 +293,15 @@ class TestMosaicFlashAttention:
                     jax.block_until_ready(vjp(out))
                     assert not interpreter_races_found(), f"backward, fused={fused}"
 
+    def test_fused_backward_is_the_default_only_where_it_measured_faster(self):
+        blocks = MosaicBlockSizes.for_head_dim(128)
+        assert blocks.resolve_fused_bwd(128, 16384) and blocks.resolve_fused_bwd(128, 8192)
+        assert not blocks.resolve_fused_bwd(128, 4096) and not blocks.resolve_fused_bwd(64, 16384)
+        assert MosaicBlockSizes(fused_bwd=True).resolve_fused_bwd(64, 100)
+        assert not MosaicBlockSizes(fused_bwd=False).resolve_fused_bwd(128, 16384)
+        with pytest.raises(ValueError, match="fused_bwd"):
+            MosaicBlockSizes(fused_bwd="yes")
+
     def test_auto_picks_mosaic_only_on_sm90(self):
         want = "mosaic" if ON_GPU and on_sm90() else "triton"
         assert pick_implementation(None, BF16, 128, None, interpret=not ON_GPU) == want

@@ -95,8 +95,6 @@ FWD_VARIANTS = {
     "ours_bwd_autobar": dict(manual_barriers_bwd=False),  # the backward with Pallas's barriers
     "ours_fused_bwd": dict(fused_bwd=True),  # dQ, dK, dV in one kernel (5 matmuls, reduce-add)
     "ours_two_kernel": dict(fused_bwd=False),  # a dQ kernel and a dK/dV kernel (7 matmuls)
-    "ours_fused_r240": dict(fused_bwd=True, consumer_regs_bwd=240),  # consumers 240, producer 32
-    "ours_two_kernel_r240": dict(fused_bwd=False, consumer_regs_bwd=240),
     "ours_dq_bk128": dict(block_kv_dq=128),  # the dQ kernel: 128 key rows a step (wgmma N 128)
 }
 

@@ -37,8 +37,6 @@ class MosaicBlockSizes:
     # named barriers (bar.arrive / bar.sync) instead of an mbarrier; None: when compiling
     manual_barriers_bwd: bool = True  # backward kernels: only their own barriers (no warpgroup
     # barrier per shared-memory load and TMA issue); False: Pallas's automatic ones
-    consumer_regs_bwd: int = 232  # backward kernels: registers of each consumer thread (232 or
-    # 240; the producer gets what is left: 40 or 32)
     fused_bwd: bool | None = None  # backward: one kernel for dQ, dK, dV (5 tile matmuls, dQ
     # summed in fp32 by TMA reduce-add) instead of a dQ kernel and a dK/dV kernel (7); None:
     # where it measured faster on the H200 (`resolve_fused_bwd`)
@@ -52,9 +50,6 @@ class MosaicBlockSizes:
             elif f.name in ("persistent", "named_schedule", "fused_bwd"):
                 if value not in (None, True, False):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True, False or None.")
-            elif f.name == "consumer_regs_bwd":
-                if value not in (232, 240):
-                    raise ValueError(f"MosaicBlockSizes.consumer_regs_bwd={value!r}: use 232 or 240.")
             elif f.name.startswith("stages"):
                 if value < 1:
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value}: use >= 1.")
@@ -254,28 +249,22 @@ def with_segments(cfg: MosaicConfig, arrays: list, q_seg, kv_seg) -> list:
     return arrays + ([q_seg, kv_seg] if cfg.segments else [])
 
 
-def producer_regs(consumer_regs: int) -> int:
-    """The producer's registers beside two consumers with `consumer_regs` each: what is left
-    of the 64K-register file (multiples of 8, at most 40)."""
-    return min(40, (65536 - COMPUTE_WGS * 128 * consumer_regs) // 128 // 8 * 8)
-
-
-def consumers(wg, regs: int = 232):
-    """Runs the decorated body on the consumer warpgroups, raised to `regs` registers."""
+def consumers(wg):
+    """Runs the decorated body on the consumer warpgroups, raised to 232 registers."""
     def run(body):
         @pl.when(wg < COMPUTE_WGS)
         def _():
-            plgpu.set_max_registers(regs, action="increase")
+            plgpu.set_max_registers(232, action="increase")
             body()
     return run
 
 
-def producer(wg, consumer_regs: int = 232):
-    """Runs the decorated body on the producer warpgroup, cut to what the consumers leave."""
+def producer(wg):
+    """Runs the decorated body on the producer warpgroup, cut to 40 registers."""
     def run(body):
         @pl.when(wg == COMPUTE_WGS)
         def _():
-            plgpu.set_max_registers(producer_regs(consumer_regs), action="decrease")
+            plgpu.set_max_registers(40, action="decrease")
             body()
     return run
 

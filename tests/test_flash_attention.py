@@ -237,15 +237,6 @@ class TestMosaicFlashAttention:
         check_case(case[:-1] + (blocks,), lambda q, k, v, blocks, **kw: flash_attention(
             q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
 
-    @pytest.mark.skipif(not ON_GPU, reason="registers: the interpreter has none to set")
-    @pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused"])
-    @pytest.mark.parametrize("case", _mosaic_gpu_cases()[:8] if ON_GPU else [], ids=case_id)
-    def test_backward_with_240_register_consumers(self, case, fused):
-        blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(case[5]), fused_bwd=fused,
-                                     consumer_regs_bwd=240)
-        check_case(case[:-1] + (blocks,), lambda q, k, v, blocks, **kw: flash_attention(
-            q, k, v, block_sizes=blocks, implementation="mosaic", **kw))
-
     @pytest.mark.skipif(not ON_GPU, reason="the interpreter runs this path in the test above")
     @pytest.mark.parametrize("case", MOSAIC_INTERPRET, ids=case_id)
     def test_shared_memory_path_on_gpu(self, case):

@@ -91,8 +91,8 @@ def flash_attention_mgpu(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = False,
         raise ValueError(f"flash_attention_mgpu: dtype {q_BTNH.dtype} / head_dim={h} unsupported; "
                          f"use one of {SUPPORTED_DTYPES} with head_dim in {SUPPORTED_HEAD_DIMS}.")
     blocks = block_sizes or MosaicBlockSizes.for_head_dim(h)
-    blocks = dataclasses.replace(blocks, fused_bwd=blocks.resolve_fused_bwd(h, s))
     regs = (not interpret) if regs is None else bool(regs)
+    blocks = dataclasses.replace(blocks, fused_bwd=blocks.resolve_fused_bwd(h, s, regs))
     persistent = blocks.resolve_persistent(h, regs, bool(causal))
     blocks.check_smem(h, regs, persistent)
     cfg = MosaicConfig(

@@ -71,13 +71,14 @@ class MosaicBlockSizes:
             return self.persistent
         return not causal and self._need(head_dim, regs, True)["forward"] <= SMEM_LIMIT - 8192
 
-    def resolve_fused_bwd(self, head_dim: int, kv_len: int) -> bool:
+    def resolve_fused_bwd(self, head_dim: int, kv_len: int, regs: bool = True) -> bool:
         """The backward's form: as asked, or (None) fused at head dim 128 from 8k keys on, where
-        it measured 1-4% faster than the two kernels on the H200 (16k, causal and not); at 4k
-        it measured 4-10% slower (benchmarks/README.md)."""
+        it measured 1-5% faster than the two kernels on the H200 (16k, causal and not; at 4k
+        4-10% slower: benchmarks/README.md), if its shared memory fits these tiles."""
         if self.fused_bwd is not None:
             return self.fused_bwd
-        return head_dim == 128 and kv_len >= FUSED_BWD_MIN_KV
+        fits = self._need(head_dim, regs, False)["fused backward"] <= SMEM_LIMIT - 8192
+        return head_dim == 128 and kv_len >= FUSED_BWD_MIN_KV and fits
 
     def _need(self, head_dim: int, regs: bool, persistent: bool) -> dict[str, int]:
         d, w, h = head_dim, COMPUTE_WGS, jnp.float16

@@ -299,6 +299,8 @@ class TestMosaicFlashAttention:
         assert not blocks.resolve_fused_bwd(128, 4096) and not blocks.resolve_fused_bwd(64, 16384)
         assert MosaicBlockSizes(fused_bwd=True).resolve_fused_bwd(64, 100)
         assert not MosaicBlockSizes(fused_bwd=False).resolve_fused_bwd(128, 16384)
+        # three stages do not fit the fused kernel's shared memory: the two kernels, no error
+        assert not MosaicBlockSizes(stages_bwd=3).resolve_fused_bwd(128, 16384)
         with pytest.raises(ValueError, match="fused_bwd"):
             MosaicBlockSizes(fused_bwd="yes")
 

@@ -9,7 +9,7 @@
 # its mbarrier / named-barrier and staggered variants: attention_mgpu_h200_fused_variants.json)
 source "$(dirname "$0")/gpu_env.sh"
 gpu_tests 130 fused_bwd_tests_h200.log tests/test_flash_attention.py -k "fused_backward"
-bench=(--cases 0 1 2 3 4 --impls ours ours_fused_bwd cudnn --budget 260)
+bench=(--cases 0 1 2 3 4 --impls ours_two_kernel ours_fused_bwd cudnn --budget 260)
 timeout 300 python3 experiments/bench_attention_mgpu.py --part fa --pipelined --iters 10 --rounds 2 \
     "${bench[@]}" > "$OUT/fa.log" 2>&1
 grep -i "error" "$OUT/fa.log" | head -5

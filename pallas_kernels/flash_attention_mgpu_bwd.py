@@ -198,37 +198,34 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                 plgpu.wgmma(dk_acc, ds_t if cfg.regs else ds_own, q_smem.at[slot])
                 plgpu.barrier_arrive(ds_bar.at[buf])
                 plgpu.barrier_wait(ds_bar.at[buf])  # both consumers' dS^T rows are stored
-                part = wg if parts == w else lax.rem(s_idx - s_start, w)  # D 64: taking turns
-                cols = pl.ds(part * dq_cols, dq_cols) if parts > 1 else slice(None)
+                # D 128: this consumer's half of the columns; D 64: the whole tile, by turns
+                cols = pl.ds(wg * dq_cols, dq_cols) if parts == w else pl.ds(0, d)
 
                 def scoped(dq_acc):
                     for owner in range(w):  # dS [bq, 2 bk] K [2 bk, cols], one owner's keys a time
                         plgpu.wgmma(dq_acc, ds_smem.at[buf, owner].transpose((1, 0)),
-                                    k_smem.at[owner, :, cols] if parts > 1 else k_smem.at[owner])
+                                    k_smem.at[owner, :, cols])
                     plgpu.wgmma_wait(0)
                     return dq_acc[...]
 
-                def out(dq):
+                def share():
+                    dq = pl.run_scoped(scoped, plgpu.ACC((bq, dq_cols), jnp.float32))
+                    plgpu.barrier_arrive(free.at[slot])
                     dq_tile, q_rows, h = dq_smem.at[wg], pl.ds(i * bq, bq), kvh * g + j
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last share has left
                     dq_tile[...] = dq
                     plgpu.commit_smem()
                     dst = dq_ref.at[bi, q_rows, h] if atomic else dq_ref.at[ki, bi, q_rows, h]
-                    dst = dst.at[:, cols] if parts > 1 else dst
-                    plgpu.copy_smem_to_gmem(dq_tile, dst, reduction_op="add" if atomic else None)
+                    plgpu.copy_smem_to_gmem(dq_tile, dst.at[:, cols],
+                                            reduction_op="add" if atomic else None)
 
                 if parts == w:
-                    dq = pl.run_scoped(scoped, plgpu.ACC((bq, dq_cols), jnp.float32))
-                    plgpu.barrier_arrive(free.at[slot])
-                    out(dq)
+                    share()
                 else:
-                    @pl.when(part == wg)
-                    def _():
-                        dq = pl.run_scoped(scoped, plgpu.ACC((bq, dq_cols), jnp.float32))
-                        plgpu.barrier_arrive(free.at[slot])
-                        out(dq)
+                    turn = lax.rem(s_idx - s_start, w) == wg
+                    pl.when(turn)(share)
 
-                    @pl.when(part != wg)
+                    @pl.when(jnp.logical_not(turn))
                     def _():
                         plgpu.wgmma_wait(0)  # dK has read Q
                         plgpu.barrier_arrive(free.at[slot])
@@ -354,4 +351,3 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     dq = jax.freeze(dq_acc)
     dq = dq if atomic else dq.sum(axis=0)
     return (dq * cfg.sm_scale).astype(dtype), dk, dv
-

@@ -100,7 +100,7 @@ class MosaicBlockSizes:
                                          ((2 * self.stages_bwd, self.block_q_dkv, d), h),
                                          ((2 * self.stages_bwd, self.block_q_dkv), jnp.float32),
                                          *staged((w, self.block_kv_dkv, self.block_q_dkv)),
-                                         ((2 * w, self.block_kv_dkv, self.block_q_dkv), h),  # NB = 2 dS^T tiles
+                                         ((2 * w, self.block_kv_dkv, self.block_q_dkv), h),  # dS^T by step parity
                                          ((w, self.block_q_dkv, d // dq_parts(d)), jnp.float32)),
         }
 

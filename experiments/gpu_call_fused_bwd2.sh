@@ -13,14 +13,5 @@ bench=(--cases 0 1 2 3 4 --impls ours_two_kernel ours_fused_bwd cudnn --budget 2
 timeout 300 python3 experiments/bench_attention_mgpu.py --part fa --pipelined --iters 10 --rounds 2 \
     "${bench[@]}" > "$OUT/fa.log" 2>&1
 grep -i "error" "$OUT/fa.log" | head -5
-grep "fwdbwd_tflops" "$OUT/fa.log" | python3 -c '
-import ast, sys
-for line in sys.stdin:
-    r = ast.literal_eval(line.strip())
-    print(r["impl"], r["S"], r["causal"], "fwd", round(r.get("fwd_tflops", 0)), "fwd+bwd", round(r.get("fwdbwd_tflops", 0)))'
-python3 -c '
-import json, sys
-for r in json.load(open(sys.argv[1]))["attention"]:
-    print(r["impl"], r["S"], r["causal"], "rel_err vs cuDNN (out, dq, dk, dv):",
-          [f"{e:.1e}" for e in r.get("rel_err_vs_cudnn", [])])' "$OUT/attention_mgpu.json"
+fa_rows "$OUT/attention_mgpu.json"
 pack_out

@@ -10,10 +10,6 @@ grep -iE "===|spill stores|Used [0-9]+ registers" "$OUT/spills.log" | head -12
 timeout 240 python3 experiments/bench_attention_mgpu.py --part fa --pipelined --iters 10 --rounds 2 \
     --cases 0 2 3 6 --impls ours_two_kernel ours_fused_bwd cudnn --budget 200 > "$OUT/fa.log" 2>&1
 grep -i "error" "$OUT/fa.log" | head -5
-python3 -c '
-import json, sys
-for r in json.load(open(sys.argv[1]))["attention"]:
-    print(r["impl"], r["S"], r["causal"], r["N"], r["K"], "fwd", round(r.get("fwd_tflops", 0)),
-          "fwd+bwd", round(r.get("fwdbwd_tflops", 0)), [f"{e:.1e}" for e in r.get("rel_err_vs_cudnn", [])])' "$OUT/attention_mgpu.json"
+fa_rows "$OUT/attention_mgpu.json"
 kernel_suite 250
 pack_out

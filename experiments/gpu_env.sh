@@ -47,6 +47,15 @@ train_1b_alternated() {  # the 1b train step with cuDNN and with our attention, 
     done
 }
 
+fa_rows() {  # fa_rows JSON: bench_attention_mgpu.py's FlashAttention rows, one line each (TFLOP/s,
+    # relative error of out, dQ, dK, dV against cuDNN's)
+    python3 -c '
+import json, sys
+for r in json.load(open(sys.argv[1]))["attention"]:
+    print(r["impl"], r["S"], r["causal"], r["N"], r["K"], "fwd", round(r.get("fwd_tflops", 0)),
+          "fwd+bwd", round(r.get("fwdbwd_tflops", 0)), [f"{e:.1e}" for e in r.get("rel_err_vs_cudnn", [])])' "$1"
+}
+
 pack_out() {  # at the end of a call: the device returns at most 8 files, so more go as one tarball
     if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
         tar czf /tmp/out.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/out.tgz "$OUT/out.tgz"

@@ -58,6 +58,15 @@ device_description_str: "NVIDIA H200"
 """
 
 
+def h200_sharding():
+    """A replicated sharding on one H200 that is not here: arrays given it compile deviceless
+    for that GPU (a PJRT topology with the target config above)."""
+    from jax.experimental import topologies
+    topo = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1")
+    mesh = topologies.make_mesh(topo, (1,), ("x",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
 def _pretend_h200():
     """Make the Pallas dispatch lower for an H200 in this GPU-less process."""
     from jax._src.pallas.triton import gpu_info
@@ -168,10 +177,7 @@ def main():
     ap.add_argument("--hlo-dir", default=None,
                     help="also write each case's compiled HLO text here (to read the fusions)")
     args = ap.parse_args()
-    from jax.experimental import topologies
-    topo = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1")
-    mesh = topologies.make_mesh(topo, (1,), ("x",))
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    rep = h200_sharding()
     _pretend_h200()
     rows = []
     for spec in args.cases:

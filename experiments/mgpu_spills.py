@@ -38,15 +38,10 @@ from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes  # noqa: E402
 
 shape = (1, 4096, 16, 128)
 if args.aot:
-    from jax.experimental import topologies
-
     sys.path.insert(0, os.path.dirname(__file__))
-    from decode_hlo_h200 import H200
+    from decode_hlo_h200 import h200_sharding
 
-    topo = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1")
-    mesh = topologies.make_mesh(topo, (1,), ("x",))
-    spec = jax.ShapeDtypeStruct(shape, jnp.bfloat16,
-                                sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    spec = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=h200_sharding())
 for fused in (False, True):
     blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(128), fused_bwd=fused)
 

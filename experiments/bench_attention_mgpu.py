@@ -96,6 +96,13 @@ FWD_VARIANTS = {
     "ours_fused_bwd": dict(fused_bwd=True),  # dQ, dK, dV in one kernel (5 matmuls, reduce-add)
     "ours_two_kernel": dict(fused_bwd=False),  # a dQ kernel and a dK/dV kernel (7 matmuls)
     "ours_dq_bk128": dict(block_kv_dq=128),  # the dQ kernel: 128 key rows a step (wgmma N 128)
+    # Kernels that end waiting only for their stores' reads (CUTLASS's epilogue), and the
+    # backward consumers at 240 registers (producer 24, FlashAttention-3's split)
+    "ours_two_kernel_endread": dict(fused_bwd=False, end_wait_reads=True),
+    "ours_fused_bwd_endread": dict(fused_bwd=True, end_wait_reads=True),
+    "ours_fused_bwd_r240": dict(fused_bwd=True, regs_bwd=240),
+    "ours_fused_bwd_r240_endread": dict(fused_bwd=True, regs_bwd=240, end_wait_reads=True),
+    "ours_two_kernel_r240": dict(fused_bwd=False, regs_bwd=240),
 }
 
 
@@ -106,6 +113,19 @@ def timed(f, *args, n, pipelined: bool):
         return pipelined_seconds(f, *args, n=n, warm=1)
     ts, out = call_times(f, *args, n=n, warm=1)
     return float(np.median(ts)), out
+
+
+def kernel_times(f, *args):
+    """The device kernels of one call of jitted `f`, from a profile: [{op, kind, us}], the
+    longest first (which kernel of a backward form costs what, beside XLA's extra passes)."""
+    from gendist import profiling
+
+    kinds = profiling.classify_hlo(f.lower(*args).compile().as_text())
+    jax.block_until_ready(f(*args))
+    with profiling.trace() as prof:
+        jax.block_until_ready(f(*args))
+    split = profiling.time_by_kind(prof.profile_data, kinds)
+    return [dict(op=t["op"], kind=t["kind"], us=round(t["s"] * 1e6, 2)) for t in split["top_ops"][:12]]
 
 
 def rel(x, ref):
@@ -176,6 +196,8 @@ def run_fa(args, res, save):
                     row["fwdbwd_ms_rounds"].append(t * 1e3)
                     if name not in peer_out:
                         peer_out[name] = (out, *grads)
+                    if args.profile and rnd == args.rounds - 1:
+                        row["fwdbwd_kernels"] = kernel_times(grad, q, k, v, do)
                     row.update(fwd_ms=min(row["fwd_ms_rounds"]), fwdbwd_ms=min(row["fwdbwd_ms_rounds"]))
                     row.update(fwd_tflops=flops / row["fwd_ms"] * 1e-9,
                                fwdbwd_tflops=3.5 * flops / row["fwdbwd_ms"] * 1e-9)
@@ -281,6 +303,8 @@ def main():
                         help="subset of the paged tilings by name (default, waves, bk128_st2_whole, bk64_st4, ...)")
     parser.add_argument("--budget", type=float, default=1e9, help="seconds before no new case starts")
     parser.add_argument("--paged-triton", action="store_true", help="also time the Triton paged kernel")
+    parser.add_argument("--profile", action="store_true",
+                        help="FA: also record each implementation's forward+backward kernels, profiled")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, Mosaic interpreter)")
     parser.add_argument("--pipelined", action="store_true",
                         help="time n calls back to back, one synchronisation (device time per call)")

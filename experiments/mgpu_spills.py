@@ -25,6 +25,10 @@ import sys
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--aot", action="store_true", help="deviceless compile for an H200 (no GPU here)")
+parser.add_argument("--forms", nargs="*", default=["two", "fused"], choices=["two", "fused"],
+                    help="backward forms to compile: the two kernels, the fused one")
+parser.add_argument("--regs-bwd", type=int, default=None,
+                    help="MosaicBlockSizes.regs_bwd (consumer registers of the backward)")
 args = parser.parse_args()
 if args.aot:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
@@ -42,15 +46,17 @@ if args.aot:
     from decode_hlo_h200 import h200_sharding
 
     spec = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=h200_sharding())
-for fused in (False, True):
+for fused in [f == "fused" for f in args.forms]:
     blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(128), fused_bwd=fused)
+    if args.regs_bwd is not None:
+        blocks = dataclasses.replace(blocks, regs_bwd=args.regs_bwd)
 
     def loss(q, k, v, b=blocks):
         o = flash_attention(q, k, v, block_sizes=b, implementation="mosaic", interpret=False)
         return o.astype(jnp.float32).sum()
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    print(f"=== fused_bwd={fused}", flush=True)
+    print(f"=== fused_bwd={fused} regs_bwd={blocks.regs_bwd}", flush=True)
     if args.aot:
         grad.trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).compile()
     else:

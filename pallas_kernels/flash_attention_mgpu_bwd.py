@@ -22,6 +22,7 @@ from pallas_kernels.flash_attention_mgpu_common import (
     consumers,
     dq_parts,
     drain,
+    end_wait,
     iota,
     kv_steps,
     mask_rows_by_keys,
@@ -58,7 +59,7 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
         n_full, n_end = kv_steps(cfg, q_off + block_lo, q_off + block_lo + COMPUTE_WGS * bq - 1, bk,
                                   length=False)
 
-        @consumers(wg)
+        @consumers(wg, cfg.blocks.regs_bwd)
         def _consumer():
             q_row = block_lo + wg * bq
             rows, (q_tile, do_tile) = own_tiles([(q_ref, q_smem), (do_ref, do_smem)], wg, q_row,
@@ -102,9 +103,9 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
             q_tile[...] = (dq * cfg.sm_scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[bi, rows, h])
-            plgpu.wait_smem_to_gmem(0)
+            end_wait(cfg)
 
-        @producer(wg)
+        @producer(wg, cfg.blocks.regs_bwd)
         def _producer():
             stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, free, free, bi=bi,
                       kvh=lax.div(h, jnp.int32(g)), n_steps=n_end, bk=bk, stages=st)
@@ -175,7 +176,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             i_full = n_q
         s_start, s_full, s_end = i_start * g, i_full * g, n_q * g
 
-        @consumers(wg)
+        @consumers(wg, cfg.blocks.regs_bwd)
         def _consumer():
             k_row = block_lo + wg * bk
             rows, (k_tile, v_tile) = own_tiles([(k_ref, k_smem), (v_ref, v_smem)], wg, k_row,
@@ -296,9 +297,9 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[bi, rows, kvh], commit_group=False)
             plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[bi, rows, kvh], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
-            plgpu.wait_smem_to_gmem(0)
+            end_wait(cfg)
 
-        @producer(wg)
+        @producer(wg, cfg.blocks.regs_bwd)
         def _producer():
 
             @pl.loop(s_start, s_end)

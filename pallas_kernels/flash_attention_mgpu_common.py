@@ -16,6 +16,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._mgpu import COL, SMEM_LIMIT, WGMMA, smem_bytes
 
 COMPUTE_WGS = 2  # consumer warpgroups per block; warpgroup 2 is the producer
+CONSUMER_REGS = 232  # registers a consumer warpgroup's threads get by default
+LAUNCH_REGS = 168 * 3 * 128  # what a block of 3 warpgroups launches with (168 a thread)
 FUSED_BWD_MIN_KV = 8192  # keys from which the fused backward is the default (head dim 128)
 
 
@@ -40,11 +42,19 @@ class MosaicBlockSizes:
     fused_bwd: bool | None = None  # backward: one kernel for dQ, dK, dV (5 tile matmuls, dQ
     # summed in fp32 by TMA reduce-add) instead of a dQ kernel and a dK/dV kernel (7); None:
     # where it measured faster on the H200 (`resolve_fused_bwd`)
+    end_wait_reads: bool = False  # every kernel ends waiting only until its last TMA stores
+    # have read shared memory (CUTLASS's epilogue), not until their writes have landed
+    regs_bwd: int = CONSUMER_REGS  # registers of a backward consumer warpgroup; the producer
+    # gets what is left of the launch's 64,512 (232: 40, 240: 24, FlashAttention-3's split)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "manual_barriers_bwd":
+            if f.name == "regs_bwd":
+                if value % 8 or not CONSUMER_REGS <= value <= 240:
+                    raise ValueError(f"MosaicBlockSizes.regs_bwd={value}: use a multiple of 8 in "
+                                     f"[{CONSUMER_REGS}, 240] (the producer keeps >= 24).")
+            elif f.name in ("manual_barriers_bwd", "end_wait_reads"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
             elif f.name in ("persistent", "named_schedule", "fused_bwd"):
@@ -250,24 +260,36 @@ def with_segments(cfg: MosaicConfig, arrays: list, q_seg, kv_seg) -> list:
     return arrays + ([q_seg, kv_seg] if cfg.segments else [])
 
 
-def consumers(wg):
-    """Runs the decorated body on the consumer warpgroups, raised to 232 registers."""
+def producer_regs(consumer_regs: int) -> int:
+    """The producer warpgroup's registers beside two consumers of `consumer_regs` (232: 40).
+    setmaxnreg can only hand out what the launch allocated: asking for more hangs the block."""
+    return (LAUNCH_REGS - COMPUTE_WGS * 128 * consumer_regs) // 128 // 8 * 8
+
+
+def consumers(wg, regs: int = CONSUMER_REGS):
+    """Runs the decorated body on the consumer warpgroups, raised to `regs` registers."""
     def run(body):
         @pl.when(wg < COMPUTE_WGS)
         def _():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(regs, action="increase")
             body()
     return run
 
 
-def producer(wg):
-    """Runs the decorated body on the producer warpgroup, cut to 40 registers."""
+def producer(wg, consumer_regs: int = CONSUMER_REGS):
+    """Runs the decorated body on the producer warpgroup, cut to what the consumers leave."""
     def run(body):
         @pl.when(wg == COMPUTE_WGS)
         def _():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(producer_regs(consumer_regs), action="decrease")
             body()
     return run
+
+
+def end_wait(cfg: MosaicConfig):
+    """A kernel's last wait for its TMA stores: until they have read shared memory
+    (`end_wait_reads`, enough before the block exits) or until they have landed."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.blocks.end_wait_reads)
 
 
 def own_tiles(pairs, wg, row0, n_rows: int, bi, head, bar):

@@ -26,6 +26,7 @@ from pallas_kernels.flash_attention_mgpu_common import (
     bcast_rows,
     consumers,
     drain,
+    end_wait,
     kv_steps,
     mask_rows_by_keys,
     needs_mask,
@@ -227,7 +228,7 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
                 return n_end
 
             tiles(run_tile)
-            plgpu.wait_smem_to_gmem(0)
+            end_wait(cfg)
 
         @producer(wg)
         def _producer():

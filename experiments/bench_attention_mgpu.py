@@ -41,7 +41,10 @@ TOKENS = 16384
 # (seq, causal, q heads, kv heads, head dim)
 FA_CASES = [(4096, False, 16, 16, 128), (4096, True, 16, 16, 128), (16384, False, 16, 16, 128),
             (16384, True, 16, 16, 128), (4096, True, 32, 8, 128), (2048, True, 16, 16, 64),
-            (16384, True, 32, 8, 128)]
+            (16384, True, 32, 8, 128),
+            # the non-causal D 128 case at other lengths, and 4k as one sequence of 64 heads
+            # (the same work as case 0): which of steps a block or the batch sets a form's rate
+            (8192, False, 16, 16, 128), (2048, False, 16, 16, 128), (4096, False, 64, 64, 128, 1)]
 # (batch, context, q heads, kv heads, page size)
 PAGED_SHAPES = [(64, 4096, 32, 8, 16), (64, 4096, 32, 8, 64), (16, 16384, 32, 8, 64),
                 (128, 2048, 32, 32, 64), (8, 32768, 64, 8, 16)]
@@ -162,8 +165,8 @@ def fa_impls(names, smoke):
 def run_fa(args, res, save):
     impls = fa_impls(args.impls, args.smoke)
     cases = [(128, True, 4, 2, 64)] if args.smoke else [FA_CASES[i] for i in args.cases or range(len(FA_CASES))]
-    for s, causal, n, kh, d in cases:
-        b = max(1, (256 if args.smoke else TOKENS) // s)
+    for s, causal, n, kh, d, *batch in cases:  # batch: TOKENS // s unless the case gives it
+        b = batch[0] if batch else max(1, (256 if args.smoke else TOKENS) // s)
         keys = jax.random.split(jax.random.key(s + d + n), 4)
         q, do = (jax.random.normal(kk, (b, s, n, d), jnp.bfloat16) for kk in keys[:2])
         k, v = (jax.random.normal(kk, (b, s, kh, d), jnp.bfloat16) for kk in keys[2:])

@@ -103,9 +103,12 @@ FWD_VARIANTS = {
     # backward consumers at 240 registers (producer 24, FlashAttention-3's split)
     "ours_two_kernel_endread": dict(fused_bwd=False, end_wait_reads=True),
     "ours_fused_bwd_endread": dict(fused_bwd=True, end_wait_reads=True),
-    "ours_fused_bwd_r240": dict(fused_bwd=True, regs_bwd=240),
-    "ours_fused_bwd_r240_endread": dict(fused_bwd=True, regs_bwd=240, end_wait_reads=True),
+    "ours_fused_bwd_r232": dict(fused_bwd=True, regs_bwd=232),
     "ours_two_kernel_r240": dict(fused_bwd=False, regs_bwd=240),
+    # the fused backward's dQ: summed as [B, heads, T, D]; leaving through two shared tiles
+    "ours_fused_bwd_hm": dict(fused_bwd=True, dq_heads_major=True),
+    "ours_fused_bwd_buf2": dict(fused_bwd=True, dq_buffers=2),
+    "ours_fused_bwd_hm_buf2": dict(fused_bwd=True, dq_heads_major=True, dq_buffers=2),
 }
 
 

@@ -59,7 +59,7 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
         n_full, n_end = kv_steps(cfg, q_off + block_lo, q_off + block_lo + COMPUTE_WGS * bq - 1, bk,
                                   length=False)
 
-        @consumers(wg, cfg.blocks.regs_bwd)
+        @consumers(wg, cfg.blocks.consumer_regs_bwd)
         def _consumer():
             q_row = block_lo + wg * bq
             rows, (q_tile, do_tile) = own_tiles([(q_ref, q_smem), (do_ref, do_smem)], wg, q_row,
@@ -105,7 +105,7 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
             plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[bi, rows, h])
             end_wait(cfg)
 
-        @producer(wg, cfg.blocks.regs_bwd)
+        @producer(wg, cfg.blocks.consumer_regs_bwd)
         def _producer():
             stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, free, free, bi=bi,
                       kvh=lax.div(h, jnp.int32(g)), n_steps=n_end, bk=bk, stages=st)
@@ -154,6 +154,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     w = COMPUTE_WGS
     parts = dq_parts(d)  # dQ column parts a step: one per consumer (D 128), or one (D 64)
     dq_cols = d // parts
+    heads_major, n_buf = cfg.blocks.dq_heads_major, cfg.blocks.dq_buffers
 
     def kernel(*refs):
         qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 8 if with_dq else 7)
@@ -176,7 +177,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             i_full = n_q
         s_start, s_full, s_end = i_start * g, i_full * g, n_q * g
 
-        @consumers(wg, cfg.blocks.regs_bwd)
+        @consumers(wg, cfg.blocks.consumer_regs_bwd)
         def _consumer():
             k_row = block_lo + wg * bk
             rows, (k_tile, v_tile) = own_tiles([(k_ref, k_smem), (v_ref, v_smem)], wg, k_row,
@@ -212,11 +213,17 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                 def share():
                     dq = pl.run_scoped(scoped, plgpu.ACC((bq, dq_cols), jnp.float32))
                     plgpu.barrier_arrive(free.at[slot])
-                    dq_tile, q_rows, h = dq_smem.at[wg], pl.ds(i * bq, bq), kvh * g + j
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last share has left
+                    buf = 0
+                    if n_buf > 1:  # by this consumer's count of shares
+                        buf = lax.rem(lax.div(s_idx - s_start, jnp.int32(w // parts)), n_buf)
+                    dq_tile = dq_smem.at[wg * n_buf + buf]
+                    q_rows, h = pl.ds(i * bq, bq), kvh * g + j
+                    # the share that last left through this tile has been read out of it
+                    plgpu.wait_smem_to_gmem(n_buf - 1, wait_read_only=True)
                     dq_tile[...] = dq
                     plgpu.commit_smem()
-                    dst = dq_ref.at[bi, q_rows, h] if atomic else dq_ref.at[ki, bi, q_rows, h]
+                    dst = dq_ref if atomic else dq_ref.at[ki]
+                    dst = dst.at[bi, h, q_rows] if heads_major else dst.at[bi, q_rows, h]
                     plgpu.copy_smem_to_gmem(dq_tile, dst.at[:, cols],
                                             reduction_op="add" if atomic else None)
 
@@ -299,7 +306,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             plgpu.commit_smem_to_gmem_group()
             end_wait(cfg)
 
-        @producer(wg, cfg.blocks.regs_bwd)
+        @producer(wg, cfg.blocks.consumer_regs_bwd)
         def _producer():
 
             @pl.loop(s_start, s_end)
@@ -329,7 +336,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         plgpu.SMEM((st, bq), jnp.float32),  # delta
         None if cfg.regs else tiled_smem((w, bk, bq), dtype),  # P^T (and dS^T) staged in smem
         tiled_smem((2, w, bk, bq), dtype) if with_dq else None,  # dS^T of both consumers
-        tiled_smem((w, bq, dq_cols), jnp.float32) if with_dq else None,  # a dQ share, leaving
+        tiled_smem((n_buf * w, bq, dq_cols), jnp.float32) if with_dq else None,  # dQ shares leaving
         # dS^T stored (by step parity); [2]: both consumers' last dQ matmul done (K tiles free)
         plgpu.Barrier(num_arrivals=w, num_barriers=3) if with_dq else None,
         plgpu.Barrier(num_arrivals=2, num_barriers=w),  # K and V loaded
@@ -339,8 +346,8 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     )
     inputs = [qoff, q, k, v, do, lse, delta]
     if with_dq:
-        dq_acc = jax.new_ref(jnp.zeros((b, tp, n, d) if atomic else (n_kt, b, tp, n, d),
-                                       jnp.float32))
+        acc_shape = (b, n, tp, d) if heads_major else (b, tp, n, d)
+        dq_acc = jax.new_ref(jnp.zeros(acc_shape if atomic else (n_kt, *acc_shape), jnp.float32))
         inputs.append(dq_acc)
     out = jax.ShapeDtypeStruct((b, sp, kh, d), dtype)
     dk, dv = launch(kernel, with_segments(cfg, inputs, q_seg, kv_seg), out_type=(out, out),
@@ -351,4 +358,6 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         return dk, dv
     dq = jax.freeze(dq_acc)
     dq = dq if atomic else dq.sum(axis=0)
+    if heads_major:
+        dq = dq.transpose(0, 2, 1, 3)
     return (dq * cfg.sm_scale).astype(dtype), dk, dv

@@ -17,8 +17,10 @@ from pallas_kernels._mgpu import COL, SMEM_LIMIT, WGMMA, smem_bytes
 
 COMPUTE_WGS = 2  # consumer warpgroups per block; warpgroup 2 is the producer
 CONSUMER_REGS = 232  # registers a consumer warpgroup's threads get by default
+FUSED_BWD_REGS = 240  # the fused backward's consumers (spills 120 B instead of 184 at 232)
 LAUNCH_REGS = 168 * 3 * 128  # what a block of 3 warpgroups launches with (168 a thread)
 FUSED_BWD_MIN_KV = 8192  # keys from which the fused backward is the default (head dim 128)
+SMEM_RESERVE = 8192  # bytes of a block's shared memory left for barriers and alignment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,17 +46,24 @@ class MosaicBlockSizes:
     # where it measured faster on the H200 (`resolve_fused_bwd`)
     end_wait_reads: bool = False  # every kernel ends waiting only until its last TMA stores
     # have read shared memory (CUTLASS's epilogue), not until their writes have landed
-    regs_bwd: int = CONSUMER_REGS  # registers of a backward consumer warpgroup; the producer
-    # gets what is left of the launch's 64,512 (232: 40, 240: 24, FlashAttention-3's split)
+    regs_bwd: int | None = None  # registers of a backward consumer warpgroup; the producer
+    # gets what is left of the launch's 64,512 (232: 40, 240: 24, FlashAttention-3's split);
+    # None: 240 in the fused backward (its consumers spill at 232), 232 in the two kernels
+    dq_heads_major: bool = False  # fused backward: dQ summed in fp32 as [B, heads, T, D], a
+    # (query tile, head) one contiguous block, instead of [B, T, heads, D] (rows 8 KiB apart)
+    dq_buffers: int = 1  # fused backward: dQ shares leaving through this many shared tiles
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "regs_bwd":
-                if value % 8 or not CONSUMER_REGS <= value <= 240:
+                if value is not None and (value % 8 or not CONSUMER_REGS <= value <= 240):
                     raise ValueError(f"MosaicBlockSizes.regs_bwd={value}: use a multiple of 8 in "
                                      f"[{CONSUMER_REGS}, 240] (the producer keeps >= 24).")
-            elif f.name in ("manual_barriers_bwd", "end_wait_reads"):
+            elif f.name == "dq_buffers":
+                if value not in (1, 2):
+                    raise ValueError(f"MosaicBlockSizes.dq_buffers={value}: use 1 or 2.")
+            elif f.name in ("manual_barriers_bwd", "end_wait_reads", "dq_heads_major"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
             elif f.name in ("persistent", "named_schedule", "fused_bwd"):
@@ -66,6 +75,13 @@ class MosaicBlockSizes:
             elif value % 64:
                 raise ValueError(f"MosaicBlockSizes.{f.name}={value}: use a multiple of 64 "
                                  "(wgmma rows and 128-byte swizzled tiles).")
+
+    @property
+    def consumer_regs_bwd(self) -> int:
+        """The backward consumers' registers (`regs_bwd`, resolved for this form)."""
+        if self.regs_bwd is not None:
+            return self.regs_bwd
+        return FUSED_BWD_REGS if self.fused_bwd else CONSUMER_REGS
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> MosaicBlockSizes:
@@ -79,7 +95,7 @@ class MosaicBlockSizes:
         tiles fit in shared memory beside P's staging tiles (regs=False)."""
         if self.persistent is not None:
             return self.persistent
-        return not causal and self._need(head_dim, regs, True)["forward"] <= SMEM_LIMIT - 8192
+        return not causal and self._need(head_dim, regs, True)["forward"] <= SMEM_LIMIT - SMEM_RESERVE
 
     def resolve_fused_bwd(self, head_dim: int, kv_len: int, regs: bool = True) -> bool:
         """The backward's form: as asked, or (None) fused at head dim 128 from 8k keys on, where
@@ -87,7 +103,7 @@ class MosaicBlockSizes:
         4-10% slower: benchmarks/README.md), if its shared memory fits these tiles."""
         if self.fused_bwd is not None:
             return self.fused_bwd
-        fits = self._need(head_dim, regs, False)["fused backward"] <= SMEM_LIMIT - 8192
+        fits = self._need(head_dim, regs, False)["fused backward"] <= SMEM_LIMIT - SMEM_RESERVE
         return head_dim == 128 and kv_len >= FUSED_BWD_MIN_KV and fits
 
     def _need(self, head_dim: int, regs: bool, persistent: bool) -> dict[str, int]:
@@ -111,7 +127,8 @@ class MosaicBlockSizes:
                                          ((2 * self.stages_bwd, self.block_q_dkv), jnp.float32),
                                          *staged((w, self.block_kv_dkv, self.block_q_dkv)),
                                          ((2 * w, self.block_kv_dkv, self.block_q_dkv), h),  # dS^T by step parity
-                                         ((w, self.block_q_dkv, d // dq_parts(d)), jnp.float32)),
+                                         ((self.dq_buffers * w, self.block_q_dkv, d // dq_parts(d)),
+                                          jnp.float32)),
         }
 
     def check_smem(self, head_dim: int, regs: bool, persistent: bool = False):
@@ -121,7 +138,7 @@ class MosaicBlockSizes:
         for name, n in self._need(head_dim, regs, persistent).items():
             if name in skip:
                 continue
-            if n > SMEM_LIMIT - 8192:  # barriers and alignment take a few KiB more
+            if n > SMEM_LIMIT - SMEM_RESERVE:  # barriers and alignment take a few KiB more
                 raise ValueError(f"MosaicBlockSizes: the {name} kernel needs {n} bytes of shared "
                                  f"memory at head_dim={head_dim}; shrink its tiles or stages.")
 

@@ -44,7 +44,8 @@ FA_CASES = [(4096, False, 16, 16, 128), (4096, True, 16, 16, 128), (16384, False
             (16384, True, 32, 8, 128),
             # the non-causal D 128 case at other lengths, and 4k as one sequence of 64 heads
             # (the same work as case 0): which of steps a block or the batch sets a form's rate
-            (8192, False, 16, 16, 128), (2048, False, 16, 16, 128), (4096, False, 64, 64, 128, 1)]
+            (8192, False, 16, 16, 128), (2048, False, 16, 16, 128), (4096, False, 64, 64, 128, 1),
+            (2048, True, 16, 16, 128)]  # the 1b preset's training attention
 # (batch, context, q heads, kv heads, page size)
 PAGED_SHAPES = [(64, 4096, 32, 8, 16), (64, 4096, 32, 8, 64), (16, 16384, 32, 8, 64),
                 (128, 2048, 32, 32, 64), (8, 32768, 64, 8, 16)]
@@ -99,16 +100,11 @@ FWD_VARIANTS = {
     "ours_fused_bwd": dict(fused_bwd=True),  # dQ, dK, dV in one kernel (5 matmuls, reduce-add)
     "ours_two_kernel": dict(fused_bwd=False),  # a dQ kernel and a dK/dV kernel (7 matmuls)
     "ours_dq_bk128": dict(block_kv_dq=128),  # the dQ kernel: 128 key rows a step (wgmma N 128)
-    # Kernels that end waiting only for their stores' reads (CUTLASS's epilogue), and the
-    # backward consumers at 240 registers (producer 24, FlashAttention-3's split)
-    "ours_two_kernel_endread": dict(fused_bwd=False, end_wait_reads=True),
-    "ours_fused_bwd_endread": dict(fused_bwd=True, end_wait_reads=True),
-    "ours_fused_bwd_r232": dict(fused_bwd=True, regs_bwd=232),
+    # each kernel's last wait until its stores have landed, not only read (the default before)
+    "ours_endwait_writes": dict(end_wait_reads=False),
+    "ours_fused_bwd_r232": dict(fused_bwd=True, regs_bwd=232),  # 240 is the fused default
     "ours_two_kernel_r240": dict(fused_bwd=False, regs_bwd=240),
-    # the fused backward's dQ: summed as [B, heads, T, D]; leaving through two shared tiles
-    "ours_fused_bwd_hm": dict(fused_bwd=True, dq_heads_major=True),
-    "ours_fused_bwd_buf2": dict(fused_bwd=True, dq_buffers=2),
-    "ours_fused_bwd_hm_buf2": dict(fused_bwd=True, dq_heads_major=True, dq_buffers=2),
+    "ours_fused_bwd_hm": dict(fused_bwd=True, dq_heads_major=True),  # dQ summed as [B, N, T, D]
 }
 
 

@@ -154,7 +154,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     w = COMPUTE_WGS
     parts = dq_parts(d)  # dQ column parts a step: one per consumer (D 128), or one (D 64)
     dq_cols = d // parts
-    heads_major, n_buf = cfg.blocks.dq_heads_major, cfg.blocks.dq_buffers
+    heads_major = cfg.blocks.dq_heads_major
 
     def kernel(*refs):
         qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 8 if with_dq else 7)
@@ -213,13 +213,8 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                 def share():
                     dq = pl.run_scoped(scoped, plgpu.ACC((bq, dq_cols), jnp.float32))
                     plgpu.barrier_arrive(free.at[slot])
-                    buf = 0
-                    if n_buf > 1:  # by this consumer's count of shares
-                        buf = lax.rem(lax.div(s_idx - s_start, jnp.int32(w // parts)), n_buf)
-                    dq_tile = dq_smem.at[wg * n_buf + buf]
-                    q_rows, h = pl.ds(i * bq, bq), kvh * g + j
-                    # the share that last left through this tile has been read out of it
-                    plgpu.wait_smem_to_gmem(n_buf - 1, wait_read_only=True)
+                    dq_tile, q_rows, h = dq_smem.at[wg], pl.ds(i * bq, bq), kvh * g + j
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last share has left
                     dq_tile[...] = dq
                     plgpu.commit_smem()
                     dst = dq_ref if atomic else dq_ref.at[ki]
@@ -336,7 +331,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         plgpu.SMEM((st, bq), jnp.float32),  # delta
         None if cfg.regs else tiled_smem((w, bk, bq), dtype),  # P^T (and dS^T) staged in smem
         tiled_smem((2, w, bk, bq), dtype) if with_dq else None,  # dS^T of both consumers
-        tiled_smem((n_buf * w, bq, dq_cols), jnp.float32) if with_dq else None,  # dQ shares leaving
+        tiled_smem((w, bq, dq_cols), jnp.float32) if with_dq else None,  # a dQ share, leaving
         # dS^T stored (by step parity); [2]: both consumers' last dQ matmul done (K tiles free)
         plgpu.Barrier(num_arrivals=w, num_barriers=3) if with_dq else None,
         plgpu.Barrier(num_arrivals=2, num_barriers=w),  # K and V loaded

@@ -44,14 +44,14 @@ class MosaicBlockSizes:
     fused_bwd: bool | None = None  # backward: one kernel for dQ, dK, dV (5 tile matmuls, dQ
     # summed in fp32 by TMA reduce-add) instead of a dQ kernel and a dK/dV kernel (7); None:
     # where it measured faster on the H200 (`resolve_fused_bwd`)
-    end_wait_reads: bool = False  # every kernel ends waiting only until its last TMA stores
-    # have read shared memory (CUTLASS's epilogue), not until their writes have landed
+    end_wait_reads: bool = True  # every kernel ends waiting only until its last TMA stores
+    # have read shared memory (as CUTLASS's epilogues and jax's Hopper matmul do); False:
+    # until their writes have landed (the two kernels measured 0-2% slower so, four samples)
     regs_bwd: int | None = None  # registers of a backward consumer warpgroup; the producer
     # gets what is left of the launch's 64,512 (232: 40, 240: 24, FlashAttention-3's split);
     # None: 240 in the fused backward (its consumers spill at 232), 232 in the two kernels
     dq_heads_major: bool = False  # fused backward: dQ summed in fp32 as [B, heads, T, D], a
     # (query tile, head) one contiguous block, instead of [B, T, heads, D] (rows 8 KiB apart)
-    dq_buffers: int = 1  # fused backward: dQ shares leaving through this many shared tiles
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -60,9 +60,6 @@ class MosaicBlockSizes:
                 if value is not None and (value % 8 or not CONSUMER_REGS <= value <= 240):
                     raise ValueError(f"MosaicBlockSizes.regs_bwd={value}: use a multiple of 8 in "
                                      f"[{CONSUMER_REGS}, 240] (the producer keeps >= 24).")
-            elif f.name == "dq_buffers":
-                if value not in (1, 2):
-                    raise ValueError(f"MosaicBlockSizes.dq_buffers={value}: use 1 or 2.")
             elif f.name in ("manual_barriers_bwd", "end_wait_reads", "dq_heads_major"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
@@ -127,8 +124,7 @@ class MosaicBlockSizes:
                                          ((2 * self.stages_bwd, self.block_q_dkv), jnp.float32),
                                          *staged((w, self.block_kv_dkv, self.block_q_dkv)),
                                          ((2 * w, self.block_kv_dkv, self.block_q_dkv), h),  # dS^T by step parity
-                                         ((self.dq_buffers * w, self.block_q_dkv, d // dq_parts(d)),
-                                          jnp.float32)),
+                                         ((w, self.block_q_dkv, d // dq_parts(d)), jnp.float32)),
         }
 
     def check_smem(self, head_dim: int, regs: bool, persistent: bool = False):

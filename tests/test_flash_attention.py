@@ -24,6 +24,7 @@ from pallas_kernels.flash_attention import (
     pick_implementation,
 )
 from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes, flash_attention_mgpu
+from pallas_kernels.flash_attention_mgpu_common import producer_regs
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -236,6 +237,28 @@ class TestMosaicFlashAttention:
         blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(case[5]), fused_bwd=True)
         check_case(case[:-1] + (blocks,), lambda q, k, v, blocks, **kw: flash_attention(
             q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
+
+    @pytest.mark.parametrize("case", _mosaic_gpu_cases() if ON_GPU else MOSAIC_INTERPRET[:1], ids=case_id)
+    def test_fused_backward_heads_major_dq_matches_reference(self, case):
+        """dq_heads_major=True: the fused backward sums dQ in fp32 as [B, heads, T, D] (each
+        (query tile, head) one contiguous block) and transposes it back."""
+        blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(case[5]), fused_bwd=True,
+                                     dq_heads_major=True)
+        check_case(case[:-1] + (blocks,), lambda q, k, v, blocks, **kw: flash_attention(
+            q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
+
+    def test_backward_register_split(self):
+        """The fused backward's consumers get 240 registers, the two kernels' 232; the producer
+        what the launch's 168 x 384 leave (asking for more than that hangs the block)."""
+        assert MosaicBlockSizes(fused_bwd=True).consumer_regs_bwd == 240
+        assert MosaicBlockSizes(fused_bwd=False).consumer_regs_bwd == 232
+        assert MosaicBlockSizes(fused_bwd=True, regs_bwd=232).consumer_regs_bwd == 232
+        assert (producer_regs(232), producer_regs(240)) == (40, 24)
+        for regs in (240, 232):
+            assert 2 * 128 * regs + 128 * producer_regs(regs) <= 168 * 384
+        for bad in (248, 236, 224):
+            with pytest.raises(ValueError, match="regs_bwd"):
+                MosaicBlockSizes(regs_bwd=bad)
 
     @pytest.mark.skipif(not ON_GPU, reason="the interpreter runs this path in the test above")
     @pytest.mark.parametrize("case", MOSAIC_INTERPRET, ids=case_id)

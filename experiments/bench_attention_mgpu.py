@@ -45,7 +45,8 @@ FA_CASES = [(4096, False, 16, 16, 128), (4096, True, 16, 16, 128), (16384, False
             # the non-causal D 128 case at other lengths, and 4k as one sequence of 64 heads
             # (the same work as case 0): which of steps a block or the batch sets a form's rate
             (8192, False, 16, 16, 128), (2048, False, 16, 16, 128), (4096, False, 64, 64, 128, 1),
-            (2048, True, 16, 16, 128)]  # the 1b preset's training attention
+            (2048, True, 16, 16, 128),  # the 1b preset's training attention, and at its batch
+            (2048, True, 16, 16, 128, 24)]
 # (batch, context, q heads, kv heads, page size)
 PAGED_SHAPES = [(64, 4096, 32, 8, 16), (64, 4096, 32, 8, 64), (16, 16384, 32, 8, 64),
                 (128, 2048, 32, 32, 64), (8, 32768, 64, 8, 16)]

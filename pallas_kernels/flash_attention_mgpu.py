@@ -6,9 +6,10 @@ The kernels live in `flash_attention_mgpu_fwd.py` (forward) and `flash_attention
 the inputs.
 
 The structure is FlashAttention-3's (Shah et al. 2024): every thread block runs three
-warpgroups. A producer warpgroup, cut to 40 registers, streams K/V tiles (forward, dQ) or
-Q/dO/LSE/delta tiles (dK/dV) into a ring of shared-memory slots with TMA bulk copies that
-complete on barriers; two consumer warpgroups, raised to 232 registers, each own 64 query
+warpgroups. A producer warpgroup, cut to 40 registers (24 in the fused backward), streams K/V
+tiles (forward, dQ) or Q/dO/LSE/delta tiles (dK/dV) into a ring of shared-memory slots with TMA
+bulk copies that complete on barriers; two consumer warpgroups, raised to 232 registers (240 in
+the fused backward, FlashAttention-3's split), each own 64 query
 (or key) rows and run the tile matmuls on the tensor core with `wgmma`, freeing a slot
 through a "consumed" barrier that the producer waits on before refilling it. In the forward
 pass the two consumers ping-pong (on two hardware named barriers when compiling, an
@@ -17,7 +18,7 @@ overlaps the other's matmuls, and P is fed to the second matmul from registers. 
 causal mask the forward grid is persistent: one block per SM loops over the query tiles,
 its next tile's loads under this tile's epilogue. The kernels set their own barriers
 (`_mgpu.launch(manual_barriers=True)`), checked by the interpreter's race detector in the
-tests. Causal tiles above the diagonal are never loaded; only the diagonal tiles,
+tests; each kernel ends waiting only until its last TMA stores have read shared memory. Causal tiles above the diagonal are never loaded; only the diagonal tiles,
 the ragged last key tile and (with segment ids) every tile run the masked step.
 
 The algorithm is the one of `flash_attention.py` (online softmax in base 2, LSE saved,

@@ -96,8 +96,9 @@ class MosaicBlockSizes:
 
     def resolve_fused_bwd(self, head_dim: int, kv_len: int, regs: bool = True) -> bool:
         """The backward's form: as asked, or (None) fused at head dim 128 from 8k keys on, where
-        it measured 1-5% faster than the two kernels on the H200 (16k, causal and not; at 4k
-        4-10% slower: benchmarks/README.md), if its shared memory fits these tiles."""
+        it measured faster than the two kernels on the H200 (with its 240-register consumers:
+        +6% at 8k, +4-10% at 16k, causal and not; at 2k and 4k 5-16% slower:
+        benchmarks/README.md), if its shared memory fits these tiles."""
         if self.fused_bwd is not None:
             return self.fused_bwd
         fits = self._need(head_dim, regs, False)["fused backward"] <= SMEM_LIMIT - SMEM_RESERVE

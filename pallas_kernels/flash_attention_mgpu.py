@@ -18,8 +18,9 @@ overlaps the other's matmuls, and P is fed to the second matmul from registers. 
 causal mask the forward grid is persistent: one block per SM loops over the query tiles,
 its next tile's loads under this tile's epilogue. The kernels set their own barriers
 (`_mgpu.launch(manual_barriers=True)`), checked by the interpreter's race detector in the
-tests; each kernel ends waiting only until its last TMA stores have read shared memory. Causal tiles above the diagonal are never loaded; only the diagonal tiles,
-the ragged last key tile and (with segment ids) every tile run the masked step.
+tests; each kernel ends waiting only until its last TMA stores have read shared memory.
+Causal tiles above the diagonal are never loaded; only the diagonal tiles, the ragged last
+key tile and (with segment ids) every tile run the masked step.
 
 The algorithm is the one of `flash_attention.py` (online softmax in base 2, LSE saved,
 probabilities recomputed in the backward pass, delta = rowsum(dO * O) precomputed): the

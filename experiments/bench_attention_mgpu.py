@@ -25,6 +25,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 
 import jax
@@ -36,6 +37,9 @@ from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.paged_attention_mgpu import PagedBlockSizes
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_paged_attention import make_inputs  # noqa: E402
 
 TOKENS = 16384
 # (seq, causal, q heads, kv heads, head dim)
@@ -222,17 +226,6 @@ def run_fa(args, res, save):
             save()
 
 
-def paged_inputs(batch, ctx, hq, hkv, page, head_dim=128, seed=0):
-    pages_per_seq = ctx // page
-    total = batch * pages_per_seq
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (batch, hq, head_dim), jnp.bfloat16)
-    kp = jax.random.normal(ks[1], (hkv, total, page, head_dim), jnp.bfloat16)
-    vp = jax.random.normal(ks[2], (hkv, total, page, head_dim), jnp.bfloat16)
-    bt = jax.random.permutation(ks[3], total).reshape(batch, pages_per_seq).astype(jnp.int32)
-    return q, kp, vp, bt, jnp.full((batch,), ctx, jnp.int32)
-
-
 def run_paged(args, res, save):
     shapes = [(2, 256, 8, 2, 16)] if args.smoke else PAGED_SHAPES
     head_dim = 64 if args.smoke else 128
@@ -241,7 +234,7 @@ def run_paged(args, res, save):
             print("deadline: skipping", shape, flush=True)
             continue
         batch, ctx, hq, hkv, page = shape
-        q, kp, vp, bt, lengths = paged_inputs(*shape, head_dim=head_dim)
+        q, kp, vp, bt, lengths = make_inputs(*shape, head_dim=head_dim)
         kv_bytes = 2 * batch * ctx * hkv * head_dim * 2
         row = dict(B=batch, ctx=ctx, Hq=hq, Hkv=hkv, page=page, kv_GB=kv_bytes / 1e9, ours={})
         ref = jax.jit(paged_attention_reference)(q, kp, vp, bt, lengths)

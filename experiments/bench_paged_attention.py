@@ -58,13 +58,15 @@ def rel_err(out, ref):
     return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
 
 
-def make_inputs(batch, ctx, hq, hkv, page, seed=0):
+def make_inputs(batch, ctx, hq, hkv, page, head_dim=HEAD_DIM, seed=0):
+    """(q, K pages, V pages, block table, lengths): random bf16 pages of every sequence, full
+    to `ctx` tokens, in a shuffled block table (`bench_attention_mgpu.py` uses it too)."""
     pages_per_seq = ctx // page
     total = batch * pages_per_seq
     ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (batch, hq, HEAD_DIM), jnp.bfloat16)
-    kp = jax.random.normal(ks[1], (hkv, total, page, HEAD_DIM), jnp.bfloat16)
-    vp = jax.random.normal(ks[2], (hkv, total, page, HEAD_DIM), jnp.bfloat16)
+    q = jax.random.normal(ks[0], (batch, hq, head_dim), jnp.bfloat16)
+    kp = jax.random.normal(ks[1], (hkv, total, page, head_dim), jnp.bfloat16)
+    vp = jax.random.normal(ks[2], (hkv, total, page, head_dim), jnp.bfloat16)
     bt = jax.random.permutation(ks[3], total).reshape(batch, pages_per_seq).astype(jnp.int32)
     return q, kp, vp, bt, jnp.full((batch,), ctx, jnp.int32)
 

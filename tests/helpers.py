@@ -77,3 +77,18 @@ def lowered_for_sm90(f, *shapes) -> str:
     shared-memory slices, TMA strides, layouts) with no GPU. Its Mosaic GPU kernels are the
     text's `stablehlo.custom_call @mosaic_gpu` calls."""
     return jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def stash_update(acc, grads, versions, states, opt, i: int, window: int):
+    """PipeDream's sequential reference, one microbatch: stage s adds microbatch i's gradients
+    grads[s] to acc[s]; after every `window` microbatches it applies their mean to its newest
+    weights and appends the new version to versions[s] (acc, versions, states updated in place)."""
+    import optax
+
+    for s, g_s in enumerate(grads):
+        acc[s] = g_s if acc[s] is None else jax.tree.map(jnp.add, acc[s], g_s)
+        if (i + 1) % window == 0:
+            g = jax.tree.map(lambda a: a / window, acc[s])
+            upd, states[s] = opt.update(g, states[s], versions[s][-1])
+            versions[s].append(optax.apply_updates(versions[s][-1], upd))
+            acc[s] = None

@@ -12,9 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from helpers import assert_trees_close, mesh_of, run_steps_with_grads, small_config
+from helpers import assert_trees_close, mesh_of, run_steps_with_grads, small_config, stash_update
 
 from gendist import optim, train
 from gendist.data import TextData, shard_batch
@@ -183,13 +182,7 @@ def replay(cfg, params, batch, fwd_version, bwd_version, window):
         loss, (g1, cot) = grad1(versions[1][bwd_version(1, i)], x, tgt)
         grads = [grad0(versions[0][bwd_version(0, i)], tok, cot), g1]
         losses.append(float(loss))
-        for s in range(P_STAGES):
-            acc[s] = grads[s] if acc[s] is None else jax.tree.map(jnp.add, acc[s], grads[s])
-            if (i + 1) % window == 0:
-                g = jax.tree.map(lambda a: a / window, acc[s])
-                upd, states[s] = opt.update(g, states[s], versions[s][-1])
-                versions[s].append(optax.apply_updates(versions[s][-1], upd))
-                acc[s] = None
+        stash_update(acc, grads, versions, states, opt, i, window)
     final = [v[-1] for v in versions]
     blocks = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), final[0]["blocks"],
                           final[1]["blocks"])

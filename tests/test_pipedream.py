@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import stash_update
 from jax.sharding import Mesh
 
 from gendist.parallel import pipeline as pl
@@ -149,13 +150,7 @@ def replay(params, m, opt, fwd_version, bwd_version, window=1, seed=0):
         xs_in[0] = jnp.zeros(())  # stage 0 starts from tokens
         loss, grads = stage_grads(wb, xs_in, tok, tgt)
         losses.append(float(loss))
-        for s in range(p):
-            acc[s] = grads[s] if acc[s] is None else jax.tree.map(jnp.add, acc[s], grads[s])
-            if (i + 1) % window == 0:
-                g = jax.tree.map(lambda a: a / window, acc[s])
-                upd, states[s] = opt.update(g, states[s], versions[s][-1])
-                versions[s].append(optax.apply_updates(versions[s][-1], upd))
-                acc[s] = None
+        stash_update(acc, grads, versions, states, opt, i, window)
     final = [v[-1] for v in versions]
     layers = jax.tree.map(lambda *a: jnp.concatenate(a), *[w["layers"] for w in final])
     return {"embed": final[0]["embed"], "layers": layers, "head": final[-1]["head"]}, losses

@@ -18,7 +18,10 @@ from pallas_kernels._mgpu import COL, SMEM_LIMIT, WGMMA, smem_bytes
 COMPUTE_WGS = 2  # consumer warpgroups per block; warpgroup 2 is the producer
 CONSUMER_REGS = 232  # registers a consumer warpgroup's threads get by default
 FUSED_BWD_REGS = 240  # the fused backward's consumers (spills 120 B instead of 184 at 232)
-LAUNCH_REGS = 168 * 3 * 128  # what a block of 3 warpgroups launches with (168 a thread)
+LAUNCH_REGS = 168 * (COMPUTE_WGS + 1) * 128  # what a block launches with (168 a thread)
+MIN_PRODUCER_REGS = 24  # the fewest registers setmaxnreg can leave a warpgroup
+# the most a consumer may ask for, leaving the producer MIN_PRODUCER_REGS: 240
+MAX_CONSUMER_REGS = (LAUNCH_REGS - 128 * MIN_PRODUCER_REGS) // (128 * COMPUTE_WGS) // 8 * 8
 FUSED_BWD_MIN_KV = 8192  # keys from which the fused backward is the default (head dim 128)
 SMEM_RESERVE = 8192  # bytes of a block's shared memory left for barriers and alignment
 
@@ -57,9 +60,10 @@ class MosaicBlockSizes:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "regs_bwd":
-                if value is not None and (value % 8 or not CONSUMER_REGS <= value <= 240):
+                if value is not None and (value % 8 or not CONSUMER_REGS <= value <= MAX_CONSUMER_REGS):
                     raise ValueError(f"MosaicBlockSizes.regs_bwd={value}: use a multiple of 8 in "
-                                     f"[{CONSUMER_REGS}, 240] (the producer keeps >= 24).")
+                                     f"[{CONSUMER_REGS}, {MAX_CONSUMER_REGS}] (the producer keeps "
+                                     f">= {MIN_PRODUCER_REGS}).")
             elif f.name in ("manual_barriers_bwd", "end_wait_reads", "dq_heads_major"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")

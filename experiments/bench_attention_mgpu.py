@@ -127,10 +127,11 @@ def kernel_times(f, *args):
     longest first (which kernel of a backward form costs what, beside XLA's extra passes)."""
     from gendist import profiling
 
-    kinds = profiling.classify_hlo(f.lower(*args).compile().as_text())
-    jax.block_until_ready(f(*args))
+    compiled = f.lower(*args).compile()  # the program classified is the program profiled
+    kinds = profiling.classify_hlo(compiled.as_text())
+    jax.block_until_ready(compiled(*args))
     with profiling.trace() as prof:
-        jax.block_until_ready(f(*args))
+        jax.block_until_ready(compiled(*args))
     split = profiling.time_by_kind(prof.profile_data, kinds)
     return [dict(op=t["op"], kind=t["kind"], us=round(t["s"] * 1e6, 2)) for t in split["top_ops"][:12]]
 

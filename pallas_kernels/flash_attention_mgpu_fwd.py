@@ -92,7 +92,14 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
     dtype, g = q.dtype, cfg.groups
     n_qt = tp // (COMPUTE_WGS * bq)
     n_tiles = b * n * n_qt
-    blocks = min(cfg.sms, n_tiles) if cfg.persistent else n_tiles
+    # Causal and persistent: a block's unit of work is a pair of one head's query tiles, qi and
+    # n_qt - 1 - qi, whose K/V steps sum to the same count, so equal shares of units are
+    # equal shares of work (round-robin over single tiles is not: 132 blocks over 16 tiles a
+    # head gave some blocks 10 steps a tile and others 7).
+    paired = cfg.persistent and cfg.causal and n_qt % 2 == 0
+    per_unit = 2 if paired else 1
+    n_units = n_tiles // per_unit
+    blocks = min(cfg.sms, n_units) if cfg.persistent else n_tiles
     scale2 = cfg.sm_scale * LOG2E  # logits in base 2: exp(x) = exp2(x * log2 e)
 
     def tile_of(t):
@@ -102,6 +109,16 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
         if cfg.causal:  # the longest rows first: a better tail
             qi = n_qt - 1 - qi
         return bi, h, qi
+
+    def tile_at(blk, i):
+        """(batch, head, q tile) of block blk's i-th tile: flat tiles blk, blk + blocks, ...;
+        paired: units blk, blk + blocks, ..., each its head's tile n_qt - 1 - u then u."""
+        if not paired:
+            return tile_of(blk + i * blocks)
+        u = blk + lax.div(i, 2) * blocks
+        bh, kk = lax.div(u, n_qt // 2), lax.rem(u, n_qt // 2)
+        qi = jnp.where(lax.rem(i, 2) == 0, n_qt - 1 - kk, kk)
+        return lax.div(bh, n), lax.rem(bh, n), qi
 
     def kernel(*refs):
         qoff_ref, (q_ref, k_ref, v_ref), qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 4)
@@ -113,7 +130,7 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
         q_off = qoff_ref[0]
         if cfg.persistent:
             blk = lax.axis_index("sm")
-            n_mine = lax.div(n_tiles - 1 - blk, blocks) + 1  # tiles blk, blk + blocks, ...
+            n_mine = per_unit * (lax.div(n_units - 1 - blk, blocks) + 1)  # units blk, blk + blocks, ...
         else:
             blk = lax.axis_index("t")
             n_mine = 1
@@ -123,10 +140,10 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
             return kv_steps(cfg, q_off + block_lo, q_off + block_lo + COMPUTE_WGS * bq - 1, bk)
 
         def tiles(body):
-            """body(local index, flat tile, K/V steps before it) -> the tile's K/V steps, over
-            this block's tiles; returns the block's K/V steps."""
+            """body(local index, (batch, head, q tile), K/V steps before it) -> the tile's K/V
+            steps, over this block's tiles; returns the block's K/V steps."""
             def one(i, done):
-                return done + body(i, blk + i * blocks, done)
+                return done + body(i, tile_at(blk, i), done)
             return lax.fori_loop(0, n_mine, one, jnp.int32(0))
 
         turns = PingPong(wg, None if cfg.named_schedule else sched)
@@ -135,15 +152,15 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
         def _consumer():
             q_tile, o_tile = q_smem.at[wg], o_smem.at[wg]
 
-            def load_q(t):
-                bi, h, qi = tile_of(t)
+            def load_q(i):  # this block's i-th tile's Q rows
+                bi, h, qi = tile_at(blk, i)
                 q_row = qi * (COMPUTE_WGS * bq) + wg * bq
                 plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_row, bq), h], q_tile, q_bar.at[wg])
 
-            load_q(blk)
+            load_q(0)
 
-            def run_tile(i, t, done):
-                bi, h, qi = tile_of(t)
+            def run_tile(i, tile, done):
+                bi, h, qi = tile
                 n_full, n_end = steps_of(qi)
                 q_row = qi * (COMPUTE_WGS * bq) + wg * bq
                 q_seg = None
@@ -212,7 +229,7 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
                 acc, m, l = carry
                 turns.end()
                 # Every Q K^T of this tile is done: the next tile's Q may land in q_tile now.
-                pl.when(i + 1 < n_mine)(lambda: load_q(t + blocks))
+                pl.when(i + 1 < n_mine)(lambda: load_q(i + 1))
 
                 seen = l > 0.0  # rows with no visible key give 0 and an LSE of +inf (P = 0 later)
                 inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
@@ -232,8 +249,8 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
 
         @producer(wg)
         def _producer():
-            def feed(i, t, done):
-                bi, h, qi = tile_of(t)
+            def feed(i, tile, done):
+                bi, h, qi = tile
                 n_end = steps_of(qi)[1]
                 stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, bi=bi,
                           kvh=lax.div(h, jnp.int32(g)), n_steps=n_end, bk=bk, stages=st,

@@ -277,14 +277,18 @@ class TestMosaicFlashAttention:
                    lambda q, k, v, blocks, **kw: flash_attention(
                        q, k, v, block_sizes=blocks, implementation="mosaic", **kw))
 
-    @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-    def test_persistent_forward_equals_one_block_per_tile(self, causal):
+    @pytest.mark.parametrize("causal,q_len,kv_len", [(False, 300, 200), (True, 300, 200),
+                                                      (True, 512, 512)],
+                             ids=["full", "causal", "causal_paired"])
+    def test_persistent_forward_equals_one_block_per_tile(self, causal, q_len, kv_len):
         """The persistent grid (each block several tiles, the K/V ring, barriers and the next
         tile's Q carried over) gives bitwise the output of one block per tile. On CPU the
-        persistent grid has 2 blocks for 3 x 2 x 2 = 12 tiles (ragged query tiles, GQA)."""
+        persistent grid has 2 blocks for 3 x 2 x 2 = 12 tiles (ragged query tiles, GQA); at
+        512 causal rows (4 query tiles a head) each block runs 4 pairs of one head's tiles
+        (3 and 0, 2 and 1: the causal schedule), every tile once."""
         rng = np.random.default_rng(7)
-        q, k, v = (normal(rng, (2, 300, 2, 64), BF16), normal(rng, (2, 200, 1, 64), BF16),
-                   normal(rng, (2, 200, 1, 64), BF16))
+        q, k, v = (normal(rng, (2, q_len, 2, 64), BF16), normal(rng, (2, kv_len, 1, 64), BF16),
+                   normal(rng, (2, kv_len, 1, 64), BF16))
         outs = [flash_attention_mgpu(q, k, v, causal=causal, interpret=not ON_GPU, block_sizes=dataclasses.replace(
                     MosaicBlockSizes.for_head_dim(64), persistent=p)) for p in (False, True)]
         np.testing.assert_array_equal(np.asarray(outs[1], np.float32), np.asarray(outs[0], np.float32))

@@ -99,7 +99,7 @@ ST3 = MosaicBlockSizes(stages_bwd=3)
 # backward kernels with Pallas's automatic barriers.
 FWD_VARIANTS = {
     "ours_grid": dict(persistent=False),
-    "ours_persistent": dict(persistent=True),  # causal too: pairs of one head's query tiles
+    "ours_dq_grid": dict(persistent_dq=False),  # the dQ kernel one block per tile (before)
     "ours_mbar": dict(named_schedule=False),
     "ours_grid_mbar": dict(persistent=False, named_schedule=False),
     "ours_bwd_autobar": dict(manual_barriers_bwd=False),  # the backward with Pallas's barriers

@@ -14,9 +14,10 @@ the fused backward, FlashAttention-3's split), each own 64 query
 through a "consumed" barrier that the producer waits on before refilling it. In the forward
 pass the two consumers ping-pong (on two hardware named barriers when compiling, an
 mbarrier in the interpreter) so that one's softmax (exp2 on the multi-function unit)
-overlaps the other's matmuls, and P is fed to the second matmul from registers. Without a
-causal mask the forward grid is persistent: one block per SM loops over the query tiles,
-its next tile's loads under this tile's epilogue. The kernels set their own barriers
+overlaps the other's matmuls, and P is fed to the second matmul from registers. The forward
+grid is persistent: one block per SM loops over the query tiles,
+its next tile's loads under this tile's epilogue (with a causal mask, over pairs of one head's tiles
+whose key steps sum to the same: `TileSchedule`). The kernels set their own barriers
 (`_mgpu.launch(manual_barriers=True)`), checked by the interpreter's race detector in the
 tests; each kernel ends waiting only until its last TMA stores have read shared memory.
 Causal tiles above the diagonal are never loaded; only the diagonal tiles, the ragged last
@@ -95,13 +96,15 @@ def flash_attention_mgpu(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = False,
     blocks = block_sizes or MosaicBlockSizes.for_head_dim(h)
     regs = (not interpret) if regs is None else bool(regs)
     blocks = dataclasses.replace(blocks, fused_bwd=blocks.resolve_fused_bwd(h, s, regs))
-    persistent = blocks.resolve_persistent(h, regs, bool(causal))
-    blocks.check_smem(h, regs, persistent)
+    persistent = blocks.resolve_persistent(h, regs, bool(causal), t)
+    persistent_dq = blocks.resolve_persistent_dq(h, regs, bool(causal), t)
+    blocks.check_smem(h, regs, persistent, persistent_dq)
     cfg = MosaicConfig(
         causal=bool(causal), sm_scale=float(1 / math.sqrt(h) if sm_scale is None else sm_scale),
         blocks=blocks, q_len=t, kv_len=s, groups=n // kh,
         segments=q_segment_ids is not None, regs=regs, interpret=bool(interpret),
-        persistent=persistent, sms=INTERPRET_SMS if interpret else sm_count())
+        persistent=persistent, persistent_dq=persistent_dq,
+        sms=INTERPRET_SMS if interpret else sm_count())
     qoff = jnp.asarray(q_offset, jnp.int32).reshape(1)
     q_seg = kv_seg = None
     if cfg.segments:

@@ -16,6 +16,7 @@ from pallas_kernels._mgpu import COL, LOG2E, ROW, launch, tiled_smem
 from pallas_kernels.flash_attention_mgpu_common import (
     COMPUTE_WGS,
     MosaicConfig,
+    TileSchedule,
     bcast_cols,
     bcast_rows,
     cdiv,
@@ -38,85 +39,117 @@ from pallas_kernels.flash_attention_mgpu_common import (
 
 def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta):
     """dQ [B, q_pad, N, D]: per query tile, S = Q K^T, dP = dO V^T, dS = P (dP - delta),
-    dQ += dS K over the visible key tiles."""
+    dQ += dS K over the visible key tiles. With `cfg.persistent_dq` one block per SM runs
+    the tiles of a `TileSchedule` (the forward's): the K/V ring carries on from tile to tile,
+    the next tile's Q and dO are loaded once this tile's last matmul has read them, and dQ
+    leaves through its own shared tile, so the next tile's loads run under this epilogue."""
     b, tp, n, d = q.shape
     bq, bk, st = cfg.blocks.block_q_dq, cfg.blocks.block_kv_dq, cfg.blocks.stages_bwd
     dtype, g = q.dtype, cfg.groups
     n_qt = tp // (COMPUTE_WGS * bq)
+    order = TileSchedule(b, n, n_qt, cfg.causal, cfg.persistent_dq, cfg.sms)
     scale2 = cfg.sm_scale * LOG2E
 
     def kernel(*refs):
         qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 7)
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
-        dq_ref, q_smem, do_smem, k_smem, v_smem, ds_smem = rest[:6]
-        qdo_bar, k_bar, v_bar, free = rest[6:]
-        qi = lax.axis_index("q")
-        if cfg.causal:
-            qi = n_qt - 1 - qi
-        h, bi, wg = lax.axis_index("h"), lax.axis_index("b"), lax.axis_index("wg")
+        dq_ref, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem = rest[:7]
+        qdo_bar, k_bar, v_bar, free = rest[7:]
+        if dq_smem is None:  # one tile per block: dQ leaves through the Q tile
+            dq_smem = q_smem
+        blk, wg = lax.axis_index(order.grid_name), lax.axis_index("wg")
+        n_mine = order.n_mine(blk)
         q_off = qoff_ref[0]
-        block_lo = qi * (COMPUTE_WGS * bq)
-        n_full, n_end = kv_steps(cfg, q_off + block_lo, q_off + block_lo + COMPUTE_WGS * bq - 1, bk,
-                                  length=False)
+
+        def steps_of(qi):
+            block_lo = qi * (COMPUTE_WGS * bq)
+            return kv_steps(cfg, q_off + block_lo, q_off + block_lo + COMPUTE_WGS * bq - 1, bk,
+                            length=False)
 
         @consumers(wg, cfg.blocks.consumer_regs_bwd)
         def _consumer():
-            q_row = block_lo + wg * bq
-            rows, (q_tile, do_tile) = own_tiles([(q_ref, q_smem), (do_ref, do_smem)], wg, q_row,
-                                                bq, bi, h, qdo_bar)
-            lse_r = plgpu.load(lse_ref.at[bi, h, rows], layout=ROW, optimized=False)
-            delta_r = plgpu.load(delta_ref.at[bi, h, rows], layout=ROW, optimized=False)
-            q_seg = None
-            if cfg.segments:
-                q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=ROW, optimized=False)
-            plgpu.barrier_wait(qdo_bar.at[wg])
+            q_tile, do_tile, dq_tile = q_smem.at[wg], do_smem.at[wg], dq_smem.at[wg]
 
-            def run(dq_acc):
-                def step(j, carry, masked: bool):
-                    slot = lax.rem(j, st)
-                    plgpu.barrier_wait(k_bar.at[slot])
-                    plgpu.barrier_wait(v_bar.at[slot])
+            def load_own(i):  # this block's i-th tile's Q and dO rows
+                bi, h, qi = order.tile_at(blk, i)
+                own_tiles([(q_ref, q_smem), (do_ref, do_smem)], wg, qi * (COMPUTE_WGS * bq) + wg * bq,
+                          bq, bi, h, qdo_bar)
 
-                    def s_dp(s_acc, dp_acc):
-                        plgpu.wgmma(s_acc, q_tile, k_smem.at[slot].transpose((1, 0)))
-                        plgpu.wgmma(dp_acc, do_tile, v_smem.at[slot].transpose((1, 0)))
-                        return s_acc[...], dp_acc[...]
+            load_own(0)
 
-                    acc_t = plgpu.ACC((bq, bk), jnp.float32)
-                    s, dp = pl.run_scoped(s_dp, acc_t, acc_t)
-                    if masked:  # padded keys are zero: they add 0 to dQ (no length mask)
-                        s = mask_rows_by_keys(cfg, s, q_off + q_row, j * bk, q_seg, kvseg_ref, bi,
-                                              length=False)
-                    p = jnp.exp2(s * scale2 - bcast_rows(lse_r, s.shape))
-                    ds = (p * (dp - bcast_rows(delta_r, s.shape))).astype(dtype)
-                    wgmma_from(dq_acc, ds, k_smem.at[slot], None if cfg.regs else ds_smem.at[wg])
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(free.at[slot])
-                    return carry
+            def run_tile(i, tile, done):
+                bi, h, qi = tile
+                n_full, n_end = steps_of(qi)
+                q_row = qi * (COMPUTE_WGS * bq) + wg * bq
+                rows = pl.ds(q_row, bq)
+                lse_r = plgpu.load(lse_ref.at[bi, h, rows], layout=ROW, optimized=False)
+                delta_r = plgpu.load(delta_ref.at[bi, h, rows], layout=ROW, optimized=False)
+                q_seg = None
+                if cfg.segments:
+                    q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=ROW, optimized=False)
+                plgpu.barrier_wait(qdo_bar.at[wg])
 
-                lax.fori_loop(0, n_full, functools.partial(step, masked=False), 0)
-                if cfg.causal or cfg.segments:
-                    lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), 0)
-                return dq_acc[...]
+                def run(dq_acc):
+                    def step(j, carry, masked: bool):
+                        slot = lax.rem(done + j, st)
+                        plgpu.barrier_wait(k_bar.at[slot])
+                        plgpu.barrier_wait(v_bar.at[slot])
 
-            dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
-            q_tile[...] = (dq * cfg.sm_scale).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[bi, rows, h])
+                        def s_dp(s_acc, dp_acc):
+                            plgpu.wgmma(s_acc, q_tile, k_smem.at[slot].transpose((1, 0)))
+                            plgpu.wgmma(dp_acc, do_tile, v_smem.at[slot].transpose((1, 0)))
+                            return s_acc[...], dp_acc[...]
+
+                        acc_t = plgpu.ACC((bq, bk), jnp.float32)
+                        s, dp = pl.run_scoped(s_dp, acc_t, acc_t)
+                        if masked:  # padded keys are zero: they add 0 to dQ (no length mask)
+                            s = mask_rows_by_keys(cfg, s, q_off + q_row, j * bk, q_seg, kvseg_ref, bi,
+                                                  length=False)
+                        p = jnp.exp2(s * scale2 - bcast_rows(lse_r, s.shape))
+                        ds = (p * (dp - bcast_rows(delta_r, s.shape))).astype(dtype)
+                        wgmma_from(dq_acc, ds, k_smem.at[slot], None if cfg.regs else ds_smem.at[wg])
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(free.at[slot])
+                        return carry
+
+                    lax.fori_loop(0, n_full, functools.partial(step, masked=False), 0)
+                    if cfg.causal or cfg.segments:
+                        lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), 0)
+                    return dq_acc[...]
+
+                dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
+                # Every matmul of this tile has read Q and dO: the next tile's may land there.
+                pl.when(i + 1 < n_mine)(lambda: load_own(i + 1))
+                if cfg.persistent_dq:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dQ has left
+                dq_tile[...] = (dq * cfg.sm_scale).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dq_tile, dq_ref.at[bi, rows, h])
+                return n_end
+
+            order.loop(blk, run_tile)
             end_wait(cfg)
 
         @producer(wg, cfg.blocks.consumer_regs_bwd)
         def _producer():
-            stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, free, free, bi=bi,
-                      kvh=lax.div(h, jnp.int32(g)), n_steps=n_end, bk=bk, stages=st)
+            def feed(i, tile, done):
+                bi, h, qi = tile
+                n_end = steps_of(qi)[1]
+                stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, free, free, bi=bi,
+                          kvh=lax.div(h, jnp.int32(g)), n_steps=n_end, bk=bk, stages=st,
+                          done=done)
+                return n_end
+
+            drain(order.loop(blk, feed), st, free)
 
     w = COMPUTE_WGS
     scratch = (
-        tiled_smem((w, bq, d), dtype),  # Q tiles, then dQ tiles
+        tiled_smem((w, bq, d), dtype),  # Q tiles (and dQ's way out, one tile per block)
         tiled_smem((w, bq, d), dtype),  # dO tiles
         tiled_smem((st, bk, d), dtype),
         tiled_smem((st, bk, d), dtype),
         None if cfg.regs else tiled_smem((w, bq, bk), dtype),  # dS, when staged in smem
+        tiled_smem((w, bq, d), dtype) if cfg.persistent_dq else None,  # dQ tiles on their way out
         plgpu.Barrier(num_arrivals=2, num_barriers=w),  # Q and dO loaded
         plgpu.Barrier(num_barriers=st),  # K slot filled
         plgpu.Barrier(num_barriers=st),  # V slot filled
@@ -124,7 +157,7 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
     )
     args = with_segments(cfg, [qoff, q, k, v, do, lse, delta], q_seg, kv_seg)
     return launch(kernel, args, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch,
-                  grid=(n_qt, n, b), grid_names=("q", "h", "b"), num_threads=w + 1,
+                  grid=(order.blocks,), grid_names=(order.grid_name,), num_threads=w + 1,
                   interpret=cfg.interpret, manual_barriers=cfg.blocks.manual_barriers_bwd)
 
 

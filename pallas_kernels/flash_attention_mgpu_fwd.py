@@ -23,6 +23,7 @@ from pallas_kernels._mgpu import (
 from pallas_kernels.flash_attention_mgpu_common import (
     COMPUTE_WGS,
     MosaicConfig,
+    TileSchedule,
     bcast_rows,
     consumers,
     drain,
@@ -81,44 +82,18 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
     A tile is 2 x block_q query rows of one (batch, head): consumer warpgroup w owns rows
     w * block_q of it. Without `cfg.persistent` the grid has one block per tile. With it the
     grid has `cfg.sms` blocks and block i runs tiles i, i + sms, ... (in (batch, head, q tile)
-    order, so neighbouring SMs stream the same K/V through L2): the K/V ring and every barrier
-    carry on from one tile to the next, the next tile's Q copy is issued as soon as this
-    tile's last Q K^T is done, and O leaves through its own shared tile, so the next tile's
-    loads run under this tile's epilogue instead of after it (FlashAttention-3's persistent
-    schedule for the non-causal case).
+    order, so neighbouring SMs stream the same K/V through L2; with a causal mask pairs of
+    one head's tiles: `TileSchedule`): the K/V ring and every barrier carry on from one tile
+    to the next, the next tile's Q copy is issued as soon as this tile's last Q K^T is done,
+    and O leaves through its own shared tile, so the next tile's loads run under this tile's
+    epilogue instead of after it (FlashAttention-3's persistent schedule).
     """
     b, tp, n, d = q.shape
     bq, bk, st = cfg.blocks.block_q, cfg.blocks.block_kv, cfg.blocks.stages
     dtype, g = q.dtype, cfg.groups
     n_qt = tp // (COMPUTE_WGS * bq)
-    n_tiles = b * n * n_qt
-    # Causal and persistent: a block's unit of work is a pair of one head's query tiles, qi and
-    # n_qt - 1 - qi, whose K/V steps sum to the same count, so equal shares of units are
-    # equal shares of work (round-robin over single tiles is not: 132 blocks over 16 tiles a
-    # head gave some blocks 10 steps a tile and others 7).
-    paired = cfg.persistent and cfg.causal and n_qt % 2 == 0
-    per_unit = 2 if paired else 1
-    n_units = n_tiles // per_unit
-    blocks = min(cfg.sms, n_units) if cfg.persistent else n_tiles
+    order = TileSchedule(b, n, n_qt, cfg.causal, cfg.persistent, cfg.sms)
     scale2 = cfg.sm_scale * LOG2E  # logits in base 2: exp(x) = exp2(x * log2 e)
-
-    def tile_of(t):
-        """(batch, head, q tile) of flat tile t; causal tiles longest rows first."""
-        bi, rest = lax.div(t, n * n_qt), lax.rem(t, n * n_qt)
-        h, qi = lax.div(rest, n_qt), lax.rem(rest, n_qt)
-        if cfg.causal:  # the longest rows first: a better tail
-            qi = n_qt - 1 - qi
-        return bi, h, qi
-
-    def tile_at(blk, i):
-        """(batch, head, q tile) of block blk's i-th tile: flat tiles blk, blk + blocks, ...;
-        paired: units blk, blk + blocks, ..., each its head's tile n_qt - 1 - u then u."""
-        if not paired:
-            return tile_of(blk + i * blocks)
-        u = blk + lax.div(i, 2) * blocks
-        bh, kk = lax.div(u, n_qt // 2), lax.rem(u, n_qt // 2)
-        qi = jnp.where(lax.rem(i, 2) == 0, n_qt - 1 - kk, kk)
-        return lax.div(bh, n), lax.rem(bh, n), qi
 
     def kernel(*refs):
         qoff_ref, (q_ref, k_ref, v_ref), qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 4)
@@ -128,23 +103,15 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
         q_bar, k_bar, v_bar, k_free, v_free, sched = rest[8:]
         wg = lax.axis_index("wg")
         q_off = qoff_ref[0]
-        if cfg.persistent:
-            blk = lax.axis_index("sm")
-            n_mine = per_unit * (lax.div(n_units - 1 - blk, blocks) + 1)  # units blk, blk + blocks, ...
-        else:
-            blk = lax.axis_index("t")
-            n_mine = 1
+        blk = lax.axis_index(order.grid_name)
+        n_mine = order.n_mine(blk)
 
         def steps_of(qi):
             block_lo = qi * (COMPUTE_WGS * bq)
             return kv_steps(cfg, q_off + block_lo, q_off + block_lo + COMPUTE_WGS * bq - 1, bk)
 
         def tiles(body):
-            """body(local index, (batch, head, q tile), K/V steps before it) -> the tile's K/V
-            steps, over this block's tiles; returns the block's K/V steps."""
-            def one(i, done):
-                return done + body(i, tile_at(blk, i), done)
-            return lax.fori_loop(0, n_mine, one, jnp.int32(0))
+            return order.loop(blk, body)
 
         turns = PingPong(wg, None if cfg.named_schedule else sched)
 
@@ -153,7 +120,7 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
             q_tile, o_tile = q_smem.at[wg], o_smem.at[wg]
 
             def load_q(i):  # this block's i-th tile's Q rows
-                bi, h, qi = tile_at(blk, i)
+                bi, h, qi = order.tile_at(blk, i)
                 q_row = qi * (COMPUTE_WGS * bq) + wg * bq
                 plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_row, bq), h], q_tile, q_bar.at[wg])
 
@@ -277,5 +244,5 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
     args = with_segments(cfg, [qoff, q, k, v], q_seg, kv_seg)
     return launch(kernel, args, out_type=(jax.ShapeDtypeStruct((b, tp, n, d), dtype),
                                           jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
-                  scratch=scratch, grid=(blocks,), grid_names=("sm" if cfg.persistent else "t",),
+                  scratch=scratch, grid=(order.blocks,), grid_names=(order.grid_name,),
                   num_threads=w + 1, interpret=cfg.interpret, manual_barriers=True)

@@ -24,7 +24,8 @@ from pallas_kernels.flash_attention import (
     pick_implementation,
 )
 from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes, flash_attention_mgpu
-from pallas_kernels.flash_attention_mgpu_common import producer_regs
+from pallas_kernels.flash_attention_mgpu_bwd import backward_dq
+from pallas_kernels.flash_attention_mgpu_common import MosaicConfig, producer_regs
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -295,6 +296,30 @@ class TestMosaicFlashAttention:
         ref = mha_reference(*(x.astype(F32) for x in (q, k, v)), causal=causal)
         assert rel_err(outs[1], ref) < TOL[BF16]
 
+    @pytest.mark.parametrize("causal,q_len,kv_len", [(False, 300, 200), (True, 300, 200),
+                                                      (True, 512, 512)],
+                             ids=["full", "causal", "causal_paired"])
+    def test_persistent_dq_equals_one_block_per_tile(self, causal, q_len, kv_len):
+        """The dQ kernel on the persistent schedule (the K/V ring carried over, the next
+        tile's Q and dO loaded under this tile's epilogue, dQ out through its own tiles)
+        gives bitwise the gradients of one block per tile (2 blocks on CPU; ragged tiles,
+        GQA, causal pairs)."""
+        rng = np.random.default_rng(9)
+        q, k, v = (normal(rng, (2, q_len, 2, 64), BF16), normal(rng, (2, kv_len, 1, 64), BF16),
+                   normal(rng, (2, kv_len, 1, 64), BF16))
+        do = normal(rng, (2, q_len, 2, 64), BF16)
+        grads = []
+        for p in (False, True):
+            bb = dataclasses.replace(MosaicBlockSizes.for_head_dim(64), persistent_dq=p, fused_bwd=False)
+            _, vjp = jax.vjp(lambda q, k, v, bb=bb: flash_attention_mgpu(
+                q, k, v, causal=causal, interpret=not ON_GPU, block_sizes=bb), q, k, v)
+            grads.append(vjp(do))
+        for a, b in zip(*grads, strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        ref = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=causal),
+                      *(x.astype(F32) for x in (q, k, v)))[1](do.astype(F32))
+        assert rel_err(grads[1][0], ref[0]) < TOL[BF16]
+
     @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector")
     @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
     def test_kernels_have_no_shared_memory_race(self, causal):
@@ -311,14 +336,22 @@ class TestMosaicFlashAttention:
                 out = flash_attention_mgpu(q, k, v, causal=causal, interpret=True, block_sizes=blocks)
                 jax.block_until_ready(out)
                 assert not interpreter_races_found(), f"forward, persistent={persistent}"
-                # The backward kernels (no persistent form): fused, then the two-kernel form
-                # (the race state is the last kernel's: dK/dV's there).
+                # The backward kernels: fused, then the two-kernel form with the persistent
+                # dQ kernel (the race state is the last kernel's: dK/dV's there).
                 for fused in (True, False) if persistent else ():
-                    bb = dataclasses.replace(blocks, fused_bwd=fused)
+                    bb = dataclasses.replace(blocks, fused_bwd=fused, persistent_dq=not fused)
                     _, vjp = jax.vjp(lambda q, k, v, bb=bb: flash_attention_mgpu(
                         q, k, v, causal=causal, interpret=True, block_sizes=bb), q, k, v)
                     jax.block_until_ready(vjp(out))
                     assert not interpreter_races_found(), f"backward, fused={fused}"
+                if persistent:  # the persistent dQ kernel alone (above, dK/dV's state is read)
+                    cfg = MosaicConfig(causal=causal, sm_scale=0.125, blocks=blocks, q_len=256,
+                                       kv_len=256, groups=heads, segments=False, regs=False,
+                                       interpret=True, persistent_dq=True, sms=2)
+                    lse = delta = jnp.zeros((1, heads, 256), F32)
+                    dq = backward_dq(cfg, q, k, v, jnp.zeros((1,), jnp.int32), None, None, lse, q, delta)
+                    jax.block_until_ready(dq)
+                    assert not interpreter_races_found(), "persistent dQ"
 
     def test_fused_backward_is_the_default_only_where_it_measured_faster(self):
         blocks = MosaicBlockSizes.for_head_dim(128)

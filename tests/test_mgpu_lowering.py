@@ -27,7 +27,8 @@ def kernels_lowered_for_sm90(f, *shapes) -> int:
 # (seq, q heads, kv heads, head dim, causal, MosaicBlockSizes changes)
 FA = [(4096, 16, 16, 128, False, {}), (2048, 32, 8, 128, True, {}),
       (1024, 8, 8, 64, True, dict(fused_bwd=True)), (2048, 8, 8, 128, False, dict(fused_bwd=True)),
-      (2048, 16, 16, 128, True, dict(persistent=True))]  # the causal persistent forward (pairs)
+      (2048, 16, 16, 128, True, dict(persistent_dq=True)),  # causal: the persistent forward (the
+      (1024, 16, 16, 128, False, dict(persistent_dq=True))]  # default) and dQ kernel (pairs)
 
 
 @pytest.mark.parametrize("seq,heads,kv_heads,head_dim,causal,change", FA)

@@ -23,6 +23,7 @@ MIN_PRODUCER_REGS = 24  # the fewest registers setmaxnreg can leave a warpgroup
 # the most a consumer may ask for, leaving the producer MIN_PRODUCER_REGS: 240
 MAX_CONSUMER_REGS = (LAUNCH_REGS - 128 * MIN_PRODUCER_REGS) // (128 * COMPUTE_WGS) // 8 * 8
 FUSED_BWD_MIN_KV = 8192  # keys from which the fused backward is the default (head dim 128)
+PERSISTENT_DQ_MAX_KV = 2048  # keys up to which the dQ kernel is persistent by default
 SMEM_RESERVE = 8192  # bytes of a block's shared memory left for barriers and alignment
 
 
@@ -42,7 +43,7 @@ class MosaicBlockSizes:
     # next tile's Q load and K/V stream under this tile's epilogue; with a causal mask over
     # pairs of one head's tiles); None: where it fits and pairs (`resolve_persistent`)
     persistent_dq: bool | None = None  # the dQ kernel on the same persistent schedule; None:
-    # where its dQ out tiles fit and (causal) the tiles pair up
+    # up to PERSISTENT_DQ_MAX_KV keys, where its dQ out tiles fit and (causal) the tiles pair
     named_schedule: bool | None = None  # forward: the consumers' ping-pong on two hardware
     # named barriers (bar.arrive / bar.sync) instead of an mbarrier; None: when compiling
     manual_barriers_bwd: bool = True  # backward kernels: only their own barriers (no warpgroup
@@ -106,16 +107,20 @@ class MosaicBlockSizes:
             return False
         return self._need(head_dim, regs, True)["forward"] <= SMEM_LIMIT - SMEM_RESERVE
 
-    def resolve_persistent_dq(self, head_dim: int, regs: bool, causal: bool, q_len: int) -> bool:
-        """The dQ kernel's grid: as asked, or (None) persistent where its dQ out tiles fit in
-        shared memory and, with a causal mask, its query tiles pair up."""
+    def resolve_persistent_dq(self, head_dim: int, regs: bool, causal: bool, q_len: int,
+                              kv_len: int) -> bool:
+        """The dQ kernel's grid: as asked, or (None) persistent up to PERSISTENT_DQ_MAX_KV
+        keys (short tiles, where a tile's prologue and epilogue weigh most), where its dQ out
+        tiles fit in shared memory and, with a causal mask, its query tiles pair up. H200,
+        forward+backward: +5% at 2k causal x batch 24, +2% at x 8; at 4k -1.5% (no mask),
+        -1.7% (causal), 0% (causal GQA): benchmarks/README.md."""
         fits = self._need(head_dim, regs, False, True)["dq"] <= SMEM_LIMIT - SMEM_RESERVE
         if self.persistent_dq is not None:
             if self.persistent_dq and not fits:
                 raise ValueError("MosaicBlockSizes.persistent_dq=True: the dQ kernel's tiles and "
                                  "its dQ out tiles do not fit shared memory; shrink block_q_dq.")
             return self.persistent_dq
-        if causal and (-(-q_len // (COMPUTE_WGS * self.block_q_dq))) % 2:
+        if kv_len > PERSISTENT_DQ_MAX_KV or causal and (-(-q_len // (COMPUTE_WGS * self.block_q_dq))) % 2:
             return False
         return fits
 

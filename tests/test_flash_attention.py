@@ -353,6 +353,20 @@ class TestMosaicFlashAttention:
                     jax.block_until_ready(dq)
                     assert not interpreter_races_found(), "persistent dQ"
 
+    def test_persistent_grids_are_the_default_only_where_they_measured_faster(self):
+        blocks = MosaicBlockSizes.for_head_dim(128)
+        # the forward: without a mask, and causal when its 128-row tiles pair up
+        assert blocks.resolve_persistent(128, True, False, 4096)
+        assert blocks.resolve_persistent(128, True, True, 2048)
+        assert not blocks.resolve_persistent(128, True, True, 1920)  # 15 tiles: no pairs
+        # the dQ kernel: up to 2k keys (faster at 2k causal, not at 4k)
+        assert blocks.resolve_persistent_dq(128, True, True, 2048, 2048)
+        assert not blocks.resolve_persistent_dq(128, True, True, 4096, 4096)
+        assert not blocks.resolve_persistent_dq(128, True, False, 4096, 4096)
+        assert not blocks.resolve_persistent_dq(128, True, True, 1920, 1920)
+        assert MosaicBlockSizes(persistent_dq=True).resolve_persistent_dq(128, True, True, 1920, 8192)
+        assert not MosaicBlockSizes(persistent=False).resolve_persistent(128, True, False, 4096)
+
     def test_fused_backward_is_the_default_only_where_it_measured_faster(self):
         blocks = MosaicBlockSizes.for_head_dim(128)
         assert blocks.resolve_fused_bwd(128, 16384) and blocks.resolve_fused_bwd(128, 8192)

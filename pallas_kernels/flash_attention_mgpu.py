@@ -98,12 +98,13 @@ def flash_attention_mgpu(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = False,
     blocks = dataclasses.replace(blocks, fused_bwd=blocks.resolve_fused_bwd(h, s, regs))
     persistent = blocks.resolve_persistent(h, regs, bool(causal), t)
     persistent_dq = blocks.resolve_persistent_dq(h, regs, bool(causal), t, s)
-    blocks.check_smem(h, regs, persistent, persistent_dq)
+    persistent_dkv = not blocks.fused_bwd and blocks.resolve_persistent_dkv(h, regs, bool(causal), t, s)
+    blocks.check_smem(h, regs, persistent, persistent_dq, persistent_dkv)
     cfg = MosaicConfig(
         causal=bool(causal), sm_scale=float(1 / math.sqrt(h) if sm_scale is None else sm_scale),
         blocks=blocks, q_len=t, kv_len=s, groups=n // kh,
         segments=q_segment_ids is not None, regs=regs, interpret=bool(interpret),
-        persistent=persistent, persistent_dq=persistent_dq,
+        persistent=persistent, persistent_dq=persistent_dq, persistent_dkv=persistent_dkv,
         sms=INTERPRET_SMS if interpret else sm_count())
     qoff = jnp.asarray(q_offset, jnp.int32).reshape(1)
     q_seg = kv_seg = None

@@ -188,176 +188,208 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     parts = dq_parts(d)  # dQ column parts a step: one per consumer (D 128), or one (D 64)
     dq_cols = d // parts
     heads_major = cfg.blocks.dq_heads_major
+    persistent = cfg.persistent_dkv and not with_dq
+    # Key blocks of one (batch, kv head); causal: the lowest sees the most query tiles
+    order = TileSchedule(b, kh, n_kt, cfg.causal, persistent, cfg.sms, longest_high=False)
 
     def kernel(*refs):
         qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 8 if with_dq else 7)
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
         dq_ref = ins[6] if with_dq else None
         dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem = rest[:9]
-        ds_smem, dq_smem, ds_bar, kv_bar, q_bar, do_bar, free = rest[9:]
-        ki, kvh = lax.axis_index("k"), lax.axis_index("h")
-        bi, wg = lax.axis_index("b"), lax.axis_index("wg")
+        ds_smem, dq_smem, dkv_smem, ds_bar, kv_bar, q_bar, do_bar, free = rest[9:]
+        blk, wg = lax.axis_index(order.grid_name), lax.axis_index("wg")
+        n_mine = order.n_mine(blk)
         q_off = qoff_ref[0]
-        block_lo = ki * (COMPUTE_WGS * bk)
-        block_hi = block_lo + COMPUTE_WGS * bk - 1
-        # Steps run over (query tile i, group head j), j fastest; step = i * g + j.
-        if cfg.causal:  # query tiles ending before the block's first key see none of it
-            i_start = jnp.minimum(lax.div(jnp.maximum(block_lo - q_off, 0), bq), n_q)
-            i_full = jnp.maximum(jnp.minimum(cdiv(jnp.maximum(block_hi - q_off, 0), bq), n_q), i_start)
-        else:
-            i_start, i_full = 0, 0
-        if cfg.segments:
-            i_full = n_q
-        s_start, s_full, s_end = i_start * g, i_full * g, n_q * g
+
+        def span(ki):
+            """(first step, first unmasked step, end) of key block ki. Steps run over (query
+            tile i, group head j), j fastest; step = i * g + j."""
+            block_lo = ki * (COMPUTE_WGS * bk)
+            block_hi = block_lo + COMPUTE_WGS * bk - 1
+            if cfg.causal:  # query tiles ending before the block's first key see none of it
+                i_start = jnp.minimum(lax.div(jnp.maximum(block_lo - q_off, 0), bq), n_q)
+                i_full = jnp.maximum(jnp.minimum(cdiv(jnp.maximum(block_hi - q_off, 0), bq), n_q),
+                                     i_start)
+            else:
+                i_start, i_full = 0, 0
+            if cfg.segments:
+                i_full = n_q
+            return i_start * g, i_full * g, n_q * g
 
         @consumers(wg, cfg.blocks.consumer_regs_bwd)
         def _consumer():
-            k_row = block_lo + wg * bk
-            rows, (k_tile, v_tile) = own_tiles([(k_ref, k_smem), (v_ref, v_smem)], wg, k_row,
-                                               bk, bi, kvh, kv_bar)
+            k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
             p_tile = None if p_smem is None else p_smem.at[wg]
-            kv_seg = None
-            if cfg.segments:
-                kv_seg = plgpu.load(kvseg_ref.at[bi, rows], layout=ROW, optimized=False)
-            plgpu.barrier_wait(kv_bar.at[wg])
 
-            def dq_share(s_idx, dk_acc, ds_t, slot):
-                """dK += dS^T Q; dS^T into the shared tile; once both consumers' rows are
-                there, this consumer's columns of dQ += dS K over the block's keys, out to
-                global memory (the slot is freed once dK and dQ have read Q and K)."""
-                i, j = lax.div(s_idx, jnp.int32(g)), lax.rem(s_idx, jnp.int32(g))
-                buf = lax.rem(s_idx - s_start, 2)
-                ds_own = ds_smem.at[buf, wg]
-                ds_own[...] = ds_t
-                plgpu.commit_smem()
-                plgpu.wgmma(dk_acc, ds_t if cfg.regs else ds_own, q_smem.at[slot])
-                plgpu.barrier_arrive(ds_bar.at[buf])
-                plgpu.barrier_wait(ds_bar.at[buf])  # both consumers' dS^T rows are stored
-                # D 128: this consumer's half of the columns; D 64: the whole tile, by turns
-                cols = pl.ds(wg * dq_cols, dq_cols) if parts == w else pl.ds(0, d)
+            def load_own(i):  # this block's i-th key block's K and V rows
+                bi, kvh, ki = order.tile_at(blk, i)
+                own_tiles([(k_ref, k_smem), (v_ref, v_smem)], wg, ki * (COMPUTE_WGS * bk) + wg * bk,
+                          bk, bi, kvh, kv_bar)
 
-                def scoped(dq_acc):
-                    for owner in range(w):  # dS [bq, 2 bk] K [2 bk, cols], one owner's keys a time
-                        plgpu.wgmma(dq_acc, ds_smem.at[buf, owner].transpose((1, 0)),
-                                    k_smem.at[owner, :, cols])
-                    plgpu.wgmma_wait(0)
-                    return dq_acc[...]
+            load_own(0)
 
-                def share():
-                    dq = pl.run_scoped(scoped, plgpu.ACC((bq, dq_cols), jnp.float32))
-                    plgpu.barrier_arrive(free.at[slot])
-                    dq_tile, q_rows, h = dq_smem.at[wg], pl.ds(i * bq, bq), kvh * g + j
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last share has left
-                    dq_tile[...] = dq
+            def run_tile(i_tile, tile, done):
+                bi, kvh, ki = tile
+                s_start, s_full, s_end = span(ki)
+                k_row = ki * (COMPUTE_WGS * bk) + wg * bk
+                rows = pl.ds(k_row, bk)
+                kv_seg = None
+                if cfg.segments:
+                    kv_seg = plgpu.load(kvseg_ref.at[bi, rows], layout=ROW, optimized=False)
+                plgpu.barrier_wait(kv_bar.at[wg])
+
+                def dq_share(s_idx, dk_acc, ds_t, slot):
+                    """dK += dS^T Q; dS^T into the shared tile; once both consumers' rows are
+                    there, this consumer's columns of dQ += dS K over the block's keys, out to
+                    global memory (the slot is freed once dK and dQ have read Q and K)."""
+                    i, j = lax.div(s_idx, jnp.int32(g)), lax.rem(s_idx, jnp.int32(g))
+                    buf = lax.rem(s_idx - s_start, 2)
+                    ds_own = ds_smem.at[buf, wg]
+                    ds_own[...] = ds_t
                     plgpu.commit_smem()
-                    dst = dq_ref if atomic else dq_ref.at[ki]
-                    dst = dst.at[bi, h, q_rows] if heads_major else dst.at[bi, q_rows, h]
-                    plgpu.copy_smem_to_gmem(dq_tile, dst.at[:, cols],
-                                            reduction_op="add" if atomic else None)
+                    plgpu.wgmma(dk_acc, ds_t if cfg.regs else ds_own, q_smem.at[slot])
+                    plgpu.barrier_arrive(ds_bar.at[buf])
+                    plgpu.barrier_wait(ds_bar.at[buf])  # both consumers' dS^T rows are stored
+                    # D 128: this consumer's half of the columns; D 64: the whole tile, by turns
+                    cols = pl.ds(wg * dq_cols, dq_cols) if parts == w else pl.ds(0, d)
 
-                if parts == w:
-                    share()
-                else:
-                    turn = lax.rem(s_idx - s_start, w) == wg
-                    pl.when(turn)(share)
+                    def scoped(dq_acc):
+                        for owner in range(w):  # dS [bq, 2 bk] K [2 bk, cols], one owner's keys a time
+                            plgpu.wgmma(dq_acc, ds_smem.at[buf, owner].transpose((1, 0)),
+                                        k_smem.at[owner, :, cols])
+                        plgpu.wgmma_wait(0)
+                        return dq_acc[...]
 
-                    @pl.when(jnp.logical_not(turn))
-                    def _():
-                        plgpu.wgmma_wait(0)  # dK has read Q
+                    def share():
+                        dq = pl.run_scoped(scoped, plgpu.ACC((bq, dq_cols), jnp.float32))
                         plgpu.barrier_arrive(free.at[slot])
-
-            def run(dk_acc, dv_acc):
-                def step(s_idx, carry, masked: bool):
-                    slot = lax.rem(s_idx - s_start, st)
-                    i = lax.div(s_idx, jnp.int32(g))
-                    plgpu.barrier_wait(q_bar.at[slot])
-
-                    def st_scoped(acc):
-                        plgpu.wgmma(acc, k_tile, q_smem.at[slot].transpose((1, 0)))
-                        return acc[...]
-
-                    s_t = pl.run_scoped(st_scoped, plgpu.ACC((bk, bq), jnp.float32))
-                    lse_c = plgpu.load(lse_smem.at[slot], layout=COL)
-                    if masked:
-                        q_seg = None
-                        if cfg.segments:
-                            q_seg = bcast_cols(plgpu.load(qseg_ref.at[bi, pl.ds(i * bq, bq)],
-                                                           layout=COL, optimized=False), s_t.shape)
-                        ok = visible(cfg, q_off + i * bq + iota(s_t.shape, 1), k_row + iota(s_t.shape, 0),
-                                      q_seg, None if kv_seg is None else bcast_rows(kv_seg, s_t.shape),
-                                      length=False)  # padded keys' rows are dropped (zero in dQ)
-                        s_t = jnp.where(ok, s_t, -jnp.inf)
-                    p_t = jnp.exp2(s_t * scale2 - bcast_cols(lse_c, s_t.shape))
-                    p16 = p_t.astype(dtype)
-                    plgpu.barrier_wait(do_bar.at[slot])
-                    if cfg.regs:
-                        def dp_scoped(acc):
-                            plgpu.wgmma(acc, v_tile, do_smem.at[slot].transpose((1, 0)))
-                            plgpu.wgmma(dv_acc, p16, do_smem.at[slot])
-                            return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dP^T, not dV
-                    else:
-                        p_tile[...] = p16
+                        dq_tile, q_rows, h = dq_smem.at[wg], pl.ds(i * bq, bq), kvh * g + j
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last share has left
+                        dq_tile[...] = dq
                         plgpu.commit_smem()
+                        dst = dq_ref if atomic else dq_ref.at[ki]
+                        dst = dst.at[bi, h, q_rows] if heads_major else dst.at[bi, q_rows, h]
+                        plgpu.copy_smem_to_gmem(dq_tile, dst.at[:, cols],
+                                                reduction_op="add" if atomic else None)
 
-                        def dp_scoped(acc):
-                            plgpu.wgmma(acc, v_tile, do_smem.at[slot].transpose((1, 0)))
-                            plgpu.wgmma(dv_acc, p_tile, do_smem.at[slot])
-                            plgpu.wgmma_wait(0)
+                    if parts == w:
+                        share()
+                    else:
+                        turn = lax.rem(s_idx - s_start, w) == wg
+                        pl.when(turn)(share)
+
+                        @pl.when(jnp.logical_not(turn))
+                        def _():
+                            plgpu.wgmma_wait(0)  # dK has read Q
+                            plgpu.barrier_arrive(free.at[slot])
+
+                def run(dk_acc, dv_acc):
+                    def step(s_idx, carry, masked: bool):
+                        slot = lax.rem(done + s_idx - s_start, st)
+                        i = lax.div(s_idx, jnp.int32(g))
+                        plgpu.barrier_wait(q_bar.at[slot])
+
+                        def st_scoped(acc):
+                            plgpu.wgmma(acc, k_tile, q_smem.at[slot].transpose((1, 0)))
                             return acc[...]
 
-                    dp_t = pl.run_scoped(dp_scoped, plgpu.ACC((bk, bq), jnp.float32))
-                    delta_c = plgpu.load(delta_smem.at[slot], layout=COL)
-                    ds_t = (p_t * (dp_t - bcast_cols(delta_c, s_t.shape))).astype(dtype)
-                    if with_dq:
-                        dq_share(s_idx, dk_acc, ds_t, slot)
+                        s_t = pl.run_scoped(st_scoped, plgpu.ACC((bk, bq), jnp.float32))
+                        lse_c = plgpu.load(lse_smem.at[slot], layout=COL)
+                        if masked:
+                            q_seg = None
+                            if cfg.segments:
+                                q_seg = bcast_cols(plgpu.load(qseg_ref.at[bi, pl.ds(i * bq, bq)],
+                                                               layout=COL, optimized=False), s_t.shape)
+                            ok = visible(cfg, q_off + i * bq + iota(s_t.shape, 1), k_row + iota(s_t.shape, 0),
+                                          q_seg, None if kv_seg is None else bcast_rows(kv_seg, s_t.shape),
+                                          length=False)  # padded keys' rows are dropped (zero in dQ)
+                            s_t = jnp.where(ok, s_t, -jnp.inf)
+                        p_t = jnp.exp2(s_t * scale2 - bcast_cols(lse_c, s_t.shape))
+                        p16 = p_t.astype(dtype)
+                        plgpu.barrier_wait(do_bar.at[slot])
+                        if cfg.regs:
+                            def dp_scoped(acc):
+                                plgpu.wgmma(acc, v_tile, do_smem.at[slot].transpose((1, 0)))
+                                plgpu.wgmma(dv_acc, p16, do_smem.at[slot])
+                                return plgpu.wgmma_accumulator_load(acc, wait_n=1)  # dP^T, not dV
+                        else:
+                            p_tile[...] = p16
+                            plgpu.commit_smem()
+
+                            def dp_scoped(acc):
+                                plgpu.wgmma(acc, v_tile, do_smem.at[slot].transpose((1, 0)))
+                                plgpu.wgmma(dv_acc, p_tile, do_smem.at[slot])
+                                plgpu.wgmma_wait(0)
+                                return acc[...]
+
+                        dp_t = pl.run_scoped(dp_scoped, plgpu.ACC((bk, bq), jnp.float32))
+                        delta_c = plgpu.load(delta_smem.at[slot], layout=COL)
+                        ds_t = (p_t * (dp_t - bcast_cols(delta_c, s_t.shape))).astype(dtype)
+                        if with_dq:
+                            dq_share(s_idx, dk_acc, ds_t, slot)
+                            return carry
+                        wgmma_from(dk_acc, ds_t, q_smem.at[slot], p_tile)
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(free.at[slot])
                         return carry
-                    wgmma_from(dk_acc, ds_t, q_smem.at[slot], p_tile)
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(free.at[slot])
-                    return carry
 
-                if cfg.causal or cfg.segments:
-                    lax.fori_loop(s_start, s_full, functools.partial(step, masked=True), 0)
-                lax.fori_loop(s_full, s_end, functools.partial(step, masked=False), 0)
-                return dk_acc[...], dv_acc[...]
+                    if cfg.causal or cfg.segments:
+                        lax.fori_loop(s_start, s_full, functools.partial(step, masked=True), 0)
+                    lax.fori_loop(s_full, s_end, functools.partial(step, masked=False), 0)
+                    return dk_acc[...], dv_acc[...]
 
-            acc_t = plgpu.ACC((bk, d), jnp.float32)
-            dk, dv = pl.run_scoped(run, acc_t, acc_t)
-            if with_dq:  # the other consumer's last dQ matmul has read this one's K tile
-                plgpu.barrier_arrive(ds_bar.at[2])
-                plgpu.barrier_wait(ds_bar.at[2])
-            k_tile[...] = (dk * cfg.sm_scale).astype(dtype)
-            v_tile[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[bi, rows, kvh], commit_group=False)
-            plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[bi, rows, kvh], commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
+                acc_t = plgpu.ACC((bk, d), jnp.float32)
+                dk, dv = pl.run_scoped(run, acc_t, acc_t)
+                if with_dq:  # the other consumer's last dQ matmul has read this one's K tile
+                    plgpu.barrier_arrive(ds_bar.at[2])
+                    plgpu.barrier_wait(ds_bar.at[2])
+                # Every matmul of this block has read K and V: the next block's may land there.
+                pl.when(i_tile + 1 < n_mine)(lambda: load_own(i_tile + 1))
+                dk_tile, dv_tile = (dkv_smem.at[0, wg], dkv_smem.at[1, wg]) if persistent else (k_tile, v_tile)
+                if persistent:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's dK, dV have left
+                dk_tile[...] = (dk * cfg.sm_scale).astype(dtype)
+                dv_tile[...] = dv.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dk_tile, dk_ref.at[bi, rows, kvh], commit_group=False)
+                plgpu.copy_smem_to_gmem(dv_tile, dv_ref.at[bi, rows, kvh], commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
+                return s_end - s_start
+
+            order.loop(blk, run_tile)
             end_wait(cfg)
 
         @producer(wg, cfg.blocks.consumer_regs_bwd)
         def _producer():
+            def feed(i_tile, tile, done):
+                bi, kvh, ki = tile
+                s_start, _, s_end = span(ki)
 
-            @pl.loop(s_start, s_end)
-            def _(s_idx):
-                slot = lax.rem(s_idx - s_start, st)
-                i, j = lax.div(s_idx, jnp.int32(g)), lax.rem(s_idx, jnp.int32(g))
-                h = kvh * g + j
-                rows = pl.ds(i * bq, bq)
+                @pl.loop(s_start, s_end)
+                def _(s_idx):
+                    pos = done + s_idx - s_start  # steps into this block's ring
+                    slot = lax.rem(pos, st)
+                    i, j = lax.div(s_idx, jnp.int32(g)), lax.rem(s_idx, jnp.int32(g))
+                    h = kvh * g + j
+                    rows = pl.ds(i * bq, bq)
 
-                @pl.when(s_idx - s_start >= st)
-                def _():
-                    plgpu.barrier_wait(free.at[slot])
+                    @pl.when(pos >= st)
+                    def _():
+                        plgpu.barrier_wait(free.at[slot])
 
-                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, h], q_smem.at[slot], q_bar.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[bi, h, rows], lse_smem.at[slot], q_bar.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, h], do_smem.at[slot], do_bar.at[slot])
-                plgpu.copy_gmem_to_smem(delta_ref.at[bi, h, rows], delta_smem.at[slot], do_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, h], q_smem.at[slot], q_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(lse_ref.at[bi, h, rows], lse_smem.at[slot], q_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, h], do_smem.at[slot], do_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(delta_ref.at[bi, h, rows], delta_smem.at[slot],
+                                            do_bar.at[slot])
+                return s_end - s_start
 
-            drain(s_end - s_start, st, free)
+            drain(order.loop(blk, feed), st, free)
 
     scratch = (
-        tiled_smem((w, bk, d), dtype),  # K tiles, then dK tiles
-        tiled_smem((w, bk, d), dtype),  # V tiles, then dV tiles
+        tiled_smem((w, bk, d), dtype),  # K tiles (then dK tiles, one block per key block)
+        tiled_smem((w, bk, d), dtype),  # V tiles (then dV tiles)
         tiled_smem((st, bq, d), dtype),  # Q
         tiled_smem((st, bq, d), dtype),  # dO
         plgpu.SMEM((st, bq), jnp.float32),  # LSE
@@ -365,6 +397,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         None if cfg.regs else tiled_smem((w, bk, bq), dtype),  # P^T (and dS^T) staged in smem
         tiled_smem((2, w, bk, bq), dtype) if with_dq else None,  # dS^T of both consumers
         tiled_smem((w, bq, dq_cols), jnp.float32) if with_dq else None,  # a dQ share, leaving
+        tiled_smem((2, w, bk, d), dtype) if persistent else None,  # dK, dV tiles on their way out
         # dS^T stored (by step parity); [2]: both consumers' last dQ matmul done (K tiles free)
         plgpu.Barrier(num_arrivals=w, num_barriers=3) if with_dq else None,
         plgpu.Barrier(num_arrivals=2, num_barriers=w),  # K and V loaded
@@ -379,7 +412,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         inputs.append(dq_acc)
     out = jax.ShapeDtypeStruct((b, sp, kh, d), dtype)
     dk, dv = launch(kernel, with_segments(cfg, inputs, q_seg, kv_seg), out_type=(out, out),
-                    scratch=scratch, grid=(n_kt, kh, b), grid_names=("k", "h", "b"),
+                    scratch=scratch, grid=(order.blocks,), grid_names=(order.grid_name,),
                     num_threads=w + 1, interpret=cfg.interpret,
                     manual_barriers=cfg.blocks.manual_barriers_bwd)
     if not with_dq:

@@ -24,6 +24,7 @@ MIN_PRODUCER_REGS = 24  # the fewest registers setmaxnreg can leave a warpgroup
 MAX_CONSUMER_REGS = (LAUNCH_REGS - 128 * MIN_PRODUCER_REGS) // (128 * COMPUTE_WGS) // 8 * 8
 FUSED_BWD_MIN_KV = 8192  # keys from which the fused backward is the default (head dim 128)
 PERSISTENT_DQ_MAX_KV = 2048  # keys up to which the dQ kernel is persistent by default
+PERSISTENT_DKV_MAX_Q = 2048  # queries up to which the dK/dV kernel is (not yet timed)
 SMEM_RESERVE = 8192  # bytes of a block's shared memory left for barriers and alignment
 
 
@@ -44,6 +45,8 @@ class MosaicBlockSizes:
     # pairs of one head's tiles); None: where it fits and pairs (`resolve_persistent`)
     persistent_dq: bool | None = None  # the dQ kernel on the same persistent schedule; None:
     # up to PERSISTENT_DQ_MAX_KV keys, where its dQ out tiles fit and (causal) the tiles pair
+    persistent_dkv: bool | None = None  # the dK/dV kernel (two kernels' form) over key blocks
+    # on that schedule; None: up to PERSISTENT_DKV_MAX_Q queries, where it fits and pairs
     named_schedule: bool | None = None  # forward: the consumers' ping-pong on two hardware
     # named barriers (bar.arrive / bar.sync) instead of an mbarrier; None: when compiling
     manual_barriers_bwd: bool = True  # backward kernels: only their own barriers (no warpgroup
@@ -71,7 +74,8 @@ class MosaicBlockSizes:
             elif f.name in ("manual_barriers_bwd", "end_wait_reads", "dq_heads_major"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
-            elif f.name in ("persistent", "persistent_dq", "named_schedule", "fused_bwd"):
+            elif f.name in ("persistent", "persistent_dq", "persistent_dkv", "named_schedule",
+                            "fused_bwd"):
                 if value not in (None, True, False):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True, False or None.")
             elif f.name.startswith("stages"):
@@ -124,6 +128,21 @@ class MosaicBlockSizes:
             return False
         return fits
 
+    def resolve_persistent_dkv(self, head_dim: int, regs: bool, causal: bool, q_len: int,
+                               kv_len: int) -> bool:
+        """The dK/dV kernel's grid (two-kernel form; the fused one keeps one block per key
+        block): as asked, or (None) persistent up to PERSISTENT_DKV_MAX_Q queries, where its
+        dK/dV out tiles fit in shared memory and, with a causal mask, its key blocks pair up."""
+        fits = self._need(head_dim, regs, False, persistent_dkv=True)["dkv"] <= SMEM_LIMIT - SMEM_RESERVE
+        if self.persistent_dkv is not None:
+            if self.persistent_dkv and not fits:
+                raise ValueError("MosaicBlockSizes.persistent_dkv=True: the dK/dV kernel's tiles and "
+                                 "its out tiles do not fit shared memory; shrink block_kv_dkv or stages_bwd.")
+            return self.persistent_dkv
+        if q_len > PERSISTENT_DKV_MAX_Q or causal and (-(-kv_len // (COMPUTE_WGS * self.block_kv_dkv))) % 2:
+            return False
+        return fits
+
     def resolve_fused_bwd(self, head_dim: int, kv_len: int, regs: bool = True) -> bool:
         """The backward's form: as asked, or (None) fused at head dim 128 from 8k keys on, where
         it measured faster than the two kernels on the H200 (with its 240-register consumers:
@@ -135,7 +154,7 @@ class MosaicBlockSizes:
         return head_dim == 128 and kv_len >= FUSED_BWD_MIN_KV and fits
 
     def _need(self, head_dim: int, regs: bool, persistent: bool,
-              persistent_dq: bool = False) -> dict[str, int]:
+              persistent_dq: bool = False, persistent_dkv: bool = False) -> dict[str, int]:
         d, w, h = head_dim, COMPUTE_WGS, jnp.float16
         staged = lambda shape: [] if regs else [(shape, h)]
         return {
@@ -148,7 +167,8 @@ class MosaicBlockSizes:
             "dq": smem_bytes((((3 if persistent_dq else 2) * w, self.block_q_dq, d), h),
                              ((2 * self.stages_bwd, self.block_kv_dq, d), h),
                              *staged((w, self.block_q_dq, self.block_kv_dq))),
-            "dkv": smem_bytes(((2 * w, self.block_kv_dkv, d), h),
+            # K and V tiles, and dK and dV tiles of their own in the persistent grid
+            "dkv": smem_bytes((((4 if persistent_dkv else 2) * w, self.block_kv_dkv, d), h),
                               ((2 * self.stages_bwd, self.block_q_dkv, d), h),
                               ((2 * self.stages_bwd, self.block_q_dkv), jnp.float32),
                               *staged((w, self.block_kv_dkv, self.block_q_dkv))),
@@ -161,11 +181,11 @@ class MosaicBlockSizes:
         }
 
     def check_smem(self, head_dim: int, regs: bool, persistent: bool = False,
-                   persistent_dq: bool = False):
+                   persistent_dq: bool = False, persistent_dkv: bool = False):
         """Raises if a kernel's shared memory would exceed what one sm90 block has
         (bf16/fp16 tiles; regs=False adds the P / dS staging buffers)."""
         skip = ("dq", "dkv") if self.fused_bwd else ("fused backward",)
-        for name, n in self._need(head_dim, regs, persistent, persistent_dq).items():
+        for name, n in self._need(head_dim, regs, persistent, persistent_dq, persistent_dkv).items():
             if name in skip:
                 continue
             if n > SMEM_LIMIT - SMEM_RESERVE:  # barriers and alignment take a few KiB more
@@ -188,6 +208,7 @@ class MosaicConfig:
     interpret: bool
     persistent: bool = False  # the forward runs one block per SM over the query tiles
     persistent_dq: bool = False  # so does the dQ kernel
+    persistent_dkv: bool = False  # and the dK/dV kernel over key blocks (not the fused one)
     sms: int = 132  # blocks of the persistent grids: one per streaming multiprocessor
 
     @property
@@ -227,10 +248,12 @@ class TileSchedule:
 
     batch: int
     heads: int
-    n_t: int  # query tiles a (batch, head)
+    n_t: int  # tiles a (batch, head)
     causal: bool
     persistent: bool
     sms: int
+    longest_high: bool = True  # causal: the highest tile index has the most steps (query
+    # tiles); False: the lowest (the dK/dV kernel's key blocks)
 
     @property
     def paired(self) -> bool:
@@ -260,12 +283,13 @@ class TileSchedule:
         if self.paired:
             u = blk + lax.div(i, 2) * self.blocks
             bh, kk = lax.div(u, n_t // 2), lax.rem(u, n_t // 2)
-            qi = jnp.where(lax.rem(i, 2) == 0, n_t - 1 - kk, kk)
+            first = lax.rem(i, 2) == 0  # the pair's longer tile first
+            qi = jnp.where(first == self.longest_high, n_t - 1 - kk, kk)
             return lax.div(bh, n), lax.rem(bh, n), qi
         t = blk + i * self.blocks if self.persistent else blk
         bi, rest = lax.div(t, n * n_t), lax.rem(t, n * n_t)
         h, qi = lax.div(rest, n_t), lax.rem(rest, n_t)
-        return bi, h, (n_t - 1 - qi) if self.causal else qi
+        return bi, h, (n_t - 1 - qi) if self.causal and self.longest_high else qi
 
     def loop(self, blk, body):
         """body(i, (batch, head, tile), key steps run before it) -> the tile's key steps, over

@@ -296,21 +296,23 @@ class TestMosaicFlashAttention:
         ref = mha_reference(*(x.astype(F32) for x in (q, k, v)), causal=causal)
         assert rel_err(outs[1], ref) < TOL[BF16]
 
+    @pytest.mark.parametrize("kernel", ["persistent_dq", "persistent_dkv"])
     @pytest.mark.parametrize("causal,q_len,kv_len", [(False, 300, 200), (True, 300, 200),
                                                       (True, 512, 512)],
                              ids=["full", "causal", "causal_paired"])
-    def test_persistent_dq_equals_one_block_per_tile(self, causal, q_len, kv_len):
-        """The dQ kernel on the persistent schedule (the K/V ring carried over, the next
-        tile's Q and dO loaded under this tile's epilogue, dQ out through its own tiles)
-        gives bitwise the gradients of one block per tile (2 blocks on CPU; ragged tiles,
-        GQA, causal pairs)."""
+    def test_persistent_backward_equals_one_block_per_tile(self, causal, q_len, kv_len, kernel):
+        """The dQ kernel (over query tiles) or the dK/dV kernel (over key blocks) on the
+        persistent schedule (the ring carried over, the next tile's own rows loaded under
+        this tile's epilogue, the result out through tiles of its own) gives bitwise the
+        gradients of one block per tile (2 blocks on CPU; ragged tiles, GQA, causal pairs)."""
         rng = np.random.default_rng(9)
         q, k, v = (normal(rng, (2, q_len, 2, 64), BF16), normal(rng, (2, kv_len, 1, 64), BF16),
                    normal(rng, (2, kv_len, 1, 64), BF16))
         do = normal(rng, (2, q_len, 2, 64), BF16)
         grads = []
         for p in (False, True):
-            bb = dataclasses.replace(MosaicBlockSizes.for_head_dim(64), persistent_dq=p, fused_bwd=False)
+            bb = dataclasses.replace(MosaicBlockSizes.for_head_dim(64), fused_bwd=False,
+                                     **{"persistent_dq": False, "persistent_dkv": False, kernel: p})
             _, vjp = jax.vjp(lambda q, k, v, bb=bb: flash_attention_mgpu(
                 q, k, v, causal=causal, interpret=not ON_GPU, block_sizes=bb), q, k, v)
             grads.append(vjp(do))
@@ -318,7 +320,8 @@ class TestMosaicFlashAttention:
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
         ref = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=causal),
                       *(x.astype(F32) for x in (q, k, v)))[1](do.astype(F32))
-        assert rel_err(grads[1][0], ref[0]) < TOL[BF16]
+        for got, want in zip(grads[1], ref, strict=True):
+            assert rel_err(got, want) < TOL[BF16]
 
     @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector")
     @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -336,10 +339,11 @@ class TestMosaicFlashAttention:
                 out = flash_attention_mgpu(q, k, v, causal=causal, interpret=True, block_sizes=blocks)
                 jax.block_until_ready(out)
                 assert not interpreter_races_found(), f"forward, persistent={persistent}"
-                # The backward kernels: fused, then the two-kernel form with the persistent
-                # dQ kernel (the race state is the last kernel's: dK/dV's there).
+                # The backward kernels: fused, then the two-kernel form, both kernels
+                # persistent (the race state is the last kernel's: dK/dV's there).
                 for fused in (True, False) if persistent else ():
-                    bb = dataclasses.replace(blocks, fused_bwd=fused, persistent_dq=not fused)
+                    bb = dataclasses.replace(blocks, fused_bwd=fused, persistent_dq=not fused,
+                                             persistent_dkv=not fused)
                     _, vjp = jax.vjp(lambda q, k, v, bb=bb: flash_attention_mgpu(
                         q, k, v, causal=causal, interpret=True, block_sizes=bb), q, k, v)
                     jax.block_until_ready(vjp(out))
@@ -365,6 +369,10 @@ class TestMosaicFlashAttention:
         assert not blocks.resolve_persistent_dq(128, True, False, 4096, 4096)
         assert not blocks.resolve_persistent_dq(128, True, True, 1920, 1920)
         assert MosaicBlockSizes(persistent_dq=True).resolve_persistent_dq(128, True, True, 1920, 8192)
+        # the dK/dV kernel: up to 2k queries, causal when its 128-key blocks pair up
+        assert blocks.resolve_persistent_dkv(128, True, True, 2048, 2048)
+        assert not blocks.resolve_persistent_dkv(128, True, True, 4096, 4096)
+        assert not blocks.resolve_persistent_dkv(128, True, True, 1920, 1920)
         assert not MosaicBlockSizes(persistent=False).resolve_persistent(128, True, False, 4096)
 
     def test_fused_backward_is_the_default_only_where_it_measured_faster(self):

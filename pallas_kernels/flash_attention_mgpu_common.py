@@ -24,7 +24,6 @@ MIN_PRODUCER_REGS = 24  # the fewest registers setmaxnreg can leave a warpgroup
 MAX_CONSUMER_REGS = (LAUNCH_REGS - 128 * MIN_PRODUCER_REGS) // (128 * COMPUTE_WGS) // 8 * 8
 FUSED_BWD_MIN_KV = 8192  # keys from which the fused backward is the default (head dim 128)
 PERSISTENT_DQ_MAX_KV = 2048  # keys up to which the dQ kernel is persistent by default
-PERSISTENT_DKV_MAX_Q = 2048  # queries up to which the dK/dV kernel is (not yet timed)
 SMEM_RESERVE = 8192  # bytes of a block's shared memory left for barriers and alignment
 
 
@@ -46,7 +45,7 @@ class MosaicBlockSizes:
     persistent_dq: bool | None = None  # the dQ kernel on the same persistent schedule; None:
     # up to PERSISTENT_DQ_MAX_KV keys, where its dQ out tiles fit and (causal) the tiles pair
     persistent_dkv: bool | None = None  # the dK/dV kernel (two kernels' form) over key blocks
-    # on that schedule; None: up to PERSISTENT_DKV_MAX_Q queries, where it fits and pairs
+    # on that schedule (causal: pairs of key blocks); None: off (it measured slower)
     named_schedule: bool | None = None  # forward: the consumers' ping-pong on two hardware
     # named barriers (bar.arrive / bar.sync) instead of an mbarrier; None: when compiling
     manual_barriers_bwd: bool = True  # backward kernels: only their own barriers (no warpgroup
@@ -131,17 +130,15 @@ class MosaicBlockSizes:
     def resolve_persistent_dkv(self, head_dim: int, regs: bool, causal: bool, q_len: int,
                                kv_len: int) -> bool:
         """The dK/dV kernel's grid (two-kernel form; the fused one keeps one block per key
-        block): as asked, or (None) persistent up to PERSISTENT_DKV_MAX_Q queries, where its
-        dK/dV out tiles fit in shared memory and, with a causal mask, its key blocks pair up."""
+        block): as asked, or (None) one block per key block: persistent it measured slower
+        at 2k causal on the H200 (-5.5% forward+backward at batch 24, -2% at 8; benchmarks/README.md)."""
         fits = self._need(head_dim, regs, False, persistent_dkv=True)["dkv"] <= SMEM_LIMIT - SMEM_RESERVE
         if self.persistent_dkv is not None:
             if self.persistent_dkv and not fits:
                 raise ValueError("MosaicBlockSizes.persistent_dkv=True: the dK/dV kernel's tiles and "
                                  "its out tiles do not fit shared memory; shrink block_kv_dkv or stages_bwd.")
             return self.persistent_dkv
-        if q_len > PERSISTENT_DKV_MAX_Q or causal and (-(-kv_len // (COMPUTE_WGS * self.block_kv_dkv))) % 2:
-            return False
-        return fits
+        return False  # measured slower on the H200 (2k causal x 24: -5.5%, x 8: -2%)
 
     def resolve_fused_bwd(self, head_dim: int, kv_len: int, regs: bool = True) -> bool:
         """The backward's form: as asked, or (None) fused at head dim 128 from 8k keys on, where

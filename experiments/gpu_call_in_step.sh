@@ -6,7 +6,7 @@
 #     ~20 ms of matmuls or of memory-bound passes (issue 20);
 #  2. the 1b step, cuDNN and ours, XLA's command buffers on and off (issue 20's 1b bar);
 #  3. decode steps at batch 1 with the one-row products left as dots, run as Triton GEMMs or
-#     cuBLASLt (issue 19; gpu_call_decode_matvec_flags.sh's lead, batch 64 left out).
+#     cuBLASLt (issue 19; the lead of gpu_call_decode_matvec_flags.sh, removed: batch 64 left out).
 #   OUT=$OUT bash experiments/gpu_call_in_step.sh        (from the repository root, .anchors/ carried)
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \

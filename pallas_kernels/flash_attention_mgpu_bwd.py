@@ -27,9 +27,9 @@ from pallas_kernels.flash_attention_mgpu_common import (
     iota,
     kv_steps,
     mask_rows_by_keys,
-    own_tiles,
+    own_tiles_at,
     producer,
-    stream_kv,
+    stream_tiles_kv,
     unpack,
     visible,
     wgmma_from,
@@ -71,9 +71,7 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
             q_tile, do_tile, dq_tile = q_smem.at[wg], do_smem.at[wg], dq_smem.at[wg]
 
             def load_own(i):  # this block's i-th tile's Q and dO rows
-                bi, h, qi = order.tile_at(blk, i)
-                own_tiles([(q_ref, q_smem), (do_ref, do_smem)], wg, qi * (COMPUTE_WGS * bq) + wg * bq,
-                          bq, bi, h, qdo_bar)
+                own_tiles_at(order, blk, i, [(q_ref, q_smem), (do_ref, do_smem)], wg, bq, qdo_bar)
 
             load_own(0)
 
@@ -132,15 +130,8 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
 
         @producer(wg, cfg.blocks.consumer_regs_bwd)
         def _producer():
-            def feed(i, tile, done):
-                bi, h, qi = tile
-                n_end = steps_of(qi)[1]
-                stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, free, free, bi=bi,
-                          kvh=lax.div(h, jnp.int32(g)), n_steps=n_end, bk=bk, stages=st,
-                          done=done)
-                return n_end
-
-            drain(order.loop(blk, feed), st, free)
+            stream_tiles_kv(order, blk, lambda qi: steps_of(qi)[1], k_ref, v_ref, k_smem, v_smem,
+                            k_bar, v_bar, free, free, groups=g, bk=bk, stages=st)
 
     w = COMPUTE_WGS
     scratch = (
@@ -223,9 +214,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             p_tile = None if p_smem is None else p_smem.at[wg]
 
             def load_own(i):  # this block's i-th key block's K and V rows
-                bi, kvh, ki = order.tile_at(blk, i)
-                own_tiles([(k_ref, k_smem), (v_ref, v_smem)], wg, ki * (COMPUTE_WGS * bk) + wg * bk,
-                          bk, bi, kvh, kv_bar)
+                own_tiles_at(order, blk, i, [(k_ref, k_smem), (v_ref, v_smem)], wg, bk, kv_bar)
 
             load_own(0)
 

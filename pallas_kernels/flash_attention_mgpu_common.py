@@ -434,6 +434,28 @@ def own_tiles(pairs, wg, row0, n_rows: int, bi, head, bar):
     return rows, tiles
 
 
+def own_tiles_at(order: TileSchedule, blk, i, pairs, wg, n_rows: int, bar):
+    """`own_tiles` of block blk's i-th tile (of `order`): this consumer's `n_rows` rows of it
+    (a tile is COMPUTE_WGS x n_rows rows) from each (global ref, shared tiles) pair."""
+    bi, h, t = order.tile_at(blk, i)
+    own_tiles(pairs, wg, t * (COMPUTE_WGS * n_rows) + wg * n_rows, n_rows, bi, h, bar)
+
+
+def stream_tiles_kv(order: TileSchedule, blk, n_steps_of, k_ref, v_ref, k_smem, v_smem, k_bar,
+                    v_bar, k_free, v_free, *, groups: int, bk: int, stages: int):
+    """The producer of a query-tile kernel (forward, dQ): the visible K/V tiles of each of
+    block blk's tiles (`n_steps_of(q tile)` of them) through one ring, then drained."""
+    def feed(i, tile, done):
+        bi, h, qi = tile
+        n_steps = n_steps_of(qi)
+        stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, bi=bi,
+                  kvh=lax.div(h, jnp.int32(groups)), n_steps=n_steps, bk=bk, stages=stages,
+                  done=done)
+        return n_steps
+
+    drain(order.loop(blk, feed), stages, *((k_free,) if v_free is k_free else (k_free, v_free)))
+
+
 def stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, bi, kvh,
               n_steps, bk: int, stages: int, done=None):
     """The producer's ring: K/V tile j into slot (done + j) % stages once the consumers freed

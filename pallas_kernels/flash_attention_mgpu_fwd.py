@@ -26,13 +26,12 @@ from pallas_kernels.flash_attention_mgpu_common import (
     TileSchedule,
     bcast_rows,
     consumers,
-    drain,
     end_wait,
     kv_steps,
     mask_rows_by_keys,
     needs_mask,
     producer,
-    stream_kv,
+    stream_tiles_kv,
     unpack,
     with_segments,
 )
@@ -216,15 +215,8 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
 
         @producer(wg)
         def _producer():
-            def feed(i, tile, done):
-                bi, h, qi = tile
-                n_end = steps_of(qi)[1]
-                stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, bi=bi,
-                          kvh=lax.div(h, jnp.int32(g)), n_steps=n_end, bk=bk, stages=st,
-                          done=done)
-                return n_end
-
-            drain(tiles(feed), st, k_free, v_free)
+            stream_tiles_kv(order, blk, lambda qi: steps_of(qi)[1], k_ref, v_ref, k_smem, v_smem,
+                            k_bar, v_bar, k_free, v_free, groups=g, bk=bk, stages=st)
 
     w = COMPUTE_WGS
     scratch = (

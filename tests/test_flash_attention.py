@@ -323,6 +323,17 @@ class TestMosaicFlashAttention:
         for got, want in zip(grads[1], ref, strict=True):
             assert rel_err(got, want) < TOL[BF16]
 
+    def test_causal_pairs_with_offset_and_segments_match_reference(self):
+        """The default schedules where they pair (2 query tiles a head: the persistent
+        forward and dQ kernel over causal pairs) with a q offset, ragged keys, segment ids
+        and GQA, against the reference: the pairs' key steps, masks and rings together."""
+        blocks = MosaicBlockSizes.for_head_dim(64)
+        assert blocks.resolve_persistent(64, False, True, 256)
+        assert blocks.resolve_persistent_dq(64, False, True, 256, 300)
+        check_case((1, 256, 300, 4, 2, 64, True, BF16, 44, "random", None),
+                   lambda q, k, v, blocks, **kw: flash_attention(
+                       q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
+
     @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector")
     @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
     def test_kernels_have_no_shared_memory_race(self, causal):

@@ -17,7 +17,7 @@ mbarrier in the interpreter) so that one's softmax (exp2 on the multi-function u
 overlaps the other's matmuls, and P is fed to the second matmul from registers. The forward
 grid is persistent: one block per SM loops over the query tiles,
 its next tile's loads under this tile's epilogue (with a causal mask, over pairs of one head's tiles
-whose key steps sum to the same: `TileSchedule`); up to 2k keys the dQ kernel runs on the same
+whose key steps sum to the same, at head dim 128: `TileSchedule`); at head dim 128 up to 2k keys the dQ kernel runs on the same
 schedule (the dK/dV kernel can, `persistent_dkv`, but measured slower). The kernels set their own barriers
 (`_mgpu.launch(manual_barriers=True)`), checked by the interpreter's race detector in the
 tests; each kernel ends waiting only until its last TMA stores have read shared memory.

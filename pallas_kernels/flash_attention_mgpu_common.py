@@ -41,9 +41,9 @@ class MosaicBlockSizes:
     stages_bwd: int = 2  # backward kernels: tiles in flight
     persistent: bool | None = None  # forward: one block per SM looping over query tiles (the
     # next tile's Q load and K/V stream under this tile's epilogue; with a causal mask over
-    # pairs of one head's tiles); None: where it fits and pairs (`resolve_persistent`)
+    # pairs of one head's tiles); None: where it fits (causal: D 128, pairs; `resolve_persistent`)
     persistent_dq: bool | None = None  # the dQ kernel on the same persistent schedule; None:
-    # up to PERSISTENT_DQ_MAX_KV keys, where its dQ out tiles fit and (causal) the tiles pair
+    # head dim 128 up to PERSISTENT_DQ_MAX_KV keys, where its out tiles fit and (causal) pair
     persistent_dkv: bool | None = None  # the dK/dV kernel (two kernels' form) over key blocks
     # on that schedule (causal: pairs of key blocks); None: off (it measured slower)
     named_schedule: bool | None = None  # forward: the consumers' ping-pong on two hardware
@@ -100,21 +100,22 @@ class MosaicBlockSizes:
 
     def resolve_persistent(self, head_dim: int, regs: bool, causal: bool, q_len: int) -> bool:
         """The forward's grid: as asked, or (None) persistent when its own O tiles fit in
-        shared memory beside P's staging tiles (regs=False) and, with a causal mask, the
-        query tiles pair up (an even number a head: `TileSchedule`). Causal pairs measured
+        shared memory beside P's staging tiles (regs=False) and, with a causal mask, at head
+        dim 128 where the query tiles pair up (an even number a head: `TileSchedule`). Causal pairs measured
         faster than one block per tile on the H200: forward +4% at 2k x batch 24, +13% at
         2k x batch 8, +7% at 4k, +6% at 4k GQA, +1% at 16k (benchmarks/README.md)."""
         if self.persistent is not None:
             return self.persistent
-        if causal and (-(-q_len // (COMPUTE_WGS * self.block_q))) % 2:
-            return False
+        if causal and (head_dim != 128 or (-(-q_len // (COMPUTE_WGS * self.block_q))) % 2):
+            return False  # causal pairs: timed at head dim 128 only
         return self._need(head_dim, regs, True)["forward"] <= SMEM_LIMIT - SMEM_RESERVE
 
     def resolve_persistent_dq(self, head_dim: int, regs: bool, causal: bool, q_len: int,
                               kv_len: int) -> bool:
-        """The dQ kernel's grid: as asked, or (None) persistent up to PERSISTENT_DQ_MAX_KV
-        keys (short tiles, where a tile's prologue and epilogue weigh most), where its dQ out
-        tiles fit in shared memory and, with a causal mask, its query tiles pair up. H200,
+        """The dQ kernel's grid: as asked, or (None) persistent at head dim 128 up to
+        PERSISTENT_DQ_MAX_KV keys (short tiles, where a tile's prologue and epilogue weigh
+        most), where its dQ out tiles fit in shared memory and, with a causal mask, its query
+        tiles pair up. H200,
         forward+backward: +5% at 2k causal x batch 24, +2% at x 8; at 4k -1.5% (no mask),
         -1.7% (causal), 0% (causal GQA): benchmarks/README.md."""
         fits = self._need(head_dim, regs, False, True)["dq"] <= SMEM_LIMIT - SMEM_RESERVE
@@ -123,7 +124,9 @@ class MosaicBlockSizes:
                 raise ValueError("MosaicBlockSizes.persistent_dq=True: the dQ kernel's tiles and "
                                  "its dQ out tiles do not fit shared memory; shrink block_q_dq.")
             return self.persistent_dq
-        if kv_len > PERSISTENT_DQ_MAX_KV or causal and (-(-q_len // (COMPUTE_WGS * self.block_q_dq))) % 2:
+        if head_dim != 128 or kv_len > PERSISTENT_DQ_MAX_KV:  # timed at head dim 128 only
+            return False
+        if causal and (-(-q_len // (COMPUTE_WGS * self.block_q_dq))) % 2:
             return False
         return fits
 

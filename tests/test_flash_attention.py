@@ -324,13 +324,12 @@ class TestMosaicFlashAttention:
             assert rel_err(got, want) < TOL[BF16]
 
     def test_causal_pairs_with_offset_and_segments_match_reference(self):
-        """The default schedules where they pair (2 query tiles a head: the persistent
-        forward and dQ kernel over causal pairs) with a q offset, ragged keys, segment ids
-        and GQA, against the reference: the pairs' key steps, masks and rings together."""
-        blocks = MosaicBlockSizes.for_head_dim(64)
-        assert blocks.resolve_persistent(64, False, True, 256)
-        assert blocks.resolve_persistent_dq(64, False, True, 256, 300)
-        check_case((1, 256, 300, 4, 2, 64, True, BF16, 44, "random", None),
+        """The persistent forward and dQ kernel over causal pairs (2 query tiles a head; the
+        defaults at head dim 128) with a q offset, ragged keys, segment ids and GQA, against
+        the reference: the pairs' key steps, masks and rings together."""
+        blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(64), persistent=True,
+                                     persistent_dq=True)  # the defaults at head dim 128
+        check_case((1, 256, 300, 4, 2, 64, True, BF16, 44, "random", blocks),
                    lambda q, k, v, blocks, **kw: flash_attention(
                        q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
 
@@ -374,6 +373,8 @@ class TestMosaicFlashAttention:
         assert blocks.resolve_persistent(128, True, False, 4096)
         assert blocks.resolve_persistent(128, True, True, 2048)
         assert not blocks.resolve_persistent(128, True, True, 1920)  # 15 tiles: no pairs
+        assert not blocks.resolve_persistent(64, True, True, 2048)  # causal pairs timed at D 128
+        assert not blocks.resolve_persistent_dq(64, True, True, 2048, 2048)
         # the dQ kernel: up to 2k keys (faster at 2k causal, not at 4k)
         assert blocks.resolve_persistent_dq(128, True, True, 2048, 2048)
         assert not blocks.resolve_persistent_dq(128, True, True, 4096, 4096)

@@ -99,7 +99,7 @@ def flash_attention_mgpu(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = False,
     blocks = dataclasses.replace(blocks, fused_bwd=blocks.resolve_fused_bwd(h, s, regs))
     persistent = blocks.resolve_persistent(h, regs, bool(causal), t)
     persistent_dq = blocks.resolve_persistent_dq(h, regs, bool(causal), t, s)
-    persistent_dkv = not blocks.fused_bwd and blocks.resolve_persistent_dkv(h, regs, bool(causal), t, s)
+    persistent_dkv = blocks.resolve_persistent_dkv(h, regs)
     blocks.check_smem(h, regs, persistent, persistent_dq, persistent_dkv)
     cfg = MosaicConfig(
         causal=bool(causal), sm_scale=float(1 / math.sqrt(h) if sm_scale is None else sm_scale),

@@ -179,7 +179,10 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     parts = dq_parts(d)  # dQ column parts a step: one per consumer (D 128), or one (D 64)
     dq_cols = d // parts
     heads_major = cfg.blocks.dq_heads_major
-    persistent = cfg.persistent_dkv and not with_dq
+    persistent = cfg.persistent_dkv
+    if persistent and with_dq:
+        raise ValueError("backward_dkv: the fused backward (with_dq) has no persistent grid; "
+                         "resolve persistent_dkv with MosaicBlockSizes.resolve_persistent_dkv.")
     # Key blocks of one (batch, kv head); causal: the lowest sees the most query tiles
     order = TileSchedule(b, kh, n_kt, cfg.causal, persistent, cfg.sms, longest_high=False)
 

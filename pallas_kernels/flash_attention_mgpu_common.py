@@ -101,12 +101,12 @@ class MosaicBlockSizes:
     def resolve_persistent(self, head_dim: int, regs: bool, causal: bool, q_len: int) -> bool:
         """The forward's grid: as asked, or (None) persistent when its own O tiles fit in
         shared memory beside P's staging tiles (regs=False) and, with a causal mask, at head
-        dim 128 where the query tiles pair up (an even number a head: `TileSchedule`). Causal pairs measured
-        faster than one block per tile on the H200: forward +4% at 2k x batch 24, +13% at
-        2k x batch 8, +7% at 4k, +6% at 4k GQA, +1% at 16k (benchmarks/README.md)."""
+        dim 128 where the query tiles pair up (an even number a head: `TileSchedule`). Causal
+        pairs measured faster than one block per tile on the H200: forward +4% at 2k x batch
+        24, +13% at 2k x batch 8, +7% at 4k, +6% at 4k GQA, +1% at 16k (benchmarks/README.md)."""
         if self.persistent is not None:
             return self.persistent
-        if causal and (head_dim != 128 or (-(-q_len // (COMPUTE_WGS * self.block_q))) % 2):
+        if causal and (head_dim != 128 or not _pairs(q_len, self.block_q)):
             return False  # causal pairs: timed at head dim 128 only
         return self._need(head_dim, regs, True)["forward"] <= SMEM_LIMIT - SMEM_RESERVE
 
@@ -115,9 +115,8 @@ class MosaicBlockSizes:
         """The dQ kernel's grid: as asked, or (None) persistent at head dim 128 up to
         PERSISTENT_DQ_MAX_KV keys (short tiles, where a tile's prologue and epilogue weigh
         most), where its dQ out tiles fit in shared memory and, with a causal mask, its query
-        tiles pair up. H200,
-        forward+backward: +5% at 2k causal x batch 24, +2% at x 8; at 4k -1.5% (no mask),
-        -1.7% (causal), 0% (causal GQA): benchmarks/README.md."""
+        tiles pair up. H200, forward+backward: +5% at 2k causal x batch 24, +2% at x 8; at 4k
+        -1.5% (no mask), -1.7% (causal), 0% (causal GQA), one call: benchmarks/README.md."""
         fits = self._need(head_dim, regs, False, True)["dq"] <= SMEM_LIMIT - SMEM_RESERVE
         if self.persistent_dq is not None:
             if self.persistent_dq and not fits:
@@ -126,15 +125,15 @@ class MosaicBlockSizes:
             return self.persistent_dq
         if head_dim != 128 or kv_len > PERSISTENT_DQ_MAX_KV:  # timed at head dim 128 only
             return False
-        if causal and (-(-q_len // (COMPUTE_WGS * self.block_q_dq))) % 2:
-            return False
-        return fits
+        return fits and not (causal and not _pairs(q_len, self.block_q_dq))
 
-    def resolve_persistent_dkv(self, head_dim: int, regs: bool, causal: bool, q_len: int,
-                               kv_len: int) -> bool:
-        """The dK/dV kernel's grid (two-kernel form; the fused one keeps one block per key
-        block): as asked, or (None) one block per key block: persistent it measured slower
-        at 2k causal on the H200 (-5.5% forward+backward at batch 24, -2% at 8; benchmarks/README.md)."""
+    def resolve_persistent_dkv(self, head_dim: int, regs: bool) -> bool:
+        """The dK/dV kernel's grid: as asked, or (None) one block per key block: persistent it
+        measured slower at 2k causal on the H200 (-5.5% forward+backward at batch 24, -2% at
+        8; benchmarks/README.md). The fused backward (`fused_bwd` resolved) always keeps one
+        block per key block."""
+        if self.fused_bwd:
+            return False
         fits = self._need(head_dim, regs, False, persistent_dkv=True)["dkv"] <= SMEM_LIMIT - SMEM_RESERVE
         if self.persistent_dkv is not None:
             if self.persistent_dkv and not fits:
@@ -233,9 +232,15 @@ class MosaicConfig:
         return -(-self.kv_len // tile) * tile
 
 
+def _pairs(length: int, rows: int) -> bool:
+    """Whether `length` rows make an even number of tiles of COMPUTE_WGS x `rows` (causal
+    pairs for `TileSchedule`)."""
+    return -(-length // (COMPUTE_WGS * rows)) % 2 == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class TileSchedule:
-    """Which (batch, head, query tile) each block of a query-tile kernel (forward, dQ) runs.
+    """Which (batch, head, tile) each block runs: query tiles (forward, dQ) or key blocks (dK/dV).
 
     One block per tile (`persistent` False): block t runs flat tile t of (batch, head, tile)
     order. Persistent: `blocks` = min(SMs, units) blocks, block blk running units blk,
@@ -278,7 +283,7 @@ class TileSchedule:
         return (2 if self.paired else 1) * (lax.div(self.n_units - 1 - blk, self.blocks) + 1)
 
     def tile_at(self, blk, i):
-        """(batch, head, query tile) of block blk's i-th tile."""
+        """(batch, head, tile) of block blk's i-th tile."""
         n, n_t = self.heads, self.n_t
         if self.paired:
             u = blk + lax.div(i, 2) * self.blocks

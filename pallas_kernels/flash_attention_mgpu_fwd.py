@@ -30,6 +30,7 @@ from pallas_kernels.flash_attention_mgpu_common import (
     kv_steps,
     mask_rows_by_keys,
     needs_mask,
+    own_tiles_at,
     producer,
     stream_tiles_kv,
     unpack,
@@ -109,9 +110,6 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
             block_lo = qi * (COMPUTE_WGS * bq)
             return kv_steps(cfg, q_off + block_lo, q_off + block_lo + COMPUTE_WGS * bq - 1, bk)
 
-        def tiles(body):
-            return order.loop(blk, body)
-
         turns = PingPong(wg, None if cfg.named_schedule else sched)
 
         @consumers(wg)
@@ -119,9 +117,7 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
             q_tile, o_tile = q_smem.at[wg], o_smem.at[wg]
 
             def load_q(i):  # this block's i-th tile's Q rows
-                bi, h, qi = order.tile_at(blk, i)
-                q_row = qi * (COMPUTE_WGS * bq) + wg * bq
-                plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_row, bq), h], q_tile, q_bar.at[wg])
+                own_tiles_at(order, blk, i, [(q_ref, q_smem)], wg, bq, q_bar)
 
             load_q(0)
 
@@ -210,7 +206,7 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
                 plgpu.commit_smem_to_gmem_group()
                 return n_end
 
-            tiles(run_tile)
+            order.loop(blk, run_tile)
             end_wait(cfg)
 
         @producer(wg)

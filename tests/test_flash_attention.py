@@ -382,8 +382,9 @@ class TestMosaicFlashAttention:
         assert not blocks.resolve_persistent_dq(128, True, True, 1920, 1920)
         assert MosaicBlockSizes(persistent_dq=True).resolve_persistent_dq(128, True, True, 1920, 8192)
         # the dK/dV kernel: one block per key block (persistent measured slower), unless asked
-        assert not blocks.resolve_persistent_dkv(128, True, True, 2048, 2048)
-        assert MosaicBlockSizes(persistent_dkv=True).resolve_persistent_dkv(128, True, True, 2048, 2048)
+        assert not blocks.resolve_persistent_dkv(128, True)
+        assert MosaicBlockSizes(persistent_dkv=True).resolve_persistent_dkv(128, True)
+        assert not MosaicBlockSizes(persistent_dkv=True, fused_bwd=True).resolve_persistent_dkv(128, True)
         assert not MosaicBlockSizes(persistent=False).resolve_persistent(128, True, False, 4096)
 
     def test_fused_backward_is_the_default_only_where_it_measured_faster(self):

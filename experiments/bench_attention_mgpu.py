@@ -100,7 +100,7 @@ ST3 = MosaicBlockSizes(stages_bwd=3)
 FWD_VARIANTS = {
     "ours_grid": dict(persistent=False),
     "ours_dq_grid": dict(persistent_dq=False),  # the dQ kernel one block per tile (before)
-    "ours_dkv_grid": dict(persistent_dkv=False),  # the dK/dV kernel one block per key block
+    "ours_dkv_persistent": dict(persistent_dkv=True),  # the dK/dV kernel over key-block pairs
     "ours_mbar": dict(named_schedule=False),
     "ours_grid_mbar": dict(persistent=False, named_schedule=False),
     "ours_bwd_autobar": dict(manual_barriers_bwd=False),  # the backward with Pallas's barriers

@@ -166,6 +166,9 @@ def fa_impls(names, smoke):
             q, k, v, is_causal=c, implementation="mosaic")
     except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
         print("no tokamax:", repr(e)[:200], flush=True)
+    unknown = sorted(set(names or ()) - set(impls) - {"tokamax_mosaic"})  # tokamax: may be absent
+    if unknown:
+        raise SystemExit(f"--impls: unknown {unknown}; choose from {sorted(impls)}")
     return {k: f for k, f in impls.items() if not names or k in names}
 
 

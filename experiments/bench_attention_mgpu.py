@@ -112,6 +112,10 @@ FWD_VARIANTS = {
     "ours_fused_bwd_r232": dict(fused_bwd=True, regs_bwd=232),  # 240 is the fused default
     "ours_two_kernel_r240": dict(fused_bwd=False, regs_bwd=240),
     "ours_fused_bwd_hm": dict(fused_bwd=True, dq_heads_major=True),  # dQ summed as [B, N, T, D]
+    # causal: every consumer computes every step of its block (before the own-steps default)
+    "ours_block_steps": dict(own_causal_steps=False),
+    "ours_xla_delta": dict(delta_in_dq=False),  # delta = rowsum(dO * O) by XLA, not the dQ kernel
+    "ours_before_1202b": dict(own_causal_steps=False, delta_in_dq=False),  # both, as before
 }
 
 

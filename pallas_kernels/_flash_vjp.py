@@ -25,7 +25,9 @@ def make_flash(pad_inputs, forward, backward):
     """A jitted f(cfg, q, k, v, qoff, q_seg, kv_seg) -> O with a custom VJP (cfg static: it
     has q_len, kv_len, q_pad). pad_inputs(cfg, q, k, v, q_seg, kv_seg) -> the five padded;
     forward(cfg, q, k, v, qoff, q_seg, kv_seg) -> (O, LSE) on padded inputs;
-    backward(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta) -> (dq, dk, dv), padded."""
+    backward(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta, o) -> (dq, dk, dv), padded,
+    where delta() computes rowsum(dO * O) [B, N, q_pad] in XLA and o is the padded output (a
+    backward may compute delta in its own kernel from it instead)."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def flash(cfg, q, k, v, qoff, q_seg, kv_seg):
@@ -40,13 +42,15 @@ def make_flash(pad_inputs, forward, backward):
 
     def flash_bwd(cfg, res, do):
         q, k, v, qoff, q_seg, kv_seg, o, lse = res
-        # delta_i = sum_h dO_ih O_ih = sum_j P_ij dP_ij: the row term of the softmax Jacobian.
-        delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
-        delta = jnp.pad(delta, ((0, 0), (0, 0), (0, cfg.q_pad - cfg.q_len)))
+        def delta():
+            # delta_i = sum_h dO_ih O_ih = sum_j P_ij dP_ij: the row term of the softmax Jacobian.
+            d = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
+            return jnp.pad(d, ((0, 0), (0, 0), (0, cfg.q_pad - cfg.q_len)))
+
         qp, kp, vp, qsp, kvsp = pad_inputs(cfg, q, k, v, q_seg, kv_seg)
         # Padded query rows get dO = 0 and delta = 0, so they add nothing to dK and dV.
         dop = pad_seq(do.astype(q.dtype), cfg.q_pad)
-        dq, dk, dv = backward(cfg, qp, kp, vp, qoff, qsp, kvsp, lse, dop, delta)
+        dq, dk, dv = backward(cfg, qp, kp, vp, qoff, qsp, kvsp, lse, dop, delta, pad_seq(o, cfg.q_pad))
         return dq[:, : cfg.q_len], dk[:, : cfg.kv_len], dv[:, : cfg.kv_len], None, None, None
 
     flash.defvjp(flash_fwd, flash_bwd)

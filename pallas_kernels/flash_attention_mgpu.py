@@ -61,11 +61,15 @@ def _padded(cfg: MosaicConfig, q, k, v, q_seg, kv_seg):
     return q, k, v, pad_seq(q_seg, cfg.q_pad, -1), pad_seq(kv_seg, cfg.kv_pad, -2)
 
 
-def _backward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta):
+def _backward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta, o):
     if cfg.blocks.fused_bwd:
-        return backward_dkv(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta, with_dq=True)
-    dq = backward_dq(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
-    dk, dv = backward_dkv(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
+        return backward_dkv(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta(), with_dq=True)
+    if cfg.delta_in_dq:  # the dQ kernel computes delta from the O rows it loads beside dO
+        dq, delta_p = backward_dq(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, None, o=o)
+    else:
+        delta_p = delta()
+        dq = backward_dq(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta_p)
+    dk, dv = backward_dkv(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta_p)
     return dq, dk, dv
 
 
@@ -106,6 +110,7 @@ def flash_attention_mgpu(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = False,
         blocks=blocks, q_len=t, kv_len=s, groups=n // kh,
         segments=q_segment_ids is not None, regs=regs, interpret=bool(interpret),
         persistent=persistent, persistent_dq=persistent_dq, persistent_dkv=persistent_dkv,
+        delta_in_dq=blocks.delta_in_dq and not blocks.fused_bwd,
         sms=INTERPRET_SMS if interpret else sm_count())
     qoff = jnp.asarray(q_offset, jnp.int32).reshape(1)
     q_seg = kv_seg = None

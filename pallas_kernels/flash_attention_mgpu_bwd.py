@@ -12,7 +12,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import COL, LOG2E, ROW, launch, tiled_smem
+from pallas_kernels._mgpu import COL, LOG2E, ROW, WGMMA, launch, tiled_smem
 from pallas_kernels.flash_attention_mgpu_common import (
     COMPUTE_WGS,
     MosaicConfig,
@@ -28,6 +28,7 @@ from pallas_kernels.flash_attention_mgpu_common import (
     kv_steps,
     mask_rows_by_keys,
     own_tiles_at,
+    pass_steps,
     producer,
     stream_tiles_kv,
     unpack,
@@ -37,24 +38,38 @@ from pallas_kernels.flash_attention_mgpu_common import (
 )
 
 
-def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta):
+def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta, *, o=None):
     """dQ [B, q_pad, N, D]: per query tile, S = Q K^T, dP = dO V^T, dS = P (dP - delta),
     dQ += dS K over the visible key tiles. With `cfg.persistent_dq` one block per SM runs
     the tiles of a `TileSchedule` (the forward's): the K/V ring carries on from tile to tile,
     the next tile's Q and dO are loaded once this tile's last matmul has read them, and dQ
-    leaves through its own shared tile, so the next tile's loads run under this epilogue."""
+    leaves through its own shared tile, so the next tile's loads run under this epilogue.
+
+    With `cfg.delta_in_dq` (then `o` is the padded output and `delta` None) each consumer
+    also loads its O rows beside dO and computes delta = rowsum(dO * O) in fp32 itself,
+    instead of an XLA pass over dO and O before the kernel; returns (dQ, delta [B, N,
+    q_pad]), delta for the dK/dV kernel."""
     b, tp, n, d = q.shape
     bq, bk, st = cfg.blocks.block_q_dq, cfg.blocks.block_kv_dq, cfg.blocks.stages_bwd
     dtype, g = q.dtype, cfg.groups
     n_qt = tp // (COMPUTE_WGS * bq)
     order = TileSchedule(b, n, n_qt, cfg.causal, cfg.persistent_dq, cfg.sms)
     scale2 = cfg.sm_scale * LOG2E
+    own_steps = cfg.causal and cfg.blocks.own_causal_steps
+    own_delta = cfg.delta_in_dq
+    if own_delta != (o is not None and delta is None):
+        raise ValueError("backward_dq: pass o (and delta=None) exactly when cfg.delta_in_dq.")
 
     def kernel(*refs):
         qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 7)
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
-        dq_ref, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem = rest[:7]
-        qdo_bar, k_bar, v_bar, free = rest[7:]
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins  # delta_ref: O with own_delta
+        o_ref = delta_ref if own_delta else None
+        if own_delta:
+            dq_ref, delta_out, rest = rest[0], rest[1], rest[2:]
+        else:
+            dq_ref, rest = rest[0], rest[1:]
+        q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, o_smem, delta_smem = rest[:8]
+        qdo_bar, k_bar, v_bar, free = rest[8:]
         if dq_smem is None:  # one tile per block: dQ leaves through the Q tile
             dq_smem = q_smem
         blk, wg = lax.axis_index(order.grid_name), lax.axis_index("wg")
@@ -70,8 +85,9 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
         def _consumer():
             q_tile, do_tile, dq_tile = q_smem.at[wg], do_smem.at[wg], dq_smem.at[wg]
 
-            def load_own(i):  # this block's i-th tile's Q and dO rows
-                own_tiles_at(order, blk, i, [(q_ref, q_smem), (do_ref, do_smem)], wg, bq, qdo_bar)
+            def load_own(i):  # this block's i-th tile's Q and dO rows (and O's)
+                own = [(q_ref, q_smem), (do_ref, do_smem)] + ([(o_ref, o_smem)] if own_delta else [])
+                own_tiles_at(order, blk, i, own, wg, bq, qdo_bar)
 
             load_own(0)
 
@@ -79,13 +95,26 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
                 bi, h, qi = tile
                 n_full, n_end = steps_of(qi)
                 q_row = qi * (COMPUTE_WGS * bq) + wg * bq
+                n_mine_end = n_end  # the steps this consumer computes; the rest it passes
+                if own_steps:  # its own rows' steps: the first consumer sees fewer keys
+                    n_full, n_mine_end = kv_steps(cfg, q_off + q_row, q_off + q_row + bq - 1, bk,
+                                                  length=False)
                 rows = pl.ds(q_row, bq)
                 lse_r = plgpu.load(lse_ref.at[bi, h, rows], layout=ROW, optimized=False)
-                delta_r = plgpu.load(delta_ref.at[bi, h, rows], layout=ROW, optimized=False)
+                if not own_delta:
+                    delta_r = plgpu.load(delta_ref.at[bi, h, rows], layout=ROW, optimized=False)
                 q_seg = None
                 if cfg.segments:
                     q_seg = plgpu.load(qseg_ref.at[bi, rows], layout=ROW, optimized=False)
                 plgpu.barrier_wait(qdo_bar.at[wg])
+                if own_delta:  # delta = rowsum(dO * O) in fp32, out for the dK/dV kernel
+                    do_r = plgpu.load(do_tile, layout=WGMMA).astype(jnp.float32)
+                    o_r = plgpu.load(o_smem.at[wg], layout=WGMMA).astype(jnp.float32)
+                    delta_r = jnp.sum(do_r * o_r, axis=1)
+                    # the last tile's delta copy was waited on before its dQ tile was written
+                    delta_smem.at[wg][...] = delta_r
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(delta_smem.at[wg], delta_out.at[bi, h, rows])
 
                 def run(dq_acc):
                     def step(j, carry, masked: bool):
@@ -112,7 +141,10 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
 
                     lax.fori_loop(0, n_full, functools.partial(step, masked=False), 0)
                     if cfg.causal or cfg.segments:
-                        lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), 0)
+                        lax.fori_loop(n_full, n_mine_end, functools.partial(step, masked=True), 0)
+                    if own_steps:  # keys past this consumer's last row: they add 0 to its dQ
+                        pass_steps(n_mine_end, n_end, lambda j: lax.rem(done + j, st),
+                                   (k_bar, v_bar), free)
                     return dq_acc[...]
 
                 dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
@@ -141,13 +173,18 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta)
         tiled_smem((st, bk, d), dtype),
         None if cfg.regs else tiled_smem((w, bq, bk), dtype),  # dS, when staged in smem
         tiled_smem((w, bq, d), dtype) if cfg.persistent_dq else None,  # dQ tiles on their way out
-        plgpu.Barrier(num_arrivals=2, num_barriers=w),  # Q and dO loaded
+        tiled_smem((w, bq, d), dtype) if own_delta else None,  # O tiles (delta)
+        plgpu.SMEM((w, bq), jnp.float32) if own_delta else None,  # delta rows on their way out
+        plgpu.Barrier(num_arrivals=3 if own_delta else 2, num_barriers=w),  # Q, dO (O) loaded
         plgpu.Barrier(num_barriers=st),  # K slot filled
         plgpu.Barrier(num_barriers=st),  # V slot filled
         plgpu.Barrier(num_arrivals=w, num_barriers=st),  # K/V slot free again
     )
-    args = with_segments(cfg, [qoff, q, k, v, do, lse, delta], q_seg, kv_seg)
-    return launch(kernel, args, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch,
+    args = with_segments(cfg, [qoff, q, k, v, do, lse, o if own_delta else delta], q_seg, kv_seg)
+    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    if own_delta:
+        out_type = (out_type, jax.ShapeDtypeStruct(lse.shape, jnp.float32))
+    return launch(kernel, args, out_type=out_type, scratch=scratch,
                   grid=(order.blocks,), grid_names=(order.grid_name,), num_threads=w + 1,
                   interpret=cfg.interpret, manual_barriers=cfg.blocks.manual_barriers_bwd)
 
@@ -183,6 +220,8 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     if persistent and with_dq:
         raise ValueError("backward_dkv: the fused backward (with_dq) has no persistent grid; "
                          "resolve persistent_dkv with MosaicBlockSizes.resolve_persistent_dkv.")
+    # dQ shares need both consumers' dS^T every step: the fused form runs the block's steps
+    own_steps = cfg.causal and cfg.blocks.own_causal_steps and not with_dq
     # Key blocks of one (batch, kv head); causal: the lowest sees the most query tiles
     order = TileSchedule(b, kh, n_kt, cfg.causal, persistent, cfg.sms, longest_high=False)
 
@@ -196,12 +235,11 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         n_mine = order.n_mine(blk)
         q_off = qoff_ref[0]
 
-        def span(ki):
-            """(first step, first unmasked step, end) of key block ki. Steps run over (query
-            tile i, group head j), j fastest; step = i * g + j."""
-            block_lo = ki * (COMPUTE_WGS * bk)
-            block_hi = block_lo + COMPUTE_WGS * bk - 1
-            if cfg.causal:  # query tiles ending before the block's first key see none of it
+        def span(block_lo, block_hi):
+            """(first step, first unmasked step, end) of keys [block_lo, block_hi] (a key
+            block, or one consumer's rows of it). Steps run over (query tile i, group head j),
+            j fastest; step = i * g + j."""
+            if cfg.causal:  # query tiles ending before the first key see none of them
                 i_start = jnp.minimum(lax.div(jnp.maximum(block_lo - q_off, 0), bq), n_q)
                 i_full = jnp.maximum(jnp.minimum(cdiv(jnp.maximum(block_hi - q_off, 0), bq), n_q),
                                      i_start)
@@ -210,6 +248,10 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
             if cfg.segments:
                 i_full = n_q
             return i_start * g, i_full * g, n_q * g
+
+        def block_span(ki):  # key block ki's steps, what its producer streams
+            block_lo = ki * (COMPUTE_WGS * bk)
+            return span(block_lo, block_lo + COMPUTE_WGS * bk - 1)
 
         @consumers(wg, cfg.blocks.consumer_regs_bwd)
         def _consumer():
@@ -223,8 +265,11 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
 
             def run_tile(i_tile, tile, done):
                 bi, kvh, ki = tile
-                s_start, s_full, s_end = span(ki)
+                s_start, s_full, s_end = block_span(ki)
                 k_row = ki * (COMPUTE_WGS * bk) + wg * bk
+                s_mine = s_start  # the first step this consumer computes; those before it it passes
+                if own_steps:  # its own keys' steps: the second consumer sees fewer queries
+                    s_mine, s_full, _ = span(k_row, k_row + bk - 1)
                 rows = pl.ds(k_row, bk)
                 kv_seg = None
                 if cfg.segments:
@@ -326,8 +371,11 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                         plgpu.barrier_arrive(free.at[slot])
                         return carry
 
+                    if own_steps:  # queries before this consumer's first key: they add 0
+                        pass_steps(s_start, s_mine, lambda s_idx: lax.rem(done + s_idx - s_start, st),
+                                   (q_bar, do_bar), free)
                     if cfg.causal or cfg.segments:
-                        lax.fori_loop(s_start, s_full, functools.partial(step, masked=True), 0)
+                        lax.fori_loop(s_mine, s_full, functools.partial(step, masked=True), 0)
                     lax.fori_loop(s_full, s_end, functools.partial(step, masked=False), 0)
                     return dk_acc[...], dv_acc[...]
 
@@ -356,7 +404,7 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         def _producer():
             def feed(i_tile, tile, done):
                 bi, kvh, ki = tile
-                s_start, _, s_end = span(ki)
+                s_start, _, s_end = block_span(ki)
 
                 @pl.loop(s_start, s_end)
                 def _(s_idx):

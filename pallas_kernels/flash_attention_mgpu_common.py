@@ -61,6 +61,12 @@ class MosaicBlockSizes:
     # None: 240 in the fused backward (its consumers spill at 232), 232 in the two kernels
     dq_heads_major: bool = False  # fused backward: dQ summed in fp32 as [B, heads, T, D], a
     # (query tile, head) one contiguous block, instead of [B, T, heads, D] (rows 8 KiB apart)
+    own_causal_steps: bool = True  # the two backward kernels under a causal mask: each consumer
+    # computes only the steps its own rows see (the dQ kernel's first consumer skips the
+    # block's last key tile, the dK/dV kernel's second its first query tile) and waits through
+    # the rest of its block's ring; False: every consumer computes every step of its block
+    delta_in_dq: bool = True  # the two backward kernels: the dQ kernel loads O's rows beside
+    # dO's and computes delta = rowsum(dO * O) for both kernels; False: an XLA pass before them
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -70,7 +76,8 @@ class MosaicBlockSizes:
                     raise ValueError(f"MosaicBlockSizes.regs_bwd={value}: use a multiple of 8 in "
                                      f"[{CONSUMER_REGS}, {MAX_CONSUMER_REGS}] (the producer keeps "
                                      f">= {MIN_PRODUCER_REGS}).")
-            elif f.name in ("manual_barriers_bwd", "end_wait_reads", "dq_heads_major"):
+            elif f.name in ("manual_barriers_bwd", "end_wait_reads", "dq_heads_major",
+                            "own_causal_steps", "delta_in_dq"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
             elif f.name in ("persistent", "persistent_dq", "persistent_dkv", "named_schedule",
@@ -162,8 +169,9 @@ class MosaicBlockSizes:
                                   ((2 * self.stages, self.block_kv, d), h),
                                   ((w, self.block_q), jnp.float32),
                                   *staged((w, self.block_q, self.block_kv))),
-            # Q and dO tiles, and dQ tiles of their own in the persistent grid
-            "dq": smem_bytes((((3 if persistent_dq else 2) * w, self.block_q_dq, d), h),
+            # Q, dO (and O: delta_in_dq) tiles, and dQ tiles of their own in the persistent grid
+            "dq": smem_bytes((((2 + self.delta_in_dq + persistent_dq) * w, self.block_q_dq, d), h),
+                             ((w, self.block_q_dq), jnp.float32),
                              ((2 * self.stages_bwd, self.block_kv_dq, d), h),
                              *staged((w, self.block_q_dq, self.block_kv_dq))),
             # K and V tiles, and dK and dV tiles of their own in the persistent grid
@@ -208,6 +216,7 @@ class MosaicConfig:
     persistent: bool = False  # the forward runs one block per SM over the query tiles
     persistent_dq: bool = False  # so does the dQ kernel
     persistent_dkv: bool = False  # and the dK/dV kernel over key blocks (not the fused one)
+    delta_in_dq: bool = False  # the dQ kernel computes delta (two-kernel backward)
     sms: int = 132  # blocks of the persistent grids: one per streaming multiprocessor
 
     @property
@@ -371,6 +380,18 @@ def mask_rows_by_keys(cfg: MosaicConfig, s, q_pos0, k_pos0, q_seg, kvseg_ref, bi
     ok = visible(cfg, q_pos0 + iota(s.shape, 0), k_pos0 + iota(s.shape, 1),
                  None if q_seg is None else bcast_rows(q_seg, s.shape), kv_seg, length=length)
     return jnp.where(ok, s, -jnp.inf)
+
+
+def pass_steps(lo, hi, slot_of, filled, free):
+    """A consumer's ring steps [lo, hi) that its own rows do not see (causal): it waits for
+    each slot's tiles (keeping its barrier phases in step with the ring) and frees the slot
+    for the producer, computing nothing."""
+    @pl.loop(lo, hi)
+    def _(j):
+        slot = slot_of(j)
+        for bar in filled:
+            plgpu.barrier_wait(bar.at[slot])
+        plgpu.barrier_arrive(free.at[slot])
 
 
 def drain(n_steps, stages: int, *free_barriers):

@@ -335,8 +335,10 @@ def _forward(cfg: Config, q, k, v, qoff, q_seg, kv_seg):
     )(qoff, q, k, v, q_seg, kv_seg)
 
 
-def _backward(cfg: Config, q, k, v, qoff, q_seg, kv_seg, lse, do, delta):
+def _backward(cfg: Config, q, k, v, qoff, q_seg, kv_seg, lse, do, delta, o):
     """dQ, dK, dV on padded sequences; dK/dV summed over each kv head's query heads."""
+    del o  # delta comes from XLA's pass (`make_flash`)
+    delta = delta()
     b, _, n, h = q.shape
     kh, g, blocks = k.shape[2], cfg.groups, cfg.blocks
     prec = precision_for(q.dtype)

@@ -323,6 +323,49 @@ class TestMosaicFlashAttention:
         for got, want in zip(grads[1], ref, strict=True):
             assert rel_err(got, want) < TOL[BF16]
 
+    @pytest.mark.parametrize("q_offset,persistent", [(0, False), (44, True)], ids=["grid", "offset_persistent"])
+    def test_own_causal_steps_equal_every_step_of_the_block(self, q_offset, persistent):
+        """Under a causal mask each consumer of the two backward kernels computes only the
+        steps its own rows see (`own_causal_steps`, the default) and passes the rest of its
+        block's ring: the gradients are bitwise those of every consumer computing every step
+        (a passed step adds exact zeros); GQA, ragged keys, a q offset, persistent grids."""
+        rng = np.random.default_rng(11)
+        q_len, kv_len = 256, 256 + q_offset
+        q, k, v = (normal(rng, (1, q_len, 2, 64), BF16), normal(rng, (1, kv_len, 1, 64), BF16),
+                   normal(rng, (1, kv_len, 1, 64), BF16))
+        do = normal(rng, (1, q_len, 2, 64), BF16)
+        grads = []
+        for own in (False, True):
+            bb = dataclasses.replace(MosaicBlockSizes.for_head_dim(64), fused_bwd=False,
+                                     own_causal_steps=own, persistent_dq=persistent,
+                                     persistent_dkv=persistent)
+            _, vjp = jax.vjp(lambda q, k, v, bb=bb: flash_attention_mgpu(
+                q, k, v, causal=True, q_offset=q_offset, interpret=not ON_GPU, block_sizes=bb), q, k, v)
+            grads.append(vjp(do))
+        for a, b in zip(*grads, strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        ref = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=True, q_offset=q_offset),
+                      *(x.astype(F32) for x in (q, k, v)))[1](do.astype(F32))
+        for got, want in zip(grads[1], ref, strict=True):
+            assert rel_err(got, want) < TOL[BF16]
+
+    @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
+    def test_dq_kernel_computes_delta(self, persistent):
+        """`delta_in_dq` (the two-kernel backward's default): the dQ kernel loads O's rows
+        beside dO's and its delta rows, handed to the dK/dV kernel, are rowsum(dO * O) in
+        fp32 (the XLA pass they replace), a tile after the first (persistent) included."""
+        rng = np.random.default_rng(12)
+        q, o, do = (normal(rng, (1, 256, 2, 64), BF16) for _ in range(3))
+        k, v = normal(rng, (1, 256, 1, 64), BF16), normal(rng, (1, 256, 1, 64), BF16)
+        cfg = MosaicConfig(causal=True, sm_scale=0.125, blocks=MosaicBlockSizes.for_head_dim(64),
+                           q_len=256, kv_len=256, groups=2, segments=False, regs=False,
+                           interpret=not ON_GPU, persistent_dq=persistent, delta_in_dq=True,
+                           sms=2 if persistent else 132)
+        lse = jnp.zeros((1, 2, 256), F32)
+        _, delta = backward_dq(cfg, q, k, v, jnp.zeros((1,), jnp.int32), None, None, lse, do, None, o=o)
+        want = jnp.einsum("btnh,btnh->bnt", o.astype(F32), do.astype(F32))
+        np.testing.assert_allclose(np.asarray(delta), np.asarray(want), rtol=1e-5, atol=1e-5)
+
     def test_causal_pairs_with_offset_and_segments_match_reference(self):
         """The persistent forward and dQ kernel over causal pairs (2 query tiles a head; the
         defaults at head dim 128) with a q offset, ragged keys, segment ids and GQA, against

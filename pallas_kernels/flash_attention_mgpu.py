@@ -22,10 +22,13 @@ schedule (the dK/dV kernel can, `persistent_dkv`, but measured slower). The kern
 (`_mgpu.launch(manual_barriers=True)`), checked by the interpreter's race detector in the
 tests; each kernel ends waiting only until its last TMA stores have read shared memory.
 Causal tiles above the diagonal are never loaded; only the diagonal tiles, the ragged last
-key tile and (with segment ids) every tile run the masked step.
+key tile and (with segment ids) every tile run the masked step; in the two backward kernels
+each consumer computes only the steps its own 64 rows see and passes the rest of its block's
+ring (`own_causal_steps`).
 
 The algorithm is the one of `flash_attention.py` (online softmax in base 2, LSE saved,
-probabilities recomputed in the backward pass, delta = rowsum(dO * O) precomputed): the
+probabilities recomputed in the backward pass, delta = rowsum(dO * O) computed once per query
+row: by the dQ kernel from O rows it loads beside dO, `delta_in_dq`, and else by XLA): the
 public entry point there dispatches here on an sm90 GPU for bf16/fp16 with head dim 64 or
 128, and keeps the Triton kernels as the portable path. Grouped-query attention: the dK/dV
 kernel loops over every query head of its K/V head, so dK and dV are summed in the kernel.

@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import subprocess
+import sys
 import time
 
 import jax
@@ -24,33 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from gendist.timing import warm_gpu
-from pallas_kernels.flash_attention import flash_attention
-from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes
 
-# the forms of ours: today's defaults, the fused 5-matmul backward, and the two-kernel
-# backward as it was before each consumer ran only its own causal steps and delta moved in
-FORMS = {"ours": None, "ours_fused": dict(fused_bwd=True),
-         "ours_before_1202b": dict(own_causal_steps=False, delta_in_dq=False)}
-
-
-def attention_fn(impl: str):
-    if impl == "cudnn":
-        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                            implementation="cudnn")
-    if impl == "xla":  # --smoke on a CPU
-        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    sizes = None if FORMS[impl] is None else MosaicBlockSizes(**FORMS[impl])
-    return lambda q, k, v: flash_attention(q, k, v, causal=True, block_sizes=sizes)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import attention_in_step  # noqa: E402  (the attention forms, shared)
 
 
 def fwd_bwd(impl: str):
-    attn = attention_fn(impl)
-
-    @jax.jit
-    def f(q, k, v, do):
-        o, vjp = jax.vjp(attn, q, k, v)
-        return (o, *vjp(do))
-    return f
+    return jax.jit(attention_in_step.fwd_bwd(impl))
 
 
 def sampler():

@@ -34,14 +34,21 @@ from gendist.timing import pipelined_seconds, warm_gpu
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes
 
+# the forms of ours (MosaicBlockSizes fields): the defaults, the fused 5-matmul backward, and
+# the two-kernel backward as it was before each consumer ran only its own causal steps and
+# delta moved into the dQ kernel (2026-12-02 afternoon)
+FORMS = {"ours": None, "ours_fused": dict(fused_bwd=True),
+         "ours_before_1202b": dict(own_causal_steps=False, delta_in_dq=False)}
+
 
 def attention_fn(impl: str):
+    """Causal attention (q, k, v) -> o by `impl`: cudnn, xla (CPU smoke) or a form of ours."""
     if impl == "cudnn":
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                             implementation="cudnn")
     if impl == "xla":  # --smoke on a CPU
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    sizes = MosaicBlockSizes(fused_bwd=True) if impl == "ours_fused" else None
+    sizes = None if FORMS[impl] is None else MosaicBlockSizes(**FORMS[impl])
     return lambda q, k, v: flash_attention(q, k, v, causal=True, block_sizes=sizes)
 
 

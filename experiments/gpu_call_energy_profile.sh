@@ -7,10 +7,5 @@
 #   OUT=$OUT bash experiments/gpu_call_energy_profile.sh    (from the repository root, .anchors/ carried)
 source "$(dirname "$0")/gpu_env.sh"
 timeout 150 python3 experiments/attention_energy.py --out "$OUT" 2>&1 | grep -v "^WARNING" | tail -9
-for att in cudnn pallas; do
-    mkdir -p "$OUT/$att"
-    timeout 130 python3 experiments/profile_train.py --preset 1b --steps 3 \
-        --set train.batch_size=24 model.attention=$att --out "$OUT/$att" > "$OUT/profile_$att.log" 2>&1
-    echo "$att rc $?"; tail -12 "$OUT/profile_$att.log"
-done
+profile_1b 130
 pack_out

@@ -47,6 +47,16 @@ train_1b_alternated() {  # the 1b train step with cuDNN and with our attention, 
     done
 }
 
+profile_1b() {  # profile_1b SECONDS: the 1b step (batch 24) profiled with cuDNN's attention and
+    # with ours (kernel time by kind), each into $OUT/<attention>/ with its log in $OUT
+    for att in cudnn pallas; do
+        mkdir -p "$OUT/$att"
+        timeout "$1" python3 experiments/profile_train.py --preset 1b --steps 3 \
+            --set train.batch_size=24 model.attention=$att --out "$OUT/$att" > "$OUT/profile_$att.log" 2>&1
+        echo "$att rc $?"; tail -12 "$OUT/profile_$att.log"
+    done
+}
+
 fa_rows() {  # fa_rows JSON: bench_attention_mgpu.py's FlashAttention rows, one line each (TFLOP/s,
     # relative error of out, dQ, dK, dV against cuDNN's)
     python3 -c '

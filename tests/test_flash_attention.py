@@ -219,6 +219,30 @@ def _mosaic_gpu_cases():
     return cases + MOSAIC_INTERPRET + [orphan]
 
 
+def _assert_backward_forms_bitwise_equal(seed: int, batch: int, q_len: int, kv_len: int,
+                                         forms: list[dict], **kw):
+    """The two-kernel backward in each form of `forms` (MosaicBlockSizes fields over the head
+    dim 64 defaults) gives bitwise the same dQ, dK, dV on one draw (2 query heads on 1 kv
+    head), and the last form matches the reference."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (normal(rng, (batch, q_len, 2, 64), BF16), normal(rng, (batch, kv_len, 1, 64), BF16),
+               normal(rng, (batch, kv_len, 1, 64), BF16))
+    do = normal(rng, (batch, q_len, 2, 64), BF16)
+    grads = []
+    for form in forms:
+        bb = dataclasses.replace(MosaicBlockSizes.for_head_dim(64), fused_bwd=False, **form)
+        _, vjp = jax.vjp(lambda q, k, v, bb=bb: flash_attention_mgpu(
+            q, k, v, interpret=not ON_GPU, block_sizes=bb, **kw), q, k, v)
+        grads.append(vjp(do))
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other, strict=True):
+            np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(a, np.float32))
+    ref = jax.vjp(lambda q, k, v: mha_reference(q, k, v, **kw),
+                  *(x.astype(F32) for x in (q, k, v)))[1](do.astype(F32))
+    for got, want in zip(grads[-1], ref, strict=True):
+        assert rel_err(got, want) < TOL[BF16]
+
+
 class TestMosaicFlashAttention:
     """`flash_attention(..., implementation="mosaic")`: the Hopper kernels."""
 
@@ -305,23 +329,8 @@ class TestMosaicFlashAttention:
         persistent schedule (the ring carried over, the next tile's own rows loaded under
         this tile's epilogue, the result out through tiles of its own) gives bitwise the
         gradients of one block per tile (2 blocks on CPU; ragged tiles, GQA, causal pairs)."""
-        rng = np.random.default_rng(9)
-        q, k, v = (normal(rng, (2, q_len, 2, 64), BF16), normal(rng, (2, kv_len, 1, 64), BF16),
-                   normal(rng, (2, kv_len, 1, 64), BF16))
-        do = normal(rng, (2, q_len, 2, 64), BF16)
-        grads = []
-        for p in (False, True):
-            bb = dataclasses.replace(MosaicBlockSizes.for_head_dim(64), fused_bwd=False,
-                                     **{"persistent_dq": False, "persistent_dkv": False, kernel: p})
-            _, vjp = jax.vjp(lambda q, k, v, bb=bb: flash_attention_mgpu(
-                q, k, v, causal=causal, interpret=not ON_GPU, block_sizes=bb), q, k, v)
-            grads.append(vjp(do))
-        for a, b in zip(*grads, strict=True):
-            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-        ref = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=causal),
-                      *(x.astype(F32) for x in (q, k, v)))[1](do.astype(F32))
-        for got, want in zip(grads[1], ref, strict=True):
-            assert rel_err(got, want) < TOL[BF16]
+        forms = [{"persistent_dq": False, "persistent_dkv": False, kernel: p} for p in (False, True)]
+        _assert_backward_forms_bitwise_equal(9, 2, q_len, kv_len, forms, causal=causal)
 
     @pytest.mark.parametrize("q_offset,persistent", [(0, False), (44, True)], ids=["grid", "offset_persistent"])
     def test_own_causal_steps_equal_every_step_of_the_block(self, q_offset, persistent):
@@ -329,25 +338,10 @@ class TestMosaicFlashAttention:
         steps its own rows see (`own_causal_steps`, the default) and passes the rest of its
         block's ring: the gradients are bitwise those of every consumer computing every step
         (a passed step adds exact zeros); GQA, ragged keys, a q offset, persistent grids."""
-        rng = np.random.default_rng(11)
-        q_len, kv_len = 256, 256 + q_offset
-        q, k, v = (normal(rng, (1, q_len, 2, 64), BF16), normal(rng, (1, kv_len, 1, 64), BF16),
-                   normal(rng, (1, kv_len, 1, 64), BF16))
-        do = normal(rng, (1, q_len, 2, 64), BF16)
-        grads = []
-        for own in (False, True):
-            bb = dataclasses.replace(MosaicBlockSizes.for_head_dim(64), fused_bwd=False,
-                                     own_causal_steps=own, persistent_dq=persistent,
-                                     persistent_dkv=persistent)
-            _, vjp = jax.vjp(lambda q, k, v, bb=bb: flash_attention_mgpu(
-                q, k, v, causal=True, q_offset=q_offset, interpret=not ON_GPU, block_sizes=bb), q, k, v)
-            grads.append(vjp(do))
-        for a, b in zip(*grads, strict=True):
-            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-        ref = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=True, q_offset=q_offset),
-                      *(x.astype(F32) for x in (q, k, v)))[1](do.astype(F32))
-        for got, want in zip(grads[1], ref, strict=True):
-            assert rel_err(got, want) < TOL[BF16]
+        forms = [dict(own_causal_steps=own, persistent_dq=persistent, persistent_dkv=persistent)
+                 for own in (False, True)]
+        _assert_backward_forms_bitwise_equal(11, 1, 256, 256 + q_offset, forms, causal=True,
+                                             q_offset=q_offset)
 
     @pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
     def test_dq_kernel_computes_delta(self, persistent):

@@ -113,7 +113,6 @@ def flash_attention_mgpu(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = False,
         blocks=blocks, q_len=t, kv_len=s, groups=n // kh,
         segments=q_segment_ids is not None, regs=regs, interpret=bool(interpret),
         persistent=persistent, persistent_dq=persistent_dq, persistent_dkv=persistent_dkv,
-        delta_in_dq=blocks.delta_in_dq and not blocks.fused_bwd,
         sms=INTERPRET_SMS if interpret else sm_count())
     qoff = jnp.asarray(q_offset, jnp.int32).reshape(1)
     q_seg = kv_seg = None

@@ -62,8 +62,8 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta,
 
     def kernel(*refs):
         qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 7)
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins  # delta_ref: O with own_delta
-        o_ref = delta_ref if own_delta else None
+        q_ref, k_ref, v_ref, do_ref, lse_ref, row_ref = ins  # row_ref: O (own_delta) or delta
+        o_ref, delta_ref = (row_ref, None) if own_delta else (None, row_ref)
         if own_delta:
             dq_ref, delta_out, rest = rest[0], rest[1], rest[2:]
         else:

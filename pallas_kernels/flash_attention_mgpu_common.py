@@ -171,7 +171,7 @@ class MosaicBlockSizes:
                                   *staged((w, self.block_q, self.block_kv))),
             # Q, dO (and O: delta_in_dq) tiles, and dQ tiles of their own in the persistent grid
             "dq": smem_bytes((((2 + self.delta_in_dq + persistent_dq) * w, self.block_q_dq, d), h),
-                             ((w, self.block_q_dq), jnp.float32),
+                             *([((w, self.block_q_dq), jnp.float32)] if self.delta_in_dq else []),
                              ((2 * self.stages_bwd, self.block_kv_dq, d), h),
                              *staged((w, self.block_q_dq, self.block_kv_dq))),
             # K and V tiles, and dK and dV tiles of their own in the persistent grid
@@ -216,8 +216,13 @@ class MosaicConfig:
     persistent: bool = False  # the forward runs one block per SM over the query tiles
     persistent_dq: bool = False  # so does the dQ kernel
     persistent_dkv: bool = False  # and the dK/dV kernel over key blocks (not the fused one)
-    delta_in_dq: bool = False  # the dQ kernel computes delta (two-kernel backward)
     sms: int = 132  # blocks of the persistent grids: one per streaming multiprocessor
+
+    @property
+    def delta_in_dq(self) -> bool:
+        """Whether the dQ kernel computes delta (`MosaicBlockSizes.delta_in_dq`; the two-kernel
+        backward only: the fused one has no dQ kernel)."""
+        return self.blocks.delta_in_dq and not self.blocks.fused_bwd
 
     @property
     def named_schedule(self) -> bool:

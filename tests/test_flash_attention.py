@@ -352,8 +352,9 @@ class TestMosaicFlashAttention:
         k, v = normal(rng, (1, 256, 1, 64), BF16), normal(rng, (1, 256, 1, 64), BF16)
         cfg = MosaicConfig(causal=True, sm_scale=0.125, blocks=MosaicBlockSizes.for_head_dim(64),
                            q_len=256, kv_len=256, groups=2, segments=False, regs=False,
-                           interpret=not ON_GPU, persistent_dq=persistent, delta_in_dq=True,
+                           interpret=not ON_GPU, persistent_dq=persistent,
                            sms=2 if persistent else 132)
+        assert cfg.delta_in_dq  # the default of the two-kernel backward
         lse = jnp.zeros((1, 2, 256), F32)
         _, delta = backward_dq(cfg, q, k, v, jnp.zeros((1,), jnp.int32), None, None, lse, do, None, o=o)
         want = jnp.einsum("btnh,btnh->bnt", o.astype(F32), do.astype(F32))
@@ -394,12 +395,14 @@ class TestMosaicFlashAttention:
                         q, k, v, causal=causal, interpret=True, block_sizes=bb), q, k, v)
                     jax.block_until_ready(vjp(out))
                     assert not interpreter_races_found(), f"backward, fused={fused}"
-                if persistent:  # the persistent dQ kernel alone (above, dK/dV's state is read)
+                if persistent:  # the persistent dQ kernel alone (above, dK/dV's state is read),
+                    # computing delta from the O rows it loads (its default)
                     cfg = MosaicConfig(causal=causal, sm_scale=0.125, blocks=blocks, q_len=256,
                                        kv_len=256, groups=heads, segments=False, regs=False,
                                        interpret=True, persistent_dq=True, sms=2)
-                    lse = delta = jnp.zeros((1, heads, 256), F32)
-                    dq = backward_dq(cfg, q, k, v, jnp.zeros((1,), jnp.int32), None, None, lse, q, delta)
+                    lse = jnp.zeros((1, heads, 256), F32)
+                    dq = backward_dq(cfg, q, k, v, jnp.zeros((1,), jnp.int32), None, None, lse, q, None,
+                                     o=out)
                     jax.block_until_ready(dq)
                     assert not interpreter_races_found(), "persistent dQ"
 

@@ -36,9 +36,10 @@ from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes
 
 # the forms of ours (MosaicBlockSizes fields): the defaults, the fused 5-matmul backward, and
 # the two-kernel backward as it was before each consumer ran only its own causal steps and
-# delta moved into the dQ kernel (2026-12-02 afternoon)
+# delta moved into the dQ kernel (2026-12-02 afternoon); the backward through dS in global memory
 FORMS = {"ours": None, "ours_fused": dict(fused_bwd=True),
-         "ours_before_1202b": dict(own_causal_steps=False, delta_in_dq=False)}
+         "ours_before_1202b": dict(own_causal_steps=False, delta_in_dq=False),
+         "ours_ds": dict(ds_in_hbm=True)}  # dS^T stored by the dK/dV kernel, then dQ = dS K
 
 
 def attention_fn(impl: str):

@@ -96,7 +96,7 @@ def smem_bytes(*buffers) -> int:
 
 
 def launch(kernel, args, *, out_type, scratch, grid, grid_names, num_threads: int,
-           interpret: bool, manual_barriers: bool = False):
+           interpret: bool, manual_barriers: bool = False, name: str | None = None):
     """Runs `kernel` over `grid` with the settings every kernel here shares: its threads are
     warpgroups named "wg", math may be approximate (exp2 on the multi-function unit), and
     `interpret` picks Mosaic GPU's CPU interpreter.
@@ -105,7 +105,12 @@ def launch(kernel, args, *, out_type, scratch, grid, grid_names, num_threads: in
     shared-memory load/store and before every TMA issue (`unsafe_no_auto_barriers`), and the
     cross-warp reduction scratch (row reductions of a wgmma tile stay inside a warp). The
     kernel must then never read and write one shared region from the same thread without a
-    `commit_smem()` (a fence plus a warpgroup barrier) in between."""
+    `commit_smem()` (a fence plus a warpgroup barrier) in between.
+
+    name: the kernel's name in a profile (`<name>_mosaic_gpu_kernel`; Mosaic GPU takes the
+    body's `__name__`), so that profiles tell the kernels apart and class them by name."""
+    if name is not None:
+        kernel.__name__ = kernel.__qualname__ = name
     params = (plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
                                    reduction_scratch_bytes=0)
               if manual_barriers else plgpu.CompilerParams(approx_math=True))

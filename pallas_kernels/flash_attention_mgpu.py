@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 from pallas_kernels._flash_vjp import make_flash, pad_seq
 from pallas_kernels._mgpu import sm_count
-from pallas_kernels.flash_attention_mgpu_bwd import backward_dkv, backward_dq
+from pallas_kernels.flash_attention_mgpu_bwd import backward_dkv, backward_dq, backward_dq_from_ds
 from pallas_kernels.flash_attention_mgpu_common import MosaicBlockSizes, MosaicConfig
 from pallas_kernels.flash_attention_mgpu_fwd import forward
 
@@ -67,6 +67,9 @@ def _padded(cfg: MosaicConfig, q, k, v, q_seg, kv_seg):
 def _backward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta, o):
     if cfg.blocks.fused_bwd:
         return backward_dkv(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta(), with_dq=True)
+    if cfg.blocks.ds_in_hbm:  # dK/dV (and dS^T out), then dQ = dS K
+        dk, dv, ds_t = backward_dkv(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, delta(), ds_out=True)
+        return backward_dq_from_ds(cfg, k, ds_t, qoff, q.shape, q.dtype), dk, dv
     if cfg.delta_in_dq:  # the dQ kernel computes delta from the O rows it loads beside dO
         dq, delta_p = backward_dq(cfg, q, k, v, qoff, q_seg, kv_seg, lse, do, None, o=o)
     else:

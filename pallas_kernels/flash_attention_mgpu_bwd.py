@@ -186,11 +186,101 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta,
         out_type = (out_type, jax.ShapeDtypeStruct(lse.shape, jnp.float32))
     return launch(kernel, args, out_type=out_type, scratch=scratch,
                   grid=(order.blocks,), grid_names=(order.grid_name,), num_threads=w + 1,
-                  interpret=cfg.interpret, manual_barriers=cfg.blocks.manual_barriers_bwd)
+                  interpret=cfg.interpret, manual_barriers=cfg.blocks.manual_barriers_bwd,
+                  name="flash_attention_bwd_dq")
+
+
+def backward_dq_from_ds(cfg: MosaicConfig, k, ds_t, qoff, q_shape, dtype):
+    """dQ [B, q_pad, N, D] = scale * dS K from the dS^T tiles `backward_dkv(ds_out=True)` stored
+    ([B, N, kv_pad, q_pad]): one tile matmul a (query, key) tile pair, on no recomputation, so
+    the kernel is bound by reading dS. One block per (batch, head, 2 x bq query rows); its
+    producer streams each visible key tile's K rows and both consumers' dS^T tiles into a ring;
+    each consumer adds dS [bq, bk] K [bk, D] (dS^T read transposed from shared memory). Masked
+    entries of dS are zero (and padded keys' K rows are), so nothing is masked here; under a
+    causal mask each consumer reads only the key tiles its own rows see, which are the tiles
+    the dK/dV kernel stored for them."""
+    b, tp, n, d = q_shape
+    bq, bk, st = cfg.blocks.block_q_dkv, cfg.blocks.block_kv_dkv, cfg.blocks.dq_ds_stages
+    w, g = COMPUTE_WGS, cfg.groups
+    order = TileSchedule(b, n, tp // (w * bq), cfg.causal, False, cfg.sms)
+
+    def kernel(qoff_ref, k_ref, ds_ref, dq_ref, k_smem, ds_smem, dq_smem, k_bar, ds_bar, free):
+        blk, wg = lax.axis_index(order.grid_name), lax.axis_index("wg")
+        bi, h, qi = order.tile_at(blk, 0)
+        q_off, block_lo = qoff_ref[0], qi * (w * bq)
+        _, n_end = kv_steps(cfg, q_off + block_lo, q_off + block_lo + w * bq - 1, bk, length=False)
+
+        @consumers(wg)
+        def _consumer():
+            q_row = block_lo + wg * bq
+            _, n_mine = kv_steps(cfg, q_off + q_row, q_off + q_row + bq - 1, bk, length=False)
+
+            def run(acc):
+                def step(j, carry):  # the matmul of step j in flight, step j - 1's slot freed
+                    slot = lax.rem(j, st)
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    plgpu.barrier_wait(ds_bar.at[slot])
+                    plgpu.wgmma(acc, ds_smem.at[slot, wg].transpose((1, 0)), k_smem.at[slot])
+                    plgpu.wgmma_wait(1)
+
+                    @pl.when(j > 0)
+                    def _():
+                        plgpu.barrier_arrive(free.at[lax.rem(j - 1, st)])
+                    return carry
+
+                lax.fori_loop(0, n_mine, step, 0)
+                plgpu.wgmma_wait(0)
+
+                @pl.when(n_mine > 0)
+                def _():
+                    plgpu.barrier_arrive(free.at[lax.rem(n_mine - 1, st)])
+                # keys past this consumer's last row: their dS^T tiles were never stored
+                pass_steps(n_mine, n_end, lambda j: lax.rem(j, st), (k_bar, ds_bar), free)
+                return acc[...]
+
+            dq = pl.run_scoped(run, plgpu.ACC((bq, d), jnp.float32))
+            tile = dq_smem.at[wg]
+            tile[...] = (dq * cfg.sm_scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(tile, dq_ref.at[bi, pl.ds(q_row, bq), h])
+            end_wait(cfg)
+
+        @producer(wg)
+        def _producer():
+            kvh = lax.div(h, jnp.int32(g))
+
+            @pl.loop(0, n_end)
+            def _(j):
+                slot = lax.rem(j, st)
+
+                @pl.when(j >= st)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+
+                keys = pl.ds(j * bk, bk)
+                plgpu.copy_gmem_to_smem(k_ref.at[bi, keys, kvh], k_smem.at[slot], k_bar.at[slot])
+                for c in range(w):
+                    plgpu.copy_gmem_to_smem(ds_ref.at[bi, h, keys, pl.ds(block_lo + c * bq, bq)],
+                                            ds_smem.at[slot, c], ds_bar.at[slot])
+
+            drain(n_end, st, free)
+
+    scratch = (
+        tiled_smem((st, bk, d), dtype),  # K tiles
+        tiled_smem((st, w, bk, bq), dtype),  # both consumers' dS^T tiles
+        tiled_smem((w, bq, d), dtype),  # dQ tiles on their way out
+        plgpu.Barrier(num_barriers=st),  # K slot filled
+        plgpu.Barrier(num_arrivals=w, num_barriers=st),  # dS^T slot filled
+        plgpu.Barrier(num_arrivals=w, num_barriers=st),  # slot free again
+    )
+    return launch(kernel, [qoff, k, ds_t], out_type=jax.ShapeDtypeStruct(q_shape, dtype),
+                  scratch=scratch, grid=(order.blocks,), grid_names=(order.grid_name,),
+                  num_threads=w + 1, interpret=cfg.interpret, manual_barriers=True,
+                  name="flash_attention_bwd_dq_from_ds")
 
 
 def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta, *,
-                 with_dq: bool = False):
+                 with_dq: bool = False, ds_out: bool = False):
     """dK, dV [B, kv_pad, K, D]: per key tile, over every query tile and every query head of
     its group: S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta),
     dK += dS^T Q. Summing over the group here is the GQA reduction, done in the kernel.
@@ -204,7 +294,11 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     key block) adds one fp32 tile into dQ, not one per consumer. dQ is summed over key blocks
     in fp32 in global memory: on the GPU by TMA reduce-add copies into one zero-initialised
     buffer; the interpreter has no TMA reductions, so there each key block copies its share
-    into a slot of its own and XLA sums the slots."""
+    into a slot of its own and XLA sums the slots.
+
+    ds_out=True returns (dK, dV, dS^T [B, N, kv_pad, q_pad]): each consumer also stores every
+    dS^T tile it computes, for `backward_dq_from_ds` (tiles it passes, which its keys do not
+    see, stay unwritten; that kernel does not read them)."""
     b, tp, n, d = q.shape
     sp, kh = k.shape[1], k.shape[2]
     bq, bk, st = cfg.blocks.block_q_dkv, cfg.blocks.block_kv_dkv, cfg.blocks.stages_bwd
@@ -217,6 +311,8 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     dq_cols = d // parts
     heads_major = cfg.blocks.dq_heads_major
     persistent = cfg.persistent_dkv
+    if with_dq and ds_out:
+        raise ValueError("backward_dkv: with_dq and ds_out are two forms of the backward; pass one.")
     if persistent and with_dq:
         raise ValueError("backward_dkv: the fused backward (with_dq) has no persistent grid; "
                          "resolve persistent_dkv with MosaicBlockSizes.resolve_persistent_dkv.")
@@ -229,6 +325,8 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         qoff_ref, ins, qseg_ref, kvseg_ref, rest = unpack(refs, cfg, 8 if with_dq else 7)
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins[:6]
         dq_ref = ins[6] if with_dq else None
+        if ds_out:
+            ds_ref, rest = rest[2], rest[:2] + rest[3:]
         dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, p_smem = rest[:9]
         ds_smem, dq_smem, dkv_smem, ds_bar, kv_bar, q_bar, do_bar, free = rest[9:]
         blk, wg = lax.axis_index(order.grid_name), lax.axis_index("wg")
@@ -367,6 +465,14 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
                             dq_share(s_idx, dk_acc, ds_t, slot)
                             return carry
                         wgmma_from(dk_acc, ds_t, q_smem.at[slot], p_tile)
+                        if ds_out:  # dS^T out under the matmul, through a tile by step parity
+                            ds_tile = ds_smem.at[lax.rem(s_idx - s_mine, 2), wg]
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # its last store has read it
+                            ds_tile[...] = ds_t
+                            plgpu.commit_smem()
+                            h = kvh * g + lax.rem(s_idx, jnp.int32(g))
+                            plgpu.copy_smem_to_gmem(ds_tile, ds_ref.at[bi, h, pl.ds(k_row, bk),
+                                                                       pl.ds(i * bq, bq)])
                         plgpu.wgmma_wait(0)
                         plgpu.barrier_arrive(free.at[slot])
                         return carry
@@ -435,7 +541,8 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         plgpu.SMEM((st, bq), jnp.float32),  # LSE
         plgpu.SMEM((st, bq), jnp.float32),  # delta
         None if cfg.regs else tiled_smem((w, bk, bq), dtype),  # P^T (and dS^T) staged in smem
-        tiled_smem((2, w, bk, bq), dtype) if with_dq else None,  # dS^T of both consumers
+        # dS^T of both consumers (with_dq), or each consumer's on its way out (ds_out)
+        tiled_smem((2, w, bk, bq), dtype) if with_dq or ds_out else None,
         tiled_smem((w, bq, dq_cols), jnp.float32) if with_dq else None,  # a dQ share, leaving
         tiled_smem((2, w, bk, d), dtype) if persistent else None,  # dK, dV tiles on their way out
         # dS^T stored (by step parity); [2]: both consumers' last dQ matmul done (K tiles free)
@@ -451,12 +558,15 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
         dq_acc = jax.new_ref(jnp.zeros(acc_shape if atomic else (n_kt, *acc_shape), jnp.float32))
         inputs.append(dq_acc)
     out = jax.ShapeDtypeStruct((b, sp, kh, d), dtype)
-    dk, dv = launch(kernel, with_segments(cfg, inputs, q_seg, kv_seg), out_type=(out, out),
+    outs = (out, out, jax.ShapeDtypeStruct((b, n, sp, tp), dtype)) if ds_out else (out, out)
+    res = launch(kernel, with_segments(cfg, inputs, q_seg, kv_seg), out_type=outs,
                     scratch=scratch, grid=(order.blocks,), grid_names=(order.grid_name,),
                     num_threads=w + 1, interpret=cfg.interpret,
-                    manual_barriers=cfg.blocks.manual_barriers_bwd)
+                    manual_barriers=cfg.blocks.manual_barriers_bwd,
+                    name="flash_attention_bwd_dqkv" if with_dq else "flash_attention_bwd_dkv")
     if not with_dq:
-        return dk, dv
+        return res
+    dk, dv = res
     dq = jax.freeze(dq_acc)
     dq = dq if atomic else dq.sum(axis=0)
     if heads_major:

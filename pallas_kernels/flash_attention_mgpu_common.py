@@ -67,8 +67,17 @@ class MosaicBlockSizes:
     # the rest of its block's ring; False: every consumer computes every step of its block
     delta_in_dq: bool = True  # the two backward kernels: the dQ kernel loads O's rows beside
     # dO's and computes delta = rowsum(dO * O) for both kernels; False: an XLA pass before them
+    ds_in_hbm: bool = False  # the backward as the dK/dV kernel then dQ = dS K: the dK/dV kernel
+    # also stores each dS^T tile it computes (bf16) into a [B, heads, keys, queries] buffer in
+    # global memory, which a memory-bound dQ kernel reads (6 tile matmuls a pair instead of 7,
+    # S and dP computed once; delta by XLA). Costs keys x queries x 2 bytes a head of transient
+    # memory (3.2 GB at the 1b step's 24 x 2k x 16 heads): O(S^2), unlike FlashAttention.
+    dq_ds_stages: int = 4  # its dQ kernel: K and dS tiles in flight
 
     def __post_init__(self):
+        if self.fused_bwd and self.ds_in_hbm:
+            raise ValueError("MosaicBlockSizes: fused_bwd=True and ds_in_hbm=True are two forms of "
+                             "the backward; set one of them.")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "regs_bwd":
@@ -77,14 +86,14 @@ class MosaicBlockSizes:
                                      f"[{CONSUMER_REGS}, {MAX_CONSUMER_REGS}] (the producer keeps "
                                      f">= {MIN_PRODUCER_REGS}).")
             elif f.name in ("manual_barriers_bwd", "end_wait_reads", "dq_heads_major",
-                            "own_causal_steps", "delta_in_dq"):
+                            "own_causal_steps", "delta_in_dq", "ds_in_hbm"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
             elif f.name in ("persistent", "persistent_dq", "persistent_dkv", "named_schedule",
                             "fused_bwd"):
                 if value not in (None, True, False):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True, False or None.")
-            elif f.name.startswith("stages"):
+            elif f.name.startswith("stages") or f.name.endswith("stages"):
                 if value < 1:
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value}: use >= 1.")
             elif value % 64:
@@ -156,6 +165,8 @@ class MosaicBlockSizes:
         benchmarks/README.md), if its shared memory fits these tiles."""
         if self.fused_bwd is not None:
             return self.fused_bwd
+        if self.ds_in_hbm:
+            return False
         fits = self._need(head_dim, regs, False)["fused backward"] <= SMEM_LIMIT - SMEM_RESERVE
         return head_dim == 128 and kv_len >= FUSED_BWD_MIN_KV and fits
 
@@ -178,7 +189,14 @@ class MosaicBlockSizes:
             "dkv": smem_bytes((((4 if persistent_dkv else 2) * w, self.block_kv_dkv, d), h),
                               ((2 * self.stages_bwd, self.block_q_dkv, d), h),
                               ((2 * self.stages_bwd, self.block_q_dkv), jnp.float32),
-                              *staged((w, self.block_kv_dkv, self.block_q_dkv))),
+                              *staged((w, self.block_kv_dkv, self.block_q_dkv)),
+                              # ds_in_hbm: dS^T tiles on their way out, by step parity
+                              *([((2 * w, self.block_kv_dkv, self.block_q_dkv), h)]
+                                if self.ds_in_hbm else [])),
+            # ds_in_hbm's dQ kernel: K and both consumers' dS^T tiles a stage, dQ tiles out
+            "dq from dS": smem_bytes(((self.dq_ds_stages, self.block_kv_dkv, d), h),
+                                     ((self.dq_ds_stages * w, self.block_kv_dkv, self.block_q_dkv), h),
+                                     ((w, self.block_q_dkv, d), h)),
             "fused backward": smem_bytes(((2 * w, self.block_kv_dkv, d), h),
                                          ((2 * self.stages_bwd, self.block_q_dkv, d), h),
                                          ((2 * self.stages_bwd, self.block_q_dkv), jnp.float32),
@@ -192,6 +210,7 @@ class MosaicBlockSizes:
         """Raises if a kernel's shared memory would exceed what one sm90 block has
         (bf16/fp16 tiles; regs=False adds the P / dS staging buffers)."""
         skip = ("dq", "dkv") if self.fused_bwd else ("fused backward",)
+        skip += ("dq",) if self.ds_in_hbm else ("dq from dS",)
         for name, n in self._need(head_dim, regs, persistent, persistent_dq, persistent_dkv).items():
             if name in skip:
                 continue
@@ -221,8 +240,8 @@ class MosaicConfig:
     @property
     def delta_in_dq(self) -> bool:
         """Whether the dQ kernel computes delta (`MosaicBlockSizes.delta_in_dq`; the two-kernel
-        backward only: the fused one has no dQ kernel)."""
-        return self.blocks.delta_in_dq and not self.blocks.fused_bwd
+        backward only: the fused one has no dQ kernel, ds_in_hbm's runs after the dK/dV one)."""
+        return self.blocks.delta_in_dq and not self.blocks.fused_bwd and not self.blocks.ds_in_hbm
 
     @property
     def named_schedule(self) -> bool:

@@ -233,4 +233,5 @@ def forward(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg):
     return launch(kernel, args, out_type=(jax.ShapeDtypeStruct((b, tp, n, d), dtype),
                                           jax.ShapeDtypeStruct((b, n, tp), jnp.float32)),
                   scratch=scratch, grid=(order.blocks,), grid_names=(order.grid_name,),
-                  num_threads=w + 1, interpret=cfg.interpret, manual_barriers=True)
+                  num_threads=w + 1, interpret=cfg.interpret, manual_barriers=True,
+                  name="flash_attention_fwd")

@@ -245,7 +245,7 @@ def _kernel_call(x_BK, w_NK, sizes: MatvecBlockSizes, interpret: bool, partials:
     )
     return launch(kernel, (x_BK, w_NK), out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
                   scratch=scratch, grid=(N // nt, splits), grid_names=("n", "k"), num_threads=2,
-                  interpret=interpret, manual_barriers=True)
+                  interpret=interpret, manual_barriers=True, name="matvec")
 
 
 def _prepare(x_BK, w_NK, block_sizes, interpret, partials):

@@ -523,7 +523,8 @@ def _kernel_call(plan: _Plan, q_RH, k_pages, v_pages, tables, lengths, sm_scale:
                             jax.ShapeDtypeStruct((pieces, rows, head_dim), jnp.float32),
                             jax.ShapeDtypeStruct((pieces, rows), jnp.float32)),
                   scratch=scratch, grid=(plan.blocks,), grid_names=("sm",), num_threads=2,
-                  interpret=plan.interpret, manual_barriers=plan.manual_barriers)
+                  interpret=plan.interpret, manual_barriers=plan.manual_barriers,
+                  name="paged_attention")
 
 
 def _merge(plan: _Plan, o_PWRH, lse_PWR):

@@ -24,7 +24,7 @@ from pallas_kernels.flash_attention import (
     pick_implementation,
 )
 from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes, flash_attention_mgpu
-from pallas_kernels.flash_attention_mgpu_bwd import backward_dq
+from pallas_kernels.flash_attention_mgpu_bwd import backward_dkv, backward_dq, backward_dq_from_ds
 from pallas_kernels.flash_attention_mgpu_common import MosaicConfig, producer_regs
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -359,6 +359,38 @@ class TestMosaicFlashAttention:
         _, delta = backward_dq(cfg, q, k, v, jnp.zeros((1,), jnp.int32), None, None, lse, do, None, o=o)
         want = jnp.einsum("btnh,btnh->bnt", o.astype(F32), do.astype(F32))
         np.testing.assert_allclose(np.asarray(delta), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+    @pytest.mark.parametrize("causal,q_offset,seg,dtype", [(True, 44, "random", BF16),
+                                                           (False, 0, None, jnp.float16)],
+                             ids=["causal", "full"])
+    def test_ds_in_hbm_matches_reference(self, causal, q_offset, seg, dtype):
+        """`ds_in_hbm`: the dK/dV kernel stores every dS^T tile it computes and a second
+        kernel reads them for dQ = dS K (no recomputation). Output and gradients against the
+        reference: a q offset, ragged keys and query tiles, GQA, segment ids (causal); fp16
+        without a mask."""
+        blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(64), ds_in_hbm=True)
+        check_case((1, 200 if not causal else 256, 300, 4, 2, 64, causal, dtype, q_offset, seg, blocks),
+                   lambda q, k, v, blocks, **kw: flash_attention(
+                       q, k, v, block_sizes=blocks, interpret=not ON_GPU, implementation="mosaic", **kw))
+
+    @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector")
+    def test_ds_in_hbm_kernels_have_no_shared_memory_race(self):
+        """The dK/dV kernel's dS^T stores (a tile by step parity, reused once its last store
+        has read it) and the dQ-from-dS kernel's ring, each checked alone (the race state is
+        the last kernel's); the detector reports a race when the stores' wait is taken out."""
+        rng = np.random.default_rng(13)
+        q, do = normal(rng, (1, 256, 2, 64), BF16), normal(rng, (1, 256, 2, 64), BF16)
+        k, v = normal(rng, (1, 256, 1, 64), BF16), normal(rng, (1, 256, 1, 64), BF16)
+        blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(64), ds_in_hbm=True)
+        cfg = MosaicConfig(causal=True, sm_scale=0.125, blocks=blocks, q_len=256, kv_len=256,
+                           groups=2, segments=False, regs=False, interpret=True)
+        qoff, lse, delta = jnp.zeros((1,), jnp.int32), jnp.zeros((1, 2, 256), F32), jnp.zeros((1, 2, 256), F32)
+        with detecting_races():
+            _, _, ds_t = jax.block_until_ready(
+                backward_dkv(cfg, q, k, v, qoff, None, None, lse, do, delta, ds_out=True))
+            assert not interpreter_races_found(), "dK/dV kernel storing dS^T"
+            jax.block_until_ready(backward_dq_from_ds(cfg, k, ds_t, qoff, q.shape, q.dtype))
+            assert not interpreter_races_found(), "dQ from dS"
 
     def test_causal_pairs_with_offset_and_segments_match_reference(self):
         """The persistent forward and dQ kernel over causal pairs (2 query tiles a head; the

@@ -320,16 +320,18 @@ class TestMosaicFlashAttention:
         ref = mha_reference(*(x.astype(F32) for x in (q, k, v)), causal=causal)
         assert rel_err(outs[1], ref) < TOL[BF16]
 
-    @pytest.mark.parametrize("kernel", ["persistent_dq", "persistent_dkv"])
     @pytest.mark.parametrize("causal,q_len,kv_len", [(False, 300, 200), (True, 300, 200),
                                                       (True, 512, 512)],
                              ids=["full", "causal", "causal_paired"])
-    def test_persistent_backward_equals_one_block_per_tile(self, causal, q_len, kv_len, kernel):
-        """The dQ kernel (over query tiles) or the dK/dV kernel (over key blocks) on the
-        persistent schedule (the ring carried over, the next tile's own rows loaded under
-        this tile's epilogue, the result out through tiles of its own) gives bitwise the
-        gradients of one block per tile (2 blocks on CPU; ragged tiles, GQA, causal pairs)."""
-        forms = [{"persistent_dq": False, "persistent_dkv": False, kernel: p} for p in (False, True)]
+    def test_persistent_backward_equals_one_block_per_tile(self, causal, q_len, kv_len):
+        """The dQ kernel (over query tiles) and, in turn, the dK/dV kernel (over key blocks)
+        on the persistent schedule (the ring carried over, the next tile's own rows loaded
+        under this tile's epilogue, the result out through tiles of its own) each give
+        bitwise the gradients of one block per tile (2 blocks on CPU; ragged tiles, GQA,
+        causal pairs): one draw, the one-block-per-tile form run once for both."""
+        forms = [{"persistent_dq": False, "persistent_dkv": False},
+                 {"persistent_dq": True, "persistent_dkv": False},
+                 {"persistent_dq": False, "persistent_dkv": True}]
         _assert_backward_forms_bitwise_equal(9, 2, q_len, kv_len, forms, causal=causal)
 
     def test_own_causal_steps_equal_every_step_of_the_block(self):

@@ -116,6 +116,8 @@ FWD_VARIANTS = {
     "ours_block_steps": dict(own_causal_steps=False),
     "ours_xla_delta": dict(delta_in_dq=False),  # delta = rowsum(dO * O) by XLA, not the dQ kernel
     "ours_before_1202b": dict(own_causal_steps=False, delta_in_dq=False),  # both, as before
+    "ours_no_ds": dict(ds_in_hbm=False),  # the two-kernel (or fused) backward, not through dS in HBM
+    "ours_ds": dict(ds_in_hbm=True),  # dS^T stored by the dK/dV kernel, then dQ = dS K
 }
 
 
@@ -176,6 +178,16 @@ def fa_impls(names, smoke):
     return {k: f for k, f in impls.items() if not names or k in names}
 
 
+def jitted_pair(fns: dict, name: str, fn, causal: bool):
+    """(forward, gradient) of implementation `name`, jitted once per case into `fns`."""
+    if name not in fns:
+        def loss(q, k, v, do):  # do is an argument: not folded
+            return jnp.sum(fn(q, k, v, causal).astype(jnp.float32) * do.astype(jnp.float32))
+
+        fns[name] = (jax.jit(functools.partial(fn, c=causal)), jax.jit(jax.grad(loss, argnums=(0, 1, 2))))
+    return fns[name]
+
+
 def run_fa(args, res, save):
     impls = fa_impls(args.impls, args.smoke)
     cases = [(128, True, 4, 2, 64)] if args.smoke else [FA_CASES[i] for i in args.cases or range(len(FA_CASES))]
@@ -188,8 +200,21 @@ def run_fa(args, res, save):
         peer_out, rows, fns = {}, {}, {}
         # Rounds: every implementation is timed once per round, in turn, and keeps its best
         # round, so a clock or neighbour drift during the run does not favour whoever ran first.
+        # --rotate: the order turns by one each round (on a power-capped card the first rounds
+        # run cooler) and every implementation is compiled before the first round.
+        names = list(impls)
+        if args.rotate and not args.smoke:
+            for name in names:
+                try:
+                    fwd, grad = jitted_pair(fns, name, impls[name], causal)
+                    jax.block_until_ready((fwd(q, k, v), grad(q, k, v, do)))
+                except Exception:  # noqa: BLE001 - recorded when timed below
+                    pass
+            warm_gpu(2.0)
         for rnd in range(args.rounds):
-            for name, fn in impls.items():
+            turn = names[rnd % len(names):] + names[:rnd % len(names)] if args.rotate else names
+            for name in turn:
+                fn = impls[name]
                 if name == "ours_bwd3" and (causal or d != 128):
                     continue
                 if time.time() > args.deadline:
@@ -200,13 +225,7 @@ def run_fa(args, res, save):
                 if "error" in row:
                     continue
                 try:
-                    if name not in fns:
-                        def loss(q, k, v, do, fn=fn, causal=causal):  # do is an argument: not folded
-                            return jnp.sum(fn(q, k, v, causal).astype(jnp.float32) * do.astype(jnp.float32))
-
-                        fns[name] = (jax.jit(functools.partial(fn, c=causal)),
-                                     jax.jit(jax.grad(loss, argnums=(0, 1, 2))))
-                    fwd, grad = fns[name]
+                    fwd, grad = jitted_pair(fns, name, fn, causal)
                     t, out = timed(fwd, q, k, v, n=args.iters, pipelined=args.pipelined)
                     row["fwd_ms_rounds"].append(t * 1e3)
                     t, grads = timed(grad, q, k, v, do, n=args.iters, pipelined=args.pipelined)
@@ -307,6 +326,9 @@ def main():
                         help="paged: the read-only sum and every tiling timed this many times each, in turn; best kept")
     parser.add_argument("--paged-variants", nargs="*", default=None,
                         help="subset of the paged tilings by name (default, waves, bk128_st2_whole, bk64_st4, ...)")
+    parser.add_argument("--rotate", action="store_true",
+                        help="FA: compile every implementation first, warm the GPU, and turn the "
+                             "order of the implementations by one each round")
     parser.add_argument("--budget", type=float, default=1e9, help="seconds before no new case starts")
     parser.add_argument("--paged-triton", action="store_true", help="also time the Triton paged kernel")
     parser.add_argument("--profile", action="store_true",

@@ -35,7 +35,12 @@ kernel loops over every query head of its K/V head, so dK and dV are summed in t
 `MosaicBlockSizes(fused_bwd=True)` computes dQ in that kernel too (5 tile matmuls a pair
 instead of 7, dQ summed by TMA reduce-add: `backward_dkv(with_dq=True)`); by default it runs
 at head dim 128 from 8k keys on, where it measured faster on the H200, and the two kernels
-elsewhere.
+elsewhere. `ds_in_hbm` trades memory for the dQ kernel's recomputation: the dK/dV kernel
+stores every dS^T tile (bf16) to global memory and a memory-bound kernel computes dQ = dS K
+from them (`backward_dq_from_ds`; 6 tile matmuls a pair, delta by XLA). Its buffer is
+batch x heads x keys x queries x 2 bytes, O(S^2) like attention without FlashAttention, so by
+default it runs only when that is at most 4 GiB (compiling, head dim 128), and before the
+fused backward's rule: the 1b step's 2k x 24 x 16 heads (3.2 GB), not 16k (8.6 GB a sequence).
 
 Sequences are padded to whole tiles (keys past kv_len are masked, padded query rows get
 dO = 0), so any length runs. `regs=False` stages P and dS through shared memory instead of
@@ -106,6 +111,9 @@ def flash_attention_mgpu(q_BTNH, k_BSKH, v_BSKH, *, causal: bool = False,
                          f"use one of {SUPPORTED_DTYPES} with head_dim in {SUPPORTED_HEAD_DIMS}.")
     blocks = block_sizes or MosaicBlockSizes.for_head_dim(h)
     regs = (not interpret) if regs is None else bool(regs)
+    b = q_BTNH.shape[0]
+    blocks = dataclasses.replace(blocks, ds_in_hbm=blocks.resolve_ds_in_hbm(
+        h, regs, b * n, t, s, jnp.dtype(q_BTNH.dtype).itemsize))
     blocks = dataclasses.replace(blocks, fused_bwd=blocks.resolve_fused_bwd(h, s, regs))
     persistent = blocks.resolve_persistent(h, regs, bool(causal), t)
     persistent_dq = blocks.resolve_persistent_dq(h, regs, bool(causal), t, s)

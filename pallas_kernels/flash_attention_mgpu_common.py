@@ -24,6 +24,7 @@ MIN_PRODUCER_REGS = 24  # the fewest registers setmaxnreg can leave a warpgroup
 MAX_CONSUMER_REGS = (LAUNCH_REGS - 128 * MIN_PRODUCER_REGS) // (128 * COMPUTE_WGS) // 8 * 8
 FUSED_BWD_MIN_KV = 8192  # keys from which the fused backward is the default (head dim 128)
 PERSISTENT_DQ_MAX_KV = 2048  # keys up to which the dQ kernel is persistent by default
+DS_IN_HBM_MAX_BYTES = 4 << 30  # the largest dS^T buffer `ds_in_hbm` takes by default
 SMEM_RESERVE = 8192  # bytes of a block's shared memory left for barriers and alignment
 
 
@@ -67,11 +68,13 @@ class MosaicBlockSizes:
     # the rest of its block's ring; False: every consumer computes every step of its block
     delta_in_dq: bool = True  # the two backward kernels: the dQ kernel loads O's rows beside
     # dO's and computes delta = rowsum(dO * O) for both kernels; False: an XLA pass before them
-    ds_in_hbm: bool = False  # the backward as the dK/dV kernel then dQ = dS K: the dK/dV kernel
-    # also stores each dS^T tile it computes (bf16) into a [B, heads, keys, queries] buffer in
-    # global memory, which a memory-bound dQ kernel reads (6 tile matmuls a pair instead of 7,
-    # S and dP computed once; delta by XLA). Costs keys x queries x 2 bytes a head of transient
-    # memory (3.2 GB at the 1b step's 24 x 2k x 16 heads): O(S^2), unlike FlashAttention.
+    ds_in_hbm: bool | None = None  # the backward as the dK/dV kernel then dQ = dS K: the dK/dV
+    # kernel also stores each dS^T tile it computes (bf16) into a [B, heads, keys, queries]
+    # buffer in global memory, which a memory-bound dQ kernel reads (6 tile matmuls a pair
+    # instead of 7, S and dP computed once; delta by XLA). Costs keys x queries x 2 bytes a
+    # head of transient memory (3.2 GB at the 1b step's 24 x 2k x 16 heads): O(S^2), unlike
+    # FlashAttention. None: when compiling at head dim 128 and that buffer is at most
+    # DS_IN_HBM_MAX_BYTES (`resolve_ds_in_hbm`)
     dq_ds_stages: int = 4  # its dQ kernel: K and dS tiles in flight
 
     def __post_init__(self):
@@ -86,11 +89,11 @@ class MosaicBlockSizes:
                                      f"[{CONSUMER_REGS}, {MAX_CONSUMER_REGS}] (the producer keeps "
                                      f">= {MIN_PRODUCER_REGS}).")
             elif f.name in ("manual_barriers_bwd", "end_wait_reads", "dq_heads_major",
-                            "own_causal_steps", "delta_in_dq", "ds_in_hbm"):
+                            "own_causal_steps", "delta_in_dq"):
                 if not isinstance(value, bool):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True or False.")
             elif f.name in ("persistent", "persistent_dq", "persistent_dkv", "named_schedule",
-                            "fused_bwd"):
+                            "fused_bwd", "ds_in_hbm"):
                 if value not in (None, True, False):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True, False or None.")
             elif f.name.startswith("stages") or f.name.endswith("stages"):
@@ -157,6 +160,26 @@ class MosaicBlockSizes:
                                  "its out tiles do not fit shared memory; shrink block_kv_dkv or stages_bwd.")
             return self.persistent_dkv
         return False  # measured slower on the H200 (2k causal x 24: -5.5%, x 8: -2%)
+
+    def pads(self, q_len: int, kv_len: int) -> tuple[int, int]:
+        """(q_pad, kv_pad): the lengths padded to whole tiles of all three kernels."""
+        tile_q = math.lcm(COMPUTE_WGS * self.block_q, COMPUTE_WGS * self.block_q_dq, self.block_q_dkv)
+        tile_kv = math.lcm(self.block_kv, self.block_kv_dq, COMPUTE_WGS * self.block_kv_dkv)
+        return -(-q_len // tile_q) * tile_q, -(-kv_len // tile_kv) * tile_kv
+
+    def resolve_ds_in_hbm(self, head_dim: int, regs: bool, batch_heads: int, q_len: int,
+                          kv_len: int, itemsize: int = 2) -> bool:
+        """The backward through dS in global memory: as asked, or (None) when compiling at
+        head dim 128 (where it was timed) unless `fused_bwd` is asked for, if its dS^T buffer
+        (batch x heads x kv_pad x q_pad elements) is at most DS_IN_HBM_MAX_BYTES. H200, the
+        1b step's attention (2k causal, batch 24, 3.2 GB): 2.85 against 3.10-3.19 ms of kernel
+        time a forward+backward, the 1b step +1.0-1.5% (benchmarks/README.md)."""
+        if self.ds_in_hbm is not None:
+            return self.ds_in_hbm
+        if not regs or head_dim != 128 or self.fused_bwd:
+            return False
+        q_pad, kv_pad = self.pads(q_len, kv_len)
+        return batch_heads * q_pad * kv_pad * itemsize <= DS_IN_HBM_MAX_BYTES
 
     def resolve_fused_bwd(self, head_dim: int, kv_len: int, regs: bool = True) -> bool:
         """The backward's form: as asked, or (None) fused at head dim 128 from 8k keys on, where
@@ -254,15 +277,11 @@ class MosaicConfig:
 
     @property
     def q_pad(self) -> int:
-        b = self.blocks
-        tile = math.lcm(COMPUTE_WGS * b.block_q, COMPUTE_WGS * b.block_q_dq, b.block_q_dkv)
-        return -(-self.q_len // tile) * tile
+        return self.blocks.pads(self.q_len, self.kv_len)[0]
 
     @property
     def kv_pad(self) -> int:
-        b = self.blocks
-        tile = math.lcm(b.block_kv, b.block_kv_dq, COMPUTE_WGS * b.block_kv_dkv)
-        return -(-self.kv_len // tile) * tile
+        return self.blocks.pads(self.q_len, self.kv_len)[1]
 
 
 def _pairs(length: int, rows: int) -> bool:

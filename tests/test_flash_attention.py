@@ -471,6 +471,27 @@ class TestMosaicFlashAttention:
         with pytest.raises(ValueError, match="fused_bwd"):
             MosaicBlockSizes(fused_bwd="yes")
 
+    def test_ds_in_hbm_is_the_default_only_where_its_buffer_fits(self):
+        """Compiling at head dim 128, the backward goes through dS in global memory when its
+        dS^T buffer (batch x heads x kv_pad x q_pad x 2 bytes) is at most 4 GiB: the 1b step's
+        2k x 24 x 16 heads (3.2 GB) and the 4k cases, not 16k (8.6 GB a sequence); never in
+        the interpreter (regs=False), at head dim 64 (untimed) or with fused_bwd asked for."""
+        blocks = MosaicBlockSizes.for_head_dim(128)
+        assert blocks.resolve_ds_in_hbm(128, True, 24 * 16, 2048, 2048)
+        assert blocks.resolve_ds_in_hbm(128, True, 4 * 32, 4096, 4096)  # 4 GiB exactly
+        assert not blocks.resolve_ds_in_hbm(128, True, 4 * 32 + 1, 4096, 4096)
+        assert not blocks.resolve_ds_in_hbm(128, True, 16, 16384, 16384)
+        assert not blocks.resolve_ds_in_hbm(128, False, 24 * 16, 2048, 2048)
+        assert not blocks.resolve_ds_in_hbm(64, True, 16, 2048, 2048)
+        assert not MosaicBlockSizes(fused_bwd=True).resolve_ds_in_hbm(128, True, 16, 2048, 2048)
+        assert MosaicBlockSizes(ds_in_hbm=True).resolve_ds_in_hbm(64, False, 1 << 20, 16384, 16384)
+        # where it runs the fused backward does not (whose rule is 8k keys and up)
+        assert not dataclasses.replace(blocks, ds_in_hbm=True).resolve_fused_bwd(128, 8192)
+        with pytest.raises(ValueError, match="two forms"):
+            MosaicBlockSizes(fused_bwd=True, ds_in_hbm=True)
+        with pytest.raises(ValueError, match="ds_in_hbm"):
+            MosaicBlockSizes(ds_in_hbm="yes")
+
     def test_auto_picks_mosaic_only_on_sm90(self):
         want = "mosaic" if ON_GPU and on_sm90() else "triton"
         assert pick_implementation(None, BF16, 128, None, interpret=not ON_GPU) == want

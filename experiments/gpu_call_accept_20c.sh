@@ -12,10 +12,5 @@ timeout 300 python3 experiments/bench_attention_mgpu.py --part fa --pipelined --
     > "$OUT/bench.log" 2>&1
 grep -i "error\|deadline" "$OUT/bench.log" | head -5
 fa_rows "$OUT/attention_mgpu.json"
-for round in 1 2 3; do
-    for att in cudnn pallas; do
-        timeout 75 python3 experiments/bench_train.py --presets 1b --steps 6 --set train.batch_size=24 \
-            model.attention=$att --out "$OUT" --tag "_1b_${att}_r${round}" 2>&1 | tail -1
-    done
-done
+train_1b_alternated 3
 pack_out

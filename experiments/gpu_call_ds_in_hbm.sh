@@ -9,13 +9,9 @@ source "$(dirname "$0")/gpu_env.sh"
 gpu_tests 150 ds_tests_h200.log tests/test_flash_attention.py -k "ds_in_hbm or custom_sm_scale"
 timeout 200 python3 experiments/attention_in_step.py --impls ours ours_ds cudnn \
     --settings alone after_matmul --rounds 2 --out "$OUT" 2>&1 | grep -v "^WARNING" | tail -13
-common=(--presets 1b --steps 6 --out "$OUT" --set train.batch_size=24)
 for round in 1 2; do
-    timeout 85 python3 experiments/bench_train.py "${common[@]}" model.attention=cudnn \
-        --tag "_1b_cudnn_r$round" 2>&1 | tail -1
-    timeout 85 python3 experiments/bench_train.py "${common[@]}" model.attention=pallas \
-        --tag "_1b_pallas_r$round" 2>&1 | tail -1
-    timeout 85 python3 experiments/bench_train_blocks.py ds_in_hbm=True -- \
-        "${common[@]}" model.attention=pallas --tag "_1b_pallas_ds_r$round" 2>&1 | tail -1
+    train_1b "cudnn_r$round"
+    train_1b "pallas_r$round"
+    train_1b "pallas_ds_r$round" ds_in_hbm=True
 done
 pack_out

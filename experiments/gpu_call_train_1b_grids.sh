@@ -5,15 +5,10 @@
 # holds some SMs when it starts?) and with the fused 5-matmul backward, alternated twice.
 #   OUT=$OUT bash experiments/gpu_call_train_1b_grids.sh    (from the repository root, .anchors/ carried)
 source "$(dirname "$0")/gpu_env.sh"
-common=(--presets 1b --steps 6 --out "$OUT" --set train.batch_size=24)
 for round in 1 2; do
-    timeout 85 python3 experiments/bench_train.py "${common[@]}" model.attention=cudnn \
-        --tag "_1b_cudnn_r$round" 2>&1 | tail -1
-    timeout 85 python3 experiments/bench_train.py "${common[@]}" model.attention=pallas \
-        --tag "_1b_pallas_r$round" 2>&1 | tail -1
-    timeout 85 python3 experiments/bench_train_blocks.py persistent=False persistent_dq=False -- \
-        "${common[@]}" model.attention=pallas --tag "_1b_pallas_grid_r$round" 2>&1 | tail -1
-    timeout 85 python3 experiments/bench_train_blocks.py fused_bwd=True -- \
-        "${common[@]}" model.attention=pallas --tag "_1b_pallas_fused_r$round" 2>&1 | tail -1
+    train_1b "cudnn_r$round"
+    train_1b "pallas_r$round"
+    train_1b "pallas_grid_r$round" persistent=False persistent_dq=False
+    train_1b "pallas_fused_r$round" fused_bwd=True
 done
 pack_out

@@ -4,10 +4,5 @@
 # than one pair of runs.
 #   OUT=$OUT bash experiments/gpu_call_train_1b_rounds.sh    (from the repository root, .anchors/ carried)
 source "$(dirname "$0")/gpu_env.sh"
-for round in 1 2 3; do
-    for att in cudnn pallas; do
-        timeout 85 python3 experiments/bench_train.py --presets 1b --steps 6 --set train.batch_size=24 \
-            model.attention=$att --out "$OUT" --tag "_1b_${att}_r${round}" 2>&1 | tail -1
-    done
-done
+train_1b_alternated 3
 pack_out

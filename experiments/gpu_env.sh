@@ -38,12 +38,23 @@ paged_module() {  # paged_module PYTHONPATH: the paged kernel's file that path i
     PYTHONPATH=$1 python3 -P -c 'import pallas_kernels.paged_attention_mgpu as m; print(m.__file__)'
 }
 
-train_1b_alternated() {  # the 1b train step with cuDNN and with our attention, alternated twice
-    for round in 1 2; do
-        for att in cudnn pallas; do
-            timeout 75 python3 experiments/bench_train.py --presets 1b --steps 6 --set train.batch_size=24 \
-                model.attention=$att --out "$OUT" --tag "_1b_${att}_r${round}" 2>&1 | tail -1
-        done
+train_1b() {  # train_1b TAG [KEY=VALUE...]: one run of the 1b train step (batch 24, 6 steps, its
+    # own process) into $OUT/train_*_1b_TAG.json; cuDNN's attention if TAG starts with "cudnn",
+    # else ours, its MosaicBlockSizes defaults replaced by the KEY=VALUEs (bench_train_blocks.py)
+    local tag=$1 att=pallas; shift
+    [ "${tag%%_*}" = cudnn ] && att=cudnn
+    local args=(--presets 1b --steps 6 --set train.batch_size=24 model.attention=$att --out "$OUT" --tag "_1b_$tag")
+    if [ $# -gt 0 ]; then
+        timeout 85 python3 experiments/bench_train_blocks.py "$@" -- "${args[@]}" 2>&1 | tail -1
+    else
+        timeout 85 python3 experiments/bench_train.py "${args[@]}" 2>&1 | tail -1
+    fi
+}
+
+train_1b_alternated() {  # train_1b_alternated [ROUNDS]: cuDNN's attention and ours, alternated (2)
+    for round in $(seq "${1:-2}"); do
+        train_1b "cudnn_r$round"
+        train_1b "pallas_r$round"
     done
 }
 

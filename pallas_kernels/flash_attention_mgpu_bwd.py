@@ -202,6 +202,9 @@ def backward_dq_from_ds(cfg: MosaicConfig, k, ds_t, qoff, q_shape, dtype):
     b, tp, n, d = q_shape
     bq, bk, st = cfg.blocks.block_q_dkv, cfg.blocks.block_kv_dkv, cfg.blocks.dq_ds_stages
     w, g = COMPUTE_WGS, cfg.groups
+    if tp % (w * bq):
+        raise ValueError(f"backward_dq_from_ds: {tp} query rows are not whole tiles of {w} x "
+                         f"block_q_dkv={bq}; pad them with MosaicBlockSizes.pads.")
     order = TileSchedule(b, n, tp // (w * bq), cfg.causal, False, cfg.sms)
 
     def kernel(qoff_ref, k_ref, ds_ref, dq_ref, k_smem, ds_smem, dq_smem, k_bar, ds_bar, free):

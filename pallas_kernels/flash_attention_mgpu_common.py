@@ -162,8 +162,10 @@ class MosaicBlockSizes:
         return False  # measured slower on the H200 (2k causal x 24: -5.5%, x 8: -2%)
 
     def pads(self, q_len: int, kv_len: int) -> tuple[int, int]:
-        """(q_pad, kv_pad): the lengths padded to whole tiles of all three kernels."""
-        tile_q = math.lcm(COMPUTE_WGS * self.block_q, COMPUTE_WGS * self.block_q_dq, self.block_q_dkv)
+        """(q_pad, kv_pad): the lengths padded to whole tiles of all three kernels (and of
+        `ds_in_hbm`'s dQ kernel, 2 x block_q_dkv rows a tile, unless it is off)."""
+        tile_q = math.lcm(COMPUTE_WGS * self.block_q, COMPUTE_WGS * self.block_q_dq, self.block_q_dkv,
+                          self.block_q_dkv * (1 if self.ds_in_hbm is False else COMPUTE_WGS))
         tile_kv = math.lcm(self.block_kv, self.block_kv_dq, COMPUTE_WGS * self.block_kv_dkv)
         return -(-q_len // tile_q) * tile_q, -(-kv_len // tile_kv) * tile_kv
 

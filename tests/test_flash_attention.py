@@ -487,6 +487,9 @@ class TestMosaicFlashAttention:
         assert MosaicBlockSizes(ds_in_hbm=True).resolve_ds_in_hbm(64, False, 1 << 20, 16384, 16384)
         # where it runs the fused backward does not (whose rule is 8k keys and up)
         assert not dataclasses.replace(blocks, ds_in_hbm=True).resolve_fused_bwd(128, 8192)
+        # its dQ kernel's tiles are 2 x block_q_dkv query rows: the padding covers them
+        assert MosaicBlockSizes(block_q_dkv=128, ds_in_hbm=True).pads(100, 100)[0] == 256
+        assert MosaicBlockSizes(block_q_dkv=128, ds_in_hbm=False).pads(100, 100)[0] == 128
         with pytest.raises(ValueError, match="two forms"):
             MosaicBlockSizes(fused_bwd=True, ds_in_hbm=True)
         with pytest.raises(ValueError, match="ds_in_hbm"):

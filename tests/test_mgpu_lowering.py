@@ -24,11 +24,15 @@ def kernels_lowered_for_sm90(f, *shapes) -> int:
     return lowered_for_sm90(f, *shapes).count("stablehlo.custom_call @mosaic_gpu")
 
 
-# (seq, q heads, kv heads, head dim, causal, MosaicBlockSizes changes)
+# (seq, q heads, kv heads, head dim, causal, MosaicBlockSizes changes). At head dim 128 the
+# defaults here take the backward through dS in global memory (`ds_in_hbm`: the dK/dV kernel
+# storing dS^T, then dQ from dS); the two-kernel form is lowered with it turned off.
 FA = [(4096, 16, 16, 128, False, {}), (2048, 32, 8, 128, True, {}),
       (1024, 8, 8, 64, True, dict(fused_bwd=True)), (2048, 8, 8, 128, False, dict(fused_bwd=True)),
-      (2048, 16, 16, 128, True, dict(persistent_dq=True)),  # causal: the persistent forward (the
-      (1024, 16, 16, 128, False, dict(persistent_dq=True))]  # default) and dQ kernel (pairs)
+      (1024, 8, 8, 64, False, dict(ds_in_hbm=True)),
+      # causal: the persistent forward (the default) and dQ kernel (pairs)
+      (2048, 16, 16, 128, True, dict(persistent_dq=True, ds_in_hbm=False)),
+      (1024, 16, 16, 128, False, dict(persistent_dq=True, ds_in_hbm=False))]
 
 
 @pytest.mark.parametrize("seq,heads,kv_heads,head_dim,causal,change", FA)
@@ -42,8 +46,12 @@ def test_flash_attention_forward_and_backward_lower_for_sm90(seq, heads, kv_head
 
     q = jax.ShapeDtypeStruct((1, seq, heads, head_dim), BF16)
     kv = jax.ShapeDtypeStruct((1, seq, kv_heads, head_dim), BF16)
-    kernels = kernels_lowered_for_sm90(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    text = lowered_for_sm90(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    kernels = text.count("stablehlo.custom_call @mosaic_gpu")
     assert kernels == (2 if change.get("fused_bwd") else 3)  # forward, dQ (unless fused), dK/dV
+    # at head dim 128 the default backward computes dQ from the stored dS^T
+    ds = change.get("ds_in_hbm", head_dim == 128 and not change.get("fused_bwd"))
+    assert ("flash_attention_bwd_dq_from_ds" in text) == ds
 
 
 # (batch, q heads, kv heads, page size, table columns, PagedBlockSizes): whole items, split

@@ -192,7 +192,7 @@ def backward_dq(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta,
 
 def backward_dq_from_ds(cfg: MosaicConfig, k, ds_t, qoff, q_shape, dtype):
     """dQ [B, q_pad, N, D] = scale * dS K from the dS^T tiles `backward_dkv(ds_out=True)` stored
-    ([B, N, kv_pad, q_pad]): one tile matmul a (query, key) tile pair, on no recomputation, so
+    ([B, N, kv_pad, q_pad]): one tile matmul a (query, key) tile pair and no recomputation, so
     the kernel is bound by reading dS. One block per (batch, head, 2 x bq query rows); its
     producer streams each visible key tile's K rows and both consumers' dS^T tiles into a ring;
     each consumer adds dS [bq, bk] K [bk, D] (dS^T read transposed from shared memory). Masked
@@ -563,10 +563,10 @@ def backward_dkv(cfg: MosaicConfig, q, k, v, qoff, q_seg, kv_seg, lse, do, delta
     out = jax.ShapeDtypeStruct((b, sp, kh, d), dtype)
     outs = (out, out, jax.ShapeDtypeStruct((b, n, sp, tp), dtype)) if ds_out else (out, out)
     res = launch(kernel, with_segments(cfg, inputs, q_seg, kv_seg), out_type=outs,
-                    scratch=scratch, grid=(order.blocks,), grid_names=(order.grid_name,),
-                    num_threads=w + 1, interpret=cfg.interpret,
-                    manual_barriers=cfg.blocks.manual_barriers_bwd,
-                    name="flash_attention_bwd_dqkv" if with_dq else "flash_attention_bwd_dkv")
+                 scratch=scratch, grid=(order.blocks,), grid_names=(order.grid_name,),
+                 num_threads=w + 1, interpret=cfg.interpret,
+                 manual_barriers=cfg.blocks.manual_barriers_bwd,
+                 name="flash_attention_bwd_dqkv" if with_dq else "flash_attention_bwd_dkv")
     if not with_dq:
         return res
     dk, dv = res

@@ -24,7 +24,7 @@ per device, with the time those take at the NVLink bus bandwidths measured on th
     python experiments/two_gpu_table.py --out $OUT                        # 1b, seq 2048, b 8
     python experiments/two_gpu_table.py --preset tiny --moe-preset "" --cpu --steps 1 --out /tmp/t
 
-`--cpu` simulates the GPUs with CPU devices (XLA_FLAGS device count per row). Writes
+`--cpu` simulates the GPUs with CPU devices (the XLA_FLAGS device count per row; other flags kept). Writes
 `two_gpu_table.json` and `two_gpu_table.png` (tokens/s per row, the 2x line, predicted
 communication time) under --out, and prints the table.
 """
@@ -41,6 +41,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from pipeline_speed import run_child  # noqa: E402 - the one subprocess runner
+
+from gendist.distributed import host_device_flags  # noqa: E402
 
 # Bus bandwidth (bytes/s) measured on the nvidia-h200-x2 machine (issue 23).
 NVLINK_BUS = {"all-reduce": 246e9, "all-gather": 237e9, "reduce-scatter": 205e9,
@@ -97,8 +99,7 @@ def run_row(name: str, args) -> dict:
     preset, sets = row_setup(name, args)
     env = dict(os.environ)
     if args.cpu:
-        env.update(JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=host_device_flags(env.get("XLA_FLAGS", ""), devices))
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(devices))
         if args.xla_flags:

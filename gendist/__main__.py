@@ -180,8 +180,8 @@ def cmd_plan(argv: list[str]) -> int:
         if not devices.isdigit() or int(devices) < 1:
             raise UsageError(f"--devices {devices!r}: give a number of devices, e.g. 8")
         # Simulated CPU devices; must be set before the first backend call.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={devices}")
+        from gendist.distributed import host_device_flags
+        os.environ["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""), int(devices))
     compile_step = not _pop_flag(argv, "--no-compile")
     cfg = parse_config(argv, "plan", extra_help=" --devices N simulates N CPU devices; "
                        "--no-compile prints the predictions only.")

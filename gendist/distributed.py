@@ -288,6 +288,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def host_device_flags(xla_flags: str, devices: int) -> str:
+    """`xla_flags` with its simulated CPU device count set to `devices` (any other flag kept)."""
+    flags = [f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def child_env(rank: int, nproc: int, coordinator: str, devices_per_process: int | None,
               gpus_per_process: int | None, base=None) -> dict:
     """The environment of local process `rank`: GENDIST_* plus its devices."""
@@ -295,10 +301,7 @@ def child_env(rank: int, nproc: int, coordinator: str, devices_per_process: int 
     env.update({ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(nproc),
                 ENV_PROCESS_ID: str(rank), "PYTHONUNBUFFERED": "1"})
     if devices_per_process:
-        flags = [f for f in env.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-        flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
-        env["XLA_FLAGS"] = " ".join(flags)
+        env["XLA_FLAGS"] = host_device_flags(env.get("XLA_FLAGS", ""), devices_per_process)
         env["JAX_PLATFORMS"] = "cpu"
     if gpus_per_process:
         ids = range(rank * gpus_per_process, (rank + 1) * gpus_per_process)

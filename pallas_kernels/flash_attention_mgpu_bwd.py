@@ -200,7 +200,7 @@ def backward_dq_from_ds(cfg: MosaicConfig, k, ds_t, qoff, q_shape, dtype):
     causal mask each consumer reads only the key tiles its own rows see, which are the tiles
     the dK/dV kernel stored for them."""
     b, tp, n, d = q_shape
-    bq, bk, st = cfg.blocks.block_q_dkv, cfg.blocks.block_kv_dkv, cfg.blocks.dq_ds_stages
+    bq, bk, st = cfg.blocks.block_q_dkv, cfg.blocks.block_kv_dkv, cfg.blocks.stages_dq_ds
     w, g = COMPUTE_WGS, cfg.groups
     if tp % (w * bq):
         raise ValueError(f"backward_dq_from_ds: {tp} query rows are not whole tiles of {w} x "

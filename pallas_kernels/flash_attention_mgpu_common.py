@@ -75,7 +75,7 @@ class MosaicBlockSizes:
     # head of transient memory (3.2 GB at the 1b step's 24 x 2k x 16 heads): O(S^2), unlike
     # FlashAttention. None: when compiling at head dim 128 and that buffer is at most
     # DS_IN_HBM_MAX_BYTES (`resolve_ds_in_hbm`)
-    dq_ds_stages: int = 4  # its dQ kernel: K and dS tiles in flight
+    stages_dq_ds: int = 4  # its dQ kernel: K and dS tiles in flight
 
     def __post_init__(self):
         if self.fused_bwd and self.ds_in_hbm:
@@ -96,7 +96,7 @@ class MosaicBlockSizes:
                             "fused_bwd", "ds_in_hbm"):
                 if value not in (None, True, False):
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value!r}: use True, False or None.")
-            elif f.name.startswith("stages") or f.name.endswith("stages"):
+            elif f.name.startswith("stages"):
                 if value < 1:
                     raise ValueError(f"MosaicBlockSizes.{f.name}={value}: use >= 1.")
             elif value % 64:
@@ -164,7 +164,7 @@ class MosaicBlockSizes:
     def pads(self, q_len: int, kv_len: int) -> tuple[int, int]:
         """(q_pad, kv_pad): the lengths padded to whole tiles of all three kernels (and of
         `ds_in_hbm`'s dQ kernel, 2 x block_q_dkv rows a tile, unless it is off)."""
-        tile_q = math.lcm(COMPUTE_WGS * self.block_q, COMPUTE_WGS * self.block_q_dq, self.block_q_dkv,
+        tile_q = math.lcm(COMPUTE_WGS * self.block_q, COMPUTE_WGS * self.block_q_dq,
                           self.block_q_dkv * (1 if self.ds_in_hbm is False else COMPUTE_WGS))
         tile_kv = math.lcm(self.block_kv, self.block_kv_dq, COMPUTE_WGS * self.block_kv_dkv)
         return -(-q_len // tile_q) * tile_q, -(-kv_len // tile_kv) * tile_kv
@@ -219,8 +219,8 @@ class MosaicBlockSizes:
                               *([((2 * w, self.block_kv_dkv, self.block_q_dkv), h)]
                                 if self.ds_in_hbm else [])),
             # ds_in_hbm's dQ kernel: K and both consumers' dS^T tiles a stage, dQ tiles out
-            "dq from dS": smem_bytes(((self.dq_ds_stages, self.block_kv_dkv, d), h),
-                                     ((self.dq_ds_stages * w, self.block_kv_dkv, self.block_q_dkv), h),
+            "dq from dS": smem_bytes(((self.stages_dq_ds, self.block_kv_dkv, d), h),
+                                     ((self.stages_dq_ds * w, self.block_kv_dkv, self.block_q_dkv), h),
                                      ((w, self.block_q_dkv, d), h)),
             "fused backward": smem_bytes(((2 * w, self.block_kv_dkv, d), h),
                                          ((2 * self.stages_bwd, self.block_q_dkv, d), h),

@@ -19,9 +19,9 @@ from pallas_kernels.paged_attention_mgpu import PagedBlockSizes, paged_attention
 BF16 = jnp.bfloat16
 
 
-def kernels_lowered_for_sm90(f, *shapes) -> int:
-    """Mosaic GPU kernels in f's program lowered for a CUDA GPU (raises what Mosaic raises)."""
-    return lowered_for_sm90(f, *shapes).count("stablehlo.custom_call @mosaic_gpu")
+def mosaic_kernels(lowered: str) -> int:
+    """Mosaic GPU kernels in a program's text lowered for a CUDA GPU (`lowered_for_sm90`)."""
+    return lowered.count("stablehlo.custom_call @mosaic_gpu")
 
 
 # (seq, q heads, kv heads, head dim, causal, MosaicBlockSizes changes). At head dim 128 the
@@ -47,7 +47,7 @@ def test_flash_attention_forward_and_backward_lower_for_sm90(seq, heads, kv_head
     q = jax.ShapeDtypeStruct((1, seq, heads, head_dim), BF16)
     kv = jax.ShapeDtypeStruct((1, seq, kv_heads, head_dim), BF16)
     text = lowered_for_sm90(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
-    kernels = text.count("stablehlo.custom_call @mosaic_gpu")
+    kernels = mosaic_kernels(text)
     assert kernels == (2 if change.get("fused_bwd") else 3)  # forward, dQ (unless fused), dK/dV
     # at head dim 128 the default backward computes dQ from the stored dS^T
     ds = change.get("ds_in_hbm", head_dim == 128 and not change.get("fused_bwd"))
@@ -66,5 +66,5 @@ def test_paged_attention_lowers_for_sm90(batch, heads, kv_heads, page, columns, 
     pages = jax.ShapeDtypeStruct((kv_heads, batch * columns, page, 128), BF16)
     tables = jax.ShapeDtypeStruct((batch, columns), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    assert kernels_lowered_for_sm90(lambda *a: paged_attention_mgpu(*a, sm_scale=0.088, block_sizes=sizes),
-                                    q, pages, pages, tables, lengths) == 1
+    paged = lambda *a: paged_attention_mgpu(*a, sm_scale=0.088, block_sizes=sizes)  # noqa: E731
+    assert mosaic_kernels(lowered_for_sm90(paged, q, pages, pages, tables, lengths)) == 1

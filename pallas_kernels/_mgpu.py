@@ -107,10 +107,8 @@ def launch(kernel, args, *, out_type, scratch, grid, grid_names, num_threads: in
     kernel must then never read and write one shared region from the same thread without a
     `commit_smem()` (a fence plus a warpgroup barrier) in between.
 
-    name: the kernel's name in a profile (`<name>_mosaic_gpu_kernel`; Mosaic GPU takes the
-    body's `__name__`), so that profiles tell the kernels apart and class them by name."""
-    if name is not None:
-        kernel.__name__ = kernel.__qualname__ = name
+    name: the kernel's name in a profile (`<name>_mosaic_gpu_kernel`; None: the body's
+    `__name__`), so that profiles tell the kernels apart and class them by name."""
     params = (plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
                                    reduction_scratch_bytes=0)
               if manual_barriers else plgpu.CompilerParams(approx_math=True))
@@ -122,6 +120,7 @@ def launch(kernel, args, *, out_type, scratch, grid, grid_names, num_threads: in
         grid_names=grid_names,
         num_threads=num_threads,
         thread_name="wg",
+        kernel_name=name,
         compiler_params=params,
         interpret=interpret_params(interpret),
     )(*args)

@@ -14,9 +14,7 @@ and the first token included, so the figure is conservative by about one step in
 Variants: `fast` (the GPU default: decode weight layout, per-layer cache, attention reading
 only valid tokens; one-token steps through the fused decode kernels), `fast_unfused` (the
 same without the fused kernels: XLA's RMSNorm and RoPE, the paged kernel), `fast@<tiling>`
-(fast with the fused attention kernel tiled as `LayerKVCache.tiling` says), `<variant>+mlp`
-or `+mlp=<tag>` (the SwiGLU MLP of one-token steps as one persistent Mosaic GPU kernel,
-`LayerKVCache.mlp`, tiled as `mlp_mgpu.parse_sizes` reads the tag), `fast_xla` (the same with jnp attention over all
+(fast with the fused attention kernel tiled as `LayerKVCache.tiling` says), `fast_xla` (the same with jnp attention over all
 max_len slots), `reference` (stacked weights, one stacked cache, the layer scan unrolled:
 the issue's baseline protocol). Each row also carries the kernels one loop iteration
 launches, by kind, read from the compiled HLO, and with `--profile` the device time per
@@ -102,13 +100,11 @@ def run_case(cfg, params, batch, variant, args, profile: bool):
         kw = dict(fast=False)
     else:
         mcfg = cfg
-        base, _, mlp = variant.partition("+mlp")
-        backend = "xla" if base == "fast_xla" else None
-        tiling = base.split("@", 1)[1] if "@" in base else ""
+        backend = "xla" if variant == "fast_xla" else None
+        tiling = variant.split("@", 1)[1] if "@" in variant else ""
         kw = dict(fast=True, cache=fastpath.make_cache(cfg, batch, P + N, True, backend=backend,
-                                                       fused=base != "fast_unfused",
-                                                       tiling=tiling,
-                                                       mlp=mlp.lstrip("=") if "+mlp" in variant else None))
+                                                       fused=variant != "fast_unfused",
+                                                       tiling=tiling))
     t0 = time.perf_counter()
     compiled = generate_tokens.lower(mcfg, params, prompt, lens, key, max_new_tokens=N, sp=sp,
                                      **kw).compile()
@@ -171,10 +167,8 @@ def main():
         p, b, v = spec.split(":")
         cases.append((p, int(b), v))
     for _, _, v in cases:
-        base = v.partition("+mlp")[0]
-        if base not in VARIANTS and not base.startswith("fast@"):
-            raise SystemExit(f"variant {v!r}: choose one of {VARIANTS} or fast@<tiling>, "
-                             "optionally +mlp[=<tag>]")
+        if v not in VARIANTS and not v.startswith("fast@"):
+            raise SystemExit(f"variant {v!r}: choose one of {VARIANTS} or fast@<tiling>")
     current, params = None, {}
     for name, batch, variant in cases:
         if time.perf_counter() - t_start > args.budget_s:

@@ -126,27 +126,3 @@ def test_fused_decode_greedy_equals_reference(heads, tiling):
         fastpath.make_cache(cfg, 3, 8, True, backend="pallas", tiling="split2")
     out, _ = G.generate_tokens(*args, max_new_tokens=9, sp=greedy, fast=True, cache=cache)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
-
-
-def test_decode_mlp_kernel_greedy_equals_reference():
-    """With `LayerKVCache.mlp` a one-token step's SwiGLU MLP runs as the persistent Mosaic GPU
-    kernel (its interpreter on a CPU): greedy tokens equal the reference path's; the prefill
-    (several tokens) and caches without `mlp` keep XLA's MLP."""
-    cfg = ModelConfig(d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-                      d_ff=128, max_seq_len=64, dtype="bfloat16")
-    params = jax.tree.map(lambda x: x * 4 if x.ndim > 1 else x,
-                          transformer.init_params(cfg, 1))  # peaky logits
-    pb, lb = G.pad_prompts([np.array([1, 2, 3, 4, 5]), np.array([7, 8])])
-    greedy = SamplingParams(temperature=0.0)
-    args = (cfg, params, jnp.asarray(pb), jnp.asarray(lb), jax.random.key(0))
-    ref, _ = G.generate_tokens(*args, max_new_tokens=4, sp=greedy, fast=False)
-    cache = fastpath.make_cache(cfg, 2, pb.shape[1] + 4, True, backend="pallas", mlp="kc64_st2")
-    assert cache.decode_mlp(2, 1) == "kc64_st2" and cache.decode_mlp(2, 5) is None
-    assert fastpath.make_cache(cfg, 2, 8, True, backend="pallas").decode_mlp(2, 1) is None
-    jaxpr = str(jax.make_jaxpr(lambda c: G.generate_tokens(
-        *args, max_new_tokens=4, sp=greedy, fast=True, cache=c))(cache))
-    assert "decode_mlp" in jaxpr
-    with pytest.raises(ValueError, match="mlp tiling 'fast'"):
-        fastpath.make_cache(cfg, 2, 8, True, backend="pallas", mlp="fast")
-    out, _ = G.generate_tokens(*args, max_new_tokens=4, sp=greedy, fast=True, cache=cache)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))

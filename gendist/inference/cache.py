@@ -55,13 +55,6 @@ class KVCache(abc.ABC):
         `LayerKVCache` turns them on for its GPU backend."""
         return False, False
 
-    def decode_mlp(self, batch: int, tokens: int) -> str | None:
-        """The tiling tag (`pallas_kernels.mlp_mgpu.parse_sizes`) when a decode-layout SwiGLU
-        MLP runs a step of `tokens` new tokens for `batch` sequences as one persistent Mosaic
-        GPU kernel (`decode_layout.mlp`); None (XLA's kernels) here. `LayerKVCache` turns it
-        on when created with `mlp`."""
-        return None
-
     def attend_qkv(self, layer_state, qkv_BTCH, num_heads: int, q_pos_BT, cos_BTh, sin_BTh,
                    sm_scale):
         """`attend` from the fused q|k|v projection [B, T, N+2K, H] before RoPE (angles

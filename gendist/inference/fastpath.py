@@ -55,16 +55,14 @@ def prepare(cfg: ModelConfig, params: dict, fast: bool | None = None) -> dict:
 
 
 def make_cache(cfg: ModelConfig, batch: int, max_len: int, fast: bool | None = None,
-               backend: str | None = None, fused: bool = True, tiling: str = "",
-               mlp: str | None = None):
+               backend: str | None = None, fused: bool = True, tiling: str = ""):
     """An empty cache for `batch` sequences of up to `max_len` tokens on the chosen path
     (`fused`: decode steps through the fused kernels on the "pallas" backend, the attention
-    kernel tiled by `tiling`, `LayerKVCache.tiling`; `mlp`: the SwiGLU MLP as one persistent
-    kernel tiled by this tag, `LayerKVCache.mlp`)."""
+    kernel tiled by `tiling`, `LayerKVCache.tiling`)."""
     dt = transformer.DTYPES[cfg.dtype]
     if per_layer(cfg, fast):
         return LayerKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
                                    cfg.head_dim, dt, backend=attention_backend(cfg, backend),
-                                   fused=fused, tiling=tiling, mlp=mlp)
+                                   fused=fused, tiling=tiling)
     return ContiguousKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
                                     cfg.head_dim, dt)

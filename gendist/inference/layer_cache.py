@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from gendist.inference.cache import KVCache, contiguous_attention
-from pallas_kernels import decode_attention, mlp_mgpu
+from pallas_kernels import decode_attention
 from pallas_kernels.paged_attention import paged_attention, paged_attention_chunk
 
 BACKENDS = ("xla", "pallas")
@@ -53,13 +53,10 @@ class LayerKVCache(KVCache):
     fused: bool = dataclasses.field(default=True, metadata=dict(static=True))
     # The fused attention kernel's tiling as a tag ("bk128_sp1_w4_st3"; "": its defaults).
     tiling: str = dataclasses.field(default="", metadata=dict(static=True))
-    # "pallas" + fused only: one-token steps' SwiGLU MLP as `pallas_kernels.mlp_mgpu` tiled by
-    # this tag ("" its defaults); None: XLA's kernels (`decode_mlp`).
-    mlp: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
     def create(cls, num_layers, batch, max_len, num_kv_heads, head_dim, dtype=jnp.float32, *,
-               backend="xla", page_size=64, fused=True, tiling="", mlp=None):
+               backend="xla", page_size=64, fused=True, tiling=""):
         """Empty buffers for `batch` sequences of up to `max_len` tokens (rounded up to whole
         pages of `page_size` tokens for the "pallas" backend)."""
         if backend not in BACKENDS:
@@ -75,10 +72,8 @@ class LayerKVCache(KVCache):
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         zeros_v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         decode_attention.parse_tiling(tiling)  # a bad tag fails here, not inside a trace
-        if mlp is not None:
-            mlp_mgpu.parse_sizes(mlp)
         return cls(zeros, zeros_v, jnp.zeros((batch,), jnp.int32), backend, page_size, fused,
-                   tiling, mlp)
+                   tiling)
 
     @property
     def max_len(self) -> int:
@@ -111,12 +106,6 @@ class LayerKVCache(KVCache):
         attention = (tokens == 1 and decode_attention.supports(H)
                      and (S <= 4096 or B * K >= 132))
         return batch * tokens <= 64, attention
-
-    def decode_mlp(self, batch: int, tokens: int) -> str | None:
-        """`mlp` for one new token per sequence (up to 64) on the fused "pallas" path."""
-        if self.backend != "pallas" or not self.fused or tokens != 1 or batch > 64:
-            return None
-        return self.mlp
 
     def attend_qkv(self, layer_state, qkv_BTCH, num_heads, q_pos_BT, cos_BTh, sin_BTh,
                    sm_scale):

@@ -34,6 +34,10 @@ And the products through a Mosaic GPU matrix-vector kernel (`pallas_kernels.matv
 TMA ring; split products' partial sums summed inside the norm and attention kernels): faster
 only on the two largest 1b products, a whole step slower (1b 1.106 against 1.065 ms, 350m
 0.699 against 0.511; `benchmarks/decode_floor_matvec_mgpu_h200.json`, code in 123ede2).
+And the SwiGLU MLP (gate|up, SwiGLU, down) as one persistent Mosaic GPU kernel
+(`pallas_kernels.mlp_mgpu`, grid-wide barrier between the products): a 1b step 1.094 against
+1.096 ms, 350m 0.620 against 0.528 (`benchmarks/decode_floor_mlp_h200.json`, the switch in
+328416e).
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ from gendist.config import ModelConfig
 from gendist.models import layers
 from gendist.models import params as P
 from gendist.models.layers import mlp_hidden
-from pallas_kernels import mlp_mgpu as mlp_kernel
 from pallas_kernels import rms_norm as norm_kernel
 
 
@@ -154,22 +157,9 @@ def attention_output(o_BTNH, p: dict):
     return jnp.einsum("BTNH,DNH->BTD", o_BTNH, p["wo_DNH"].astype(o_BTNH.dtype))
 
 
-def mlp(h_BTD, p: dict, cfg: ModelConfig, kernel: str | None = None):
-    """The MLP on the normed input: w_gate_up_GD (or w_up_FD), the activation, w_down_DF.
-
-    With `kernel` (a tiling tag, `KVCache.decode_mlp`) a one-token SwiGLU step the kernel
-    takes runs as one persistent Mosaic GPU kernel (`pallas_kernels.mlp_mgpu`; in its
-    interpreter off the GPU), the same products rounded as here."""
+def mlp(h_BTD, p: dict, cfg: ModelConfig):
+    """The MLP on the normed input: w_gate_up_GD (or w_up_FD), the activation, w_down_DF."""
     dt = h_BTD.dtype
-    B, T, D = h_BTD.shape
-    if (kernel is not None and cfg.mlp == "swiglu" and T == 1
-            and mlp_kernel.supports((B, D), D, p["w_down_DF"].shape[1], dt)):
-        on_gpu = jax.default_backend() == "gpu"
-        y_BD = mlp_kernel.mlp_mgpu(h_BTD[:, 0], p["w_gate_up_GD"].astype(dt),
-                                   p["w_down_DF"].astype(dt),
-                                   block_sizes=mlp_kernel.parse_sizes(kernel),
-                                   interpret=not on_gpu)
-        return y_BD.astype(dt)[:, None]
     w_in = p["w_gate_up_GD"] if cfg.mlp == "swiglu" else p["w_up_FD"]
     u_BTG = jnp.einsum("BTD,GD->BTG", h_BTD, w_in.astype(dt))
     return jnp.einsum("BTF,DF->BTD", mlp_hidden((u_BTG,), cfg.mlp), p["w_down_DF"].astype(dt))

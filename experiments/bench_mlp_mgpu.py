@@ -13,8 +13,7 @@ A round dispatches the jit `--iters` times back to back and synchronises once; Â
 the floor's bandwidth is a read-only XLA sum timed the same way in the same process
 (`decode_floor.read_only_tbps`, pipelined). Tilings: `--variants`
 (kc<kc>_st<stages>[_r<rows>][_s<splits>][_b<blocks>][_nopf]; _nopf: no down weights copied
-before the phase barrier; a further _tiled: the weights stored tile by tile, `tile_weights`,
-each [rows, kc] tile contiguous). `--profile` names the variants whose kernels are profiled at batch 1.
+before the phase barrier). `--profile` names the variants whose kernels are profiled at batch 1.
 Correctness: one layer's output against XLA's (rel. L2; the chain's outputs are not
 compared: 24 random layers amplify a 1e-3 change of one layer's output to an unrelated vector).
 
@@ -23,7 +22,6 @@ Writes mlp_mgpu.json to --out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -37,7 +35,7 @@ from decode_floor import read_only_tbps  # noqa: E402
 
 from gendist import profiling  # noqa: E402
 from gendist.timing import pipelined_seconds, warm_gpu  # noqa: E402
-from pallas_kernels.mlp_mgpu import mlp_mgpu, parse_sizes, tile_weights  # noqa: E402
+from pallas_kernels.mlp_mgpu import mlp_mgpu, parse_sizes  # noqa: E402
 
 PRESETS = {"350m": (1024, 2816, 24), "1b": (2048, 5632, 22), "tiny": (128, 256, 2)}
 def xla_mlp(h, w_gu, w_d):
@@ -100,26 +98,15 @@ def main():
             h = jax.random.normal(jax.random.key(1), (B, D), jnp.float32).astype(jnp.bfloat16)
             impls = {"xla": xla_mlp}
             impls["ours"] = lambda a, b, c: mlp_mgpu(a, b, c, interpret=args.interpret)
-            layer_weights = {}  # per implementation: its layers' weights (tiled ones their own)
             for tag in args.variants:
-                base = tag.removesuffix("_tiled")
-                s = parse_sizes(base)
-                if base != tag:  # weights tiled as the kernel reads them (`tile_weights`)
-                    if s.rows is None or s.kc is None:
-                        raise SystemExit(f"variant {tag!r}: a tiled variant names r<rows> and kc<kc>")
-                    layer_weights[tag] = [(tile_weights(a, s.rows, s.kc), tile_weights(b, s.rows, s.kc))
-                                          for a, b in weights]
-                    s = dataclasses.replace(s, rows=None, kc=None)
-                impls[tag] = (lambda sz: lambda a, b, c: mlp_mgpu(a, b, c, block_sizes=sz))(s)
-            fns = {name: chain(f, layer_weights.get(name, weights)) for name, f in impls.items()}
-            outs = {}
-            for name, f in impls.items():
-                one = layer_weights.get(name, weights)[:1]
-                outs[name] = np.asarray(chain(f, one)(h, one), np.float32)
+                impls[tag] = (lambda s: lambda a, b, c: mlp_mgpu(a, b, c, block_sizes=s))(parse_sizes(tag))
+            fns = {name: chain(f, weights) for name, f in impls.items()}
+            one = [weights[0]]
+            outs = {name: np.asarray(chain(f, one)(h, one), np.float32) for name, f in impls.items()}
             best = {name: float("inf") for name in fns}
             for _ in range(args.rounds):  # the implementations take turns each round
                 for name, f in fns.items():
-                    t, _ = pipelined_seconds(f, h, layer_weights.get(name, weights), n=args.iters, warm=1)
+                    t, _ = pipelined_seconds(f, h, weights, n=args.iters, warm=1)
                     best[name] = min(best[name], t)
             ref = outs["xla"]
             for name in fns:
@@ -130,7 +117,7 @@ def main():
                 if gpu:
                     row["share_of_read_only"] = row["tbps"] / result["read_only_tbps"]["pipelined"]
                 if gpu and B == 1 and name in args.profile:
-                    row["profile"] = kernel_times(fns[name], (h, layer_weights.get(name, weights)), L)
+                    row["profile"] = kernel_times(fns[name], (h, weights), L)
                 result["cases"].append(row)
                 print(json.dumps(row), flush=True)
             os.makedirs(args.out, exist_ok=True)

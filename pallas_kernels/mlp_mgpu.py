@@ -165,39 +165,15 @@ def parse_sizes(tag: str) -> MlpBlockSizes:
     return MlpBlockSizes(kc=kc, stages=st, rows=r, splits=s, blocks=b, prefetch=not m.group(6))
 
 
-def tile_weights(w_NK, rows: int, kc: int):
-    """w [N, K] as [N / rows, K / kc, rows, kc]: each of the kernel's [rows, kc] weight tiles
-    one contiguous piece of memory (in [N, K] a tile is `rows` pieces of kc * 2 bytes, one per
-    row). `mlp_mgpu` takes both weights in either layout; tiled, they fix its rows and kc."""
-    N, K = w_NK.shape
-    if N % rows or K % kc:
-        raise ValueError(f"tile_weights: [{N}, {K}] does not split into [{rows}, {kc}] tiles.")
-    return w_NK.reshape(N // rows, rows, K // kc, kc).transpose(0, 2, 1, 3)
-
-
-def logical_shapes(w_gate_up, w_down):
-    """([2F, D], [D, F], (rows, kc) or None) of the weights as given: [N, K] or `tile_weights`'
-    [N / rows, K / kc, rows, kc] (both tiled alike)."""
-    if w_gate_up.ndim == 4 and w_down.ndim == 4:
-        (a, b, R, kc), (c, d, R2, kc2) = w_gate_up.shape, w_down.shape
-        if (R, kc) != (R2, kc2):
-            raise ValueError(f"mlp_mgpu: tiled weights {w_gate_up.shape}, {w_down.shape}: tile "
-                             "both with the same rows and kc (`tile_weights`).")
-        return (a * R, b * kc), (c * R, d * kc), (R, kc)
-    return w_gate_up.shape, w_down.shape, None
-
-
 def check(h_BD, w_gate_up_GD, w_down_DF):
     """Raises a ValueError naming what does not fit the kernel; returns (B, D, F)."""
-    want = "want [B, D], [2F, D], [D, F] (or both weights through `tile_weights`)."
-    if h_BD.ndim != 2 or {w_gate_up_GD.ndim, w_down_DF.ndim} not in ({2}, {4}):
+    if h_BD.ndim != 2 or w_gate_up_GD.ndim != 2 or w_down_DF.ndim != 2:
         raise ValueError(f"mlp_mgpu: h {h_BD.shape}, w_gate_up {w_gate_up_GD.shape}, w_down "
-                         f"{w_down_DF.shape}: {want}")
-    gu, dn, _ = logical_shapes(w_gate_up_GD, w_down_DF)
-    (B, D), (G, D2), (D3, F) = h_BD.shape, gu, dn
+                         f"{w_down_DF.shape}: want [B, D], [2F, D], [D, F].")
+    (B, D), (G, D2), (D3, F) = h_BD.shape, w_gate_up_GD.shape, w_down_DF.shape
     if D2 != D or D3 != D or G != 2 * F:
         raise ValueError(f"mlp_mgpu: h {h_BD.shape}, w_gate_up {w_gate_up_GD.shape}, w_down "
-                         f"{w_down_DF.shape}: {want}")
+                         f"{w_down_DF.shape}: want [B, D], [2F, D], [D, F].")
     dts = {jnp.dtype(a.dtype) for a in (h_BD, w_gate_up_GD, w_down_DF)}
     if len(dts) != 1 or dts.pop() not in map(jnp.dtype, SUPPORTED_DTYPES):
         raise ValueError("mlp_mgpu: h and both weights must share one dtype, bf16 or fp16.")
@@ -229,14 +205,11 @@ def _fence(ptx: str):
 
 def _kernel_call(h_BD, w_gu, w_down, sizes: MlpBlockSizes, blocks: int, interpret: bool):
     B, D = h_BD.shape
-    _, (_, F), tile = logical_shapes(w_gu, w_down)
+    F = w_down.shape[1]
     B8 = -(-B // 8) * 8
     dtype = h_BD.dtype
-    if tile is not None and (sizes.rows or tile[0], sizes.kc or tile[1]) != tile:
-        raise ValueError(f"MlpBlockSizes(rows={sizes.rows}, kc={sizes.kc}): the weights are tiled "
-                         f"as rows={tile[0]}, kc={tile[1]} (`tile_weights`); leave them None.")
-    R = tile[0] if tile else sizes.rows or default_rows(F, blocks)
-    kc = tile[1] if tile else sizes.kc or default_kc(D, F, R)
+    R = sizes.rows or default_rows(F, blocks)
+    kc = sizes.kc or default_kc(D, F, R)
     if D % kc or F % kc:
         raise ValueError(f"MlpBlockSizes.kc={kc} must divide D={D} and F={F}.")
     st = sizes.stages or default_stages(kc, R, B8)
@@ -264,12 +237,7 @@ def _kernel_call(h_BD, w_gu, w_down, sizes: MlpBlockSizes, blocks: int, interpre
         row0 = b - b  # a traced 0: the B8-row copies run past B (TMA reads zeros there)
         sem = pl.get_global(plgpu.SemaphoreType.REGULAR(())) if grid_sync else None
 
-        def w_tile(w_ref, r, k):  # the [R, kc] tile at row r, K step k, in either layout
-            if tile is not None:
-                return w_ref.at[r // R, k]
-            return w_ref.at[pl.ds(r, R), pl.ds(k * kc, kc)]
-
-        def unit1(i):  # block b's i-th gate|up unit: its first gate row
+        def unit1(i):  # block b's i-th gate|up unit: its 64 gate rows
             return (b + i * NB) * R
 
         def unit2(i):  # block b's i-th down unit: (first row, first column)
@@ -296,15 +264,15 @@ def _kernel_call(h_BD, w_gu, w_down, sizes: MlpBlockSizes, blocks: int, interpre
                 def _(k):
                     cols = pl.ds(k * kc, kc)
                     j = i * steps1 + k
-                    fill_w(j, w_tile(wgu_ref, r, k), w_tile(wgu_ref, F + r, k))
+                    fill_w(j, wgu_ref.at[pl.ds(r, R), cols], wgu_ref.at[pl.ds(F + r, R), cols])
                     fill_x(j, h_ref.at[pl.ds(row0, B8), cols])
 
             base, total2 = n1 * steps1, n2 * steps2
 
             def down_w(j2):  # the down phase's j2-th step: its weight tiles
                 r, c0 = unit2(j2 // steps2)
-                k = c0 // kc + lax.rem(j2, steps2)
-                fill_w(base + j2, w_tile(wd_ref, r, k), w_tile(wd_ref, r + R, k))
+                cols = pl.ds(c0 + lax.rem(j2, steps2) * kc, kc)
+                fill_w(base + j2, wd_ref.at[pl.ds(r, R), cols], wd_ref.at[pl.ds(r + R, R), cols])
 
             def down_x(j2):  # ... and its input chunk of the hidden activations
                 _, c0 = unit2(j2 // steps2)

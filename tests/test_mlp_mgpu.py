@@ -17,7 +17,6 @@ from pallas_kernels.mlp_mgpu import (
     mlp_mgpu,
     reference,
     supports,
-    tile_weights,
 )
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -94,26 +93,6 @@ def test_many_blocks_match_xla_math(B, D, F, sizes):
         assert_close(mlp_mgpu(h, w_gu, w_d, block_sizes=sizes), r)
 
 
-# Weights stored tile by tile (`tile_weights`): (B, D, F, rows, kc, sizes); the GPU cases
-# with many blocks and K ranges.
-TILED_CASES = [(2, 128, 256, 64, 64, MlpBlockSizes(stages=3)),
-               (1, 256, 128, 32, 128, MlpBlockSizes(stages=2))]
-TILED_GPU_CASES = [(1, 2048, 5632, 64, 64, MlpBlockSizes(stages=10)),
-                   (8, 1024, 2816, 32, 128, MlpBlockSizes()),
-                   (3, 512, 1024, 16, 64, MlpBlockSizes(blocks=7, splits=4))]
-
-
-@pytest.mark.parametrize("B,D,F,rows,kc,sizes", TILED_CASES + (TILED_GPU_CASES if ON_GPU else []))
-def test_tiled_weights_match_xla_math(B, D, F, rows, kc, sizes):
-    h, w_gu, w_d = inputs(B, D, F)
-    w_gu_t, w_d_t = tile_weights(w_gu, rows, kc), tile_weights(w_d, rows, kc)
-    assert w_gu_t.shape == (2 * F // rows, D // kc, rows, kc)
-    np.testing.assert_array_equal(w_gu_t[1, 0], w_gu[rows:2 * rows, :kc])  # one tile, contiguous
-    r = ref(h, w_gu, w_d)
-    for _ in range(3 if ON_GPU else 1):
-        assert_close(mlp_mgpu(h, w_gu_t, w_d_t, block_sizes=sizes, interpret=INTERPRET), r)
-
-
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector")
 @pytest.mark.parametrize("F", [128, 256])
 def test_shared_memory_synchronisation_has_no_races(F):
@@ -162,12 +141,5 @@ def test_bad_inputs_name_the_field():
         MlpBlockSizes(kc=96)
     with pytest.raises(ValueError, match="interpreter runs one block"):
         mlp_mgpu(h, w_gu, w_d, block_sizes=MlpBlockSizes(blocks=2), interpret=True)
-    with pytest.raises(ValueError, match="tiled as rows=64, kc=64"):
-        mlp_mgpu(h, tile_weights(w_gu, 64, 64), tile_weights(w_d, 64, 64),
-                 block_sizes=MlpBlockSizes(kc=128), interpret=True)
-    with pytest.raises(ValueError, match="same rows and kc"):
-        mlp_mgpu(h, tile_weights(w_gu, 64, 64), tile_weights(w_d, 32, 64), interpret=True)
-    with pytest.raises(ValueError, match="tile_weights"):
-        mlp_mgpu(h, tile_weights(w_gu, 64, 64), w_d, interpret=True)
     assert supports((1, 2048), 2048, 5632, jnp.bfloat16)
     assert not supports((1, 2048), 2048, 5632, jnp.float32)

@@ -66,6 +66,50 @@ def kernel_times(f, args, layers: int) -> dict:
     return {"busy_us_per_layer": sum(per.values()), "top_us_per_layer": top}
 
 
+def read_only(h, w_gu, w_d):
+    """Reads both weights once (XLA's column and row sums), nothing else: a layer's floor."""
+    s = jnp.sum(w_gu, axis=0, dtype=jnp.float32) + jnp.sum(w_d, axis=1, dtype=jnp.float32)
+    return h.astype(jnp.float32) + s
+
+
+SWEEP = ((1024, 1024), (1024, 2816), (1024, 5632), (2048, 2816), (2048, 5632), (2048, 11264),
+         (4096, 11264))
+
+
+def sweep(args, result):
+    """µs per layer against a layer's bytes over `SWEEP`'s (D, F) at batch 1, each chained over
+    enough layers to hold `--sweep-mb` MB (600: far past the 50 MB L2); per implementation a least-squares line µs = fixed + bytes /
+    bandwidth: the fixed cost a call pays whatever its size and the bandwidth it streams at."""
+    impls = {"xla": xla_mlp, "read_only": read_only, "ours": mlp_mgpu,
+             "kc64_st10_r64": lambda a, b, c: mlp_mgpu(a, b, c, block_sizes=parse_sizes("kc64_st10_r64"))}
+    rows = []
+    for D, F in SWEEP:
+        layer_bytes = 3 * F * D * 2
+        L = max(3, -(-args.sweep_mb * 10**6 // layer_bytes))
+        keys = jax.random.split(jax.random.key(D + F), 2 * L)
+        weights = [(jax.random.normal(keys[2 * i], (2 * F, D), jnp.bfloat16) / D**0.5,
+                    jax.random.normal(keys[2 * i + 1], (D, F), jnp.bfloat16) / F**0.5) for i in range(L)]
+        h = jax.random.normal(jax.random.key(1), (1, D), jnp.float32).astype(jnp.bfloat16)
+        fns = {name: chain(f, weights) for name, f in impls.items()}
+        best = {name: float("inf") for name in fns}
+        for _ in range(args.rounds):
+            for name, f in fns.items():
+                best[name] = min(best[name], pipelined_seconds(f, h, weights, n=args.iters, warm=1)[0])
+        for name in fns:
+            row = {"D": D, "F": F, "layers": L, "impl": name, "mb_per_layer": layer_bytes / 1e6,
+                   "us_per_layer": best[name] / L * 1e6}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del weights
+    fits = {}
+    for name in impls:
+        mine = [r for r in rows if r["impl"] == name]
+        slope, fixed = np.polyfit([r["mb_per_layer"] for r in mine], [r["us_per_layer"] for r in mine], 1)
+        fits[name] = {"fixed_us": float(fixed), "tbps": float(1 / slope)}  # MB/us = TB/s
+        print(name, fits[name], flush=True)
+    result["sweep"], result["sweep_fit"] = rows, fits
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["350m", "1b"])
@@ -76,6 +120,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="only the size sweep (`sweep`)")
+    ap.add_argument("--sweep-mb", type=int, default=600, help="weights a sweep chain holds")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if args.interpret:
@@ -87,6 +133,12 @@ def main():
     if gpu:
         result["read_only_tbps"] = read_only_tbps()
         print("read-only TB/s:", result["read_only_tbps"], flush=True)
+    if args.sweep:
+        sweep(args, result)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "mlp_mgpu_sweep.json"), "w") as fh:
+            json.dump(result, fh, indent=1)
+        return
     for preset in args.presets:
         D, F, L = PRESETS[preset]
         keys = jax.random.split(jax.random.key(0), 2 * L)

@@ -3,6 +3,12 @@ in XLA: one block in Mosaic GPU's interpreter on CPU; on an sm90 GPU compiled, w
 blocks, the grid-wide barrier and the down product's K ranges summed by TMA reduce-add.
 Also its sm90 lowering at the presets' shapes, its shared-memory synchronisation under the
 interpreter's race detector, and its input checks."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,3 +149,16 @@ def test_bad_inputs_name_the_field():
         mlp_mgpu(h, w_gu, w_d, block_sizes=MlpBlockSizes(blocks=2), interpret=True)
     assert supports((1, 2048), 2048, 5632, jnp.bfloat16)
     assert not supports((1, 2048), 2048, 5632, jnp.float32)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the benchmark's CPU path (the GPU runs experiments/gpu_call_mlp.sh)")
+def test_benchmark_runs_in_the_interpreter(tmp_path):
+    """experiments/bench_mlp_mgpu.py --interpret: its chain, the kernel against XLA's MLP."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root)] + sys.path)}
+    subprocess.run([sys.executable, str(root / "experiments" / "bench_mlp_mgpu.py"), "--interpret",
+                    "--out", str(tmp_path)], check=True, env=env, cwd=root, capture_output=True,
+                   timeout=300)
+    cases = json.loads((tmp_path / "mlp_mgpu.json").read_text())["cases"]
+    assert {c["impl"] for c in cases} == {"xla", "ours"}
+    assert all(c["rel_err_vs_xla"] < 2e-2 for c in cases)

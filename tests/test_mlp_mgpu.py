@@ -162,3 +162,15 @@ def test_benchmark_runs_in_the_interpreter(tmp_path):
     cases = json.loads((tmp_path / "mlp_mgpu.json").read_text())["cases"]
     assert {c["impl"] for c in cases} == {"xla", "ours"}
     assert all(c["rel_err_vs_xla"] < 2e-2 for c in cases)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the probe's CPU path")
+def test_tma_stream_probe_runs_in_the_interpreter(tmp_path):
+    """experiments/probe_tma_stream.py --interpret: the ring alone, its wgmma sums checked."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root)] + sys.path)}
+    subprocess.run([sys.executable, str(root / "experiments" / "probe_tma_stream.py"), "--interpret",
+                    "--out", str(tmp_path)], check=True, env=env, cwd=root, capture_output=True,
+                   timeout=300)
+    rows = json.loads((tmp_path / "probe_tma_stream.json").read_text())["rows"]
+    assert {r["variant"] for r in rows} >= {"xla_sum", "r64_kc64_st2_wgmma_x1"}

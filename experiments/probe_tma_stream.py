@@ -1,0 +1,166 @@
+"""How fast can a Mosaic GPU kernel stream weights through a TMA ring? (issue 19)
+
+The persistent decode MLP kernel (`pallas_kernels.mlp_mgpu`) streams at 3.2-3.4 TB/s once a
+layer is large, XLA's row reductions at ~4.0 and the paged attention kernel at 4.1
+(benchmarks/README.md). This probe strips the MLP kernel down to its weight stream: `blocks`
+blocks each walk their share of a matrix's [rows, kc] tiles (dealt round-robin) through a
+`stages`-slot shared-memory ring, a producer warpgroup issuing the TMA copies and a consumer
+warpgroup releasing the slots, after a wgmma on each tile (`consume="wgmma"`, as the MLP
+kernel's consumer does at batch <= 64) or without one (`consume="none"`). Variants differ in
+tile shape, ring depth, consumer and blocks (one or two a SM), and are timed as pipelined
+calls over 1 GiB of bf16 beside XLA's read-only sum of the same matrix (all of it, and
+per row: the form of a batch-1 matrix-vector product).
+
+    python3 experiments/probe_tma_stream.py --out $OUT            # one H200
+    python3 experiments/probe_tma_stream.py --interpret           # CPU: the code path, tiny
+
+Writes probe_tma_stream.json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+sys.path.insert(0, os.path.dirname(__file__))
+from pallas_kernels._mgpu import launch, sm_count, tiled_smem  # noqa: E402
+
+_M = 64
+
+
+def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
+           interpret: bool = False):
+    """[blocks, 64, rows] fp32: per block the sum over its tiles of x @ tile^T (x: ones in the
+    first row) with consume="wgmma", zeros with "none". Every tile of w is read once."""
+    N, K = w_NK.shape
+    tiles_n, steps_k = N // rows, K // kc
+    T, NB, st = tiles_n * steps_k, blocks, stages
+
+    def kernel(w_ref, out_ref, x_smem, w_smem, acc_smem, full, free):
+        b, wg = lax.axis_index("b"), lax.axis_index("wg")
+        n = jnp.maximum(0, (T - b + NB - 1) // NB)
+
+        def tile(i):
+            t = b + i * NB
+            return w_ref.at[pl.ds((t // steps_k) * rows, rows), pl.ds(lax.rem(t, steps_k) * kc, kc)]
+
+        @pl.when(wg == 1)
+        def _producer():
+            @pl.loop(0, n)
+            def _(i):
+                slot = lax.rem(i, st)
+                pl.when(i >= st)(lambda: plgpu.barrier_wait(free.at[slot]))
+                plgpu.copy_gmem_to_smem(tile(i), w_smem.at[slot], full.at[slot])
+
+            @pl.loop(jnp.maximum(n - st, 0), n)
+            def _(i):
+                plgpu.barrier_wait(free.at[lax.rem(i, st)])
+
+        @pl.when(wg == 0)
+        def _consumer():
+            x_smem[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (_M, kc), 0) == 0, 1.0,
+                                    0.0).astype(w_NK.dtype)
+            plgpu.commit_smem()
+            if consume == "wgmma":
+                def body(acc):
+                    @pl.loop(0, n)
+                    def _(i):
+                        slot = lax.rem(i, st)
+                        plgpu.barrier_wait(full.at[slot])
+                        plgpu.wgmma(acc, x_smem, w_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma_wait(1)
+                        pl.when(i > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(i + st - 1, st)]))
+
+                    plgpu.wgmma_wait(0)
+                    pl.when(n > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(n + st - 1, st)]))
+                    return acc[...]
+
+                acc_smem[...] = pl.run_scoped(body, plgpu.ACC((_M, rows), jnp.float32))
+            else:
+                @pl.loop(0, n)
+                def _(i):
+                    slot = lax.rem(i, st)
+                    plgpu.barrier_wait(full.at[slot])
+                    plgpu.barrier_arrive(free.at[slot])
+
+                acc_smem[...] = jnp.zeros((_M, rows), jnp.float32)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(acc_smem, out_ref.at[b])
+            plgpu.wait_smem_to_gmem(0)
+
+    scratch = (tiled_smem((_M, kc), w_NK.dtype), tiled_smem((st, rows, kc), w_NK.dtype),
+               plgpu.SMEM((_M, rows), jnp.float32), plgpu.Barrier(num_barriers=st),
+               plgpu.Barrier(num_barriers=st))
+    return launch(kernel, (w_NK,), out_type=jax.ShapeDtypeStruct((NB, _M, rows), jnp.float32),
+                  scratch=scratch, grid=(NB,), grid_names=("b",), num_threads=2,
+                  interpret=interpret, manual_barriers=True, name="tma_stream")
+
+
+def parse(tag: str, sms: int) -> dict:
+    """"r64_kc64_st10_wgmma_x1": rows, kc, stages, consumer, blocks per SM."""
+    r, kc, st, consume, per = tag.split("_")
+    return dict(rows=int(r[1:]), kc=int(kc[2:]), stages=int(st[2:]), consume=consume,
+                blocks=int(per[1:]) * sms)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", nargs="*", default=[
+        "r64_kc64_st10_wgmma_x1", "r64_kc64_st10_none_x1", "r64_kc128_st6_none_x1",
+        "r64_kc256_st3_none_x1", "r64_kc64_st4_none_x1", "r64_kc64_st5_none_x2",
+        "r64_kc64_st5_wgmma_x2", "r128_kc64_st6_none_x1", "r32_kc64_st16_none_x1",
+        "r64_kc64_st2_none_x4"])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    from gendist.timing import pipelined_seconds, warm_gpu  # noqa: PLC0415
+
+    sms = 1 if args.interpret else sm_count()
+    K = 8192
+    N = 256 if args.interpret else int(args.gib * 2**30) // (2 * K)
+    if args.interpret:
+        K, args.variants, args.iters, args.rounds = 256, ["r64_kc64_st2_wgmma_x1", "r64_kc64_st3_none_x1"], 1, 1
+    else:
+        warm_gpu()
+    w = jax.random.normal(jax.random.key(0), (N, K), jnp.bfloat16)
+    nbytes = w.size * 2
+    fns = {"xla_sum": jax.jit(lambda w: jnp.sum(w, dtype=jnp.float32)),
+           "xla_row_sums": jax.jit(lambda w: jnp.sum(w, axis=1, dtype=jnp.float32))}
+    for tag in args.variants:
+        kw = parse(tag, sms)
+        fns[tag] = jax.jit(lambda w, kw=kw: stream(w, interpret=args.interpret, **kw))
+    # The wgmma consumer's result: every block's row 0 sums its tiles; all blocks, the matrix.
+    for tag in fns:
+        if "wgmma" in tag:
+            out = np.asarray(fns[tag](w), np.float64)
+            kw = parse(tag, sms)
+            wt = np.asarray(w.astype(jnp.float32), np.float64).reshape(N // kw["rows"], kw["rows"], -1)
+            want = wt.sum(axis=(0, 2))  # each output column r: rows r of every row tile, all of K
+            got = out[:, 0, :].sum(axis=0)
+            assert np.allclose(got, want, rtol=1e-3, atol=1e-1), (tag, np.abs(got - want).max())
+    best = {name: float("inf") for name in fns}
+    for _ in range(args.rounds):
+        for name, f in fns.items():
+            best[name] = min(best[name], pipelined_seconds(f, w, n=args.iters, warm=1)[0])
+    result = {"device": str(jax.devices()[0]), "jax": jax.__version__, "bytes": nbytes, "sms": sms,
+              "rows": [{"variant": k, "us": v * 1e6, "tbps": nbytes / v / 1e12} for k, v in best.items()]}
+    for r in result["rows"]:
+        print(f"{r['variant']:28s} {r['us']:9.1f} us {r['tbps']:6.2f} TB/s", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "probe_tma_stream.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -151,14 +151,18 @@ def test_bad_inputs_name_the_field():
     assert not supports((1, 2048), 2048, 5632, jnp.float32)
 
 
+def run_interpreted(script: str, out):
+    """experiments/<script> --interpret --out <out>, from the repository root."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root)] + sys.path)}
+    subprocess.run([sys.executable, str(root / "experiments" / script), "--interpret", "--out",
+                    str(out)], check=True, env=env, cwd=root, capture_output=True, timeout=300)
+
+
 @pytest.mark.skipif(ON_GPU, reason="the benchmark's CPU path (the GPU runs experiments/gpu_call_mlp.sh)")
 def test_benchmark_runs_in_the_interpreter(tmp_path):
     """experiments/bench_mlp_mgpu.py --interpret: its chain, the kernel against XLA's MLP."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root)] + sys.path)}
-    subprocess.run([sys.executable, str(root / "experiments" / "bench_mlp_mgpu.py"), "--interpret",
-                    "--out", str(tmp_path)], check=True, env=env, cwd=root, capture_output=True,
-                   timeout=300)
+    run_interpreted("bench_mlp_mgpu.py", tmp_path)
     cases = json.loads((tmp_path / "mlp_mgpu.json").read_text())["cases"]
     assert {c["impl"] for c in cases} == {"xla", "ours"}
     assert all(c["rel_err_vs_xla"] < 2e-2 for c in cases)
@@ -167,10 +171,6 @@ def test_benchmark_runs_in_the_interpreter(tmp_path):
 @pytest.mark.skipif(ON_GPU, reason="the probe's CPU path")
 def test_tma_stream_probe_runs_in_the_interpreter(tmp_path):
     """experiments/probe_tma_stream.py --interpret: the ring alone, its wgmma sums checked."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root)] + sys.path)}
-    subprocess.run([sys.executable, str(root / "experiments" / "probe_tma_stream.py"), "--interpret",
-                    "--out", str(tmp_path)], check=True, env=env, cwd=root, capture_output=True,
-                   timeout=300)
+    run_interpreted("probe_tma_stream.py", tmp_path)
     rows = json.loads((tmp_path / "probe_tma_stream.json").read_text())["rows"]
     assert {r["variant"] for r in rows} >= {"xla_sum", "r64_kc64_st2_wgmma_x1"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import jax
@@ -102,7 +103,8 @@ class _DropOrbaxLeftovers(logging.Filter):
 def _quiet_orbax_leftovers() -> None:
     """When one read of a restore fails, orbax closes its event loop while the other reads
     still run; each of them then reports ("Event loop is closed" from tensorstore's threads,
-    "Exception ignored in" when collected, "exception was never retrieved"): dozens of
+    "Exception ignored in" when collected, "exception was never retrieved", "coroutine ...
+    was never awaited" at exit): dozens of
     tracebacks around the one real message. Drop exactly those, for the rest of the
     process (installed before a restore); anything else still prints."""
     global _quieted
@@ -121,3 +123,8 @@ def _quiet_orbax_leftovers() -> None:
 
     sys.unraisablehook, threading.excepthook = on_unraisable, on_thread_error
     logging.getLogger("asyncio").addFilter(_DropOrbaxLeftovers())
+    # A read orbax never started is a coroutine collected unawaited, reported at exit as
+    # "sys:1: RuntimeWarning: coroutine '...' was never awaited". gendist itself runs no
+    # coroutines: every such warning after a restore is orbax's.
+    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited",
+                            category=RuntimeWarning)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -36,60 +37,109 @@ from pallas_kernels._mgpu import launch, sm_count, tiled_smem  # noqa: E402
 _M = 64
 
 
+def _fence(ptx: str):
+    @plgpu.inline_mgpu()
+    def fence(_):
+        mgpu.utils.inline_ptx(ptx, has_side_effects=True)
+
+    fence()
+
+
 def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
-           interpret: bool = False):
+           phases: int = 1, wait: str = "cons", scope: str = "sys", interpret: bool = False):
     """[blocks, 64, rows] fp32: per block the sum over its tiles of x @ tile^T (x: ones in the
-    first row) with consume="wgmma", zeros with "none". Every tile of w is read once."""
+    first row) with consume="wgmma", zeros with "none". Every tile of w is read once.
+
+    phases > 1: the tiles in `phases` equal parts, a grid-wide barrier between parts as a
+    decode megakernel has between dependent ops. Each block's consumer, done with its part
+    (its wgmma pipeline drained), fences and adds 1 to a global semaphore; with wait="cons"
+    the consumer waits for every block before its next part while the producer streams on
+    (weights prefetched across the barrier), with wait="prod" the producer waits before
+    copying the next part (nothing prefetched). `scope`: the wait's memory scope."""
     N, K = w_NK.shape
     tiles_n, steps_k = N // rows, K // kc
-    T, NB, st = tiles_n * steps_k, blocks, stages
+    T, NB, st, P = tiles_n * steps_k, blocks, stages, phases
+    if T % P:
+        raise ValueError(f"phases={P} must divide the {T} tiles.")
+    Tp = T // P
+    sync = P > 1
 
     def kernel(w_ref, out_ref, x_smem, w_smem, acc_smem, full, free):
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
-        n = jnp.maximum(0, (T - b + NB - 1) // NB)
+        n = jnp.maximum(0, (Tp - b + NB - 1) // NB)  # tiles a phase, this block
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR(())) if sync else None
 
-        def tile(i):
-            t = b + i * NB
+        def tile(p, i):
+            t = p * Tp + b + i * NB
             return w_ref.at[pl.ds((t // steps_k) * rows, rows), pl.ds(lax.rem(t, steps_k) * kc, kc)]
+
+        def barrier(p):  # every block done with phase p - 1
+            plgpu.semaphore_wait(sem, NB * p, decrement=False, memory_scope=scope)
 
         @pl.when(wg == 1)
         def _producer():
-            @pl.loop(0, n)
-            def _(i):
-                slot = lax.rem(i, st)
-                pl.when(i >= st)(lambda: plgpu.barrier_wait(free.at[slot]))
-                plgpu.copy_gmem_to_smem(tile(i), w_smem.at[slot], full.at[slot])
+            @pl.loop(0, P)
+            def _(p):
+                if sync and wait == "prod":
+                    pl.when(p > 0)(lambda: barrier(p))
 
-            @pl.loop(jnp.maximum(n - st, 0), n)
-            def _(i):
-                plgpu.barrier_wait(free.at[lax.rem(i, st)])
+                @pl.loop(0, n)
+                def _(i):
+                    j = p * n + i
+                    slot = lax.rem(j, st)
+                    pl.when(j >= st)(lambda: plgpu.barrier_wait(free.at[slot]))
+                    plgpu.copy_gmem_to_smem(tile(p, i), w_smem.at[slot], full.at[slot])
+
+            total = P * n
+
+            @pl.loop(jnp.maximum(total - st, 0), total)
+            def _(j):
+                plgpu.barrier_wait(free.at[lax.rem(j, st)])
 
         @pl.when(wg == 0)
         def _consumer():
             x_smem[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (_M, kc), 0) == 0, 1.0,
                                     0.0).astype(w_NK.dtype)
             plgpu.commit_smem()
+
+            def phase_end(p):
+                if sync:
+                    _fence("fence.proxy.async.global; fence.acq_rel.gpu;")
+                    pl.semaphore_signal(sem, 1)
+                    if wait == "cons":
+                        pl.when(p + 1 < P)(lambda: barrier(p + 1))
+
             if consume == "wgmma":
                 def body(acc):
-                    @pl.loop(0, n)
-                    def _(i):
-                        slot = lax.rem(i, st)
-                        plgpu.barrier_wait(full.at[slot])
-                        plgpu.wgmma(acc, x_smem, w_smem.at[slot].transpose((1, 0)))
-                        plgpu.wgmma_wait(1)
-                        pl.when(i > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(i + st - 1, st)]))
+                    @pl.loop(0, P)
+                    def _(p):
+                        @pl.loop(0, n)
+                        def _(i):
+                            j = p * n + i
+                            slot = lax.rem(j, st)
+                            plgpu.barrier_wait(full.at[slot])
+                            plgpu.wgmma(acc, x_smem, w_smem.at[slot].transpose((1, 0)))
+                            plgpu.wgmma_wait(1)
+                            pl.when(j > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(j + st - 1, st)]))
 
-                    plgpu.wgmma_wait(0)
-                    pl.when(n > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(n + st - 1, st)]))
+                        plgpu.wgmma_wait(0)  # the phase's products are done
+                        phase_end(p)
+
+                    total = P * n
+                    pl.when(total > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(total + st - 1, st)]))
                     return acc[...]
 
                 acc_smem[...] = pl.run_scoped(body, plgpu.ACC((_M, rows), jnp.float32))
             else:
-                @pl.loop(0, n)
-                def _(i):
-                    slot = lax.rem(i, st)
-                    plgpu.barrier_wait(full.at[slot])
-                    plgpu.barrier_arrive(free.at[slot])
+                @pl.loop(0, P)
+                def _(p):
+                    @pl.loop(0, n)
+                    def _(i):
+                        slot = lax.rem(p * n + i, st)
+                        plgpu.barrier_wait(full.at[slot])
+                        plgpu.barrier_arrive(free.at[slot])
+
+                    phase_end(p)
 
                 acc_smem[...] = jnp.zeros((_M, rows), jnp.float32)
             plgpu.commit_smem()
@@ -105,10 +155,14 @@ def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
 
 
 def parse(tag: str, sms: int) -> dict:
-    """"r64_kc64_st10_wgmma_x1": rows, kc, stages, consumer, blocks per SM."""
-    r, kc, st, consume, per = tag.split("_")
-    return dict(rows=int(r[1:]), kc=int(kc[2:]), stages=int(st[2:]), consume=consume,
-                blocks=int(per[1:]) * sms)
+    """"r64_kc64_st10_wgmma_x1[_P32_cons_gpu]": rows, kc, stages, consumer, blocks per SM[,
+    phases, who waits at the barrier, the wait's memory scope]."""
+    r, kc, st, consume, per, *sync = tag.split("_")
+    kw = dict(rows=int(r[1:]), kc=int(kc[2:]), stages=int(st[2:]), consume=consume,
+              blocks=int(per[1:]) * sms)
+    if sync:
+        kw.update(phases=int(sync[0][1:]), wait=sync[1], scope=sync[2])
+    return kw
 
 
 def main():

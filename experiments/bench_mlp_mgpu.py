@@ -38,13 +38,29 @@ from gendist.timing import pipelined_seconds, warm_gpu  # noqa: E402
 from pallas_kernels.mlp_mgpu import mlp_mgpu, parse_sizes  # noqa: E402
 
 PRESETS = {"350m": (1024, 2816, 24), "1b": (2048, 5632, 22), "tiny": (128, 256, 2)}
+
+
+def layer_weights(D: int, F: int, L: int, seed: int = 0) -> list:
+    """L layers' distinct (w_gate_up [2F, D], w_down [D, F]) in bf16, scaled as initialised."""
+    keys = jax.random.split(jax.random.key(seed), 2 * L)
+    return [((jax.random.normal(keys[2 * i], (2 * F, D), jnp.float32) / D**0.5).astype(jnp.bfloat16),
+             (jax.random.normal(keys[2 * i + 1], (D, F), jnp.float32) / F**0.5).astype(jnp.bfloat16))
+            for i in range(L)]
+
+
+def write(result: dict, out: str, name: str):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as fh:
+        json.dump(result, fh, indent=1)
+
+
 def xla_mlp(h, w_gu, w_d):
     u = jnp.einsum("BD,GD->BG", h, w_gu)
     g, up = jnp.split(u, 2, axis=-1)
     return jnp.einsum("BF,DF->BD", jax.nn.silu(g) * up, w_d).astype(jnp.float32)
 
 
-def chain(mlp, layers):
+def chain(mlp):
     def run(h, weights):
         for w_gu, w_d in weights:
             y = mlp(h, w_gu, w_d)  # keep the scale of h: the next layer's input is normed
@@ -78,19 +94,17 @@ SWEEP = ((1024, 1024), (1024, 2816), (1024, 5632), (2048, 2816), (2048, 5632), (
 
 def sweep(args, result):
     """µs per layer against a layer's bytes over `SWEEP`'s (D, F) at batch 1, each chained over
-    enough layers to hold `--sweep-mb` MB (600: far past the 50 MB L2); per implementation a least-squares line µs = fixed + bytes /
-    bandwidth: the fixed cost a call pays whatever its size and the bandwidth it streams at."""
+    enough layers to hold `--sweep-mb` MB (far past the 50 MB L2); per implementation a
+    least-squares line µs = fixed + bytes / bandwidth: the fixed cost a call pays whatever its size and the bandwidth it streams at."""
     impls = {"xla": xla_mlp, "read_only": read_only, "ours": mlp_mgpu,
              "kc64_st10_r64": lambda a, b, c: mlp_mgpu(a, b, c, block_sizes=parse_sizes("kc64_st10_r64"))}
     rows = []
     for D, F in SWEEP:
         layer_bytes = 3 * F * D * 2
         L = max(3, -(-args.sweep_mb * 10**6 // layer_bytes))
-        keys = jax.random.split(jax.random.key(D + F), 2 * L)
-        weights = [(jax.random.normal(keys[2 * i], (2 * F, D), jnp.bfloat16) / D**0.5,
-                    jax.random.normal(keys[2 * i + 1], (D, F), jnp.bfloat16) / F**0.5) for i in range(L)]
+        weights = layer_weights(D, F, L, seed=D + F)
         h = jax.random.normal(jax.random.key(1), (1, D), jnp.float32).astype(jnp.bfloat16)
-        fns = {name: chain(f, weights) for name, f in impls.items()}
+        fns = {name: chain(f) for name, f in impls.items()}
         best = {name: float("inf") for name in fns}
         for _ in range(args.rounds):
             for name, f in fns.items():
@@ -135,16 +149,11 @@ def main():
         print("read-only TB/s:", result["read_only_tbps"], flush=True)
     if args.sweep:
         sweep(args, result)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "mlp_mgpu_sweep.json"), "w") as fh:
-            json.dump(result, fh, indent=1)
+        write(result, args.out, "mlp_mgpu_sweep.json")
         return
     for preset in args.presets:
         D, F, L = PRESETS[preset]
-        keys = jax.random.split(jax.random.key(0), 2 * L)
-        weights = [((jax.random.normal(keys[2 * i], (2 * F, D), jnp.float32) / D**0.5).astype(jnp.bfloat16),
-                    (jax.random.normal(keys[2 * i + 1], (D, F), jnp.float32) / F**0.5).astype(jnp.bfloat16))
-                   for i in range(L)]
+        weights = layer_weights(D, F, L)
         layer_bytes = 3 * F * D * 2
         for B in args.batches:
             h = jax.random.normal(jax.random.key(1), (B, D), jnp.float32).astype(jnp.bfloat16)
@@ -152,9 +161,9 @@ def main():
             impls["ours"] = lambda a, b, c: mlp_mgpu(a, b, c, interpret=args.interpret)
             for tag in args.variants:
                 impls[tag] = (lambda s: lambda a, b, c: mlp_mgpu(a, b, c, block_sizes=s))(parse_sizes(tag))
-            fns = {name: chain(f, weights) for name, f in impls.items()}
-            one = [weights[0]]
-            outs = {name: np.asarray(chain(f, one)(h, one), np.float32) for name, f in impls.items()}
+            fns = {name: chain(f) for name, f in impls.items()}
+            # one layer's output (the same jit traced for a chain of one)
+            outs = {name: np.asarray(f(h, weights[:1]), np.float32) for name, f in fns.items()}
             best = {name: float("inf") for name in fns}
             for _ in range(args.rounds):  # the implementations take turns each round
                 for name, f in fns.items():
@@ -172,9 +181,7 @@ def main():
                     row["profile"] = kernel_times(fns[name], (h, weights), L)
                 result["cases"].append(row)
                 print(json.dumps(row), flush=True)
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "mlp_mgpu.json"), "w") as fh:
-                json.dump(result, fh, indent=1)
+            write(result, args.out, "mlp_mgpu.json")
 
 
 if __name__ == "__main__":

@@ -28,21 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(__file__))
-from pallas_kernels._mgpu import launch, sm_count, tiled_smem  # noqa: E402
+from pallas_kernels._mgpu import fence, launch, sm_count, tiled_smem  # noqa: E402
 
 _M = 64
-
-
-def _fence(ptx: str):
-    @plgpu.inline_mgpu()
-    def fence(_):
-        mgpu.utils.inline_ptx(ptx, has_side_effects=True)
-
-    fence()
 
 
 def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
@@ -104,7 +95,7 @@ def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
 
             def phase_end(p):
                 if sync:
-                    _fence("fence.proxy.async.global; fence.acq_rel.gpu;")
+                    fence("fence.proxy.async.global; fence.acq_rel.gpu;")
                     pl.semaphore_signal(sem, 1)
                     if wait == "cons":
                         pl.when(p + 1 < P)(lambda: barrier(p + 1))

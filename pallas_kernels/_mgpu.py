@@ -140,6 +140,16 @@ def named_barrier(op: str, barrier_id, threads: int):
     bar(jnp.asarray(barrier_id, jnp.int32))
 
 
+def fence(ptx: str):
+    """Inline PTX fences with no operands, e.g. "fence.proxy.async.global;" before TMA reads
+    of what other blocks wrote (GPU only: the interpreter has no inline Mosaic GPU code)."""
+    @plgpu.inline_mgpu()
+    def emit(_):
+        mgpu.utils.inline_ptx(ptx, has_side_effects=True)
+
+    emit()
+
+
 def softmax_start(rows: int, width: int):
     """The online softmax's starting carry for `rows` query rows: the fp32 output
     accumulator [rows, width] (zeros), the running max (-inf) and the running sum (0)."""

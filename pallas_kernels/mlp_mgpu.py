@@ -49,10 +49,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import SMEM_LIMIT, launch, sm_count, smem_bytes, tiled_smem
+from pallas_kernels._mgpu import SMEM_LIMIT, fence, launch, sm_count, smem_bytes, tiled_smem
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_BATCH = 64
@@ -169,13 +168,14 @@ def parse_sizes(tag: str) -> MlpBlockSizes:
 
 def check(h_BD, w_gate_up_GD, w_down_DF):
     """Raises a ValueError naming what does not fit the kernel; returns (B, D, F)."""
-    if h_BD.ndim != 2 or w_gate_up_GD.ndim != 2 or w_down_DF.ndim != 2:
-        raise ValueError(f"mlp_mgpu: h {h_BD.shape}, w_gate_up {w_gate_up_GD.shape}, w_down "
-                         f"{w_down_DF.shape}: want [B, D], [2F, D], [D, F].")
-    (B, D), (G, D2), (D3, F) = h_BD.shape, w_gate_up_GD.shape, w_down_DF.shape
-    if D2 != D or D3 != D or G != 2 * F:
-        raise ValueError(f"mlp_mgpu: h {h_BD.shape}, w_gate_up {w_gate_up_GD.shape}, w_down "
-                         f"{w_down_DF.shape}: want [B, D], [2F, D], [D, F].")
+    shapes = (h_BD.shape, w_gate_up_GD.shape, w_down_DF.shape)
+    wrong = ValueError(f"mlp_mgpu: h {shapes[0]}, w_gate_up {shapes[1]}, w_down {shapes[2]}: "
+                       "want [B, D], [2F, D], [D, F].")
+    if any(len(s) != 2 for s in shapes):
+        raise wrong
+    (B, D), (G, D2), (D3, F) = shapes
+    if (G, D2, D3) != (2 * F, D, D):
+        raise wrong
     dts = {jnp.dtype(a.dtype) for a in (h_BD, w_gate_up_GD, w_down_DF)}
     if len(dts) != 1 or dts.pop() not in map(jnp.dtype, SUPPORTED_DTYPES):
         raise ValueError("mlp_mgpu: h and both weights must share one dtype, bf16 or fp16.")
@@ -194,15 +194,6 @@ def supports(h_shape, D: int, F: int, dtype) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _fence(ptx: str):
-    """Inline PTX with no operands (GPU only: the interpreter has no inline Mosaic GPU code)."""
-    @plgpu.inline_mgpu()
-    def fence(_):
-        mgpu.utils.inline_ptx(ptx, has_side_effects=True)
-
-    fence()
 
 
 def _kernel_call(h_BD, w_gu, w_down, sizes: MlpBlockSizes, blocks: int, interpret: bool):
@@ -290,7 +281,7 @@ def _kernel_call(h_BD, w_gu, w_down, sizes: MlpBlockSizes, blocks: int, interpre
             plgpu.barrier_wait(phase1_done)
             if grid_sync:
                 pl.semaphore_wait(sem, NB, decrement=False)
-                _fence("fence.proxy.async.global;")  # the TMA reads after see those writes
+                fence("fence.proxy.async.global;")  # the TMA reads after see those writes
             pl.loop(0, pre)(down_x)
 
             @pl.loop(pre, total2)
@@ -354,7 +345,7 @@ def _kernel_call(h_BD, w_gu, w_down, sizes: MlpBlockSizes, blocks: int, interpre
 
             plgpu.wait_smem_to_gmem(0)  # this block's hidden rows (and y's zeros) have landed
             if grid_sync:
-                _fence("fence.proxy.async.global; fence.acq_rel.gpu;")
+                fence("fence.proxy.async.global; fence.acq_rel.gpu;")
                 pl.semaphore_signal(sem, 1)
             plgpu.barrier_arrive(phase1_done)
             base = n1 * steps1

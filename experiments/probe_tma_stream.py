@@ -31,13 +31,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(__file__))
-from pallas_kernels._mgpu import fence, launch, sm_count, tiled_smem  # noqa: E402
+from pallas_kernels._mgpu import fence, launch, signal_relaxed, sm_count, tiled_smem, wait_flags  # noqa: E402
 
 _M = 64
 
 
 def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
-           phases: int = 1, wait: str = "cons", scope: str = "sys", interpret: bool = False):
+           phases: int = 1, wait: str = "cons", scope: str = "sys", mode: str = "count",
+           fences: str = "proxy", interpret: bool = False):
     """[blocks, 64, rows] fp32: per block the sum over its tiles of x @ tile^T (x: ones in the
     first row) with consume="wgmma", zeros with "none". Every tile of w is read once.
 
@@ -46,7 +47,23 @@ def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
     (its wgmma pipeline drained), fences and adds 1 to a global semaphore; with wait="cons"
     the consumer waits for every block before its next part while the producer streams on
     (weights prefetched across the barrier), with wait="prod" the producer waits before
-    copying the next part (nothing prefetched). `scope`: the wait's memory scope."""
+    copying the next part (nothing prefetched), with wait="none" nobody waits (the consumer
+    still fences and signals: what that alone costs). `scope`: the wait's memory scope.
+    mode="count": one grid-wide counter, every block adds 1 (so the adds meet on one word)
+    and a thread polls it; mode="flags": a flag a block, each block adds 1 to its own (with
+    `scope`) and the waiting warpgroup polls all flags at once, a thread a flag
+    (`_mgpu.wait_flags`). fences: what the consumer runs before it signals: "proxy" (a
+    proxy fence then an acquire-release fence, what a phase whose TMA stores the next phase
+    reads needs), "acqrel" (the second only), "none" (nothing; the signal is still a
+    release) or "relaxed" (nothing, a relaxed signal, and with
+    mode="flags" no acquire fence after the wait). This probe's phases write nothing
+    the next reads, so all four are correct here, and they price the fences."""
+    fence_ptx = {"proxy": "fence.proxy.async.global; fence.acq_rel.gpu;",
+                 "acqrel": "fence.acq_rel.gpu;", "none": None, "relaxed": None}[fences]
+    if wait not in ("cons", "prod", "none"):
+        raise ValueError(f"wait={wait!r}: use 'cons', 'prod' or 'none'.")
+    if mode not in ("count", "flags"):
+        raise ValueError(f"mode={mode!r}: use 'count' or 'flags'.")
     N, K = w_NK.shape
     tiles_n, steps_k = N // rows, K // kc
     T, NB, st, P = tiles_n * steps_k, blocks, stages, phases
@@ -58,14 +75,18 @@ def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
     def kernel(w_ref, out_ref, x_smem, w_smem, acc_smem, full, free):
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
         n = jnp.maximum(0, (Tp - b + NB - 1) // NB)  # tiles a phase, this block
-        sem = pl.get_global(plgpu.SemaphoreType.REGULAR(())) if sync else None
+        flags = mode == "flags"
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR((NB,) if flags else ())) if sync else None
 
         def tile(p, i):
             t = p * Tp + b + i * NB
             return w_ref.at[pl.ds((t // steps_k) * rows, rows), pl.ds(lax.rem(t, steps_k) * kc, kc)]
 
         def barrier(p):  # every block done with phase p - 1
-            plgpu.semaphore_wait(sem, NB * p, decrement=False, memory_scope=scope)
+            if flags:
+                wait_flags(sem, NB, p, acquire=fences != "relaxed")
+            else:
+                plgpu.semaphore_wait(sem, NB * p, decrement=False, memory_scope=scope)
 
         @pl.when(wg == 1)
         def _producer():
@@ -95,8 +116,14 @@ def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
 
             def phase_end(p):
                 if sync:
-                    fence("fence.proxy.async.global; fence.acq_rel.gpu;")
-                    pl.semaphore_signal(sem, 1)
+                    if fence_ptx:
+                        fence(fence_ptx)
+                    if fences == "relaxed":
+                        signal_relaxed(sem.at[b] if flags else sem)
+                    elif flags:
+                        plgpu.semaphore_signal(sem.at[b], 1, memory_scope=scope)
+                    else:
+                        pl.semaphore_signal(sem, 1)
                     if wait == "cons":
                         pl.when(p + 1 < P)(lambda: barrier(p + 1))
 
@@ -146,13 +173,18 @@ def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
 
 
 def parse(tag: str, sms: int) -> dict:
-    """"r64_kc64_st10_wgmma_x1[_P32_cons_gpu]": rows, kc, stages, consumer, blocks per SM[,
-    phases, who waits at the barrier, the wait's memory scope]."""
+    """"r64_kc64_st10_wgmma_x1[_P32_cons_gpu[_flags[_none]]]": rows, kc, stages, consumer,
+    blocks per SM[, phases, who waits at the barrier, the memory scope, the barrier's mode
+    (count), the consumer's fences (proxy)]."""
     r, kc, st, consume, per, *sync = tag.split("_")
     kw = dict(rows=int(r[1:]), kc=int(kc[2:]), stages=int(st[2:]), consume=consume,
               blocks=int(per[1:]) * sms)
     if sync:
         kw.update(phases=int(sync[0][1:]), wait=sync[1], scope=sync[2])
+        if len(sync) > 3:
+            kw["mode"] = sync[3]
+        if len(sync) > 4:
+            kw["fences"] = sync[4]
     return kw
 
 

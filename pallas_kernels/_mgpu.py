@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith
 
 # Layouts of a wgmma accumulator and of one value per accumulator row / column.
 WGMMA = plgpu.Layout.WGMMA
@@ -148,6 +150,58 @@ def fence(ptx: str):
         mgpu.utils.inline_ptx(ptx, has_side_effects=True)
 
     emit()
+
+
+# One thread's poll of one flag: spin until the 32-bit word at base + 4 * index reads >= target.
+_POLL = """{
+.reg .pred p;
+.reg .u32 v;
+.reg .u64 a;
+mul.wide.u32 a, $1, 4;
+add.u64 a, a, $0;
+LAB_POLL:
+ld.relaxed.gpu.global.u32 v, [a];
+setp.lt.u32 p, v, $2;
+@p bra LAB_POLL;
+}"""
+
+
+def wait_flags(flags_ref, count: int, target, acquire: bool = True):
+    """Returns once every one of flags[0..count) (a global semaphore array, e.g. one flag a
+    block that only its block signals) reads >= target. The warpgroup's 128 threads poll
+    the flags in parallel, each its own (ceil(count / 128) rounds), so a wait costs one
+    round trip to L2 rather than one per flag, and no two blocks' signals meet on one word
+    (a single grid-wide counter takes every block's atomic add in turn). Then a warpgroup
+    barrier and (acquire=True) an acquire fence: reads after it see what the signallers
+    released. GPU only (inline PTX)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT))
+    def poll(_, ref, tgt):
+        i32 = ir.IntegerType.get_signless(32)
+        base = mgpu.utils.memref_ptr(ref)
+        lane = arith.remui(mgpu.utils.thread_idx(), mgpu.utils.c(128, i32))
+        for off in range(0, count, 128):
+            index = arith.minui(arith.addi(lane, mgpu.utils.c(off, i32)), mgpu.utils.c(count - 1, i32))
+            mgpu.utils.inline_ptx(_POLL, base, index, tgt.registers[()], has_side_effects=True)
+        mgpu.utils.warpgroup_barrier()
+        if acquire:
+            mgpu.utils.inline_ptx("fence.acq_rel.gpu;", has_side_effects=True)
+
+    poll(flags_ref, jnp.asarray(target, jnp.int32))
+
+
+def signal_relaxed(sem_ref, inc: int = 1):
+    """One thread of the warpgroup adds `inc` to a global semaphore with a *relaxed* atomic:
+    no release, so nothing written before it is ordered with it (a probe of what a signal
+    costs without a fence; a kernel whose readers need data written before the signal must
+    order it some other way). GPU only (inline PTX)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def signal(_, ref):
+        i32 = ir.IntegerType.get_signless(32)
+        pred = mgpu.utils.single_thread_predicate(mgpu.utils.ThreadSubset.WARPGROUP)
+        mgpu.utils.inline_ptx("red.relaxed.gpu.global.add.u32 [$0], $1;", mgpu.utils.memref_ptr(ref),
+                              mgpu.utils.c(inc, i32), predicate=pred, has_side_effects=True)
+
+    signal(sem_ref)
 
 
 def softmax_start(rows: int, width: int):

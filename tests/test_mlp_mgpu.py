@@ -174,3 +174,47 @@ def test_tma_stream_probe_runs_in_the_interpreter(tmp_path):
     run_interpreted("probe_tma_stream.py", tmp_path)
     rows = json.loads((tmp_path / "probe_tma_stream.json").read_text())["rows"]
     assert {r["variant"] for r in rows} >= {"xla_sum", "r64_kc64_st2_wgmma_x1"}
+
+
+def probe_module():
+    """experiments/probe_tma_stream.py as a module (experiments/ is not a package)."""
+    import importlib.util  # noqa: PLC0415
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "probe_tma_stream.py"
+    spec = importlib.util.spec_from_file_location("probe_tma_stream", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("tag,present,absent", [
+    # today's barrier: proxy + acquire-release fences, a release add on one counter, an acquire wait
+    ("P16_cons_gpu", ["fence.proxy.async.global", "red.release.sys.global.add.u32",
+                      "ld.relaxed.gpu.global.b32", "fence.acquire.gpu"], ["LAB_POLL"]),
+    # a flag a block, polled by every thread at once, then an acquire-release fence
+    ("P16_cons_gpu_flags_none", ["red.release.gpu.global.add.u32", "LAB_POLL", "fence.acq_rel.gpu"],
+     ["fence.proxy.async.global"]),
+    # relaxed: no memory-ordering fence anywhere (Mosaic's own barrier-init and shared-memory
+    # proxy fences stay), a relaxed add, the flags polled with no fence after
+    ("P16_cons_gpu_flags_relaxed", ["red.relaxed.gpu.global.add.u32", "LAB_POLL"],
+     ["fence.acq", "fence.proxy.async.global", "red.release"]),
+])
+def test_tma_stream_probe_sync_modes_lower_for_sm90(tag, present, absent):
+    """Each barrier the probe prices emits what its name says (the inline PTX), on sm90."""
+    mod = probe_module()
+    kw = mod.parse(f"r64_kc64_st10_wgmma_x1_{tag}", 132)
+    w = jax.ShapeDtypeStruct((1024, 8192), jnp.bfloat16)
+    text = lowered_for_sm90(lambda w: mod.stream(w, **kw), w)
+    for s in present:
+        assert s in text, s
+    for s in absent:
+        assert s not in text, s
+
+
+def test_tma_stream_probe_bad_modes_name_the_field():
+    mod = probe_module()
+    w = jnp.zeros((64, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="mode="):
+        mod.stream(w, rows=64, kc=64, stages=2, blocks=1, consume="none", phases=1, mode="tree")
+    with pytest.raises(ValueError, match="wait="):
+        mod.stream(w, rows=64, kc=64, stages=2, blocks=1, consume="none", phases=1, wait="both")

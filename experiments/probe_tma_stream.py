@@ -31,14 +31,25 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(__file__))
-from pallas_kernels._mgpu import fence, launch, signal_relaxed, sm_count, tiled_smem, wait_flags  # noqa: E402
+from pallas_kernels._mgpu import (  # noqa: E402
+    COL,
+    WGMMA,
+    fence,
+    launch,
+    ll_gather,
+    ll_store,
+    signal_relaxed,
+    sm_count,
+    tiled_smem,
+    wait_flags,
+)
 
 _M = 64
 
 
 def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
            phases: int = 1, wait: str = "cons", scope: str = "sys", mode: str = "count",
-           fences: str = "proxy", interpret: bool = False):
+           fences: str = "proxy", deps: int = 3, interpret: bool = False):
     """[blocks, 64, rows] fp32: per block the sum over its tiles of x @ tile^T (x: ones in the
     first row) with consume="wgmma", zeros with "none". Every tile of w is read once.
 
@@ -57,13 +68,24 @@ def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
     reads needs), "acqrel" (the second only), "none" (nothing; the signal is still a
     release) or "relaxed" (nothing, a relaxed signal, and with
     mode="flags" no acquire fence after the wait). This probe's phases write nothing
-    the next reads, so all four are correct here, and they price the fences."""
+    the next reads, so all four are correct here, and they price the fences.
+    mode="ll": no barrier but data: at the end of each phase every block writes 64 values
+    (its accumulator's row maxima) as low-latency words {value, phase tag}
+    (`_mgpu.ll_store`), and at the start of the next its consumer waits for the 64 words of
+    each of `deps` blocks (itself and the next deps - 1) and sums them into rows 1-63 of its
+    wgmma operand (`_mgpu.ll_gather`), as a decode megakernel's product waits for the K
+    chunks it reads from the few blocks that wrote them; no fence anywhere (wgmma consumer,
+    kc 64, wait="cons" only)."""
     fence_ptx = {"proxy": "fence.proxy.async.global; fence.acq_rel.gpu;",
                  "acqrel": "fence.acq_rel.gpu;", "none": None, "relaxed": None}[fences]
     if wait not in ("cons", "prod", "none"):
         raise ValueError(f"wait={wait!r}: use 'cons', 'prod' or 'none'.")
-    if mode not in ("count", "flags"):
-        raise ValueError(f"mode={mode!r}: use 'count' or 'flags'.")
+    if mode not in ("count", "flags", "ll"):
+        raise ValueError(f"mode={mode!r}: use 'count', 'flags' or 'll'.")
+    ll = mode == "ll" and phases > 1
+    if ll and (consume != "wgmma" or kc != _M or wait != "cons" or not 0 <= deps <= blocks):
+        raise ValueError(f"mode='ll' wants consume='wgmma', kc={_M}, wait='cons' and 0 <= deps "
+                         f"<= blocks (0: only the stores); got {consume!r}, {kc}, {wait!r}, {deps}.")
     N, K = w_NK.shape
     tiles_n, steps_k = N // rows, K // kc
     T, NB, st, P = tiles_n * steps_k, blocks, stages, phases
@@ -72,11 +94,26 @@ def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
     Tp = T // P
     sync = P > 1
 
-    def kernel(w_ref, out_ref, x_smem, w_smem, acc_smem, full, free):
+    def kernel(w_ref, out_ref, x_smem, w_smem, acc_smem, full, free, *ll_smem):
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
         n = jnp.maximum(0, (Tp - b + NB - 1) // NB)  # tiles a phase, this block
         flags = mode == "flags"
-        sem = pl.get_global(plgpu.SemaphoreType.REGULAR((NB,) if flags else ())) if sync else None
+        words = (P * NB * _M * 2,) if ll else (NB,) if flags else ()
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR(words)) if sync else None
+
+        def ll_out(p, acc):  # this block's 64 values of phase p, tagged p + 1
+            xin_smem, d_smem = ll_smem
+            d_smem[...] = acc[...].max(axis=1)
+            plgpu.commit_smem()
+            ll_store(sem, d_smem, (p * NB + b) * _M, p + 1)
+
+        def ll_in(p):  # rows 1-63 of x: the sum of phase p - 1's values of `deps` blocks
+            xin_smem, _ = ll_smem
+            ll_gather(sem, xin_smem, [((p - 1) * NB + lax.rem(b + d, NB)) * _M for d in range(deps)], p)
+            x = plgpu.load(xin_smem, layout=COL)
+            first = plgpu.broadcasted_iota(jnp.int32, (_M, kc), 0, layout=WGMMA) == 0
+            x_smem[...] = jnp.where(first, 1.0, lax.broadcast_in_dim(x, (_M, kc), [1])).astype(w_NK.dtype)
+            plgpu.commit_smem()
 
         def tile(p, i):
             t = p * Tp + b + i * NB
@@ -114,8 +151,10 @@ def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
                                     0.0).astype(w_NK.dtype)
             plgpu.commit_smem()
 
-            def phase_end(p):
-                if sync:
+            def phase_end(p, acc=None):
+                if ll:
+                    ll_out(p, acc)
+                elif sync:
                     if fence_ptx:
                         fence(fence_ptx)
                     if fences == "relaxed":
@@ -131,6 +170,9 @@ def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
                 def body(acc):
                     @pl.loop(0, P)
                     def _(p):
+                        if ll and deps:
+                            pl.when(p > 0)(lambda: ll_in(p))
+
                         @pl.loop(0, n)
                         def _(i):
                             j = p * n + i
@@ -141,7 +183,7 @@ def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
                             pl.when(j > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(j + st - 1, st)]))
 
                         plgpu.wgmma_wait(0)  # the phase's products are done
-                        phase_end(p)
+                        phase_end(p, acc)
 
                     total = P * n
                     pl.when(total > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(total + st - 1, st)]))
@@ -167,6 +209,8 @@ def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
     scratch = (tiled_smem((_M, kc), w_NK.dtype), tiled_smem((st, rows, kc), w_NK.dtype),
                plgpu.SMEM((_M, rows), jnp.float32), plgpu.Barrier(num_barriers=st),
                plgpu.Barrier(num_barriers=st))
+    if ll:  # the gathered input, the values written
+        scratch += (plgpu.SMEM((_M,), jnp.float32), plgpu.SMEM((_M,), jnp.float32))
     return launch(kernel, (w_NK,), out_type=jax.ShapeDtypeStruct((NB, _M, rows), jnp.float32),
                   scratch=scratch, grid=(NB,), grid_names=("b",), num_threads=2,
                   interpret=interpret, manual_barriers=True, name="tma_stream")
@@ -175,7 +219,7 @@ def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
 def parse(tag: str, sms: int) -> dict:
     """"r64_kc64_st10_wgmma_x1[_P32_cons_gpu[_flags[_none]]]": rows, kc, stages, consumer,
     blocks per SM[, phases, who waits at the barrier, the memory scope, the barrier's mode
-    (count), the consumer's fences (proxy)]."""
+    (count), the consumer's fences (proxy)]; mode ll takes deps instead of fences: "_ll_d3"."""
     r, kc, st, consume, per, *sync = tag.split("_")
     kw = dict(rows=int(r[1:]), kc=int(kc[2:]), stages=int(st[2:]), consume=consume,
               blocks=int(per[1:]) * sms)
@@ -183,7 +227,9 @@ def parse(tag: str, sms: int) -> dict:
         kw.update(phases=int(sync[0][1:]), wait=sync[1], scope=sync[2])
         if len(sync) > 3:
             kw["mode"] = sync[3]
-        if len(sync) > 4:
+        if len(sync) > 4 and kw["mode"] == "ll":
+            kw["deps"] = int(sync[4][1:])  # "d3"
+        elif len(sync) > 4:
             kw["fences"] = sync[4]
     return kw
 

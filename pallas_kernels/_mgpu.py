@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith
+from jaxlib.mlir.dialects import arith, llvm
 
 # Layouts of a wgmma accumulator and of one value per accumulator row / column.
 WGMMA = plgpu.Layout.WGMMA
@@ -202,6 +202,82 @@ def signal_relaxed(sem_ref, inc: int = 1):
                               mgpu.utils.c(inc, i32), predicate=pred, has_side_effects=True)
 
     signal(sem_ref)
+
+
+def _i32(v: int):
+    return mgpu.utils.c(v, ir.IntegerType.get_signless(32))
+
+
+def _lane():
+    return arith.remui(mgpu.utils.thread_idx(), _i32(128))
+
+
+def _word_address(base_ptr, index_i32, scale: int):
+    """The integer address base + scale * index (global memory: 64-bit)."""
+    i64 = ir.IntegerType.get_signless(64)
+    base = llvm.ptrtoint(i64, base_ptr)
+    return arith.addi(base, arith.muli(arith.extui(i64, index_i32), mgpu.utils.c(scale, i64)))
+
+
+def _smem_address(ref, index_i32, scale: int = 4):
+    """A shared-memory address (32-bit) of ref's element `index`."""
+    i32 = ir.IntegerType.get_signless(32)
+    return arith.addi(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(ref)), arith.muli(index_i32, _i32(scale)))
+
+
+def ll_store(ll_ref, src_smem, word: int | jax.Array, tag):
+    """Low-latency (LL) store, as NCCL's LL protocol: the first 64 threads each write one
+    8-byte word {src_smem[i] (fp32 bits), tag} to ll_ref's 8-byte words word + i, with one
+    relaxed 64-bit store (single-copy atomic: a reader sees the old word or the new, never
+    half), so that no fence orders the data before a flag. ll_ref: a global semaphore array
+    read as 8-byte words (zero at the kernel's start: `pl.get_global`), tag != 0. src_smem:
+    [64] fp32 the warpgroup wrote before a `commit_smem()`. GPU only (inline PTX)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT,
+                                  plgpu.Layout.WG_SPLAT))
+    def store(_, ll, src, w, t):
+        lane = _lane()
+        addr = _word_address(mgpu.utils.memref_ptr(ll), arith.addi(w.registers[()], lane), 8)
+        mgpu.utils.inline_ptx(
+            "{ .reg .pred p; .reg .b32 v; .reg .b64 d; setp.lt.u32 p, $3, 64;"
+            " @p ld.shared.b32 v, [$0]; @p mov.b64 d, {v, $2};"
+            " @p st.relaxed.gpu.global.b64 [$1], d; }",
+            _smem_address(src, arith.minui(lane, _i32(63))), addr, t.registers[()], lane,
+            has_side_effects=True)
+
+    store(ll_ref, src_smem, jnp.asarray(word, jnp.int32), jnp.asarray(tag, jnp.int32))
+
+
+def ll_gather(ll_ref, dst_smem, words, tag):
+    """dst_smem[i] = sum over w in `words` of the fp32 in LL word w + i (i < 64), each read
+    once its tag reads `tag` (`ll_store`'s words). Every thread polls its column's words
+    together, one round trip an attempt, with relaxed 64-bit loads: no fence. `words`: a
+    static-length list of each source's first word (traced int32). Ends in a warpgroup
+    barrier, so the warpgroup may read dst_smem after it. GPU only (inline PTX)."""
+    n = len(words)
+    regs = " ".join(f".reg .b64 d{k}; .reg .b32 v{k}; .reg .b32 t{k};" for k in range(n))
+    loads = " ".join(f"ld.relaxed.gpu.global.b64 d{k}, [${k + 1}]; mov.b64 {{v{k}, t{k}}}, d{k};"
+                     for k in range(n))
+    checks = " ".join(f"setp.ne.b32 p, t{k}, ${n + 1}; @p bra LAB_LL;" for k in range(n))
+    sums = " ".join(f"mov.b32 g, v{k}; add.f32 f, f, g;" for k in range(n))
+    ptx = (f"{{ .reg .pred p; .reg .f32 f; .reg .f32 g; {regs} LAB_LL: {loads} {checks}"
+           f" mov.f32 f, 0f00000000; {sums} mov.f32 $0, f; }}")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), [plgpu.Layout.WG_SPLAT] * n,
+                                  plgpu.Layout.WG_SPLAT))
+    def gather(_, ll, dst, ws, t):
+        lane = _lane()
+        col = arith.minui(lane, _i32(63))
+        base = mgpu.utils.memref_ptr(ll)
+        addrs = [_word_address(base, arith.addi(w.registers[()], col), 8) for w in ws]
+        f32 = ir.F32Type.get()
+        total = mgpu.utils.inline_ptx(ptx, *addrs, t.registers[()], result_types=f32,
+                                      has_side_effects=True)
+        first = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(64))
+        mgpu.utils.inline_ptx("st.shared.f32 [$0], $1;", _smem_address(dst, col), total,
+                              predicate=first, has_side_effects=True)
+        mgpu.utils.warpgroup_barrier()
+
+    gather(ll_ref, dst_smem, [jnp.asarray(w, jnp.int32) for w in words], jnp.asarray(tag, jnp.int32))
 
 
 def softmax_start(rows: int, width: int):

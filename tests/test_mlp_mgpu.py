@@ -218,3 +218,21 @@ def test_tma_stream_probe_bad_modes_name_the_field():
         mod.stream(w, rows=64, kc=64, stages=2, blocks=1, consume="none", phases=1, mode="tree")
     with pytest.raises(ValueError, match="wait="):
         mod.stream(w, rows=64, kc=64, stages=2, blocks=1, consume="none", phases=1, wait="both")
+
+
+@pytest.mark.parametrize("deps", [0, 3])
+def test_tma_stream_probe_ll_mode_lowers_for_sm90(deps):
+    """mode="ll": relaxed 64-bit stores of {value, tag} and (deps > 0) the polling loop over
+    `deps` sources, and no memory-ordering fence."""
+    mod = probe_module()
+    kw = mod.parse(f"r64_kc64_st16_wgmma_x1_P16_cons_gpu_ll_d{deps}", 132)
+    w = jax.ShapeDtypeStruct((1024, 8192), jnp.bfloat16)
+    text = lowered_for_sm90(lambda w: mod.stream(w, **kw), w)
+    assert "st.relaxed.gpu.global.b64" in text
+    assert text.count("ld.relaxed.gpu.global.b64") == deps
+    assert ("LAB_LL" in text) == (deps > 0)
+    for s in ("fence.acq", "fence.proxy.async.global", "red.release"):
+        assert s not in text, s
+    with pytest.raises(ValueError, match="mode='ll' wants"):
+        mod.stream(jnp.zeros((64, 128), jnp.bfloat16), rows=64, kc=128, stages=2, blocks=1,
+                   consume="wgmma", phases=2, mode="ll")

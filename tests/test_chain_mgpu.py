@@ -1,0 +1,121 @@
+"""The decode chain megakernel (`pallas_kernels.chain_mgpu`): its decomposition covers every
+weight tile once and every LL word it reads is written once, its sm90 lowering carries the
+LL protocol and no fence, its reference is the chain's math, and on an sm90 GPU the kernel
+matches the reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import lowered_for_sm90
+
+from pallas_kernels import chain_mgpu as cm
+from pallas_kernels._mgpu import on_sm90
+
+ON_SM90 = jax.default_backend() == "gpu" and on_sm90()
+SHAPES = {"350m": (1024, 3072, 2816), "1b": (2048, 6144, 5632)}
+
+
+@pytest.mark.parametrize("preset", list(SHAPES))
+@pytest.mark.parametrize("blocks", [132, 7])
+def test_every_weight_tile_is_read_once(preset, blocks):
+    D, N1, F = SHAPES[preset]
+    for p in cm.products(D, N1, F, blocks):
+        seen = np.zeros((p.tiles, p.chunks), int)
+        pieces = np.zeros((p.tiles, p.split.sk), int)
+        for b, t0, t1, k0, k1 in cm.schedule(D, N1, F, blocks)[p.name]:
+            seen[t0:t1, k0:k1] += 1
+            pieces[t0:t1, b // p.split.st] += 1
+            assert k1 - k0 <= p.kmax()
+        assert (seen == 1).all(), p.name
+        assert (pieces == 1).all(), p.name  # each tile: one piece per chunk group, sk in all
+
+
+def test_splits_keep_the_busiest_block_near_the_mean():
+    D, N1, F = SHAPES["1b"]
+    for p in cm.products(D, N1, F, 132):
+        busiest = max((t1 - t0) * (k1 - k0) for _, t0, t1, k0, k1 in cm.schedule(D, N1, F, 132)[p.name])
+        assert busiest <= 1.1 * p.tiles * p.chunks / 132 + 1, (p.name, busiest)
+
+
+def test_layout_regions_do_not_overlap():
+    D, N1, F = SHAPES["350m"]
+    prods = cm.products(D, N1, F, 132)
+    lay = cm.layout(prods, D)
+    spans = sorted((lay.offsets[p.name], p.tiles * p.split.sk * cm.T) for p in prods)
+    spans += [(lay.offsets["X"], D), (lay.offsets["H"], D)]
+    spans.sort()
+    for (a, n), (b, _) in zip(spans, spans[1:], strict=False):
+        assert a + n <= b
+    assert spans[-1][0] + spans[-1][1] == lay.layer_words
+    words = cm.init_words(jnp.arange(D, dtype=jnp.float32), prods, lay).reshape(-1, 2)
+    assert words.shape[0] == lay.init_words and (np.asarray(words[:, 1]) == 1).all()
+    x0 = jax.lax.bitcast_convert_type(words[lay.init_H:, 0], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(x0), np.arange(D))
+    assert (np.asarray(words[:lay.init_H, 0]) == 0).all()
+
+
+def test_poll_cost_fit_matches_the_measured_points():
+    measured = {1: 0.23, 2: 0.48, 3: 0.59, 8: 1.00, 16: 1.34, 32: 1.64, 64: 2.09}
+    for d, us in measured.items():
+        assert abs(cm.poll_us(d) - us) < 0.25, (d, cm.poll_us(d), us)
+
+
+def inputs(D, N1, F, L, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 5)
+
+    def w(k, shape):
+        return (jax.random.normal(k, shape, jnp.float32) / shape[-1] ** 0.5).astype(jnp.bfloat16)
+
+    return (jax.random.normal(ks[0], (D,), jnp.float32), w(ks[1], (L, N1, D)), w(ks[2], (L, D, D)),
+            w(ks[3], (L, 2 * F, D)), w(ks[4], (L, D, F)))
+
+
+def test_reference_is_the_chain():
+    x0, wq, wo, wgu, wd = inputs(64, 192, 128, 2)
+    got = np.asarray(cm.reference(x0, wq, wo, wgu, wd), np.float64)
+    x = np.asarray(x0, np.float64)
+    f64 = lambda a: np.asarray(a.astype(jnp.float32), np.float64)  # noqa: E731
+    bf = lambda v: f64(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16))  # noqa: E731
+    for l in range(2):
+        a = f64(wq[l]) @ bf(x)
+        h = x + f64(wo[l]) @ bf(a[:64])
+        g = f64(wgu[l]) @ bf(h)
+        x = h + f64(wd[l]) @ bf(g[:128] / (1 + np.exp(-g[:128])) * g[128:])
+    np.testing.assert_allclose(got, x, rtol=2e-2, atol=2e-2 * np.abs(x).max())
+
+
+@pytest.mark.parametrize("preset", list(SHAPES))
+def test_lowers_for_sm90_with_no_fence(preset):
+    D, N1, F = SHAPES[preset]
+    S = jax.ShapeDtypeStruct
+    args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
+            S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16))
+    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132), *args)
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1 and "decode_chain" in text
+    for s in ("st.relaxed.gpu.global.b64", "ld.relaxed.gpu.global.b64", "LAB_G", "cvt.rn.bf16.f32",
+              "ex2.approx.f32"):
+        assert s in text, s
+    for s in ("fence.acq", "fence.proxy.async.global", "red.release"):
+        assert s not in text, s
+
+
+def test_bad_inputs_name_the_field():
+    x0, wq, wo, wgu, wd = inputs(64, 192, 128, 1)
+    with pytest.raises(ValueError, match="want"):
+        cm.chain_mgpu(x0, wq, wo, wgu[:, :64], wd)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        cm.chain_mgpu(x0[:32], wq[:, :, :32], wo[:, :32, :32], wgu[:, :, :32], wd[:, :32])
+    with pytest.raises(ValueError, match="bf16"):
+        cm.chain_mgpu(x0, wq.astype(jnp.float32), wo, wgu, wd)
+    with pytest.raises(ValueError, match="stages=40"):
+        cm.chain_mgpu(x0, wq, wo, wgu, wd, stages=40, blocks=132)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
+@pytest.mark.parametrize("preset,layers", [("350m", 1), ("350m", 3), ("1b", 2)])
+def test_matches_the_reference_on_the_gpu(preset, layers):
+    D, N1, F = SHAPES[preset]
+    args = inputs(D, N1, F, layers)
+    got = np.asarray(cm.chain_mgpu(*args), np.float64)
+    want = np.asarray(cm.reference(*args), np.float64)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)

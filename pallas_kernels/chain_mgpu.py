@@ -295,6 +295,45 @@ def _store_piece(ll_ref, src_ref, word):
     op(ll_ref, src_ref, jnp.asarray(word, jnp.int32))
 
 
+def piece_word(p: Product, l, t, gk, lay: Layout):
+    """First LL word of layer l's piece of tile t of product p from chunk group gk."""
+    return l * lay.layer_words + lay.offsets[p.name] + (t * p.split.sk + gk) * T
+
+
+def input_spec(name: str, l, gt, prods, lay: Layout, F: int):
+    """Where product `name` of layer l reads its input chunk c (block in tile group gt):
+    (groups, dense). groups: [(count, stride, is_b, base_word, init_ok)], the words
+    base_word + c * stride + j * 64 + col for j < count (group B, is_b, is SwiGLU's up);
+    init_ok: at layer 0 these words are the host's (`init_words`). dense: where the readers
+    of tile group 0 write the input's sum (A's) as a dense vector, {} for none. Works on
+    ints (tests) and traced values (the kernel)."""
+    qkv, o, gu, down = prods
+
+    def base(layer, region):
+        return layer * lay.layer_words + lay.offsets[region]
+
+    first = l == 0
+    if name == "qkv":  # x_l = H_{l-1} + the previous down's pieces; X_l dense
+        groups = [(down.split.sk, 64 * down.split.sk, False,
+                   jnp.where(first, lay.init_down, base(l - 1, "down")), True),
+                  (1, 64, False, jnp.where(first, lay.init_H, base(l - 1, "H")), True)]
+        return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0))
+    if name == "o":  # the q part of qkv's pieces
+        return [(qkv.split.sk, 64 * qkv.split.sk, False, base(l, "qkv"), False)], {}
+    if name == "gu":  # h_l = X_l + o's pieces; H_l dense
+        groups = [(o.split.sk, 64 * o.split.sk, False, base(l, "o"), False),
+                  (1, 64, False, jnp.where(first, lay.init_H, base(l, "X")), True)]
+        return groups, dict(dense_base=base(l, "H"), dense_on=gt == 0)
+    if name == "down":  # silu(gate) * up from gate|up's pieces
+        g0, stride = base(l, "gu"), 64 * gu.split.sk
+        return [(gu.split.sk, stride, False, g0, False),
+                (gu.split.sk, stride, True, g0 + (F // T) * stride, False)], {}
+    if name == "final":  # x_L = H_{L-1} + the last down's pieces (l = L - 1)
+        return [(down.split.sk, 64 * down.split.sk, False, base(l, "down"), False),
+                (1, 64, False, base(l, "H"), False)], {}
+    raise ValueError(f"input_spec: no product {name!r}")
+
+
 _X_TRANSFORMS = (plgpu.TilingTransform((8, KC)), plgpu.SwizzleTransform(2 * KC))
 
 
@@ -350,23 +389,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         def gather(l, p, k0, k1, gt):
             """The window's rows for chunks k0..k1-1 of product p's input, two chunks a pass."""
             first = l == 0
-            if p.name == "qkv":  # x_l = H_{l-1} + the previous down's pieces; X_l dense
-                groups = [(down.split.sk, 64 * down.split.sk, False,
-                           jnp.where(first, lay.init_down, base(l - 1, "down")), True),
-                          (1, 64, False, jnp.where(first, lay.init_H, base(l - 1, "H")), True)]
-                dense = dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0))
-            elif p.name == "o":  # the q part of qkv's pieces
-                groups = [(qkv.split.sk, 64 * qkv.split.sk, False, base(l, "qkv"), False)]
-                dense = {}
-            elif p.name == "gu":  # h_l = X_l + o's pieces; H_l dense
-                groups = [(o.split.sk, 64 * o.split.sk, False, base(l, "o"), False),
-                          (1, 64, False, jnp.where(first, lay.init_H, base(l, "X")), True)]
-                dense = dict(dense_base=base(l, "H"), dense_on=gt == 0)
-            else:  # down: silu(gate) * up from gate|up's pieces
-                g0, stride = base(l, "gu"), 64 * gu.split.sk
-                groups = [(gu.split.sk, stride, False, g0, False),
-                          (gu.split.sk, stride, True, g0 + (F // T) * stride, False)]
-                dense = {}
+            groups, dense = input_spec(p.name, l, gt, prods, lay, F)
             for ps in range(cdiv(p.kmax(), 2)):
                 c0 = k0 + 2 * ps
                 c1 = jnp.minimum(c0 + 1, k1 - 1)
@@ -395,7 +418,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             first_col = plgpu.broadcasted_iota(jnp.int32, (T, 8), 1, layout=WGMMA) == 0
             acc_smem[...] = jnp.where(first_col, acc, 0.0).sum(axis=1)
             plgpu.commit_smem()
-            _store_piece(ll, acc_smem, base(l, p.name) + (t * p.split.sk + gk) * T)
+            _store_piece(ll, acc_smem, piece_word(p, l, t, gk, lay))
 
         def consume(l, i, p):  # layer l's product p: its input, then its tiles' pieces
             active, t0, t1, k0, k1 = rect(p, b)
@@ -429,8 +452,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
 
             @pl.when(b < D // T)
             def _final():  # chunk b of x_L, to y
-                groups = [(down.split.sk, 64 * down.split.sk, False, base(L - 1, "down"), False),
-                          (1, 64, False, base(L - 1, "H"), False)]  # x_L = h_{L-1} + down's pieces
+                groups, _ = input_spec("final", L - 1, 0, prods, lay, F)
                 _gather_call(ll, init_ref, out_smem, groups, out="f32", c0=b, c1=b, k0=b, use_init=0)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_smem, y_ref.at[pl.ds(b * T, T)])

@@ -119,3 +119,67 @@ def test_matches_the_reference_on_the_gpu(preset, layers):
     got = np.asarray(cm.chain_mgpu(*args), np.float64)
     want = np.asarray(cm.reference(*args), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
+def emulate(x0, wq, wo, wgu, wd, blocks):
+    """The kernel's data flow in numpy, through the kernel's own decomposition (`rect`), word
+    layout (`layout`, `init_words`, `piece_word`) and input wiring (`input_spec`): each
+    active block gathers its chunks (summing pieces, the residual, SwiGLU), rounds them to
+    bf16, writes one piece per tile, and the tile-group-0 readers write the dense residuals.
+    Every word read must have been written (tag 1)."""
+    L, N1, D = wq.shape
+    F = wd.shape[2]
+    prods = cm.products(D, N1, F, blocks)
+    lay = cm.layout(prods, D)
+    init = np.asarray(cm.init_words(x0, prods, lay)).reshape(-1, 2)
+    init_vals = init[:, 0].view(np.float32).astype(np.float64)
+    vals = np.zeros(L * lay.layer_words)
+    tags = np.zeros(L * lay.layer_words, int)
+    W = {"qkv": wq, "o": wo, "gu": wgu, "down": wd}
+    W = {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in W.items()}
+    bf16 = lambda v: np.asarray(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731
+
+    def read(name, l, gt, c, use_init):
+        groups, dense = cm.input_spec(name, l, gt, prods, lay, F)
+        sums = [np.zeros(64), np.zeros(64)]
+        for count, stride, is_b, base_word, init_ok in groups:
+            for j in range(count):
+                w0 = int(base_word) + c * stride + j * 64
+                if init_ok and use_init:
+                    sums[is_b] += init_vals[w0:w0 + 64]
+                else:
+                    assert (tags[w0:w0 + 64] == 1).all(), (name, l, c, j)
+                    sums[is_b] += vals[w0:w0 + 64]
+        if dense and bool(dense["dense_on"]):
+            w0 = int(dense["dense_base"]) + c * 64
+            vals[w0:w0 + 64], tags[w0:w0 + 64] = sums[0], 1
+        if any(g[2] for g in groups):
+            return sums[0] / (1 + np.exp(-sums[0])) * sums[1]
+        return sums[0]
+
+    for l in range(L):
+        for p in prods:
+            for b in range(blocks):
+                active, t0, t1, k0, k1 = cm.rect(p, b)
+                if not active:
+                    continue
+                gk, gt = b // p.split.st, b % p.split.st
+                x = {c: bf16(read(p.name, l, gt, c, l == 0)) for c in range(k0, k1)}
+                for t in range(t0, t1):
+                    piece = sum(W[p.name][l, t * 64:(t + 1) * 64, c * 64:(c + 1) * 64] @ x[c]
+                                for c in range(k0, k1))
+                    w0 = cm.piece_word(p, l, t, gk, lay)
+                    assert (tags[w0:w0 + 64] == 0).all()  # each word written once
+                    vals[w0:w0 + 64], tags[w0:w0 + 64] = piece, 1
+    return np.concatenate([read("final", L - 1, 0, c, False) for c in range(D // 64)])
+
+
+@pytest.mark.parametrize("blocks", [132, 5])
+def test_the_kernels_data_flow_computes_the_chain(blocks):
+    """The decomposition, word layout and input wiring the kernel uses, run in numpy, give the
+    reference's x_L (on the GPU the kernel itself is checked against it)."""
+    D, N1, F, L = 256, 768, 512, 2
+    args = inputs(D, N1, F, L)
+    got = emulate(*args, blocks)
+    want = np.asarray(cm.reference(*args), np.float64)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)

@@ -152,18 +152,27 @@ def fence(ptx: str):
     emit()
 
 
+# A spinning thread gives up after this many polls (each one L2 round trip, ~0.5-1 us: some
+# seconds in all) and traps: a wait that can never end (a wrong word, a block that is not
+# resident) becomes a CUDA error instead of a hung GPU.
+SPIN_LIMIT = 1 << 24
+SPIN_GUARD = f"add.u32 n, n, 1; setp.gt.u32 p, n, {SPIN_LIMIT}; @p trap;"
+
 # One thread's poll of one flag: spin until the 32-bit word at base + 4 * index reads >= target.
-_POLL = """{
+_POLL = f"""{{
 .reg .pred p;
 .reg .u32 v;
+.reg .u32 n;
 .reg .u64 a;
+mov.u32 n, 0;
 mul.wide.u32 a, $1, 4;
 add.u64 a, a, $0;
 LAB_POLL:
 ld.relaxed.gpu.global.u32 v, [a];
+{SPIN_GUARD}
 setp.lt.u32 p, v, $2;
 @p bra LAB_POLL;
-}"""
+}}"""
 
 
 def wait_flags(flags_ref, count: int, target, acquire: bool = True):
@@ -259,7 +268,8 @@ def ll_gather(ll_ref, dst_smem, words, tag):
                      for k in range(n))
     checks = " ".join(f"setp.ne.b32 p, t{k}, ${n + 1}; @p bra LAB_LL;" for k in range(n))
     sums = " ".join(f"mov.b32 g, v{k}; add.f32 f, f, g;" for k in range(n))
-    ptx = (f"{{ .reg .pred p; .reg .f32 f; .reg .f32 g; {regs} LAB_LL: {loads} {checks}"
+    ptx = (f"{{ .reg .pred p; .reg .u32 n; .reg .f32 f; .reg .f32 g; {regs} mov.u32 n, 0;"
+           f" LAB_LL: {loads} {SPIN_GUARD} {checks}"
            f" mov.f32 f, 0f00000000; {sums} mov.f32 $0, f; }}")
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), [plgpu.Layout.WG_SPLAT] * n,

@@ -49,7 +49,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
-from pallas_kernels._mgpu import SMEM_LIMIT, WGMMA, launch, sm_count, smem_bytes, tiled_smem
+from pallas_kernels._mgpu import (
+    SMEM_LIMIT,
+    SPIN_GUARD,
+    WGMMA,
+    launch,
+    sm_count,
+    smem_bytes,
+    tiled_smem,
+)
 
 T = 64  # rows of a weight tile (wgmma N) and of an activation chunk
 KC = 64  # columns of a weight tile (one chunk of K)
@@ -203,9 +211,9 @@ def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str) -> str:
         body += f" cvt.rn.bf16.f32 h, fa; st.shared.b16 [${i}], h;"
     else:
         body += f" st.shared.f32 [${i}], fa;"
-    return (f"{{ .reg .pred p; .reg .pred q; .reg .f32 fa; .reg .f32 fb; .reg .f32 g;"
+    return (f"{{ .reg .pred p; .reg .pred q; .reg .u32 n; .reg .f32 fa; .reg .f32 fb; .reg .f32 g;"
             f" .reg .f32 e; .reg .b32 w; .reg .b32 one; .reg .b64 dd; .reg .b16 h; {regs}"
-            f" LAB_G: {loads} {checks} {body} }}")
+            f" mov.u32 n, 0; LAB_G: {loads} {SPIN_GUARD} {checks} {body} }}")
 
 
 def _gather_call(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,

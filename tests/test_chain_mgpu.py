@@ -93,7 +93,7 @@ def test_lowers_for_sm90_with_no_fence(preset):
     text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132), *args)
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1 and "decode_chain" in text
     for s in ("st.relaxed.gpu.global.b64", "ld.relaxed.gpu.global.b64", "LAB_G", "cvt.rn.bf16.f32",
-              "ex2.approx.f32"):
+              "ex2.approx.f32", "trap;"):  # trap: a poll that never ends fails instead of hanging
         assert s in text, s
     for s in ("fence.acq", "fence.proxy.async.global", "red.release"):
         assert s not in text, s

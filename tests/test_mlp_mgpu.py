@@ -231,6 +231,7 @@ def test_tma_stream_probe_ll_mode_lowers_for_sm90(deps):
     assert "st.relaxed.gpu.global.b64" in text
     assert text.count("ld.relaxed.gpu.global.b64") == deps
     assert ("LAB_LL" in text) == (deps > 0)
+    assert ("trap;" in text) == (deps > 0)  # a poll that never ends traps instead of hanging
     for s in ("fence.acq", "fence.proxy.async.global", "red.release"):
         assert s not in text, s
     with pytest.raises(ValueError, match="mode='ll' wants"):

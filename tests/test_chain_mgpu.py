@@ -2,6 +2,12 @@
 weight tile once and every LL word it reads is written once, its sm90 lowering carries the
 LL protocol and no fence, its reference is the chain's math, and on an sm90 GPU the kernel
 matches the reference."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,3 +189,16 @@ def test_the_kernels_data_flow_computes_the_chain(blocks):
     got = emulate(*args, blocks)
     want = np.asarray(cm.reference(*args), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
+@pytest.mark.skipif(ON_SM90, reason="the benchmark's CPU path (the GPU runs experiments/gpu_call_chain.sh)")
+def test_benchmark_dry_run_on_the_cpu(tmp_path):
+    """experiments/bench_chain_mgpu.py --dry: the splits and XLA's chain, timed, to JSON."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root)] + sys.path)}
+    subprocess.run([sys.executable, str(root / "experiments" / "bench_chain_mgpu.py"), "--dry",
+                    "--presets", "350m", "--out", str(tmp_path)], check=True, env=env, cwd=root,
+                   capture_output=True, timeout=300)
+    rows = json.loads((tmp_path / "bench_chain_mgpu.json").read_text())["rows"]
+    assert rows[0]["preset"] == "350m" and rows[0]["xla"]["us"] > 0
+    assert set(rows[0]["splits"]) == {"qkv", "o", "gu", "down"}

@@ -13,6 +13,7 @@ bench_chain_mgpu.json to --out.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -42,6 +43,7 @@ def main():
     ap.add_argument("--presets", nargs="*", default=list(PRESETS))
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (0: the preset's)")
     ap.add_argument("--stages", type=int, default=16)
+    ap.add_argument("--norms", action="store_true", help="RMSNorms before q|k|v and gate|up (eps 1e-5)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dry", action="store_true", help="CPU: the splits and the XLA chain only")
@@ -62,21 +64,29 @@ def main():
             D, N1, F, L = D // 8, N1 // 8, F // 8, 2
         x0, *ws = weights(D, N1, F, L)
         nbytes = sum(w.size * 2 for w in ws)
-        ref = jax.jit(cm.reference)
+        eps = 1e-5 if args.norms else None
+        gains = None
+        if args.norms:  # gains near 1; the kernel takes them folded into the weights
+            k1, k2 = jax.random.split(jax.random.key(1))
+            gains = (1 + 0.1 * jax.random.normal(k1, (L, D)), 1 + 0.1 * jax.random.normal(k2, (L, D)))
+        ref = jax.jit(functools.partial(cm.reference, norms=gains, eps=1e-5))
         want = np.asarray(ref(x0, *ws), np.float64)
-        row = dict(preset=name, layers=L, D=D, N1=N1, F=F, weight_bytes=nbytes,
+        kernel_ws = list(ws)
+        if gains is not None:
+            kernel_ws[0], kernel_ws[2] = cm.fold_norms(ws[0], ws[2], *gains)
+        row = dict(preset=name, layers=L, D=D, N1=N1, F=F, weight_bytes=nbytes, norms=args.norms,
                    splits={p.name: [p.split.sk, p.split.st] for p in prods})
         fns = {"xla": ref, "read_only_sum": jax.jit(lambda *ws: sum(jnp.sum(w, dtype=jnp.float32) for w in ws))}
         if not args.dry:
-            ours = jax.jit(lambda x0, *ws: cm.chain_mgpu(x0, *ws, stages=args.stages))
-            got = np.asarray(ours(x0, *ws), np.float64)
+            ours = functools.partial(cm.chain_mgpu, stages=args.stages, norm_eps=eps)
+            got = np.asarray(ours(x0, *kernel_ws), np.float64)
             row["rel_err_vs_xla"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             print(f"  rel err vs XLA {row['rel_err_vs_xla']:.2e}", flush=True)
             fns["ours"] = ours
         best = {k: float("inf") for k in fns}
         for _ in range(1 if args.dry else args.rounds):
             for k, f in fns.items():
-                a = ws if k == "read_only_sum" else (x0, *ws)
+                a = ws if k == "read_only_sum" else (x0, *(kernel_ws if k == "ours" else ws))
                 best[k] = min(best[k], pipelined_seconds(f, *a, n=2 if args.dry else args.iters, warm=1)[0])
         bw = nbytes / best["read_only_sum"]
         floor = nbytes / bw

@@ -3,13 +3,16 @@ whose phases hand activations over as low-latency words: a decode megakernel's s
 (Hopper, sm90; issue 19).
 
 Per layer l, from the residual stream x_l [D] (fp32):
-    a   = Wqkv_l x_l                      [N1]
+    a   = Wqkv_l n_l(x_l)                 [N1]
     h_l = x_l + Wo_l a[:D]                 (attention's place: the q part goes straight on)
-    g   = Wgu_l h_l                        [2F]
+    g   = Wgu_l m_l(h_l)                   [2F]
     x_{l+1} = h_l + Wd_l (silu(g[:F]) * g[F:])
 with every product's input rounded to bf16 (as the decode path's products read it) and fp32
-sums. No norms and no attention yet: this kernel measures what a megakernel's weight stream
-and phase boundaries cost, the part of a decode step that is most of its bytes.
+sums; n_l, m_l are RMSNorms (`norm_eps`; their gains folded into Wqkv's and Wgu's columns,
+`fold_norms`, and the factor rsqrt(mean(v^2) + eps) applied by the readers of the product's
+output, each block summing the squares of the dense residual itself) or the identity. No
+attention yet: this kernel measures what a megakernel's weight stream and phase boundaries
+cost, the part of a decode step that is most of its bytes.
 
 Why (benchmarks/README.md, issue 19): a decode step at batch 1 is ~230 kernels that each pay
 a fixed ramp and tail; one persistent kernel pays it once, but then needs a grid-wide
@@ -39,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -186,11 +190,19 @@ def _i32(v: int):
     return mgpu.utils.c(v, ir.IntegerType.get_signless(32))
 
 
-def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str) -> str:
+def _f32_hex(v: float) -> str:
+    """A PTX fp32 immediate."""
+    return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
+
+
+def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, int] | None = None) -> str:
     """One lane's poll: operands $0.. the n_a + n_b source addresses, then (dense) the dense
     word's address and its write flag, then the shared-memory address. Sums group A (and B),
     writes A's sum as a dense word if asked, and stores bf16(A) or bf16(silu(A) * B)
-    (out="bf16") or A as fp32 (out="f32")."""
+    (out="bf16") or A as fp32 (out="f32"). norm=(eps, D): the operand before the last is the
+    shared-memory address of 4 warp partial sums of squares of a D-vector (`_norm_ptx`); A
+    and B are scaled by rsqrt(sum / D + eps) first (the RMSNorm whose gain is folded into
+    the weights)."""
     n = n_a + n_b
     regs = " ".join(f".reg .b64 d{k}; .reg .b32 v{k}; .reg .b32 t{k};" for k in range(n))
     loads = " ".join(f"ld.relaxed.gpu.global.b64 d{k}, [${k}]; mov.b64 {{v{k}, t{k}}}, d{k};"
@@ -204,6 +216,13 @@ def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str) -> str:
         body += (f" setp.ne.u32 q, ${i + 1}, 0; mov.b32 w, fa; mov.b32 one, 1;"
                  f" mov.b64 dd, {{w, one}}; @q st.relaxed.gpu.global.b64 [${i}], dd;")
         i += 2
+    if norm:
+        eps, width = norm
+        body += (f" ld.shared.f32 e, [${i}]; ld.shared.f32 g, [${i}+4]; add.f32 e, e, g;"
+                 f" ld.shared.f32 g, [${i}+8]; add.f32 e, e, g; ld.shared.f32 g, [${i}+12]; add.f32 e, e, g;"
+                 f" mul.f32 e, e, {_f32_hex(1.0 / width)}; add.f32 e, e, {_f32_hex(eps)};"
+                 " rsqrt.approx.f32 e, e; mul.f32 fa, fa, e; mul.f32 fb, fb, e;")
+        i += 1
     if n_b:  # silu(a) * b = a / (1 + 2^(-a log2 e)) * b
         body += (" mul.f32 e, fa, 0fBFB8AA3B; ex2.approx.f32 e, e; add.f32 e, e, 0f3F800000;"
                  " div.approx.f32 fa, fa, e; mul.f32 fa, fa, fb;")
@@ -217,7 +236,7 @@ def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str) -> str:
 
 
 def _gather_call(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
-                 dense_base=None, dense_on=None):
+                 dense_base=None, dense_on=None, norm_ref=None, norm=None):
     """The inline op behind a product's input: lanes < 64 read column lane of chunk c0, the
     others column lane - 64 of chunk c1. groups: [(count, stride, is_b, base_word, init_ok)]
     with count/stride/is_b static (stride: words from one chunk to the next, 64 * sk for
@@ -225,11 +244,12 @@ def _gather_call(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use
     words instead of the kernel's when use_init (layer 0). Writes row 0 of the chunk's 8-row
     group (chunk - k0) of the bf16 window dst_ref (tiled, swizzled: that row is linear), or
     dst_ref[col] in fp32 (out="f32"); with dense_base, A's sum as a dense word at
-    dense_base + chunk * 64 + col when dense_on != 0. Ends in a warpgroup barrier."""
+    dense_base + chunk * 64 + col when dense_on != 0; with norm=(eps, D), the sums scaled by
+    the RMSNorm factor from norm_ref's partials (`_norm_partials`). Ends in a warpgroup barrier."""
     n_a = sum(g[0] for g in groups if not g[2])
     n_b = sum(g[0] for g in groups if g[2])
     dense = dense_base is not None
-    ptx = _gather_ptx(n_a, n_b, dense, out)
+    ptx = _gather_ptx(n_a, n_b, dense, out, norm)
     # A's groups first, then B's, in the order the PTX sums them.
     ordered = [g for g in groups if not g[2]] + [g for g in groups if g[2]]
     splat = plgpu.Layout.WG_SPLAT
@@ -239,9 +259,12 @@ def _gather_call(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use
         traced += [jnp.asarray(dense_base, jnp.int32), jnp.asarray(dense_on, jnp.int32)]
 
     dst_type = plgpu.RefType(_X_TRANSFORMS) if out == "bf16" else plgpu.RefType()
+    refs = (ll_ref, init_ref, dst_ref) + ((norm_ref,) if norm else ())
+    ref_types = (plgpu.RefType(), plgpu.RefType(), dst_type) + ((plgpu.RefType(),) if norm else ())
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), dst_type, [splat] * len(traced)))
-    def op(_, ll, init, dst, vals):
+    @plgpu.inline_mgpu(arg_types=(ref_types, [splat] * len(traced)))
+    def op(_, rs, vals):
+        ll, init, dst = rs[:3]
         i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
         v = [x.registers[()] for x in vals]
         c0_, c1_, k0_, init_flag = v[:4]
@@ -266,6 +289,8 @@ def _gather_call(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use
         if dense:
             dbase, don = v[4 + len(ordered):]
             operands += [addr(ll_p, arith.addi(arith.addi(dbase, arith.muli(chunk, _i32(64))), col)), don]
+        if norm:
+            operands.append(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(rs[3])))
         dst_p = llvm.ptrtoint(i32, mgpu.utils.memref_ptr(dst))
         if out == "bf16":  # row 0 of 8-row group (chunk - k0): 1 KB a group, linear in the row
             off = arith.addi(arith.muli(arith.subi(chunk, k0_), _i32(1024)), arith.muli(col, _i32(2)))
@@ -275,7 +300,50 @@ def _gather_call(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use
         mgpu.utils.inline_ptx(ptx, *operands, has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
 
-    op(ll_ref, init_ref, dst_ref, traced)
+    op(refs, traced)
+
+
+def _norm_ptx(per_lane: int) -> str:
+    """Operands: $0 the address of dense word `lane` of a vector (words lane + 128 i,
+    i < per_lane), $1 the lane, $2 the 4-float shared scratch. Polls the words, sums their
+    squares, reduces the warp by butterfly shuffles, and lane 0 of each warp stores its sum."""
+    regs = " ".join(f".reg .b64 d{k}; .reg .b32 v{k}; .reg .b32 t{k}; .reg .u64 a{k};" for k in range(per_lane))
+    addrs = "mul.wide.u32 a0, $1, 8; add.u64 a0, a0, $0; " + " ".join(
+        f"add.u64 a{k}, a{k - 1}, 1024;" for k in range(1, per_lane))
+    loads = " ".join(f"ld.relaxed.gpu.global.b64 d{k}, [a{k}]; mov.b64 {{v{k}, t{k}}}, d{k};" for k in range(per_lane))
+    checks = " ".join(f"setp.ne.b32 p, t{k}, 1; @p bra LAB_N;" for k in range(per_lane))
+    squares = " ".join(f"mov.b32 x, v{k}; fma.rn.f32 s, x, x, s;" for k in range(per_lane))
+    shuffle = " ".join(f"mov.b32 r, s; shfl.sync.bfly.b32 r, r, {m}, 31, -1; mov.b32 x, r; add.f32 s, s, x;"
+                       for m in (16, 8, 4, 2, 1))
+    return (f"{{ .reg .pred p; .reg .u32 n; .reg .f32 s; .reg .f32 x; .reg .b32 r; .reg .u32 w; {regs}"
+            f" {addrs} mov.u32 n, 0; LAB_N: {loads} {SPIN_GUARD} {checks} mov.f32 s, 0f00000000;"
+            f" {squares} {shuffle} and.b32 w, $1, 31; setp.ne.u32 p, w, 0; shr.u32 w, $1, 5;"
+            f" shl.b32 w, w, 2; add.u32 w, w, $2; @!p st.shared.f32 [w], s; }}")
+
+
+def _norm_partials(ll_ref, init_ref, scratch_ref, base_word, from_init, init_ok: bool, width: int):
+    """The 4 warp partial sums of squares of the dense D-vector at LL word base_word (the
+    host's words when init_ok and from_init), into scratch_ref; then a warpgroup barrier."""
+    if width % 128:
+        raise ValueError(f"chain_mgpu norms: D={width} must be a multiple of 128.")
+    ptx = _norm_ptx(width // 128)
+    splat = plgpu.Layout.WG_SPLAT
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), splat, splat))
+    def op(_, ll, init, scratch, base, flag):
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        lane = arith.remui(mgpu.utils.thread_idx(), _i32(128))
+        ll_p = llvm.ptrtoint(i64, mgpu.utils.memref_ptr(ll))
+        ptr = ll_p
+        if init_ok:
+            from_init_ = arith.cmpi(arith.CmpIPredicate.ne, flag.registers[()], _i32(0))
+            ptr = arith.select(from_init_, llvm.ptrtoint(i64, mgpu.utils.memref_ptr(init)), ll_p)
+        start = arith.addi(ptr, arith.muli(arith.extui(i64, base.registers[()]), mgpu.utils.c(8, i64)))
+        sc = llvm.ptrtoint(i32, mgpu.utils.memref_ptr(scratch))
+        mgpu.utils.inline_ptx(ptx, start, lane, sc, has_side_effects=True)
+        mgpu.utils.warpgroup_barrier()
+
+    op(ll_ref, init_ref, scratch_ref, jnp.asarray(base_word, jnp.int32), jnp.asarray(from_init, jnp.int32))
 
 
 _STORE_PTX = ("{ .reg .b32 v; .reg .b32 one; .reg .b64 d; ld.shared.b32 v, [$0];"
@@ -308,13 +376,15 @@ def piece_word(p: Product, l, t, gk, lay: Layout):
     return l * lay.layer_words + lay.offsets[p.name] + (t * p.split.sk + gk) * T
 
 
-def input_spec(name: str, l, gt, prods, lay: Layout, F: int):
+def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False):
     """Where product `name` of layer l reads its input chunk c (block in tile group gt):
     (groups, dense). groups: [(count, stride, is_b, base_word, init_ok)], the words
     base_word + c * stride + j * 64 + col for j < count (group B, is_b, is SwiGLU's up);
     init_ok: at layer 0 these words are the host's (`init_words`). dense: where the readers
-    of tile group 0 write the input's sum (A's) as a dense vector, {} for none. Works on
-    ints (tests) and traced values (the kernel)."""
+    of tile group 0 write the input's sum (A's) as a dense vector, {} for none. norm (with
+    norms): (base_word, init_ok) of the dense vector whose RMSNorm factor scales this input
+    (x_l for the q|k|v output that o reads, h_l for gate|up's), else None. Works on ints
+    (tests) and traced values (the kernel)."""
     qkv, o, gu, down = prods
 
     def base(layer, region):
@@ -325,20 +395,22 @@ def input_spec(name: str, l, gt, prods, lay: Layout, F: int):
         groups = [(down.split.sk, 64 * down.split.sk, False,
                    jnp.where(first, lay.init_down, base(l - 1, "down")), True),
                   (1, 64, False, jnp.where(first, lay.init_H, base(l - 1, "H")), True)]
-        return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0))
-    if name == "o":  # the q part of qkv's pieces
-        return [(qkv.split.sk, 64 * qkv.split.sk, False, base(l, "qkv"), False)], {}
+        return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0)), None
+    if name == "o":  # the q part of qkv's pieces (times x_l's RMSNorm factor)
+        norm = (jnp.where(first, lay.init_H, base(l, "X")), True) if norms else None
+        return [(qkv.split.sk, 64 * qkv.split.sk, False, base(l, "qkv"), False)], {}, norm
     if name == "gu":  # h_l = X_l + o's pieces; H_l dense
         groups = [(o.split.sk, 64 * o.split.sk, False, base(l, "o"), False),
                   (1, 64, False, jnp.where(first, lay.init_H, base(l, "X")), True)]
-        return groups, dict(dense_base=base(l, "H"), dense_on=gt == 0)
-    if name == "down":  # silu(gate) * up from gate|up's pieces
+        return groups, dict(dense_base=base(l, "H"), dense_on=gt == 0), None
+    if name == "down":  # silu(gate) * up from gate|up's pieces (times h_l's RMSNorm factor)
         g0, stride = base(l, "gu"), 64 * gu.split.sk
+        norm = (base(l, "H"), False) if norms else None
         return [(gu.split.sk, stride, False, g0, False),
-                (gu.split.sk, stride, True, g0 + (F // T) * stride, False)], {}
+                (gu.split.sk, stride, True, g0 + (F // T) * stride, False)], {}, norm
     if name == "final":  # x_L = H_{L-1} + the last down's pieces (l = L - 1)
         return [(down.split.sk, 64 * down.split.sk, False, base(l, "down"), False),
-                (1, 64, False, base(l, "H"), False)], {}
+                (1, 64, False, base(l, "H"), False)], {}, None
     raise ValueError(f"input_spec: no product {name!r}")
 
 
@@ -351,7 +423,8 @@ def _window_rows(kmax: int) -> int:
     return 8 * kmax
 
 
-def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int):
+def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
+                 norm_eps: float | None):
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     lay = layout(prods, D)
@@ -369,7 +442,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         return n, before
 
     def kernel(init_ref, wq_ref, wo_ref, wgu_ref, wd_ref, y_ref, x_win, w_smem, acc_smem, out_smem,
-               full, free):
+               norm_smem, full, free):
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
         ll = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * L * lay.layer_words,)))
         w_refs = (wq_ref, wo_ref, wgu_ref, wd_ref)
@@ -397,7 +470,10 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         def gather(l, p, k0, k1, gt):
             """The window's rows for chunks k0..k1-1 of product p's input, two chunks a pass."""
             first = l == 0
-            groups, dense = input_spec(p.name, l, gt, prods, lay, F)
+            groups, dense, norm = input_spec(p.name, l, gt, prods, lay, F, norm_eps is not None)
+            if norm is not None:
+                _norm_partials(ll, init_ref, norm_smem, norm[0], first, norm[1], D)
+                dense = dict(dense, norm_ref=norm_smem, norm=(norm_eps, D))
             for ps in range(cdiv(p.kmax(), 2)):
                 c0 = k0 + 2 * ps
                 c1 = jnp.minimum(c0 + 1, k1 - 1)
@@ -460,7 +536,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
 
             @pl.when(b < D // T)
             def _final():  # chunk b of x_L, to y
-                groups, _ = input_spec("final", L - 1, 0, prods, lay, F)
+                groups, _, _ = input_spec("final", L - 1, 0, prods, lay, F)
                 _gather_call(ll, init_ref, out_smem, groups, out="f32", c0=b, c1=b, k0=b, use_init=0)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_smem, y_ref.at[pl.ds(b * T, T)])
@@ -471,6 +547,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         tiled_smem((st, T, KC), jnp.bfloat16),  # the weight ring
         plgpu.SMEM((T,), jnp.float32),  # a tile's 64 outputs, staged for their LL words
         plgpu.SMEM((T,), jnp.float32),  # the final chunk
+        plgpu.SMEM((4,), jnp.float32),  # a norm's 4 warp partial sums of squares
         plgpu.Barrier(num_barriers=st),  # slot's tile landed
         plgpu.Barrier(num_barriers=st),  # slot free again
     )
@@ -482,7 +559,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
 
 def smem_need(kmax: int, stages: int) -> int:
     return smem_bytes(((_window_rows(kmax), KC), jnp.bfloat16), ((stages, T, KC), jnp.bfloat16),
-                      ((T,), jnp.float32), ((T,), jnp.float32))
+                      ((T,), jnp.float32), ((T,), jnp.float32), ((4,), jnp.float32))
 
 
 def check(x0_D, w_qkv, w_o, w_gu, w_down):
@@ -503,30 +580,44 @@ def check(x0_D, w_qkv, w_o, w_gu, w_down):
     return L, D, N1, F
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "blocks"))
-def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, *, stages: int = 16, blocks: int | None = None):
+@functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps"))
+def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, *, stages: int = 16, blocks: int | None = None,
+               norm_eps: float | None = None):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
-    (GPU only: sm90)."""
+    (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
+    folded into w_qkv's and w_gu's columns (`fold_norms`); None: no norms."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
     prods = products(D, N1, F, NB)
     need = smem_need(max(p.kmax() for p in prods), stages)
     if need > SMEM_LIMIT - 2048:
         raise ValueError(f"chain_mgpu: stages={stages} needs {need} bytes of shared memory; use fewer.")
-    return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB)
+    if norm_eps is not None and D % 128:
+        raise ValueError(f"chain_mgpu: norms need D={D} to be a multiple of 128.")
+    return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps)
 
 
-def reference(x0_D, w_qkv, w_o, w_gu, w_down):
-    """The same chain in XLA: each product's input rounded to bf16, fp32 sums."""
+def fold_norms(w_qkv, w_gu, g_attn_LD, g_mlp_LD):
+    """w_qkv and w_gu with the RMSNorm gains folded into their columns (once, at load)."""
+    fold = lambda w, g: (w.astype(jnp.float32) * g[:, None, :]).astype(jnp.bfloat16)  # noqa: E731
+    return fold(w_qkv, g_attn_LD), fold(w_gu, g_mlp_LD)
+
+
+def reference(x0_D, w_qkv, w_o, w_gu, w_down, norms=None, eps: float = 1e-5):
+    """The same chain in XLA: each product's input rounded to bf16, fp32 sums. norms:
+    (g_attn [L, D], g_mlp [L, D]) for RMSNorms before q|k|v and gate|up (unfolded)."""
     D, F = w_o.shape[1], w_down.shape[2]
 
     def mv(w, v):
         return jnp.einsum("NK,K->N", w, v.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
 
+    def rms(v, g_D):
+        return v * lax.rsqrt(jnp.mean(v * v) + eps) * g_D
+
     x = x0_D.astype(jnp.float32)
     for l in range(w_qkv.shape[0]):
-        a = mv(w_qkv[l], x)
+        a = mv(w_qkv[l], x if norms is None else rms(x, norms[0][l]))
         h = x + mv(w_o[l], a[:D])
-        g = mv(w_gu[l], h)
+        g = mv(w_gu[l], h if norms is None else rms(h, norms[1][l]))
         x = h + mv(w_down[l], jax.nn.silu(g[:F]) * g[F:])
     return x

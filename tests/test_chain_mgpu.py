@@ -90,13 +90,15 @@ def test_reference_is_the_chain():
     np.testing.assert_allclose(got, x, rtol=2e-2, atol=2e-2 * np.abs(x).max())
 
 
-@pytest.mark.parametrize("preset", list(SHAPES))
-def test_lowers_for_sm90_with_no_fence(preset):
+@pytest.mark.parametrize("preset,norm_eps", [("350m", None), ("1b", 1e-5)])
+def test_lowers_for_sm90_with_no_fence(preset, norm_eps):
     D, N1, F = SHAPES[preset]
     S = jax.ShapeDtypeStruct
     args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
             S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16))
-    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132), *args)
+    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps), *args)
+    assert ("LAB_N" in text) == (norm_eps is not None)  # the norms' sums of squares
+    assert ("rsqrt.approx.f32" in text) == (norm_eps is not None)
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1 and "decode_chain" in text
     for s in ("st.relaxed.gpu.global.b64", "ld.relaxed.gpu.global.b64", "LAB_G", "cvt.rn.bf16.f32",
               "ex2.approx.f32", "trap;"):  # trap: a poll that never ends fails instead of hanging
@@ -118,16 +120,23 @@ def test_bad_inputs_name_the_field():
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
-@pytest.mark.parametrize("preset,layers", [("350m", 1), ("350m", 3), ("1b", 2)])
-def test_matches_the_reference_on_the_gpu(preset, layers):
+@pytest.mark.parametrize("preset,layers,norms", [("350m", 1, False), ("350m", 3, False), ("1b", 2, False),
+                                                 ("350m", 2, True), ("1b", 2, True)])
+def test_matches_the_reference_on_the_gpu(preset, layers, norms):
     D, N1, F = SHAPES[preset]
-    args = inputs(D, N1, F, layers)
-    got = np.asarray(cm.chain_mgpu(*args), np.float64)
-    want = np.asarray(cm.reference(*args), np.float64)
+    x0, wq, wo, wgu, wd = inputs(D, N1, F, layers)
+    if norms:
+        g = gains(D, layers)
+        wq_f, wgu_f = cm.fold_norms(wq, wgu, *g)
+        got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5)
+        want = cm.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5)
+    else:
+        got, want = cm.chain_mgpu(x0, wq, wo, wgu, wd), cm.reference(x0, wq, wo, wgu, wd)
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
-def emulate(x0, wq, wo, wgu, wd, blocks):
+def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None):
     """The kernel's data flow in numpy, through the kernel's own decomposition (`rect`), word
     layout (`layout`, `init_words`, `piece_word`) and input wiring (`input_spec`): each
     active block gathers its chunks (summing pieces, the residual, SwiGLU), rounds them to
@@ -145,8 +154,15 @@ def emulate(x0, wq, wo, wgu, wd, blocks):
     W = {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in W.items()}
     bf16 = lambda v: np.asarray(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731
 
+    def words(base_word, n, init_ok, use_init):
+        w0 = int(base_word)
+        if init_ok and use_init:
+            return init_vals[w0:w0 + n]
+        assert (tags[w0:w0 + n] == 1).all(), (w0, n)
+        return vals[w0:w0 + n]
+
     def read(name, l, gt, c, use_init):
-        groups, dense = cm.input_spec(name, l, gt, prods, lay, F)
+        groups, dense, norm = cm.input_spec(name, l, gt, prods, lay, F, norm_eps is not None)
         sums = [np.zeros(64), np.zeros(64)]
         for count, stride, is_b, base_word, init_ok in groups:
             for j in range(count):
@@ -159,6 +175,9 @@ def emulate(x0, wq, wo, wgu, wd, blocks):
         if dense and bool(dense["dense_on"]):
             w0 = int(dense["dense_base"]) + c * 64
             vals[w0:w0 + 64], tags[w0:w0 + 64] = sums[0], 1
+        if norm is not None:
+            v = words(norm[0], D, norm[1], use_init)
+            sums = [u / np.sqrt(np.mean(v * v) + norm_eps) for u in sums]
         if any(g[2] for g in groups):
             return sums[0] / (1 + np.exp(-sums[0])) * sums[1]
         return sums[0]
@@ -180,14 +199,27 @@ def emulate(x0, wq, wo, wgu, wd, blocks):
     return np.concatenate([read("final", L - 1, 0, c, False) for c in range(D // 64)])
 
 
+def gains(D, L, seed=1):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return (1 + 0.1 * jax.random.normal(k1, (L, D)), 1 + 0.1 * jax.random.normal(k2, (L, D)))
+
+
 @pytest.mark.parametrize("blocks", [132, 5])
-def test_the_kernels_data_flow_computes_the_chain(blocks):
+@pytest.mark.parametrize("norms", [False, True])
+def test_the_kernels_data_flow_computes_the_chain(blocks, norms):
     """The decomposition, word layout and input wiring the kernel uses, run in numpy, give the
-    reference's x_L (on the GPU the kernel itself is checked against it)."""
+    reference's x_L, with and without RMSNorms (their gains folded into the weights as the
+    kernel takes them); on the GPU the kernel itself is checked against it."""
     D, N1, F, L = 256, 768, 512, 2
-    args = inputs(D, N1, F, L)
-    got = emulate(*args, blocks)
-    want = np.asarray(cm.reference(*args), np.float64)
+    x0, wq, wo, wgu, wd = inputs(D, N1, F, L)
+    if norms:
+        g = gains(D, L)
+        wq_f, wgu_f = cm.fold_norms(wq, wgu, *g)
+        got = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5)
+        want = np.asarray(cm.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5), np.float64)
+    else:
+        got = emulate(x0, wq, wo, wgu, wd, blocks)
+        want = np.asarray(cm.reference(x0, wq, wo, wgu, wd), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 

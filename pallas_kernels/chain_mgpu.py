@@ -31,8 +31,11 @@ apply SwiGLU where it belongs, and write row 0 of each chunk's 8-row tile of a b
 wgmma takes the weight tile [64, 64] as A and that chunk tile seen transposed as B [64, 8]
 (rows 1-7 reach only accumulator columns that are never read). A producer warpgroup streams
 the weight tiles through a `stages`-slot TMA ring without waiting for any activation: the
-weights run ahead across phases and layers. Every LL word is written once a call (the words live in a global
-semaphore array, zeroed before the kernel); tag 1 marks a written word.
+weights run ahead across phases and layers. Every LL word is written once a call (the words
+live in a global semaphore array, zeroed before the kernel); tag 1 marks a written word.
+Every poll traps after `_mgpu.SPIN_LIMIT` tries: a word never written is a CUDA error, not
+a hung GPU. (The zeroing is a memset of the whole array each call: ~44 MB at 1b, a few µs;
+tags that count calls would remove it.)
 
 GPU only (the words are moved by inline PTX, which Mosaic GPU's interpreter does not run);
 `reference` is the same math in XLA, `schedule` the decomposition (CPU-testable).

@@ -75,6 +75,7 @@ def main():
         if gains is not None:
             kernel_ws[0], kernel_ws[2] = cm.fold_norms(ws[0], ws[2], *gains)
         row = dict(preset=name, layers=L, D=D, N1=N1, F=F, weight_bytes=nbytes, norms=args.norms,
+                   predicted_us_per_layer=cm.predict_us_per_layer(D, N1, F, blocks),
                    splits={p.name: [p.split.sk, p.split.st] for p in prods})
         fns = {"xla": ref, "read_only_sum": jax.jit(lambda *ws: sum(jnp.sum(w, dtype=jnp.float32) for w in ws))}
         if not args.dry:

@@ -139,6 +139,20 @@ def products(D: int, N1: int, F: int, blocks: int) -> tuple[Product, ...]:
     return tuple(out)
 
 
+def predict_us_per_layer(D: int, N1: int, F: int, blocks: int) -> float:
+    """The cost model's µs a layer: for each product its busiest block's tiles at the
+    stream's per-SM rate, then its readers' poll (the sources each waits for), serially."""
+    prods = products(D, N1, F, blocks)
+    qkv, o, gu, down = prods
+    sources = {"qkv": down.split.sk + 1, "o": qkv.split.sk, "gu": o.split.sk + 1, "down": 2 * gu.split.sk}
+    total = 0.0
+    for p in prods:
+        rects = [rect(p, b) for b in range(blocks)]
+        busiest = max((t1 - t0) * (k1 - k0) for active, t0, t1, k0, k1 in rects if active)
+        total += busiest * _ITEM_US + poll_us(sources[p.name]) + (cdiv(p.kmax(), 2) - 1) * 0.2
+    return total
+
+
 def rect(p: Product, b):
     """Block b's rectangle of product p: (active, t0, t1, k0, k1); works on ints and traced."""
     gk, gt = b // p.split.st, b % p.split.st

@@ -66,6 +66,12 @@ def test_poll_cost_fit_matches_the_measured_points():
         assert abs(cm.poll_us(d) - us) < 0.25, (d, cm.poll_us(d), us)
 
 
+def test_prediction_is_the_documented_one():
+    """benchmarks/README.md quotes the cost model: 11.9 us a layer at 350m, 31.6 at 1b."""
+    assert round(cm.predict_us_per_layer(*SHAPES["350m"], 132), 1) == 11.9
+    assert round(cm.predict_us_per_layer(*SHAPES["1b"], 132), 1) == 31.6
+
+
 def inputs(D, N1, F, L, seed=0):
     ks = jax.random.split(jax.random.key(seed), 5)
 

@@ -24,6 +24,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels import chain_mgpu as cm  # noqa: E402
+from pallas_kernels import chain_plan as plan  # noqa: E402
+from pallas_kernels._mgpu import sm_count  # noqa: E402
 
 PRESETS = {"350m": (1024, 3072, 2816, 24), "1b": (2048, 6144, 5632, 22)}
 
@@ -51,14 +53,14 @@ def main():
     args = ap.parse_args()
     from gendist.timing import pipelined_seconds, warm_gpu  # noqa: PLC0415
 
-    blocks = cm.sm_count()
+    blocks = sm_count()
     if not args.dry:
         warm_gpu()
     rows = []
     for name in args.presets:
         D, N1, F, L = PRESETS[name]
         L = args.layers or L
-        prods = cm.products(D, N1, F, blocks)
+        prods = plan.products(D, N1, F, blocks)
         print(name, L, "layers;", ", ".join(f"{p.name} sk{p.split.sk} st{p.split.st}" for p in prods), flush=True)
         if args.dry:
             D, N1, F, L = D // 8, N1 // 8, F // 8, 2
@@ -75,7 +77,7 @@ def main():
         if gains is not None:
             kernel_ws[0], kernel_ws[2] = cm.fold_norms(ws[0], ws[2], *gains)
         row = dict(preset=name, layers=L, D=D, N1=N1, F=F, weight_bytes=nbytes, norms=args.norms,
-                   predicted_us_per_layer=cm.predict_us_per_layer(D, N1, F, blocks),
+                   predicted_us_per_layer=plan.predict_us_per_layer(D, N1, F, blocks),
                    splits={p.name: [p.split.sk, p.split.st] for p in prods})
         fns = {"xla": ref, "read_only_sum": jax.jit(lambda *ws: sum(jnp.sum(w, dtype=jnp.float32) for w in ws))}
         if not args.dry:

@@ -213,12 +213,13 @@ def signal_relaxed(sem_ref, inc: int = 1):
     signal(sem_ref)
 
 
-def _i32(v: int):
+def const_i32(v: int):
+    """An int32 MLIR constant (inside `inline_mgpu` code)."""
     return mgpu.utils.c(v, ir.IntegerType.get_signless(32))
 
 
 def _lane():
-    return arith.remui(mgpu.utils.thread_idx(), _i32(128))
+    return arith.remui(mgpu.utils.thread_idx(), const_i32(128))
 
 
 def _word_address(base_ptr, index_i32, scale: int):
@@ -231,16 +232,17 @@ def _word_address(base_ptr, index_i32, scale: int):
 def _smem_address(ref, index_i32, scale: int = 4):
     """A shared-memory address (32-bit) of ref's element `index`."""
     i32 = ir.IntegerType.get_signless(32)
-    return arith.addi(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(ref)), arith.muli(index_i32, _i32(scale)))
+    return arith.addi(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(ref)), arith.muli(index_i32, const_i32(scale)))
 
 
-def ll_store(ll_ref, src_smem, word: int | jax.Array, tag):
+def ll_store(ll_ref, src_smem, word: int | jax.Array, tag, then_barrier: bool = False):
     """Low-latency (LL) store, as NCCL's LL protocol: the first 64 threads each write one
     8-byte word {src_smem[i] (fp32 bits), tag} to ll_ref's 8-byte words word + i, with one
     relaxed 64-bit store (single-copy atomic: a reader sees the old word or the new, never
     half), so that no fence orders the data before a flag. ll_ref: a global semaphore array
     read as 8-byte words (zero at the kernel's start: `pl.get_global`), tag != 0. src_smem:
-    [64] fp32 the warpgroup wrote before a `commit_smem()`. GPU only (inline PTX)."""
+    [64] fp32 the warpgroup wrote before a `commit_smem()`. then_barrier: end in a warpgroup
+    barrier (before src_smem is written again). GPU only (inline PTX)."""
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT,
                                   plgpu.Layout.WG_SPLAT))
     def store(_, ll, src, w, t):
@@ -250,8 +252,10 @@ def ll_store(ll_ref, src_smem, word: int | jax.Array, tag):
             "{ .reg .pred p; .reg .b32 v; .reg .b64 d; setp.lt.u32 p, $3, 64;"
             " @p ld.shared.b32 v, [$0]; @p mov.b64 d, {v, $2};"
             " @p st.relaxed.gpu.global.b64 [$1], d; }",
-            _smem_address(src, arith.minui(lane, _i32(63))), addr, t.registers[()], lane,
+            _smem_address(src, arith.minui(lane, const_i32(63))), addr, t.registers[()], lane,
             has_side_effects=True)
+        if then_barrier:
+            mgpu.utils.warpgroup_barrier()
 
     store(ll_ref, src_smem, jnp.asarray(word, jnp.int32), jnp.asarray(tag, jnp.int32))
 
@@ -276,13 +280,13 @@ def ll_gather(ll_ref, dst_smem, words, tag):
                                   plgpu.Layout.WG_SPLAT))
     def gather(_, ll, dst, ws, t):
         lane = _lane()
-        col = arith.minui(lane, _i32(63))
+        col = arith.minui(lane, const_i32(63))
         base = mgpu.utils.memref_ptr(ll)
         addrs = [_word_address(base, arith.addi(w.registers[()], col), 8) for w in ws]
         f32 = ir.F32Type.get()
         total = mgpu.utils.inline_ptx(ptx, *addrs, t.registers[()], result_types=f32,
                                       has_side_effects=True)
-        first = arith.cmpi(arith.CmpIPredicate.ult, lane, _i32(64))
+        first = arith.cmpi(arith.CmpIPredicate.ult, lane, const_i32(64))
         mgpu.utils.inline_ptx("st.shared.f32 [$0], $1;", _smem_address(dst, col), total,
                               predicate=first, has_side_effects=True)
         mgpu.utils.warpgroup_barrier()

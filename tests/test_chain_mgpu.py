@@ -15,6 +15,7 @@ import pytest
 from helpers import lowered_for_sm90
 
 from pallas_kernels import chain_mgpu as cm
+from pallas_kernels import chain_plan as plan
 from pallas_kernels._mgpu import on_sm90
 
 ON_SM90 = jax.default_backend() == "gpu" and on_sm90()
@@ -25,10 +26,10 @@ SHAPES = {"350m": (1024, 3072, 2816), "1b": (2048, 6144, 5632)}
 @pytest.mark.parametrize("blocks", [132, 7])
 def test_every_weight_tile_is_read_once(preset, blocks):
     D, N1, F = SHAPES[preset]
-    for p in cm.products(D, N1, F, blocks):
+    for p in plan.products(D, N1, F, blocks):
         seen = np.zeros((p.tiles, p.chunks), int)
         pieces = np.zeros((p.tiles, p.split.sk), int)
-        for b, t0, t1, k0, k1 in cm.schedule(D, N1, F, blocks)[p.name]:
+        for b, t0, t1, k0, k1 in plan.schedule(D, N1, F, blocks)[p.name]:
             seen[t0:t1, k0:k1] += 1
             pieces[t0:t1, b // p.split.st] += 1
             assert k1 - k0 <= p.kmax()
@@ -38,22 +39,22 @@ def test_every_weight_tile_is_read_once(preset, blocks):
 
 def test_splits_keep_the_busiest_block_near_the_mean():
     D, N1, F = SHAPES["1b"]
-    for p in cm.products(D, N1, F, 132):
-        busiest = max((t1 - t0) * (k1 - k0) for _, t0, t1, k0, k1 in cm.schedule(D, N1, F, 132)[p.name])
+    for p in plan.products(D, N1, F, 132):
+        busiest = max((t1 - t0) * (k1 - k0) for _, t0, t1, k0, k1 in plan.schedule(D, N1, F, 132)[p.name])
         assert busiest <= 1.1 * p.tiles * p.chunks / 132 + 1, (p.name, busiest)
 
 
 def test_layout_regions_do_not_overlap():
     D, N1, F = SHAPES["350m"]
-    prods = cm.products(D, N1, F, 132)
-    lay = cm.layout(prods, D)
-    spans = sorted((lay.offsets[p.name], p.tiles * p.split.sk * cm.T) for p in prods)
+    prods = plan.products(D, N1, F, 132)
+    lay = plan.layout(prods, D)
+    spans = sorted((lay.offsets[p.name], p.tiles * p.split.sk * plan.T) for p in prods)
     spans += [(lay.offsets["X"], D), (lay.offsets["H"], D)]
     spans.sort()
     for (a, n), (b, _) in zip(spans, spans[1:], strict=False):
         assert a + n <= b
     assert spans[-1][0] + spans[-1][1] == lay.layer_words
-    words = cm.init_words(jnp.arange(D, dtype=jnp.float32), prods, lay).reshape(-1, 2)
+    words = plan.init_words(jnp.arange(D, dtype=jnp.float32), prods, lay).reshape(-1, 2)
     assert words.shape[0] == lay.init_words and (np.asarray(words[:, 1]) == 1).all()
     x0 = jax.lax.bitcast_convert_type(words[lay.init_H:, 0], jnp.float32)
     np.testing.assert_array_equal(np.asarray(x0), np.arange(D))
@@ -63,13 +64,13 @@ def test_layout_regions_do_not_overlap():
 def test_poll_cost_fit_matches_the_measured_points():
     measured = {1: 0.23, 2: 0.48, 3: 0.59, 8: 1.00, 16: 1.34, 32: 1.64, 64: 2.09}
     for d, us in measured.items():
-        assert abs(cm.poll_us(d) - us) < 0.25, (d, cm.poll_us(d), us)
+        assert abs(plan.poll_us(d) - us) < 0.25, (d, plan.poll_us(d), us)
 
 
 def test_prediction_is_the_documented_one():
     """benchmarks/README.md quotes the cost model: 11.9 us a layer at 350m, 31.6 at 1b."""
-    assert round(cm.predict_us_per_layer(*SHAPES["350m"], 132), 1) == 11.9
-    assert round(cm.predict_us_per_layer(*SHAPES["1b"], 132), 1) == 31.6
+    assert round(plan.predict_us_per_layer(*SHAPES["350m"], 132), 1) == 11.9
+    assert round(plan.predict_us_per_layer(*SHAPES["1b"], 132), 1) == 31.6
 
 
 def inputs(D, N1, F, L, seed=0):
@@ -150,9 +151,9 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None):
     Every word read must have been written (tag 1)."""
     L, N1, D = wq.shape
     F = wd.shape[2]
-    prods = cm.products(D, N1, F, blocks)
-    lay = cm.layout(prods, D)
-    init = np.asarray(cm.init_words(x0, prods, lay)).reshape(-1, 2)
+    prods = plan.products(D, N1, F, blocks)
+    lay = plan.layout(prods, D)
+    init = np.asarray(plan.init_words(x0, prods, lay)).reshape(-1, 2)
     init_vals = init[:, 0].view(np.float32).astype(np.float64)
     vals = np.zeros(L * lay.layer_words)
     tags = np.zeros(L * lay.layer_words, int)
@@ -168,7 +169,7 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None):
         return vals[w0:w0 + n]
 
     def read(name, l, gt, c, use_init):
-        groups, dense, norm = cm.input_spec(name, l, gt, prods, lay, F, norm_eps is not None)
+        groups, dense, norm = plan.input_spec(name, l, gt, prods, lay, F, norm_eps is not None)
         sums = [np.zeros(64), np.zeros(64)]
         for count, stride, is_b, base_word, init_ok in groups:
             for j in range(count):
@@ -191,7 +192,7 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None):
     for l in range(L):
         for p in prods:
             for b in range(blocks):
-                active, t0, t1, k0, k1 = cm.rect(p, b)
+                active, t0, t1, k0, k1 = plan.rect(p, b)
                 if not active:
                     continue
                 gk, gt = b // p.split.st, b % p.split.st
@@ -199,7 +200,7 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None):
                 for t in range(t0, t1):
                     piece = sum(W[p.name][l, t * 64:(t + 1) * 64, c * 64:(c + 1) * 64] @ x[c]
                                 for c in range(k0, k1))
-                    w0 = cm.piece_word(p, l, t, gk, lay)
+                    w0 = plan.piece_word(p, l, t, gk, lay)
                     assert (tags[w0:w0 + 64] == 0).all()  # each word written once
                     vals[w0:w0 + 64], tags[w0:w0 + 64] = piece, 1
     return np.concatenate([read("final", L - 1, 0, c, False) for c in range(D // 64)])

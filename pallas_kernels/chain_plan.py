@@ -1,0 +1,191 @@
+"""The plan of `chain_mgpu`'s decode chain megakernel, in plain Python (CPU-testable): how
+each weight product's [row tiles, chunks] items split over the blocks (`choose_split`, a cost
+model fitted to the H200's handover prices), where every low-latency (LL) word lives
+(`layout`, `piece_word`) and where each product's input is read from (`input_spec`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+T = 64  # rows of a weight tile (wgmma N) and of an activation chunk
+KC = 64  # columns of a weight tile (one chunk of K)
+_ITEM_US = 0.26  # one 8 KB tile per SM at ~4.1 TB/s over 132 SMs
+
+
+def poll_us(sources: int) -> float:
+    """A handover's cost in stream time when each reader waits for `sources` writers' words,
+    fitted to the H200's (probe_tma_stream mode ll: 0.23 / 0.48 / 0.59 / 1.00 / 1.34 / 1.64 /
+    2.09 us for 1 / 2 / 3 / 8 / 16 / 32 / 64 sources): about 0.2 + 0.3 log2(sources)."""
+    return 0.2 + 0.3 * math.log2(max(sources, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A product's [tiles, chunks] items in sk chunk groups x st tile groups (sk * st blocks)."""
+
+    sk: int
+    st: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    name: str
+    N: int  # output rows
+    K: int  # input width
+    split: Split
+
+    @property
+    def tiles(self) -> int:
+        return self.N // T
+
+    @property
+    def chunks(self) -> int:
+        return self.K // KC
+
+    def kmax(self) -> int:
+        """The most chunks a block reads."""
+        return -(-self.chunks // self.split.sk)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def choose_split(tiles: int, chunks: int, blocks: int, sources_in: int = 1, fan_out: int = 1) -> Split:
+    """The rectangle split with the least estimated time: the busiest block's items at the
+    stream's per-SM rate, its polling passes (two chunks a pass; the first waits, the others
+    find their words written) over `sources_in` sources each, and the handover its own
+    pieces cost the next product's readers (sk * fan_out sources)."""
+    best = None
+    for sk in range(1, chunks + 1):
+        for st in range(1, min(tiles, blocks // sk) + 1):
+            items = -(-tiles // st) * -(-chunks // sk)
+            passes = -(-cdiv(chunks, sk) // 2)
+            cost = (items * _ITEM_US + poll_us(sources_in) + (passes - 1) * 0.2
+                    + poll_us(sk * fan_out))
+            if best is None or cost < best[0]:
+                best = (cost, Split(sk, st))
+    return best[1]
+
+
+def products(D: int, N1: int, F: int, blocks: int) -> tuple[Product, ...]:
+    """The layer's four products with their splits (qkv, o, gate|up, down)."""
+    out, sources = [], 2  # the first reads the previous down's pieces and a residual
+    # fan_out: sources a reader of this product's pieces polls per piece set (gate and up;
+    # a residual beside qkv's and o's readers... counted as 1 extra by sources_in below).
+    for name, N, K, fan in (("qkv", N1, D, 1), ("o", D, D, 1), ("gu", 2 * F, D, 2), ("down", D, F, 1)):
+        split = choose_split(N // T, K // KC, blocks, sources, fan)
+        out.append(Product(name, N, K, split))
+        sources = split.sk * fan + (name in ("o", "down"))
+    return tuple(out)
+
+
+def predict_us_per_layer(D: int, N1: int, F: int, blocks: int) -> float:
+    """The cost model's µs a layer: for each product its busiest block's tiles at the
+    stream's per-SM rate, then its readers' poll (the sources each waits for), serially."""
+    prods = products(D, N1, F, blocks)
+    qkv, o, gu, down = prods
+    sources = {"qkv": down.split.sk + 1, "o": qkv.split.sk, "gu": o.split.sk + 1, "down": 2 * gu.split.sk}
+    total = 0.0
+    for p in prods:
+        rects = [rect(p, b) for b in range(blocks)]
+        busiest = max((t1 - t0) * (k1 - k0) for active, t0, t1, k0, k1 in rects if active)
+        total += busiest * _ITEM_US + poll_us(sources[p.name]) + (cdiv(p.kmax(), 2) - 1) * 0.2
+    return total
+
+
+def rect(p: Product, b):
+    """Block b's rectangle of product p: (active, t0, t1, k0, k1); works on ints and traced."""
+    gk, gt = b // p.split.st, b % p.split.st
+    active = b < p.split.sk * p.split.st
+    k0, k1 = gk * p.chunks // p.split.sk, (gk + 1) * p.chunks // p.split.sk
+    t0, t1 = gt * p.tiles // p.split.st, (gt + 1) * p.tiles // p.split.st
+    return active, t0, t1, k0, k1
+
+
+def schedule(D: int, N1: int, F: int, blocks: int):
+    """{product name: [(block, t0, t1, k0, k1) for active blocks]}: the decomposition."""
+    return {p.name: [(b, *rect(p, b)[1:]) for b in range(blocks) if rect(p, b)[0]]
+            for p in products(D, N1, F, blocks)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Word offsets (8-byte LL words) of each layer's regions in the semaphore array: every
+    product's pieces [tiles, sk, 64], and the dense residuals X_l (qkv's input, l >= 1) and
+    H_l (gate|up's input). `init` is the layout of the host-written words standing in for
+    layer -1: the down pieces (zeros) and H_{-1} = x_0."""
+
+    offsets: dict
+    layer_words: int
+    init_down: int
+    init_H: int
+    init_words: int
+
+
+def layout(prods, D: int) -> Layout:
+    offsets, w = {}, 0
+    for p in prods:
+        offsets[p.name] = w
+        w += p.tiles * p.split.sk * T
+    for name in ("X", "H"):
+        offsets[name] = w
+        w += D
+    down = prods[3]
+    init_H = down.tiles * down.split.sk * T
+    return Layout(offsets, w, 0, init_H, init_H + D)
+
+
+def init_words(x0_D, prods, lay: Layout):
+    """The host-written words for layer -1, as int32 pairs [init_words, 2]: zero down pieces
+    and x_0, each tagged 1."""
+    vals = jnp.concatenate([jnp.zeros((lay.init_H,), jnp.float32), x0_D.astype(jnp.float32)])
+    bits = lax.bitcast_convert_type(vals, jnp.int32)
+    return jnp.stack([bits, jnp.ones_like(bits)], axis=-1).reshape(-1)
+
+
+def piece_word(p: Product, l, t, gk, lay: Layout):
+    """First LL word of layer l's piece of tile t of product p from chunk group gk."""
+    return l * lay.layer_words + lay.offsets[p.name] + (t * p.split.sk + gk) * T
+
+
+def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False):
+    """Where product `name` of layer l reads its input chunk c (block in tile group gt):
+    (groups, dense). groups: [(count, stride, is_b, base_word, init_ok)], the words
+    base_word + c * stride + j * 64 + col for j < count (group B, is_b, is SwiGLU's up);
+    init_ok: at layer 0 these words are the host's (`init_words`). dense: where the readers
+    of tile group 0 write the input's sum (A's) as a dense vector, {} for none. norm (with
+    norms): (base_word, init_ok) of the dense vector whose RMSNorm factor scales this input
+    (x_l for the q|k|v output that o reads, h_l for gate|up's), else None. Works on ints
+    (tests) and traced values (the kernel)."""
+    qkv, o, gu, down = prods
+
+    def base(layer, region):
+        return layer * lay.layer_words + lay.offsets[region]
+
+    first = l == 0
+    if name == "qkv":  # x_l = H_{l-1} + the previous down's pieces; X_l dense
+        groups = [(down.split.sk, 64 * down.split.sk, False,
+                   jnp.where(first, lay.init_down, base(l - 1, "down")), True),
+                  (1, 64, False, jnp.where(first, lay.init_H, base(l - 1, "H")), True)]
+        return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0)), None
+    if name == "o":  # the q part of qkv's pieces (times x_l's RMSNorm factor)
+        norm = (jnp.where(first, lay.init_H, base(l, "X")), True) if norms else None
+        return [(qkv.split.sk, 64 * qkv.split.sk, False, base(l, "qkv"), False)], {}, norm
+    if name == "gu":  # h_l = X_l + o's pieces; H_l dense
+        groups = [(o.split.sk, 64 * o.split.sk, False, base(l, "o"), False),
+                  (1, 64, False, jnp.where(first, lay.init_H, base(l, "X")), True)]
+        return groups, dict(dense_base=base(l, "H"), dense_on=gt == 0), None
+    if name == "down":  # silu(gate) * up from gate|up's pieces (times h_l's RMSNorm factor)
+        g0, stride = base(l, "gu"), 64 * gu.split.sk
+        norm = (base(l, "H"), False) if norms else None
+        return [(gu.split.sk, stride, False, g0, False),
+                (gu.split.sk, stride, True, g0 + (F // T) * stride, False)], {}, norm
+    if name == "final":  # x_L = H_{L-1} + the last down's pieces (l = L - 1)
+        return [(down.split.sk, 64 * down.split.sk, False, base(l, "down"), False),
+                (1, 64, False, base(l, "H"), False)], {}, None
+    raise ValueError(f"input_spec: no product {name!r}")

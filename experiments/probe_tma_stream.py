@@ -76,8 +76,11 @@ def stream(w_NK, *, rows: int, kc: int, stages: int, blocks: int, consume: str,
     wgmma operand (`_mgpu.ll_gather`), as a decode megakernel's product waits for the K
     chunks it reads from the few blocks that wrote them; no fence anywhere (wgmma consumer,
     kc 64, wait="cons" only)."""
-    fence_ptx = {"proxy": "fence.proxy.async.global; fence.acq_rel.gpu;",
-                 "acqrel": "fence.acq_rel.gpu;", "none": None, "relaxed": None}[fences]
+    fence_ptxs = {"proxy": "fence.proxy.async.global; fence.acq_rel.gpu;",
+                  "acqrel": "fence.acq_rel.gpu;", "none": None, "relaxed": None}
+    if fences not in fence_ptxs:
+        raise ValueError(f"fences={fences!r}: use one of {sorted(fence_ptxs)}.")
+    fence_ptx = fence_ptxs[fences]
     if wait not in ("cons", "prod", "none"):
         raise ValueError(f"wait={wait!r}: use 'cons', 'prod' or 'none'.")
     if mode not in ("count", "flags", "ll"):

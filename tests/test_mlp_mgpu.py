@@ -216,6 +216,8 @@ def test_tma_stream_probe_bad_modes_name_the_field():
     w = jnp.zeros((64, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="mode="):
         mod.stream(w, rows=64, kc=64, stages=2, blocks=1, consume="none", phases=1, mode="tree")
+    with pytest.raises(ValueError, match="fences="):
+        mod.stream(w, rows=64, kc=64, stages=2, blocks=1, consume="none", phases=1, fences="full")
     with pytest.raises(ValueError, match="wait="):
         mod.stream(w, rows=64, kc=64, stages=2, blocks=1, consume="none", phases=1, wait="both")
 

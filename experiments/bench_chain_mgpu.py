@@ -40,12 +40,27 @@ def weights(D, N1, F, L, seed=0):
     return x0, w(ks[1], (L, N1, D)), w(ks[2], (L, D, D)), w(ks[3], (L, 2 * F, D)), w(ks[4], (L, D, F))
 
 
+def attention_inputs(L, D, capacity, pos, heads=16, seed=2):
+    """(kv [L, 2, heads, capacity, hd] random bf16, pos [1], rope [hd]) and the bytes of the
+    rows below pos (what a step must read)."""
+    from gendist.models.layers import rope_angles  # noqa: PLC0415
+
+    hd = D // heads
+    kv = jax.random.normal(jax.random.key(seed), (L, 2, heads, capacity, hd), jnp.float32).astype(jnp.bfloat16)
+    cos, sin = rope_angles(jnp.full((1, 1), pos, jnp.int32), hd, 10000.0)
+    rope = jnp.concatenate([cos.reshape(-1), sin.reshape(-1)])
+    return (kv, jnp.array([pos], jnp.int32), rope), L * 2 * heads * pos * hd * 2
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="*", default=list(PRESETS))
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (0: the preset's)")
     ap.add_argument("--stages", type=int, default=16)
     ap.add_argument("--norms", action="store_true", help="RMSNorms before q|k|v and gate|up (eps 1e-5)")
+    ap.add_argument("--attention", type=int, default=0, metavar="POS",
+                    help="attend (16 heads) to a random bf16 cache of POS positions (0: no attention)")
+    ap.add_argument("--capacity", type=int, default=320, help="cache rows a head holds (with --attention)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dry", action="store_true", help="CPU: the splits and the XLA chain only")
@@ -71,28 +86,41 @@ def main():
         if args.norms:  # gains near 1; the kernel takes them folded into the weights
             k1, k2 = jax.random.split(jax.random.key(1))
             gains = (1 + 0.1 * jax.random.normal(k1, (L, D)), 1 + 0.1 * jax.random.normal(k2, (L, D)))
+        att, kv_bytes = (), 0
+        if args.attention:
+            att, kv_bytes = attention_inputs(L, D, args.capacity, args.attention)
         ref = jax.jit(functools.partial(cm.reference, norms=gains, eps=1e-5))
-        want = np.asarray(ref(x0, *ws), np.float64)
+        want = ref(x0, *ws, *att)
+        if att:
+            want, want_kv = want
+        want = np.asarray(want, np.float64)
         kernel_ws = list(ws)
         if gains is not None:
             kernel_ws[0], kernel_ws[2] = cm.fold_norms(ws[0], ws[2], *gains)
         row = dict(preset=name, layers=L, D=D, N1=N1, F=F, weight_bytes=nbytes, norms=args.norms,
+                   attention_pos=args.attention, kv_bytes=kv_bytes,
                    predicted_us_per_layer=plan.predict_us_per_layer(D, N1, F, blocks),
                    splits={p.name: [p.split.sk, p.split.st] for p in prods})
         fns = {"xla": ref, "read_only_sum": jax.jit(lambda *ws: sum(jnp.sum(w, dtype=jnp.float32) for w in ws))}
         if not args.dry:
             ours = functools.partial(cm.chain_mgpu, stages=args.stages, norm_eps=eps)
-            got = np.asarray(ours(x0, *kernel_ws), np.float64)
+            got = ours(x0, *kernel_ws, *att)
+            if att:
+                got, got_kv = got
+                kv_err = np.abs(np.asarray(got_kv, np.float32) - np.asarray(want_kv, np.float32)).max()
+                row["kv_new_max_abs_err"] = float(kv_err)
+                print(f"  kv_new max abs err vs XLA {kv_err:.2e}", flush=True)
+            got = np.asarray(got, np.float64)
             row["rel_err_vs_xla"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             print(f"  rel err vs XLA {row['rel_err_vs_xla']:.2e}", flush=True)
             fns["ours"] = ours
         best = {k: float("inf") for k in fns}
         for _ in range(1 if args.dry else args.rounds):
             for k, f in fns.items():
-                a = ws if k == "read_only_sum" else (x0, *(kernel_ws if k == "ours" else ws))
+                a = ws if k == "read_only_sum" else (x0, *(kernel_ws if k == "ours" else ws), *att)
                 best[k] = min(best[k], pipelined_seconds(f, *a, n=2 if args.dry else args.iters, warm=1)[0])
         bw = nbytes / best["read_only_sum"]
-        floor = nbytes / bw
+        floor = (nbytes + kv_bytes) / bw  # the weights and the cache rows below pos, once
         for k in ("xla", "ours"):
             if k in best:
                 row[k] = dict(us=best[k] * 1e6, us_per_layer=best[k] * 1e6 / L,

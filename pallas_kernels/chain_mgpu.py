@@ -44,6 +44,7 @@ and the input wiring (CPU-testable), `chain_words` the inline-PTX word movers.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import chain_attention as ca
 from pallas_kernels import chain_words
 from pallas_kernels._mgpu import (
     SMEM_LIMIT,
@@ -72,6 +74,7 @@ from pallas_kernels.chain_plan import (
     products,
     rect,
 )
+from pallas_kernels.decode_attention import decode_attention_reference
 
 
 def _window_rows(kmax: int) -> int:
@@ -81,53 +84,85 @@ def _window_rows(kmax: int) -> int:
 
 
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
-                 norm_eps: float | None):
+                 norm_eps: float | None, attn=None):
+    """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
+    rope [hd] fp32 (cos | sin of pos's angles)): the attention phase (`chain_attention`)."""
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
-    lay = layout(prods, D)
+    lay = layout(prods, D, attn is not None)
     init = init_words(x0_D, prods, lay)
     NB, st = blocks, stages
     kmax = max(p.kmax() for p in prods)
     qkv, o, gu, down = prods
+    if attn is not None:
+        kv = attn[0]
+        H, S, hd = kv.shape[2], kv.shape[3], kv.shape[4]
+        nc = hd // T  # 64-wide chunks of a head
+        scale_log2 = ca.LOG2E / math.sqrt(hd)
 
-    def counts(b):  # items a layer, and before each product, for block b (traced)
-        n, before = 0, []
+    def counts(b, pos=None):  # items a layer, and where each phase starts, for block b (traced)
+        n, before = 0, {}
         for p in prods:
             active, t0, t1, k0, k1 = rect(p, b)
-            before.append(n)
+            before[p.name] = n
             n = n + jnp.where(active, (t1 - t0) * (k1 - k0), 0)
+            if p.name == "qkv" and attn is not None:
+                before["att"] = n
+                n = n + jnp.where(b >= NB - H, ca.items(pos, hd), 0)
         return n, before
 
-    def kernel(init_ref, wq_ref, wo_ref, wgu_ref, wd_ref, y_ref, x_win, w_smem, acc_smem, out_smem,
-               norm_smem, full, free):
+    def kernel(*refs):
+        n_in = 5 if attn is None else 8
+        init_ref, wq_ref, wo_ref, wgu_ref, wd_ref = refs[:5]
+        kv_ref, pos_ref, rope_ref = refs[5:8] if attn is not None else (None,) * 3
+        y_ref, kvn_ref = (refs[n_in], None) if attn is None else refs[n_in:n_in + 2]
+        (x_win, w_smem, acc_smem, out_smem, norm_smem, full, free,
+         p_win, sc_smem, stage_smem, red_smem) = refs[n_in + (1 if attn is None else 2):]
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
         ll = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * L * lay.layer_words,)))
-        w_refs = (wq_ref, wo_ref, wgu_ref, wd_ref)
-        per_layer, before = counts(b)
+        w_refs = dict(qkv=wq_ref, o=wo_ref, gu=wgu_ref, down=wd_ref)
+        pos = pos_ref[0] if attn is not None else None
+        n_tiles = ca.tiles(pos) if attn is not None else None
+        per_layer, before = counts(b, pos)
+        h = NB - 1 - b  # the head this block attends to, if h < H
 
-        def base(l, name):  # first word of layer l's region (l may be traced)
-            return l * lay.layer_words + lay.offsets[name]
+        def issue(j, src):  # ring step j: the tile src into its slot
+            slot = lax.rem(j, st)
+            pl.when(j >= st)(lambda: plgpu.barrier_wait(free.at[slot]))
+            plgpu.copy_gmem_to_smem(src, w_smem.at[slot], full.at[slot])
 
-        def produce(l, i, p):  # layer l's product p: its weight tiles into the ring
+        def produce(l, p):  # layer l's product p: its weight tiles into the ring
             active, t0, t1, k0, k1 = rect(p, b)
             nk = k1 - k0
-            j0 = l * per_layer + before[i]
+            j0 = l * per_layer + before[p.name]
 
             @pl.when(active)
             def _():
                 @pl.loop(0, (t1 - t0) * nk)
                 def _(q):
-                    j = j0 + q
                     t, k = t0 + q // nk, k0 + lax.rem(q, nk)
-                    slot = lax.rem(j, st)
-                    pl.when(j >= st)(lambda: plgpu.barrier_wait(free.at[slot]))
-                    plgpu.copy_gmem_to_smem(w_refs[i].at[l, pl.ds(t * T, T), pl.ds(k * KC, KC)],
-                                            w_smem.at[slot], full.at[slot])
+                    issue(j0 + q, w_refs[p.name].at[l, pl.ds(t * T, T), pl.ds(k * KC, KC)])
+
+        def produce_att(l):  # head h's K tiles (position tile, chunk), then V's (chunk, tile)
+            j0 = l * per_layer + before["att"]
+
+            @pl.when(h < H)
+            def _():
+                @pl.loop(0, n_tiles * nc)
+                def _(q):
+                    t, c = q // nc, lax.rem(q, nc)
+                    issue(j0 + q, kv_ref.at[l, 0, h, pl.ds(t * T, T), pl.ds(c * KC, KC)])
+
+                @pl.loop(0, n_tiles * nc)
+                def _(q):
+                    c, t = q // n_tiles, lax.rem(q, n_tiles)
+                    issue(j0 + n_tiles * nc + q, kv_ref.at[l, 1, h, pl.ds(t * T, T), pl.ds(c * KC, KC)])
 
         def gather(l, p, k0, k1, gt):
             """The window's rows for chunks k0..k1-1 of product p's input, two chunks a pass."""
             first = l == 0
-            groups, dense, norm = input_spec(p.name, l, gt, prods, lay, F, norm_eps is not None)
+            groups, dense, norm = input_spec(p.name, l, gt, prods, lay, F, norm_eps is not None,
+                                             attn is not None)
             if norm is not None:
                 chain_words.norm_partials(ll, init_ref, norm_smem, norm[0], first, norm[1], D)
                 dense = dict(dense, norm_ref=norm_smem, norm=(norm_eps, D))
@@ -139,15 +174,17 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                     use_init=first, **dense))
             plgpu.commit_smem()  # the window's rows, for the tensor core
 
-        def tile_piece(l, p, t, jt, nk, gk):
-            """Tile t's sum over this block's nk chunks (ring steps jt..), as LL words."""
+        def ring_dot(jt, nk, b_chunk, a_transposed=False):
+            """Column 0 of the sum over ring steps jt..jt+nk-1 (nk >= 1) of slot tile (A, or
+            its transpose) times b_chunk(kk) [8, 64] seen transposed (B): [64] fp32."""
             def k_loop(acc):
                 @pl.loop(0, nk)
                 def _(kk):
                     j = jt + kk
                     slot = lax.rem(j, st)
                     plgpu.barrier_wait(full.at[slot])
-                    plgpu.wgmma(acc, w_smem.at[slot], x_win.at[pl.ds(8 * kk, 8)].transpose((1, 0)))
+                    a = w_smem.at[slot].transpose((1, 0)) if a_transposed else w_smem.at[slot]
+                    plgpu.wgmma(acc, a, b_chunk(kk).transpose((1, 0)))
                     plgpu.wgmma_wait(1)  # step j - 1's product is done: its slot is free
                     pl.when(kk > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(j + st - 1, st)]))
 
@@ -157,29 +194,68 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
 
             acc = pl.run_scoped(k_loop, plgpu.ACC((T, 8), jnp.float32))
             first_col = plgpu.broadcasted_iota(jnp.int32, (T, 8), 1, layout=WGMMA) == 0
-            acc_smem[...] = jnp.where(first_col, acc, 0.0).sum(axis=1)
+            return jnp.where(first_col, acc, 0.0).sum(axis=1)
+
+        def tile_piece(l, p, t, jt, nk, gk):
+            """Tile t's sum over this block's nk chunks (ring steps jt..), as LL words."""
+            acc_smem[...] = ring_dot(jt, nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)])
             plgpu.commit_smem()
             ll_store(ll, acc_smem, piece_word(p, l, t, gk, lay), 1, then_barrier=True)
 
-        def consume(l, i, p):  # layer l's product p: its input, then its tiles' pieces
+        def consume(l, p):  # layer l's product p: its input, then its tiles' pieces
             active, t0, t1, k0, k1 = rect(p, b)
             nk = k1 - k0
-            j0 = l * per_layer + before[i]
+            j0 = l * per_layer + before[p.name]
 
             @pl.when(active)
             def _():
                 gather(l, p, k0, k1, b % p.split.st)
                 pl.loop(t0, t1)(lambda t: tile_piece(l, p, t, j0 + (t - t0) * nk, nk, b // p.split.st))
 
-        def every_product(step):  # step(l, i, p) for every layer's products, in order
+        def attend(l):  # head h of layer l (chain_attention's steps 1-6)
+            j0 = l * per_layer + before["att"]
+
+            @pl.when(h < H)
+            def _():
+                groups, _, norm = input_spec("att", l, 0, prods, lay, F, norm_eps is not None)
+                dense = {}
+                if norm is not None:
+                    chain_words.norm_partials(ll, init_ref, norm_smem, norm[0], l == 0, norm[1], D)
+                    dense = dict(norm_ref=norm_smem, norm=(norm_eps, D))
+                for r in range(3):  # q, k, v: stage chunks r nc .. r nc + nc - 1
+                    c0 = (r * D + h * hd) // T
+                    chain_words.gather(ll, init_ref, stage_smem, groups, out="f32", c0=c0,
+                                       c1=c0 + nc - 1, k0=c0 - r * nc, use_init=False, **dense)
+                row = (l * 2 * H + h) * hd  # this head's new k in kv_new [L, 2, H, hd]
+                ca.rope_new(stage_smem, x_win, kvn_ref, rope_ref, red_smem, row, row + H * hd, hd)
+                plgpu.commit_smem()  # q in the window, for the tensor core
+
+                @pl.loop(0, n_tiles)
+                def _(t):
+                    sc_smem.at[t][...] = ring_dot(j0 + t * nc, nc, lambda kk: x_win.at[pl.ds(8 * kk, 8)])
+
+                plgpu.commit_smem()
+                ca.softmax(sc_smem, p_win, red_smem, pos, n_tiles, scale_log2)
+                plgpu.commit_smem()  # p in its window, for the tensor core
+                for c in range(nc):
+                    acc_smem[...] = ring_dot(j0 + n_tiles * (nc + c), n_tiles,
+                                             lambda kk: p_win.at[pl.ds(8 * kk, 8)], a_transposed=True)
+                    plgpu.commit_smem()
+                    ca.combine(acc_smem, stage_smem, red_smem, 2 * hd + c * T, scale_log2)
+                    ll_store(ll, acc_smem, l * lay.layer_words + lay.offsets["att"] + h * hd + c * T, 1,
+                             then_barrier=True)
+
+        def every_phase(step, step_att):  # every layer's phases, in order
             @pl.loop(0, L)
             def _(l):
-                for i, p in enumerate(prods):
-                    step(l, i, p)
+                for p in prods:
+                    step(l, p)
+                    if p.name == "qkv" and attn is not None:
+                        step_att(l)
 
         @pl.when(wg == 1)
         def _producer():
-            every_product(produce)
+            every_phase(produce, produce_att)
 
             total = L * per_layer
 
@@ -189,7 +265,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
 
         @pl.when(wg == 0)
         def _consumer():
-            every_product(consume)
+            every_phase(consume, attend)
 
             @pl.when(b < D // T)
             def _final():  # chunk b of x_L, to y
@@ -199,6 +275,14 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 plgpu.copy_smem_to_gmem(out_smem, y_ref.at[pl.ds(b * T, T)])
                 plgpu.wait_smem_to_gmem(0)
 
+    att_scratch = (None,) * 4
+    if attn is not None:
+        att_scratch = (
+            tiled_smem((8 * (S // T), KC), jnp.bfloat16),  # p, as the tensor core reads it
+            plgpu.SMEM((S // T, T), jnp.float32),  # the scores
+            plgpu.SMEM((3 * hd,), jnp.float32),  # the head's q, k, v
+            plgpu.SMEM((16,), jnp.float32),  # the warps' partial sums (chain_attention.RED)
+        )
     scratch = (
         tiled_smem((_window_rows(kmax), KC), jnp.bfloat16),  # the input window
         tiled_smem((st, T, KC), jnp.bfloat16),  # the weight ring
@@ -207,9 +291,13 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         plgpu.SMEM((4,), jnp.float32),  # a norm's 4 warp partial sums of squares
         plgpu.Barrier(num_barriers=st),  # slot's tile landed
         plgpu.Barrier(num_barriers=st),  # slot free again
-    )
-    return launch(kernel, (init, w_qkv, w_o, w_gu, w_down),
-                  out_type=jax.ShapeDtypeStruct((D,), jnp.float32), scratch=scratch, grid=(NB,),
+    ) + att_scratch
+    out_type = jax.ShapeDtypeStruct((D,), jnp.float32)
+    args = (init, w_qkv, w_o, w_gu, w_down)
+    if attn is not None:
+        out_type = (out_type, jax.ShapeDtypeStruct((L, 2, H, hd), jnp.bfloat16))
+        args += tuple(attn)
+    return launch(kernel, args, out_type=out_type, scratch=scratch, grid=(NB,),
                   grid_names=("b",), num_threads=2, interpret=False, manual_barriers=True,
                   name="decode_chain")
 
@@ -237,21 +325,58 @@ def check(x0_D, w_qkv, w_o, w_gu, w_down):
     return L, D, N1, F
 
 
+def check_attention(kv, pos, rope, L: int, D: int, N1: int):
+    """Raises a ValueError naming what does not fit the attention phase; returns (H, S, hd)."""
+    if kv.ndim != 5 or kv.shape[0] != L or kv.shape[1] != 2:
+        raise ValueError(f"chain_mgpu: kv {kv.shape}: want [L={L}, 2, heads, capacity, head_dim].")
+    H, S, hd = kv.shape[2:]
+    if H * hd != D or N1 != 3 * D:
+        raise ValueError(f"chain_mgpu: heads {H} x head_dim {hd} must be D={D} and N1={N1} "
+                         "must be 3 D (q|k|v of multi-head attention).")
+    if hd % T or S % T:
+        raise ValueError(f"chain_mgpu: head_dim={hd} and capacity={S} must be multiples of {T}.")
+    if jnp.dtype(kv.dtype) != jnp.bfloat16:
+        raise ValueError("chain_mgpu: the kv cache must be bf16.")
+    if pos.shape != (1,) or rope.shape != (hd,):
+        raise ValueError(f"chain_mgpu: pos {pos.shape}, rope {rope.shape}: want [1] (int32) and "
+                         f"[head_dim={hd}] (cos | sin of the new token's angles).")
+    return H, S, hd
+
+
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps"))
-def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, *, stages: int = 16, blocks: int | None = None,
-               norm_eps: float | None = None):
+def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
+               blocks: int | None = None, norm_eps: float | None = None):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
-    folded into w_qkv's and w_gu's columns (`fold_norms`); None: no norms."""
+    folded into w_qkv's and w_gu's columns (`fold_norms`); None: no norms.
+
+    With kv [L, 2, H, S, hd] (bf16 K and V caches, finite), pos [1] int32 (the new token's
+    position: the cache rows below it are read) and rope [hd] fp32 (cos | sin of its angles,
+    `gendist.models.layers.rope_angles`), each layer attends (`chain_attention`) and the
+    result is (x_L, kv_new [L, 2, H, hd] bf16: the new token's rotated k and its v, for the
+    caller to write at row pos)."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
-    prods = products(D, N1, F, NB)
-    need = smem_need(max(p.kmax() for p in prods), stages)
+    attn = None
+    if kv is not None:
+        H, S, hd = check_attention(kv, pos, rope, L, D, N1)
+        attn = (kv, pos.astype(jnp.int32), rope.astype(jnp.float32))
+    prods = products(D, N1, F, NB, attention=attn is not None)
+    kmax = max(p.kmax() for p in prods)
+    need = smem_need(kmax, stages) + (0 if attn is None else attention_smem(S, hd))
     if need > SMEM_LIMIT - 2048:
         raise ValueError(f"chain_mgpu: stages={stages} needs {need} bytes of shared memory; use fewer.")
     if norm_eps is not None and D % 128:
         raise ValueError(f"chain_mgpu: norms need D={D} to be a multiple of 128.")
-    return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps)
+    if attn is not None and (kmax < hd // T or H > NB):
+        raise ValueError(f"chain_mgpu: head_dim={hd} needs a window of {hd // T} chunks (has "
+                         f"{kmax}) and heads={H} at most blocks={NB}.")
+    return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn)
+
+
+def attention_smem(S: int, hd: int) -> int:
+    return smem_bytes(((8 * (S // T), KC), jnp.bfloat16), ((S // T, T), jnp.float32),
+                      ((3 * hd,), jnp.float32), ((16,), jnp.float32))
 
 
 def fold_norms(w_qkv, w_gu, g_attn_LD, g_mlp_LD):
@@ -260,9 +385,12 @@ def fold_norms(w_qkv, w_gu, g_attn_LD, g_mlp_LD):
     return fold(w_qkv, g_attn_LD), fold(w_gu, g_mlp_LD)
 
 
-def reference(x0_D, w_qkv, w_o, w_gu, w_down, norms=None, eps: float = 1e-5):
+def reference(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, norms=None,
+              eps: float = 1e-5):
     """The same chain in XLA: each product's input rounded to bf16, fp32 sums. norms:
-    (g_attn [L, D], g_mlp [L, D]) for RMSNorms before q|k|v and gate|up (unfolded)."""
+    (g_attn [L, D], g_mlp [L, D]) for RMSNorms before q|k|v and gate|up (unfolded). With kv,
+    pos, rope (`chain_mgpu`'s), each layer attends as `decode_attention_reference` does and
+    the result is (x_L, kv_new [L, 2, H, hd])."""
     D, F = w_o.shape[1], w_down.shape[2]
 
     def mv(w, v):
@@ -271,10 +399,26 @@ def reference(x0_D, w_qkv, w_o, w_gu, w_down, norms=None, eps: float = 1e-5):
     def rms(v, g_D):
         return v * lax.rsqrt(jnp.mean(v * v) + eps) * g_D
 
+    def attend(l, a):  # a: q|k|v [3 D] fp32 -> (o [D], k_new [H, hd], v_new [H, hd])
+        H, hd = kv.shape[2], kv.shape[4]
+        half = hd // 2
+        cos, sin = rope[None, :half], rope[None, half:]
+        o, k, v = decode_attention_reference(
+            a.reshape(1, 3 * H, hd), kv[l, 0][:, None], kv[l, 1][:, None], pos.astype(jnp.int32),
+            cos, sin, num_heads=H)
+        p = jnp.clip(pos[0], 0, kv.shape[3] - 1)
+        return o.reshape(D), k[:, 0, p], v[:, 0, p]
+
     x = x0_D.astype(jnp.float32)
+    new = []
     for l in range(w_qkv.shape[0]):
         a = mv(w_qkv[l], x if norms is None else rms(x, norms[0][l]))
-        h = x + mv(w_o[l], a[:D])
+        if kv is None:
+            h = x + mv(w_o[l], a[:D])
+        else:
+            o, k_new, v_new = attend(l, a)
+            new.append(jnp.stack([k_new, v_new]))
+            h = x + mv(w_o[l], o)
         g = mv(w_gu[l], h if norms is None else rms(h, norms[1][l]))
         x = h + mv(w_down[l], jax.nn.silu(g[:F]) * g[F:])
-    return x
+    return x if kv is None else (x, jnp.stack(new))

@@ -72,8 +72,9 @@ def choose_split(tiles: int, chunks: int, blocks: int, sources_in: int = 1, fan_
     return best[1]
 
 
-def products(D: int, N1: int, F: int, blocks: int) -> tuple[Product, ...]:
-    """The layer's four products with their splits (qkv, o, gate|up, down)."""
+def products(D: int, N1: int, F: int, blocks: int, attention: bool = False) -> tuple[Product, ...]:
+    """The layer's four products with their splits (qkv, o, gate|up, down). attention: o
+    reads the attention phase's dense output (one source a chunk), not q|k|v's pieces."""
     out, sources = [], 2  # the first reads the previous down's pieces and a residual
     # fan_out: sources a reader of this product's pieces polls per piece set (gate and up;
     # a residual beside qkv's and o's readers... counted as 1 extra by sources_in below).
@@ -81,6 +82,8 @@ def products(D: int, N1: int, F: int, blocks: int) -> tuple[Product, ...]:
         split = choose_split(N // T, K // KC, blocks, sources, fan)
         out.append(Product(name, N, K, split))
         sources = split.sk * fan + (name in ("o", "down"))
+        if name == "qkv" and attention:
+            sources = 1
     return tuple(out)
 
 
@@ -116,8 +119,8 @@ def schedule(D: int, N1: int, F: int, blocks: int):
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Word offsets (8-byte LL words) of each layer's regions in the semaphore array: every
-    product's pieces [tiles, sk, 64], and the dense residuals X_l (qkv's input, l >= 1) and
-    H_l (gate|up's input). `init` is the layout of the host-written words standing in for
+    product's pieces [tiles, sk, 64], the dense residuals X_l (qkv's input, l >= 1) and
+    H_l (gate|up's input), and with attention its dense output A_l (o's input, "att"). `init` is the layout of the host-written words standing in for
     layer -1: the down pieces (zeros) and H_{-1} = x_0."""
 
     offsets: dict
@@ -127,12 +130,12 @@ class Layout:
     init_words: int
 
 
-def layout(prods, D: int) -> Layout:
+def layout(prods, D: int, attention: bool = False) -> Layout:
     offsets, w = {}, 0
     for p in prods:
         offsets[p.name] = w
         w += p.tiles * p.split.sk * T
-    for name in ("X", "H"):
+    for name in ("X", "H") + (("att",) if attention else ()):
         offsets[name] = w
         w += D
     down = prods[3]
@@ -153,14 +156,16 @@ def piece_word(p: Product, l, t, gk, lay: Layout):
     return l * lay.layer_words + lay.offsets[p.name] + (t * p.split.sk + gk) * T
 
 
-def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False):
+def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False,
+               attention: bool = False):
     """Where product `name` of layer l reads its input chunk c (block in tile group gt):
     (groups, dense). groups: [(count, stride, is_b, base_word, init_ok)], the words
     base_word + c * stride + j * 64 + col for j < count (group B, is_b, is SwiGLU's up);
     init_ok: at layer 0 these words are the host's (`init_words`). dense: where the readers
     of tile group 0 write the input's sum (A's) as a dense vector, {} for none. norm (with
     norms): (base_word, init_ok) of the dense vector whose RMSNorm factor scales this input
-    (x_l for the q|k|v output that o reads, h_l for gate|up's), else None. Works on ints
+    (x_l for the q|k|v output that o reads, h_l for gate|up's), else None. attention: o
+    reads the attention phase's output (`attention_spec` says what that phase reads). Works on ints
     (tests) and traced values (the kernel)."""
     qkv, o, gu, down = prods
 
@@ -173,7 +178,10 @@ def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False
                    jnp.where(first, lay.init_down, base(l - 1, "down")), True),
                   (1, 64, False, jnp.where(first, lay.init_H, base(l - 1, "H")), True)]
         return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0)), None
-    if name == "o":  # the q part of qkv's pieces (times x_l's RMSNorm factor)
+    if name == "o" and attention:  # the attention phase's output, dense
+        return [(1, 64, False, base(l, "att"), False)], {}, None
+    if name in ("o", "att"):  # qkv's pieces (times x_l's RMSNorm factor): o without
+        # attention reads the q part; the attention phase reads a head's q, k and v
         norm = (jnp.where(first, lay.init_H, base(l, "X")), True) if norms else None
         return [(qkv.split.sk, 64 * qkv.split.sk, False, base(l, "qkv"), False)], {}, norm
     if name == "gu":  # h_l = X_l + o's pieces; H_l dense

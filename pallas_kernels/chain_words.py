@@ -73,8 +73,8 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
     pieces, 64 for a dense vector) and base_word traced; init_ok: this group reads the host's
     words instead of the kernel's when use_init (layer 0). Writes row 0 of the chunk's 8-row
     group (chunk - k0) of the bf16 window dst_ref (tiled, swizzled: that row is linear), or
-    dst_ref[col] in fp32 (out="f32"); with dense_base, A's sum as a dense word at
-    dense_base + chunk * 64 + col when dense_on != 0; with norm=(eps, D), the sums scaled by
+    in fp32 (out="f32") dst_ref[(chunk - k0) * 64 + col]; with dense_base, A's sum as a dense word at
+    dense_base + chunk * 64 + col when dense_on != 0; with out="f32", dst_ref[(chunk - k0) * 64 + col]; with norm=(eps, D), the sums scaled by
     the RMSNorm factor from norm_ref's partials (`norm_partials`). Ends in a warpgroup barrier."""
     n_a = sum(g[0] for g in groups if not g[2])
     n_b = sum(g[0] for g in groups if g[2])
@@ -124,8 +124,8 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
         dst_p = llvm.ptrtoint(i32, mgpu.utils.memref_ptr(dst))
         if out == "bf16":  # row 0 of 8-row group (chunk - k0): 1 KB a group, linear in the row
             off = arith.addi(arith.muli(arith.subi(chunk, k0_), const_i32(1024)), arith.muli(col, const_i32(2)))
-        else:
-            off = arith.muli(col, const_i32(4))
+        else:  # element (chunk - k0) * 64 + col
+            off = arith.muli(arith.addi(arith.muli(arith.subi(chunk, k0_), const_i32(64)), col), const_i32(4))
         operands.append(arith.addi(dst_p, off))
         mgpu.utils.inline_ptx(ptx, *operands, has_side_effects=True)
         mgpu.utils.warpgroup_barrier()

@@ -143,6 +143,32 @@ def test_matches_the_reference_on_the_gpu(preset, layers, norms):
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
+def attention_inputs(L, D, capacity, pos, heads=16, seed=2):
+    from gendist.models.layers import rope_angles  # noqa: PLC0415
+
+    hd = D // heads
+    kv = jax.random.normal(jax.random.key(seed), (L, 2, heads, capacity, hd), jnp.float32).astype(jnp.bfloat16)
+    cos, sin = rope_angles(jnp.full((1, 1), pos, jnp.int32), hd, 10000.0)
+    return kv, jnp.array([pos], jnp.int32), jnp.concatenate([cos.reshape(-1), sin.reshape(-1)])
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
+@pytest.mark.parametrize("preset,layers,norms,pos", [("350m", 2, False, 70), ("350m", 1, False, 0),
+                                                     ("350m", 2, True, 255), ("1b", 2, True, 129)])
+def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos):
+    D, N1, F = SHAPES[preset]
+    x0, wq, wo, wgu, wd = inputs(D, N1, F, layers)
+    att = attention_inputs(layers, D, 320, pos)
+    g = gains(D, layers) if norms else None
+    wq_f, wgu_f = cm.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
+    got, got_kv = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5 if norms else None)
+    want, want_kv = cm.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+    got_kv, want_kv = np.asarray(got_kv, np.float32), np.asarray(want_kv, np.float32)
+    assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
+
+
 def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None):
     """The kernel's data flow in numpy, through the kernel's own decomposition (`rect`), word
     layout (`layout`, `init_words`, `piece_word`) and input wiring (`input_spec`): each

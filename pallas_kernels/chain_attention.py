@@ -1,0 +1,232 @@
+"""The attention phase of `chain_mgpu`'s decode megakernel: one block a head, batch 1, between
+the q|k|v product and the output product (Hopper, sm90; issue 19).
+
+Block `head_block(h)` (the last `heads` blocks, which the rectangle splits load least) takes
+head h of layer l:
+
+1. gathers its q, k and v (3 hd values: the sums of q|k|v's pieces, times x_l's RMSNorm
+   factor with norms) into fp32 shared memory (`chain_words.gather`, out="f32");
+2. `rope_new`: rotates q and the new k (NeoX pairs (x[:hd/2], x[hd/2:]), fp32, rounded to
+   bf16 as the cache holds them), writes q into the window the tensor core reads, the new
+   k and v to the `kv_new` output [L, 2, H, hd] (the caller writes them into the cache at
+   `pos` after the kernel, one update for every layer), and sums q . k_new;
+3. scores of the cached positions [0, pos): the K tiles [64 positions, 64] stream through
+   the weight ring like any weight tile and wgmma takes them as A against q (B), so that
+   column 0 of the [64, 8] accumulator is 64 scores;
+4. `softmax_max` / `softmax_p`: the maximum over the scores and the new token's, then
+   p = 2^((s - m) scale log2 e) as bf16 into a second window (0 at positions >= pos);
+5. P V: the V tiles, read transposed from the ring (A = V^T [64 dims, 64 positions])
+   against p (B); `combine` adds the new token's p v and divides by the sum;
+6. the head's output as LL words of the layer's "att" region: the output product's input.
+
+The cache rows at and above pos are never trusted: their p is 0. The cache must hold finite
+values there (0 * NaN is NaN on the tensor core too): the caller allocates it zeroed. The
+new token's k and v are never read back from the cache (the row is written after the kernel).
+
+Rounding follows `decode_attention.decode_attention_reference`: q and k rotated in fp32 and
+cast to bf16, products accumulated in fp32; p is bf16 (here unnormalised, divided after).
+"""
+from __future__ import annotations
+
+import math
+import struct
+
+import jax.numpy as jnp
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm
+
+from pallas_kernels._mgpu import const_i32
+from pallas_kernels.chain_words import X_TRANSFORMS
+
+LOG2E = math.log2(math.e)
+RED = 12  # fp32 words of the reduction scratch: 4 warps' q.k_new, their max, their sum
+
+
+def head_block(h, blocks: int):
+    """The block that takes head h (h may be traced)."""
+    return blocks - 1 - h
+
+
+def tiles(pos):
+    """Position tiles of 64 a head reads from the cache: those below pos, at least one (at
+    pos 0 it is read and masked whole, so that every loop has a step)."""
+    return jnp.maximum((pos + 63) // 64, 1)
+
+
+def items(pos, head_dim: int):
+    """Weight-ring steps of a head: K tiles (tiles x hd/64 chunks) then V tiles."""
+    return 2 * tiles(pos) * (head_dim // 64)
+
+
+def _u32(ref):
+    return llvm.ptrtoint(ir.IntegerType.get_signless(32), mgpu.utils.memref_ptr(ref))
+
+
+def _u64(ref):
+    return llvm.ptrtoint(ir.IntegerType.get_signless(64), mgpu.utils.memref_ptr(ref))
+
+
+def _lane():
+    return arith.remui(mgpu.utils.thread_idx(), const_i32(128))
+
+
+def _win_offset(reg: str, idx: str) -> str:
+    """PTX: reg = byte offset of element idx of a 64-wide chunk row in the bf16 window
+    (row 0 of 8-row group idx / 64: 1 KB a group, linear in the row)."""
+    return f"shr.u32 {reg}, {idx}, 6; shl.b32 {reg}, {reg}, 10; and.b32 wt, {idx}, 63; shl.b32 wt, wt, 1; add.u32 {reg}, {reg}, wt;"
+
+
+_WARP_SUM = " ".join(f"shfl.sync.bfly.b32 r, x, {m}, 31, -1; add.f32 x, x, r;" for m in (16, 8, 4, 2, 1))
+_WARP_MAX = " ".join(f"shfl.sync.bfly.b32 r, x, {m}, 31, -1; max.f32 x, x, r;" for m in (16, 8, 4, 2, 1))
+# lane % 32 == 0 stores x at red[slot * 4 + warp]: operands named by the caller's PTX.
+_PER_WARP = ("and.b32 w, {lane}, 31; setp.eq.u32 z, w, 0; shr.u32 w, {lane}, 5; add.u32 w, w, {slot};"
+             " shl.b32 w, w, 2; add.u32 w, w, {red}; @z st.shared.f32 [w], x;")
+
+
+def _rope_ptx(head_dim: int) -> str:
+    """Operands: $0 stage (fp32 q|k|v, shared), $1 window (shared), $2 k_new's global address,
+    $3 v_new's, $4 the angles (cos | sin, fp32 global), $5 red (shared), $6 lane."""
+    h2 = head_dim // 2
+    per_warp = _PER_WARP.format(lane="$6", slot=0, red="$5")
+    return (
+        "{ .reg .pred p; .reg .pred z; .reg .f32 q1, q2, k1, k2, c, s, t, u, x, r; .reg .b16 a, b;"
+        " .reg .u32 i, j, o, w, wt; .reg .u64 g;"
+        f" mov.f32 x, 0f00000000; setp.lt.u32 p, $6, {h2}; @!p bra ROPE_V;"
+        " shl.b32 o, $6, 2; add.u32 i, $0, o; ld.shared.f32 q1, [i]; ld.shared.f32 q2, [i+" + str(4 * h2) + "];"
+        f" ld.shared.f32 k1, [i+{4 * head_dim}]; ld.shared.f32 k2, [i+{4 * (head_dim + h2)}];"
+        " cvt.u64.u32 g, o; add.u64 g, g, $4; ld.global.f32 c, [g]; ld.global.f32 s, [g+" + str(4 * h2) + "];"
+        # q rotated, to the window (elements lane and lane + hd/2)
+        " mul.f32 t, q2, s; neg.f32 t, t; fma.rn.f32 t, q1, c, t; cvt.rn.bf16.f32 a, t;"
+        " mul.f32 u, q1, s; fma.rn.f32 u, q2, c, u; cvt.rn.bf16.f32 b, u;"
+        f" {_win_offset('j', '$6')} add.u32 j, j, $1; st.shared.b16 [j], a;"
+        f" add.u32 i, $6, {h2}; {_win_offset('j', 'i')} add.u32 j, j, $1; st.shared.b16 [j], b;"
+        # the rotated q, as bf16, times the rotated new k, as bf16
+        " cvt.f32.bf16 q1, a; cvt.f32.bf16 q2, b;"
+        " mul.f32 t, k2, s; neg.f32 t, t; fma.rn.f32 t, k1, c, t; cvt.rn.bf16.f32 a, t;"
+        " mul.f32 u, k1, s; fma.rn.f32 u, k2, c, u; cvt.rn.bf16.f32 b, u;"
+        " shl.b32 o, $6, 1; cvt.u64.u32 g, o; add.u64 g, g, $2; st.global.b16 [g], a;"
+        f" st.global.b16 [g+{2 * h2}], b;"
+        " cvt.f32.bf16 k1, a; cvt.f32.bf16 k2, b;"
+        " mul.f32 x, q1, k1; fma.rn.f32 x, q2, k2, x;"
+        f" ROPE_V: {_WARP_SUM} {per_warp}"
+        # v: rounded to bf16, to v_new and back into the stage
+        f" setp.lt.u32 p, $6, {head_dim}; @!p bra ROPE_E;"
+        f" shl.b32 o, $6, 2; add.u32 i, $0, o; ld.shared.f32 t, [i+{8 * head_dim}]; cvt.rn.bf16.f32 a, t;"
+        " shl.b32 o, $6, 1; cvt.u64.u32 g, o; add.u64 g, g, $3; st.global.b16 [g], a;"
+        f" cvt.f32.bf16 t, a; st.shared.f32 [i+{8 * head_dim}], t; ROPE_E: }}")
+
+
+def rope_new(stage_smem, win_smem, kv_new_ref, rope_ref, red_smem, k_word, v_word, head_dim: int):
+    """Step 2 of the module docstring. k_word / v_word: the element offsets of this head's
+    new k and v in kv_new_ref (traced). Ends in a warpgroup barrier."""
+    splat = plgpu.Layout.WG_SPLAT
+    ptx = _rope_ptx(head_dim)
+
+    ref_types = (plgpu.RefType(), plgpu.RefType(X_TRANSFORMS)) + (plgpu.RefType(),) * 3
+
+    @plgpu.inline_mgpu(arg_types=(ref_types, [splat, splat]))
+    def op(_, refs, words):
+        stage, win, kvn, rope, red = refs
+        i64 = ir.IntegerType.get_signless(64)
+        base = _u64(kvn)
+
+        def at(word):
+            return arith.addi(base, arith.muli(arith.extui(i64, word.registers[()]), mgpu.utils.c(2, i64)))
+
+        mgpu.utils.inline_ptx(ptx, _u32(stage), _u32(win), at(words[0]), at(words[1]), _u64(rope),
+                              _u32(red), _lane(), has_side_effects=True)
+        mgpu.utils.warpgroup_barrier()
+
+    op((stage_smem, win_smem, kv_new_ref, rope_ref, red_smem),
+       [jnp.asarray(k_word, jnp.int32), jnp.asarray(v_word, jnp.int32)])
+
+
+def _max_ptx() -> str:
+    """Operands: $0 scores (fp32 shared), $1 pos, $2 red, $3 lane."""
+    per_warp = _PER_WARP.format(lane="$3", slot=4, red="$2")
+    return ("{ .reg .pred p; .reg .pred z; .reg .f32 x, r, y; .reg .u32 i, a, w;"
+            " mov.f32 x, 0fFF800000; mov.u32 i, $3;"
+            " SMAX_L: setp.ge.u32 p, i, $1; @p bra SMAX_E; shl.b32 a, i, 2; add.u32 a, a, $0;"
+            " ld.shared.f32 y, [a]; max.f32 x, x, y; add.u32 i, i, 128; bra SMAX_L;"
+            f" SMAX_E: {_WARP_MAX} {per_warp} }}")
+
+
+def _stats_ptx() -> str:
+    """PTX computing into s (q . k_new), m (the maximum) from red at $R (a placeholder)."""
+    return ("ld.shared.f32 s, [$R]; ld.shared.f32 y, [$R+4]; add.f32 s, s, y; ld.shared.f32 y, [$R+8];"
+            " add.f32 s, s, y; ld.shared.f32 y, [$R+12]; add.f32 s, s, y;"
+            " mov.f32 m, s; ld.shared.f32 y, [$R+16]; max.f32 m, m, y; ld.shared.f32 y, [$R+20];"
+            " max.f32 m, m, y; ld.shared.f32 y, [$R+24]; max.f32 m, m, y; ld.shared.f32 y, [$R+28];"
+            " max.f32 m, m, y;")
+
+
+def _p_ptx(scale_log2: float) -> str:
+    """Operands: $0 scores, $1 pos, $2 red, $3 lane, $4 the p window (shared), $5 positions
+    to write (tiles * 64)."""
+    per_warp = _PER_WARP.format(lane="$3", slot=8, red="$2")
+    k = _f32(scale_log2)
+    return ("{ .reg .pred p; .reg .pred q; .reg .pred z; .reg .f32 x, r, y, s, m, e; .reg .b16 hb;"
+            " .reg .u32 i, a, w, wt, j;" + _stats_ptx().replace("$R", "$2") +
+            " mov.f32 x, 0f00000000; mov.u32 i, $3;"
+            " SP_L: setp.ge.u32 p, i, $5; @p bra SP_E; shl.b32 a, i, 2; add.u32 a, a, $0;"
+            f" ld.shared.f32 y, [a]; sub.f32 y, y, m; mul.f32 y, y, {k}; ex2.approx.f32 e, y;"
+            " setp.lt.u32 q, i, $1; @!q mov.f32 e, 0f00000000; add.f32 x, x, e; cvt.rn.bf16.f32 hb, e;"
+            f" {_win_offset('j', 'i')} add.u32 j, j, $4; st.shared.b16 [j], hb;"
+            f" add.u32 i, i, 128; bra SP_L; SP_E: {_WARP_SUM} {per_warp} }}")
+
+
+def _f32(v: float) -> str:
+    return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
+
+
+def softmax(scores_smem, p_win, red_smem, pos, n_tiles, scale_log2: float):
+    """Step 4: the maximum (a warpgroup barrier), then p into p_win and the warps' sums of p
+    into red (another barrier). pos, n_tiles traced."""
+    splat = plgpu.Layout.WG_SPLAT
+    max_ptx, p_ptx = _max_ptx(), _p_ptx(scale_log2)
+
+    ref_types = (plgpu.RefType(), plgpu.RefType(X_TRANSFORMS), plgpu.RefType())
+
+    @plgpu.inline_mgpu(arg_types=(ref_types, [splat, splat]))
+    def op(_, refs, vals):
+        sc, pw, red = refs
+        pos_, n = (v.registers[()] for v in vals)
+        mgpu.utils.inline_ptx(max_ptx, _u32(sc), pos_, _u32(red), _lane(), has_side_effects=True)
+        mgpu.utils.warpgroup_barrier()
+        mgpu.utils.inline_ptx(p_ptx, _u32(sc), pos_, _u32(red), _lane(), _u32(pw),
+                              arith.muli(n, const_i32(64)), has_side_effects=True)
+        mgpu.utils.warpgroup_barrier()
+
+    op((scores_smem, p_win, red_smem), [jnp.asarray(pos, jnp.int32), jnp.asarray(n_tiles, jnp.int32)])
+
+
+def _combine_ptx(scale_log2: float) -> str:
+    """Operands: $0 out (fp32 [64] shared: P V's column, overwritten by the output), $1 the
+    new v's 64 values (fp32 shared), $2 red, $3 lane."""
+    k = _f32(scale_log2)
+    return ("{ .reg .pred p; .reg .f32 s, m, y, l, e, a, v; .reg .u32 o, o2;"
+            " setp.ge.u32 p, $3, 64; @p bra CMB_E;" + _stats_ptx().replace("$R", "$2") +
+            " ld.shared.f32 l, [$2+32]; ld.shared.f32 y, [$2+36]; add.f32 l, l, y;"
+            " ld.shared.f32 y, [$2+40]; add.f32 l, l, y; ld.shared.f32 y, [$2+44]; add.f32 l, l, y;"
+            f" sub.f32 y, s, m; mul.f32 y, y, {k}; ex2.approx.f32 e, y; add.f32 l, l, e;"
+            " shl.b32 o, $3, 2; add.u32 o, o, $0; ld.shared.f32 a, [o];"
+            " shl.b32 o2, $3, 2; add.u32 o2, o2, $1; ld.shared.f32 v, [o2];"
+            " fma.rn.f32 a, e, v, a; div.approx.f32 a, a, l; st.shared.f32 [o], a; CMB_E: }")
+
+
+def combine(out_smem, stage_smem, red_smem, v_offset, scale_log2: float):
+    """Step 5's end: out_smem[i] = (out_smem[i] + p_new v_new[v_offset + i]) / l for i < 64,
+    v_new the stage's fp32 words from v_offset (traced or static). Ends in a barrier."""
+    splat = plgpu.Layout.WG_SPLAT
+    ptx = _combine_ptx(scale_log2)
+
+    @plgpu.inline_mgpu(arg_types=((plgpu.RefType(),) * 3, [splat]))
+    def op(_, refs, vals):
+        out, stage, red = refs
+        v = arith.addi(_u32(stage), arith.muli(vals[0].registers[()], const_i32(4)))
+        mgpu.utils.inline_ptx(ptx, _u32(out), v, _u32(red), _lane(), has_side_effects=True)
+        mgpu.utils.warpgroup_barrier()
+
+    op((out_smem, stage_smem, red_smem), [jnp.asarray(v_offset, jnp.int32)])

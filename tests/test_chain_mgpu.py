@@ -169,16 +169,19 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos):
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
 
 
-def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None):
+def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None):
     """The kernel's data flow in numpy, through the kernel's own decomposition (`rect`), word
     layout (`layout`, `init_words`, `piece_word`) and input wiring (`input_spec`): each
     active block gathers its chunks (summing pieces, the residual, SwiGLU), rounds them to
     bf16, writes one piece per tile, and the tile-group-0 readers write the dense residuals.
-    Every word read must have been written (tag 1)."""
+    Every word read must have been written (tag 1). att: (kv, pos, rope) as `chain_mgpu`
+    takes them: each head reads its q, k, v through `input_spec("att")`, attends in numpy
+    (`attend`) and writes the layer's "att" words, which o reads. Returns x_L (and kv_new)."""
     L, N1, D = wq.shape
     F = wd.shape[2]
-    prods = plan.products(D, N1, F, blocks)
-    lay = plan.layout(prods, D)
+    new = []
+    prods = plan.products(D, N1, F, blocks, attention=att is not None)
+    lay = plan.layout(prods, D, attention=att is not None)
     init = np.asarray(plan.init_words(x0, prods, lay)).reshape(-1, 2)
     init_vals = init[:, 0].view(np.float32).astype(np.float64)
     vals = np.zeros(L * lay.layer_words)
@@ -195,7 +198,8 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None):
         return vals[w0:w0 + n]
 
     def read(name, l, gt, c, use_init):
-        groups, dense, norm = plan.input_spec(name, l, gt, prods, lay, F, norm_eps is not None)
+        groups, dense, norm = plan.input_spec(name, l, gt, prods, lay, F, norm_eps is not None,
+                                              att is not None)
         sums = [np.zeros(64), np.zeros(64)]
         for count, stride, is_b, base_word, init_ok in groups:
             for j in range(count):
@@ -229,7 +233,38 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None):
                     w0 = plan.piece_word(p, l, t, gk, lay)
                     assert (tags[w0:w0 + 64] == 0).all()  # each word written once
                     vals[w0:w0 + 64], tags[w0:w0 + 64] = piece, 1
-    return np.concatenate([read("final", L - 1, 0, c, False) for c in range(D // 64)])
+            if p.name == "qkv" and att is not None:
+                kv, pos, rope = (np.asarray(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a) for a in att)
+                H, hd = kv.shape[2], kv.shape[4]
+                for h in range(H):
+                    q, k, v = (np.concatenate([read("att", l, 0, (r * D + h * hd) // 64 + j, l == 0)
+                                               for j in range(hd // 64)]) for r in range(3))
+                    o, kn, vn = attend(q, k, v, kv[l, 0, h], kv[l, 1, h], int(pos[0]), rope, bf16)
+                    new.append((l, h, kn, vn))
+                    w0 = l * lay.layer_words + lay.offsets["att"] + h * hd
+                    assert (tags[w0:w0 + hd] == 0).all()
+                    vals[w0:w0 + hd], tags[w0:w0 + hd] = o, 1
+    x_L = np.concatenate([read("final", L - 1, 0, c, False) for c in range(D // 64)])
+    if att is None:
+        return x_L
+    kv_new = np.zeros((L, 2, att[0].shape[2], att[0].shape[4]))
+    for l, h, kn, vn in new:
+        kv_new[l, 0, h], kv_new[l, 1, h] = kn, vn
+    return x_L, kv_new
+
+
+def attend(q, k, v, K_SH, V_SH, pos, rope, bf16):
+    """One head's attention as the kernel computes it: q, k rotated (NeoX pairs) and
+    rounded to bf16, scores of rows < pos and the new token, p = exp(s - m) in bf16, P V
+    plus the new token's p v, over the sum."""
+    half = len(q) // 2
+    c, s = rope[:half], rope[half:]
+    rot = lambda x: bf16(np.concatenate([x[:half] * c - x[half:] * s, x[half:] * c + x[:half] * s]))  # noqa: E731
+    q, k, v = rot(q), rot(k), bf16(v)
+    scores = np.concatenate([K_SH[:pos] @ q, [q @ k]]) / np.sqrt(len(q))
+    e = np.exp(scores - scores.max())
+    o = (bf16(e[:-1]) @ V_SH[:pos] + e[-1] * v) / e.sum()
+    return o, k, v
 
 
 def gains(D, L, seed=1):
@@ -254,6 +289,22 @@ def test_the_kernels_data_flow_computes_the_chain(blocks, norms):
         got = emulate(x0, wq, wo, wgu, wd, blocks)
         want = np.asarray(cm.reference(x0, wq, wo, wgu, wd), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("blocks,norms,pos", [(132, False, 70), (20, True, 0), (132, True, 129)])
+def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos):
+    """With attention: each head's block reads q, k, v through the kernel's wiring, its
+    output words are what o reads, and x_L and the new k, v are the reference's."""
+    D, N1, F, L, H = 256, 768, 512, 2, 2
+    x0, wq, wo, wgu, wd = inputs(D, N1, F, L)
+    att = attention_inputs(L, D, 192, pos, heads=H)
+    g = gains(D, L) if norms else None
+    wq_f, wgu_f = cm.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
+    got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5 if norms else None, att=att)
+    want, want_kv = cm.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
+    want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+    assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
 
 
 @pytest.mark.skipif(ON_SM90, reason="the benchmark's CPU path (the GPU runs experiments/gpu_call_chain.sh)")

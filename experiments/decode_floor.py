@@ -16,7 +16,8 @@ only valid tokens; one-token steps through the fused decode kernels), `fast_unfu
 same without the fused kernels: XLA's RMSNorm and RoPE, the paged kernel), `fast@<tiling>`
 (fast with the fused attention kernel tiled as `LayerKVCache.tiling` says), `fast_xla` (the same with jnp attention over all
 max_len slots), `reference` (stacked weights, one stacked cache, the layer scan unrolled:
-the issue's baseline protocol). Each row also carries the kernels one loop iteration
+the issue's baseline protocol), `chain` (batch 1: each step one persistent kernel over
+every layer, `gendist.inference.megakernel`; sm90 only). Each row also carries the kernels one loop iteration
 launches, by kind, read from the compiled HLO, and with `--profile` the device time per
 kind of the first case of each preset. Writes `decode_floor_<device>.json` after every case.
 """
@@ -37,14 +38,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from gendist import profiling
-from gendist.inference import fastpath
+from gendist.inference import fastpath, megakernel
 from gendist.inference.generate import generate_tokens
 from gendist.inference.sampling import SamplingParams
 from gendist.models import decode_layout, transformer
 from gendist.presets import preset
 from gendist.timing import call_times, pipelined_seconds, warm_gpu
 
-VARIANTS = ("fast", "fast_unfused", "fast_xla", "reference")
+VARIANTS = ("fast", "fast_unfused", "fast_xla", "reference", "chain")
 
 
 def read_only_tbps(gib: float = 2.0, n: int = 10) -> dict[str, float]:
@@ -98,6 +99,9 @@ def run_case(cfg, params, batch, variant, args, profile: bool):
     if variant == "reference":
         mcfg = dataclasses.replace(cfg, scan_unroll=cfg.num_layers)
         kw = dict(fast=False)
+    elif variant == "chain":  # one persistent kernel a step (gendist.inference.megakernel)
+        mcfg = cfg
+        kw = dict(fast=True, cache=megakernel.ChainCache.create(cfg, P + N))
     else:
         mcfg = cfg
         backend = "xla" if variant == "fast_xla" else None
@@ -117,7 +121,7 @@ def run_case(cfg, params, batch, variant, args, profile: bool):
                ms_per_step=wall / N * 1e3, tokens_per_s=batch * N / wall,
                tokens_out=int(np.asarray(count).sum()),
                kernels_per_step=profiling.loop_body_kinds(compiled.as_text()),
-               attention=kw["cache"].backend if "cache" in kw else "xla")
+               attention=getattr(kw.get("cache"), "backend", "chain" if variant == "chain" else "xla"))
     if profile:
         trace_dir = tempfile.mkdtemp(prefix="decode_floor_")
         with jax.profiler.trace(trace_dir) as session:
@@ -186,7 +190,9 @@ def main():
                 del raw
                 first = True
             cfg = preset(name).model
-            p = params["reference" if variant == "reference" else "fast"]
+            if variant == "chain" and "chain" not in params:
+                params["chain"] = megakernel.chain_params(cfg, params["fast"])
+            p = params[variant if variant in ("reference", "chain") else "fast"]
             row = run_case(cfg, p, batch, variant, args, profile=args.profile_all or (args.profile and first))
             first = False
             w, kv = step_bytes(cfg, params["fast"], batch, args.prompt, args.new_tokens)

@@ -15,3 +15,6 @@ bench attention --norms --attention ${ATT_POS:-160}
 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout ${TESTS_S:-120} python3 -m pytest -x -v \
     -p no:cacheprovider tests/test_chain_mgpu.py -k on_the_gpu > "$OUT/chain_tests_h200.log" 2>&1
 echo "tests rc=$?"; grep -E "PASS|FAIL|ERROR|passed|failed|Error" "$OUT/chain_tests_h200.log" | tail -16
+XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout ${TESTS_S:-120} python3 -m pytest -x -q \
+    -p no:cacheprovider tests/test_megakernel_decode.py > "$OUT/megakernel_tests_h200.log" 2>&1
+echo "megakernel decode tests rc=$?"; tail -5 "$OUT/megakernel_tests_h200.log"

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gendist.config import ModelConfig
-from gendist.inference import fastpath
+from gendist.inference import fastpath, megakernel
 from gendist.inference.cache import KVCache
 from gendist.inference.sampling import SamplingParams, sample
 from gendist.models import transformer
@@ -49,7 +49,10 @@ def prefill(cfg: ModelConfig, params, prompt_BT, prompt_len_B, cache: KVCache):
 
 
 def decode_step(cfg: ModelConfig, params, tokens_B, cache: KVCache):
-    """Feed one token per sequence at its own position; returns (logits_BV, cache)."""
+    """Feed one token per sequence at its own position; returns (logits_BV, cache). With a
+    `megakernel.ChainCache` the step is one persistent kernel (`megakernel.step`)."""
+    if isinstance(cache, megakernel.ChainCache):
+        return megakernel.step(cfg, params, tokens_B, cache)
     logits, cache = transformer.forward(cfg, params, tokens_B[:, None], cache.lengths[:, None],
                                         cache)
     return logits[:, 0], cache.advance(jnp.ones_like(cache.lengths))

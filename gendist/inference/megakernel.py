@@ -1,0 +1,112 @@
+"""Batch-1 decode steps through one persistent kernel: every layer's products, attention and
+residual adds in `pallas_kernels.chain_mgpu` (issue 19).
+
+A decode step at batch 1 reads every weight once, and on an H200 the step of XLA's fast path
+is ~230 small kernels that each pay a ramp and a tail (`benchmarks/README.md`). Here the
+step is: the embedding row (XLA), the chain kernel over all layers (RMSNorms folded into the
+weights, q|k|v, attention over the cache, o, gate|up, SwiGLU, down, the residual adds), one
+in-place update writing every layer's new k and v at the step's position, and the final
+norm, the output layer and sampling (XLA).
+
+Use: `chain_params` once (it keeps the decode layout for the prompt and adds the stacked,
+norm-folded matrices the kernel reads), a `ChainCache` for the generation, and
+`generate_tokens` as usual: the prompt runs through the model (`attend`, XLA attention over
+this cache), each one-token step through `step`. `supported` says whether a model and batch
+can (a Hopper GPU, batch 1, dense SwiGLU, multi-head attention, head_dim a multiple of 64).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gendist.config import ModelConfig
+from gendist.inference.cache import KVCache, contiguous_attend
+from gendist.models import decode_layout, transformer
+from gendist.models.layers import rope_angles
+from pallas_kernels import chain_mgpu as cm
+
+CHAIN = cm.chain_mgpu  # the kernel (tests on a CPU put `chain_reference` here)
+
+
+def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: float):
+    """`chain_mgpu`'s result from its own inputs (norm gains folded) by `cm.reference`: XLA."""
+    ones = jnp.ones((w_qkv.shape[0], x0_D.shape[0]), jnp.float32)
+    return cm.reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, norms=(ones, ones), eps=norm_eps)
+
+
+def supported(cfg: ModelConfig, batch: int) -> str | None:
+    """None if `cfg` at `batch` can decode through the chain kernel, else why not."""
+    D, hd = cfg.d_model, cfg.head_dim
+    reasons = [
+        (batch != 1, f"batch={batch}: the chain kernel decodes one sequence"),
+        (cfg.moe_experts > 0, "an MoE model (the chain is dense)"),
+        (cfg.mlp != "swiglu", f"mlp={cfg.mlp!r} (the chain computes SwiGLU)"),
+        (cfg.num_kv_heads != cfg.num_heads, "grouped-query attention (the chain's attention "
+                                            "is multi-head: num_kv_heads == num_heads)"),
+        (cfg.num_heads * hd != D, "num_heads * head_dim != d_model"),
+        (hd % 64 or D % 128 or cfg.d_ff % 64, f"head_dim={hd} (a multiple of 64), d_model={D} "
+                                              f"(of 128), d_ff={cfg.d_ff} (of 64)"),
+        (cfg.dtype != "bfloat16", f"dtype={cfg.dtype!r} (the chain reads bf16 weights)"),
+    ]
+    why = [r for bad, r in reasons if bad]
+    return "; ".join(why) or None
+
+
+def chain_params(cfg: ModelConfig, params: dict) -> dict:
+    """The decode layout (`decode_layout.decode_params`, for the prompt) plus "chain": the
+    matrices the kernel reads, stacked over layers, RMSNorm gains folded into q|k|v's and
+    gate|up's columns: (w_qkv [L, 3D, D], w_o [L, D, D], w_gu [L, 2F, D], w_down [L, D, F])."""
+    why = supported(cfg, 1)
+    if why:
+        raise ValueError(f"chain_params: {why}.")
+    dp = decode_layout.decode_params(cfg, params)
+    blocks = dp["blocks"]
+    D = cfg.d_model
+    stack = lambda key, shape: jnp.stack([b[key].reshape(shape) for b in blocks])  # noqa: E731
+    w_qkv, w_gu = cm.fold_norms(stack("wqkv_CHD", (3 * D, D)), stack("w_gate_up_GD", (2 * cfg.d_ff, D)),
+                                jnp.stack([b["attn_norm"] for b in blocks]),
+                                jnp.stack([b["mlp_norm"] for b in blocks]))
+    return {**dp, "chain": (w_qkv, stack("wo_DNH", (D, D)), w_gu, stack("w_down_DF", (D, cfg.d_ff)))}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChainCache(KVCache):
+    """One sequence's keys and values as the chain kernel reads them: kv [L, 2, H, S, hd]
+    (zeroed: rows at and past the length must be finite), S a multiple of 64."""
+
+    kv: jax.Array
+    lengths: jax.Array  # [1] int32
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, max_len: int):
+        S = -(-max_len // 64) * 64
+        shape = (cfg.num_layers, 2, cfg.num_kv_heads, S, cfg.head_dim)
+        return cls(jnp.zeros(shape, jnp.bfloat16), jnp.zeros((1,), jnp.int32))
+
+    def layer_state(self):
+        return self.kv
+
+    def with_layer_state(self, state):
+        return dataclasses.replace(self, kv=state)
+
+    def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
+        """The prompt's attention (XLA) over this layer's [2, H, S, hd] slice."""
+        as_bskh = lambda a_HSh: a_HSh.transpose(1, 0, 2)[None]  # noqa: E731
+        out, (k, v) = contiguous_attend((as_bskh(layer_state[0]), as_bskh(layer_state[1])),
+                                        q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale)
+        return out, jnp.stack([k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)])
+
+
+def step(cfg: ModelConfig, params: dict, tokens_B, cache: ChainCache):
+    """One token through the chain kernel: (fp32 logits [1, V], cache advanced by one)."""
+    pos = cache.lengths
+    x0 = transformer.embed(params, tokens_B[:, None], cfg)[0, 0].astype(jnp.float32)
+    cos, sin = rope_angles(pos[:, None], cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
+    rope = jnp.concatenate([cos.reshape(-1), sin.reshape(-1)])
+    x_D, kv_new = CHAIN(x0, *params["chain"], cache.kv, pos, rope, norm_eps=cfg.norm_eps)
+    kv = jax.lax.dynamic_update_slice(cache.kv, kv_new[:, :, :, None, :], (0, 0, 0, pos[0], 0))
+    logits = transformer.head_logits(params, x_D.astype(cache.kv.dtype)[None, None], cfg)
+    return logits[:, 0].astype(jnp.float32), ChainCache(kv, pos + 1)

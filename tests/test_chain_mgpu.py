@@ -114,6 +114,23 @@ def test_lowers_for_sm90_with_no_fence(preset, norm_eps):
         assert s not in text, s
 
 
+@pytest.mark.parametrize("preset,norm_eps", [("350m", None), ("1b", 1e-5)])
+def test_attention_lowers_for_sm90_with_no_fence(preset, norm_eps):
+    """With the attention phase: its RoPE, softmax and combine words and the transposed V
+    operand lower, still without a fence."""
+    D, N1, F = SHAPES[preset]
+    S = jax.ShapeDtypeStruct
+    hd = D // 16
+    args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
+            S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16),
+            S((2, 2, 16, 320, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
+    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps), *args)
+    for s in ("ROPE_V", "SMAX_L", "SP_L", "CMB_E", "cvt.f32.bf16", "st.global.b16", "LAB_G"):
+        assert s in text, s
+    for s in ("fence.acq", "fence.proxy.async.global", "red.release"):
+        assert s not in text, s
+
+
 def test_bad_inputs_name_the_field():
     x0, wq, wo, wgu, wd = inputs(64, 192, 128, 1)
     with pytest.raises(ValueError, match="want"):
@@ -124,6 +141,13 @@ def test_bad_inputs_name_the_field():
         cm.chain_mgpu(x0, wq.astype(jnp.float32), wo, wgu, wd)
     with pytest.raises(ValueError, match="stages=40"):
         cm.chain_mgpu(x0, wq, wo, wgu, wd, stages=40, blocks=132)
+    kv, pos, rope = attention_inputs(1, 64, 128, 3, heads=1)
+    with pytest.raises(ValueError, match="3 D"):
+        cm.chain_mgpu(*inputs(64, 256, 128, 1), kv, pos, rope)
+    with pytest.raises(ValueError, match="capacity=100"):
+        cm.chain_mgpu(x0, wq, wo, wgu, wd, kv[:, :, :, :100], pos, rope)
+    with pytest.raises(ValueError, match="want \\[L=1, 2"):
+        cm.chain_mgpu(x0, wq, wo, wgu, wd, kv[0], pos, rope)
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")

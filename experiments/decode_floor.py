@@ -99,9 +99,10 @@ def run_case(cfg, params, batch, variant, args, profile: bool):
     if variant == "reference":
         mcfg = dataclasses.replace(cfg, scan_unroll=cfg.num_layers)
         kw = dict(fast=False)
-    elif variant == "chain":  # one persistent kernel a step (gendist.inference.megakernel)
+    elif variant.split("@")[0] == "chain":  # one persistent kernel a step (chain@STAGES: ring slots)
         mcfg = cfg
-        kw = dict(fast=True, cache=megakernel.ChainCache.create(cfg, P + N))
+        stages = int(variant.split("@")[1]) if "@" in variant else 16
+        kw = dict(fast=True, cache=megakernel.ChainCache.create(cfg, P + N, stages))
     else:
         mcfg = cfg
         backend = "xla" if variant == "fast_xla" else None
@@ -121,7 +122,7 @@ def run_case(cfg, params, batch, variant, args, profile: bool):
                ms_per_step=wall / N * 1e3, tokens_per_s=batch * N / wall,
                tokens_out=int(np.asarray(count).sum()),
                kernels_per_step=profiling.loop_body_kinds(compiled.as_text()),
-               attention=getattr(kw.get("cache"), "backend", "chain" if variant == "chain" else "xla"))
+               attention=getattr(kw.get("cache"), "backend", "chain" if variant.startswith("chain") else "xla"))
     if profile:
         trace_dir = tempfile.mkdtemp(prefix="decode_floor_")
         with jax.profiler.trace(trace_dir) as session:
@@ -171,8 +172,8 @@ def main():
         p, b, v = spec.split(":")
         cases.append((p, int(b), v))
     for _, _, v in cases:
-        if v not in VARIANTS and not v.startswith("fast@"):
-            raise SystemExit(f"variant {v!r}: choose one of {VARIANTS} or fast@<tiling>")
+        if v not in VARIANTS and not v.startswith(("fast@", "chain@")):
+            raise SystemExit(f"variant {v!r}: choose one of {VARIANTS}, fast@<tiling> or chain@<stages>")
     current, params = None, {}
     for name, batch, variant in cases:
         if time.perf_counter() - t_start > args.budget_s:
@@ -190,9 +191,9 @@ def main():
                 del raw
                 first = True
             cfg = preset(name).model
-            if variant == "chain" and "chain" not in params:
+            if variant.startswith("chain") and "chain" not in params:
                 params["chain"] = megakernel.chain_params(cfg, params["fast"])
-            p = params[variant if variant in ("reference", "chain") else "fast"]
+            p = params[variant.split("@")[0] if variant.startswith(("reference", "chain")) else "fast"]
             row = run_case(cfg, p, batch, variant, args, profile=args.profile_all or (args.profile and first))
             first = False
             w, kv = step_bytes(cfg, params["fast"], batch, args.prompt, args.new_tokens)

@@ -79,12 +79,13 @@ class ChainCache(KVCache):
 
     kv: jax.Array
     lengths: jax.Array  # [1] int32
+    stages: int = dataclasses.field(default=16, metadata=dict(static=True))  # the kernel's ring slots
 
     @classmethod
-    def create(cls, cfg: ModelConfig, max_len: int):
+    def create(cls, cfg: ModelConfig, max_len: int, stages: int = 16):
         S = -(-max_len // 64) * 64
         shape = (cfg.num_layers, 2, cfg.num_kv_heads, S, cfg.head_dim)
-        return cls(jnp.zeros(shape, jnp.bfloat16), jnp.zeros((1,), jnp.int32))
+        return cls(jnp.zeros(shape, jnp.bfloat16), jnp.zeros((1,), jnp.int32), stages)
 
     def layer_state(self):
         return self.kv
@@ -106,7 +107,8 @@ def step(cfg: ModelConfig, params: dict, tokens_B, cache: ChainCache):
     x0 = transformer.embed(params, tokens_B[:, None], cfg)[0, 0].astype(jnp.float32)
     cos, sin = rope_angles(pos[:, None], cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
     rope = jnp.concatenate([cos.reshape(-1), sin.reshape(-1)])
-    x_D, kv_new = CHAIN(x0, *params["chain"], cache.kv, pos, rope, norm_eps=cfg.norm_eps)
+    x_D, kv_new = CHAIN(x0, *params["chain"], cache.kv, pos, rope, norm_eps=cfg.norm_eps,
+                        **({"stages": cache.stages} if CHAIN is cm.chain_mgpu else {}))
     kv = jax.lax.dynamic_update_slice(cache.kv, kv_new[:, :, :, None, :], (0, 0, 0, pos[0], 0))
     logits = transformer.head_logits(params, x_D.astype(cache.kv.dtype)[None, None], cfg)
-    return logits[:, 0].astype(jnp.float32), ChainCache(kv, pos + 1)
+    return logits[:, 0].astype(jnp.float32), dataclasses.replace(cache, kv=kv, lengths=pos + 1)

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# One H200 call (issue 19): the chain megakernel's ring depth (TMA slots a block buffers while
-# it waits on a handover), kernel alone (attention at position 160, norms) and whole batch-1
-# decode steps.   OUT=$OUT bash experiments/gpu_call_chain_stages.sh
+# One H200 call (issue 19): where the chain megakernel's layer time goes. Kernel alone with
+# norms: no attention, then attention at positions 32 / 160 / 288 (the slope is the cost of
+# a 64-position tile, the rest the phase's fixed cost), each at 16 and 24 ring slots (TMA
+# tiles a block buffers while it waits on a handover); then whole batch-1 decode steps.
+#   OUT=$OUT bash experiments/gpu_call_chain_stages.sh
 source "$(dirname "$0")/gpu_env.sh"
-for st in ${STAGES_LIST:-16 20 24}; do
-    mkdir -p "$OUT/st$st"
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 experiments/bench_chain_mgpu.py --norms --attention 160 \
-        --stages $st --rounds 2 --iters 10 --out "$OUT/st$st" 2>&1 | grep "ours\|err" | sed "s/^/st$st /"
+for st in ${STAGES_LIST:-16 24}; do
+    for pos in 0 32 160 288; do
+        mkdir -p "$OUT/st${st}_pos$pos"
+        XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 60 python3 experiments/bench_chain_mgpu.py --norms \
+            --attention $pos --stages $st --rounds 2 --iters 10 --out "$OUT/st${st}_pos$pos" 2>&1 \
+            | grep "ours\|rel err\|layers;" | sed "s/^/st$st pos$pos /" | cut -c1-100
+    done
 done
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${DECODE_S:-300} python3 experiments/decode_floor.py \
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${DECODE_S:-200} python3 experiments/decode_floor.py \
     --presets 350m 1b --batches 1 --variants ${VARIANTS:-chain@16 chain@24 fast} --reps 3 --out "$OUT" \
     > "$OUT/decode.log" 2>&1
 echo "decode rc=$?"; grep "^| \|read-only\|Error\|error" "$OUT/decode.log" | cut -c1-400 | tail -12
+pack_out

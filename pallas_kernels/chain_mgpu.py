@@ -222,10 +222,14 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 if norm is not None:
                     chain_words.norm_partials(ll, init_ref, norm_smem, norm[0], l == 0, norm[1], D)
                     dense = dict(norm_ref=norm_smem, norm=(norm_eps, D))
-                for r in range(3):  # q, k, v: stage chunks r nc .. r nc + nc - 1
-                    c0 = (r * D + h * hd) // T
-                    chain_words.gather(ll, init_ref, stage_smem, groups, out="f32", c0=c0,
-                                       c1=c0 + nc - 1, k0=c0 - r * nc, use_init=False, **dense)
+                first = [(r * D + h * hd) // T for r in range(3)]  # q's, k's, v's first chunk
+                if nc == 1:  # q and k in one pass (stage slots 0, 1), then v (slot 2)
+                    passes = [(first[0], first[1], first[0], first[1] - 1), (first[2],) * 2 + (first[2] - 2,) * 2]
+                else:  # q, k, v: slots r nc .. r nc + nc - 1, two chunks a pass
+                    passes = [(c, c + nc - 1, c - r * nc, c - r * nc) for r, c in enumerate(first)]
+                for c0, c1, k0, k0_hi in passes:
+                    chain_words.gather(ll, init_ref, stage_smem, groups, out="f32", c0=c0, c1=c1,
+                                       k0=k0, k0_hi=k0_hi, use_init=False, **dense)
                 row = (l * 2 * H + h) * hd  # this head's new k in kv_new [L, 2, H, hd]
                 ca.rope_new(stage_smem, x_win, kvn_ref, rope_ref, red_smem, row, row + H * hd, hd)
                 plgpu.commit_smem()  # q in the window, for the tensor core

@@ -66,7 +66,7 @@ def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, in
 
 
 def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
-                 dense_base=None, dense_on=None, norm_ref=None, norm=None):
+                 dense_base=None, dense_on=None, norm_ref=None, norm=None, k0_hi=None):
     """The inline op behind a product's input: lanes < 64 read column lane of chunk c0, the
     others column lane - 64 of chunk c1. groups: [(count, stride, is_b, base_word, init_ok)]
     with count/stride/is_b static (stride: words from one chunk to the next, 64 * sk for
@@ -74,7 +74,8 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
     words instead of the kernel's when use_init (layer 0). Writes row 0 of the chunk's 8-row
     group (chunk - k0) of the bf16 window dst_ref (tiled, swizzled: that row is linear), or
     in fp32 (out="f32") dst_ref[(chunk - k0) * 64 + col]; with dense_base, A's sum as a dense word at
-    dense_base + chunk * 64 + col when dense_on != 0; with out="f32", dst_ref[(chunk - k0) * 64 + col]; with norm=(eps, D), the sums scaled by
+    dense_base + chunk * 64 + col when dense_on != 0; k0_hi (default k0): the lanes >= 64
+    write slot c1 - k0_hi instead of c1 - k0; with out="f32", dst_ref[(chunk - k0) * 64 + col]; with norm=(eps, D), the sums scaled by
     the RMSNorm factor from norm_ref's partials (`norm_partials`). Ends in a warpgroup barrier."""
     n_a = sum(g[0] for g in groups if not g[2])
     n_b = sum(g[0] for g in groups if g[2])
@@ -83,7 +84,8 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
     # A's groups first, then B's, in the order the PTX sums them.
     ordered = [g for g in groups if not g[2]] + [g for g in groups if g[2]]
     splat = plgpu.Layout.WG_SPLAT
-    traced = [jnp.asarray(v, jnp.int32) for v in (c0, c1, k0, use_init)]
+    k0_hi = k0 if k0_hi is None else k0_hi  # lanes >= 64 write slot c1 - k0_hi
+    traced = [jnp.asarray(v, jnp.int32) for v in (c0, c1, k0, use_init, k0_hi)]
     traced += [jnp.asarray(g[3], jnp.int32) for g in ordered]
     if dense:
         traced += [jnp.asarray(dense_base, jnp.int32), jnp.asarray(dense_on, jnp.int32)]
@@ -97,12 +99,13 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
         ll, init, dst = rs[:3]
         i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
         v = [x.registers[()] for x in vals]
-        c0_, c1_, k0_, init_flag = v[:4]
-        bases = v[4:4 + len(ordered)]
+        c0_, c1_, k0_lo, init_flag, k0_hi_ = v[:5]
+        bases = v[5:5 + len(ordered)]
         lane = arith.remui(mgpu.utils.thread_idx(), const_i32(128))
         col = arith.remui(lane, const_i32(64))
         hi = arith.cmpi(arith.CmpIPredicate.uge, lane, const_i32(64))
         chunk = arith.select(hi, c1_, c0_)
+        k0_ = arith.select(hi, k0_hi_, k0_lo)
         ll_p = llvm.ptrtoint(i64, mgpu.utils.memref_ptr(ll))
         init_p = llvm.ptrtoint(i64, mgpu.utils.memref_ptr(init))
         from_init = arith.cmpi(arith.CmpIPredicate.ne, init_flag, const_i32(0))
@@ -117,7 +120,7 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
             addrs += [addr(ptr, arith.addi(first, const_i32(64 * j))) for j in range(count)]
         operands = addrs
         if dense:
-            dbase, don = v[4 + len(ordered):]
+            dbase, don = v[5 + len(ordered):]
             operands += [addr(ll_p, arith.addi(arith.addi(dbase, arith.muli(chunk, const_i32(64))), col)), don]
         if norm:
             operands.append(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(rs[3])))

@@ -31,11 +31,12 @@ apply SwiGLU where it belongs, and write row 0 of each chunk's 8-row tile of a b
 wgmma takes the weight tile [64, 64] as A and that chunk tile seen transposed as B [64, 8]
 (rows 1-7 reach only accumulator columns that are never read). A producer warpgroup streams
 the weight tiles through a `stages`-slot TMA ring without waiting for any activation: the
-weights run ahead across phases and layers. Every LL word is written once a call (the words
-live in a global semaphore array, zeroed before the kernel); tag 1 marks a written word.
+weights run ahead across phases and layers. The LL words live in a global semaphore array
+(zeroed before the kernel) of two layers' regions: layer l's words carry tag l + 2 and go
+to region l % 2, overwritten two layers later (`chain_plan.tag`: why that is safe).
 Every poll traps after `_mgpu.SPIN_LIMIT` tries: a word never written is a CUDA error, not
-a hung GPU. (The zeroing is a memset of the whole array each call: ~44 MB at 1b, a few µs;
-tags that count calls would remove it.)
+a hung GPU. (The zeroing is a memset of the array each call: ~4 MB at 1b; with a region a
+layer it was 44 MB, written again by the words themselves: ~4% of a step's bytes.)
 
 GPU only (the words are moved by inline PTX, which Mosaic GPU's interpreter does not run);
 `reference` is the same math in XLA; `chain_plan` holds the decomposition, the word layout
@@ -65,6 +66,7 @@ from pallas_kernels._mgpu import (
 )
 from pallas_kernels.chain_plan import (
     KC,
+    REGIONS,
     T,
     cdiv,
     init_words,
@@ -73,6 +75,8 @@ from pallas_kernels.chain_plan import (
     piece_word,
     products,
     rect,
+    region,
+    tag,
 )
 from pallas_kernels.decode_attention import decode_attention_reference
 
@@ -119,7 +123,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         (x_win, w_smem, acc_smem, out_smem, norm_smem, full, free,
          p_win, sc_smem, stage_smem, red_smem) = refs[n_in + (1 if attn is None else 2):]
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
-        ll = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * L * lay.layer_words,)))
+        ll = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * REGIONS * lay.layer_words,)))
         w_refs = dict(qkv=wq_ref, o=wo_ref, gu=wgu_ref, down=wd_ref)
         pos = jnp.clip(pos_ref[0], 0, S - 1) if attn is not None else None  # as the reference
         n_tiles = ca.tiles(pos) if attn is not None else None
@@ -164,7 +168,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             groups, dense, norm = input_spec(p.name, l, gt, prods, lay, F, norm_eps is not None,
                                              attn is not None)
             if norm is not None:
-                chain_words.norm_partials(ll, init_ref, norm_smem, norm[0], first, norm[1], D)
+                chain_words.norm_partials(ll, init_ref, norm_smem, norm[0], first, norm[1], D, norm[2])
                 dense = dict(dense, norm_ref=norm_smem, norm=(norm_eps, D))
             for ps in range(cdiv(p.kmax(), 2)):
                 c0 = k0 + 2 * ps
@@ -200,7 +204,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             """Tile t's sum over this block's nk chunks (ring steps jt..), as LL words."""
             acc_smem[...] = ring_dot(jt, nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)])
             plgpu.commit_smem()
-            ll_store(ll, acc_smem, piece_word(p, l, t, gk, lay), 1, then_barrier=True)
+            ll_store(ll, acc_smem, piece_word(p, l, t, gk, lay), tag(l), then_barrier=True)
 
         def consume(l, p):  # layer l's product p: its input, then its tiles' pieces
             active, t0, t1, k0, k1 = rect(p, b)
@@ -220,7 +224,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 groups, _, norm = input_spec("att", l, 0, prods, lay, F, norm_eps is not None)
                 dense = {}
                 if norm is not None:
-                    chain_words.norm_partials(ll, init_ref, norm_smem, norm[0], l == 0, norm[1], D)
+                    chain_words.norm_partials(ll, init_ref, norm_smem, norm[0], l == 0, norm[1], D, norm[2])
                     dense = dict(norm_ref=norm_smem, norm=(norm_eps, D))
                 first = [(r * D + h * hd) // T for r in range(3)]  # q's, k's, v's first chunk
                 if nc == 1:  # q and k in one pass (stage slots 0, 1), then v (slot 2)
@@ -246,7 +250,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                                              lambda kk: p_win.at[pl.ds(8 * kk, 8)], a_transposed=True)
                     plgpu.commit_smem()
                     ca.combine(acc_smem, stage_smem, red_smem, 2 * hd + c * T, scale_log2)
-                    ll_store(ll, acc_smem, l * lay.layer_words + lay.offsets["att"] + h * hd + c * T, 1,
+                    ll_store(ll, acc_smem, region(l, lay) + lay.offsets["att"] + h * hd + c * T, tag(l),
                              then_barrier=True)
 
         def every_phase(step, step_att):  # every layer's phases, in order

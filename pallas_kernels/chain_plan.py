@@ -143,9 +143,26 @@ def layout(prods, D: int, attention: bool = False) -> Layout:
     return Layout(offsets, w, 0, init_H, init_H + D)
 
 
+REGIONS = 2  # layer l's words live in region l % REGIONS, overwritten two layers later
+
+
+def tag(l):
+    """The tag of layer l's words (l may be traced): l + 2, so that the host's words, which
+    stand in for layer -1, carry 1 and a word left from layer l - 2 in the same region (or
+    the zeroed memory) never passes for layer l's. Two regions are enough: every write of
+    layer l + 2 depends, through the attention of every head, on all of x_{l+1}, which no
+    block computes before it has read all of its layer-l words."""
+    return l + 2
+
+
+def region(l, lay: Layout):
+    """First word of layer l's region."""
+    return (l % REGIONS) * lay.layer_words
+
+
 def init_words(x0_D, prods, lay: Layout):
     """The host-written words for layer -1, as int32 pairs [init_words, 2]: zero down pieces
-    and x_0, each tagged 1."""
+    and x_0, each tagged tag(-1) = 1."""
     vals = jnp.concatenate([jnp.zeros((lay.init_H,), jnp.float32), x0_D.astype(jnp.float32)])
     bits = lax.bitcast_convert_type(vals, jnp.int32)
     return jnp.stack([bits, jnp.ones_like(bits)], axis=-1).reshape(-1)
@@ -153,47 +170,50 @@ def init_words(x0_D, prods, lay: Layout):
 
 def piece_word(p: Product, l, t, gk, lay: Layout):
     """First LL word of layer l's piece of tile t of product p from chunk group gk."""
-    return l * lay.layer_words + lay.offsets[p.name] + (t * p.split.sk + gk) * T
+    return region(l, lay) + lay.offsets[p.name] + (t * p.split.sk + gk) * T
 
 
 def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False,
                attention: bool = False):
     """Where product `name` of layer l reads its input chunk c (block in tile group gt):
-    (groups, dense). groups: [(count, stride, is_b, base_word, init_ok)], the words
-    base_word + c * stride + j * 64 + col for j < count (group B, is_b, is SwiGLU's up);
-    init_ok: at layer 0 these words are the host's (`init_words`). dense: where the readers
-    of tile group 0 write the input's sum (A's) as a dense vector, {} for none. norm (with
-    norms): (base_word, init_ok) of the dense vector whose RMSNorm factor scales this input
+    (groups, dense, norm). groups: [(count, stride, is_b, base_word, init_ok, tag)], the words
+    base_word + c * stride + j * 64 + col for j < count (group B, is_b, is SwiGLU's up),
+    written with `tag`; init_ok: at layer 0 these words are the host's (`init_words`).
+    dense: where (and with which tag) the readers of tile group 0 write the input's sum (A's)
+    as a dense vector, {} for none. norm (with
+    norms): (base_word, init_ok, tag) of the dense vector whose RMSNorm factor scales this input
     (x_l for the q|k|v output that o reads, h_l for gate|up's), else None. attention: o
     reads the attention phase's output (`attention_spec` says what that phase reads). Works on ints
     (tests) and traced values (the kernel)."""
     qkv, o, gu, down = prods
 
-    def base(layer, region):
-        return layer * lay.layer_words + lay.offsets[region]
+    def base(layer, name):
+        return region(layer, lay) + lay.offsets[name]
 
     first = l == 0
+    x_l = jnp.where(first, lay.init_H, base(l, "X"))  # X_0 is the host's x_0 (tag 1)
+    x_tag = jnp.where(first, tag(-1), tag(l))
     if name == "qkv":  # x_l = H_{l-1} + the previous down's pieces; X_l dense
         groups = [(down.split.sk, 64 * down.split.sk, False,
-                   jnp.where(first, lay.init_down, base(l - 1, "down")), True),
-                  (1, 64, False, jnp.where(first, lay.init_H, base(l - 1, "H")), True)]
-        return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0)), None
+                   jnp.where(first, lay.init_down, base(l - 1, "down")), True, tag(l - 1)),
+                  (1, 64, False, jnp.where(first, lay.init_H, base(l - 1, "H")), True, tag(l - 1))]
+        return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0), dense_tag=tag(l)), None
     if name == "o" and attention:  # the attention phase's output, dense
-        return [(1, 64, False, base(l, "att"), False)], {}, None
+        return [(1, 64, False, base(l, "att"), False, tag(l))], {}, None
     if name in ("o", "att"):  # qkv's pieces (times x_l's RMSNorm factor): o without
         # attention reads the q part; the attention phase reads a head's q, k and v
-        norm = (jnp.where(first, lay.init_H, base(l, "X")), True) if norms else None
-        return [(qkv.split.sk, 64 * qkv.split.sk, False, base(l, "qkv"), False)], {}, norm
+        norm = (x_l, True, x_tag) if norms else None
+        return [(qkv.split.sk, 64 * qkv.split.sk, False, base(l, "qkv"), False, tag(l))], {}, norm
     if name == "gu":  # h_l = X_l + o's pieces; H_l dense
-        groups = [(o.split.sk, 64 * o.split.sk, False, base(l, "o"), False),
-                  (1, 64, False, jnp.where(first, lay.init_H, base(l, "X")), True)]
-        return groups, dict(dense_base=base(l, "H"), dense_on=gt == 0), None
+        groups = [(o.split.sk, 64 * o.split.sk, False, base(l, "o"), False, tag(l)),
+                  (1, 64, False, x_l, True, x_tag)]
+        return groups, dict(dense_base=base(l, "H"), dense_on=gt == 0, dense_tag=tag(l)), None
     if name == "down":  # silu(gate) * up from gate|up's pieces (times h_l's RMSNorm factor)
         g0, stride = base(l, "gu"), 64 * gu.split.sk
-        norm = (base(l, "H"), False) if norms else None
-        return [(gu.split.sk, stride, False, g0, False),
-                (gu.split.sk, stride, True, g0 + (F // T) * stride, False)], {}, norm
+        norm = (base(l, "H"), False, tag(l)) if norms else None
+        return [(gu.split.sk, stride, False, g0, False, tag(l)),
+                (gu.split.sk, stride, True, g0 + (F // T) * stride, False, tag(l))], {}, norm
     if name == "final":  # x_L = H_{L-1} + the last down's pieces (l = L - 1)
-        return [(down.split.sk, 64 * down.split.sk, False, base(l, "down"), False),
-                (1, 64, False, base(l, "H"), False)], {}, None
+        return [(down.split.sk, 64 * down.split.sk, False, base(l, "down"), False, tag(l)),
+                (1, 64, False, base(l, "H"), False, tag(l))], {}, None
     raise ValueError(f"input_spec: no product {name!r}")

@@ -26,8 +26,9 @@ def _f32_hex(v: float) -> str:
 
 
 def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, int] | None = None) -> str:
-    """One lane's poll: operands $0.. the n_a + n_b source addresses, then (dense) the dense
-    word's address and its write flag, then the shared-memory address. Sums group A (and B),
+    """One lane's poll: operands $0.. the n_a + n_b source addresses, then their n expected
+    tags, then (dense) the dense word's address, its write flag and its tag, then the
+    shared-memory address. Sums group A (and B),
     writes A's sum as a dense word if asked, and stores bf16(A) or bf16(silu(A) * B)
     (out="bf16") or A as fp32 (out="f32"). norm=(eps, D): the operand before the last is the
     shared-memory address of 4 warp partial sums of squares of a D-vector (`_norm_ptx`); A
@@ -37,15 +38,15 @@ def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, in
     regs = " ".join(f".reg .b64 d{k}; .reg .b32 v{k}; .reg .b32 t{k};" for k in range(n))
     loads = " ".join(f"ld.relaxed.gpu.global.b64 d{k}, [${k}]; mov.b64 {{v{k}, t{k}}}, d{k};"
                      for k in range(n))
-    checks = " ".join(f"setp.ne.b32 p, t{k}, 1; @p bra LAB_G;" for k in range(n))
+    checks = " ".join(f"setp.ne.b32 p, t{k}, ${n + k}; @p bra LAB_G;" for k in range(n))
     sum_a = " ".join(f"mov.b32 g, v{k}; add.f32 fa, fa, g;" for k in range(n_a))
     sum_b = " ".join(f"mov.b32 g, v{k}; add.f32 fb, fb, g;" for k in range(n_a, n))
     body = f"mov.f32 fa, 0f00000000; mov.f32 fb, 0f00000000; {sum_a} {sum_b}"
-    i = n
+    i = 2 * n
     if dense:
-        body += (f" setp.ne.u32 q, ${i + 1}, 0; mov.b32 w, fa; mov.b32 one, 1;"
+        body += (f" setp.ne.u32 q, ${i + 1}, 0; mov.b32 w, fa; mov.b32 one, ${i + 2};"
                  f" mov.b64 dd, {{w, one}}; @q st.relaxed.gpu.global.b64 [${i}], dd;")
-        i += 2
+        i += 3
     if norm:
         eps, width = norm
         body += (f" ld.shared.f32 e, [${i}]; ld.shared.f32 g, [${i}+4]; add.f32 e, e, g;"
@@ -66,7 +67,7 @@ def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, in
 
 
 def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
-                 dense_base=None, dense_on=None, norm_ref=None, norm=None, k0_hi=None):
+                 dense_base=None, dense_on=None, dense_tag=None, norm_ref=None, norm=None, k0_hi=None):
     """The inline op behind a product's input: lanes < 64 read column lane of chunk c0, the
     others column lane - 64 of chunk c1. groups: [(count, stride, is_b, base_word, init_ok)]
     with count/stride/is_b static (stride: words from one chunk to the next, 64 * sk for
@@ -87,8 +88,10 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
     k0_hi = k0 if k0_hi is None else k0_hi  # lanes >= 64 write slot c1 - k0_hi
     traced = [jnp.asarray(v, jnp.int32) for v in (c0, c1, k0, use_init, k0_hi)]
     traced += [jnp.asarray(g[3], jnp.int32) for g in ordered]
+    traced += [jnp.asarray(g[5], jnp.int32) for g in ordered]
     if dense:
-        traced += [jnp.asarray(dense_base, jnp.int32), jnp.asarray(dense_on, jnp.int32)]
+        traced += [jnp.asarray(dense_base, jnp.int32), jnp.asarray(dense_on, jnp.int32),
+                   jnp.asarray(dense_tag, jnp.int32)]
 
     dst_type = plgpu.RefType(X_TRANSFORMS) if out == "bf16" else plgpu.RefType()
     refs = (ll_ref, init_ref, dst_ref) + ((norm_ref,) if norm else ())
@@ -100,7 +103,8 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
         i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
         v = [x.registers[()] for x in vals]
         c0_, c1_, k0_lo, init_flag, k0_hi_ = v[:5]
-        bases = v[5:5 + len(ordered)]
+        ng = len(ordered)
+        bases, tags = v[5:5 + ng], v[5 + ng:5 + 2 * ng]
         lane = arith.remui(mgpu.utils.thread_idx(), const_i32(128))
         col = arith.remui(lane, const_i32(64))
         hi = arith.cmpi(arith.CmpIPredicate.uge, lane, const_i32(64))
@@ -113,15 +117,17 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
         def addr(ptr, word):
             return arith.addi(ptr, arith.muli(arith.extui(i64, word), mgpu.utils.c(8, i64)))
 
-        addrs = []
-        for (count, stride, _, _, init_ok), base in zip(ordered, bases, strict=True):
+        addrs, want = [], []
+        for (count, stride, _, _, init_ok, _), base, t in zip(ordered, bases, tags, strict=True):
             first = arith.addi(arith.addi(base, arith.muli(chunk, const_i32(stride))), col)
             ptr = arith.select(from_init, init_p, ll_p) if init_ok else ll_p
             addrs += [addr(ptr, arith.addi(first, const_i32(64 * j))) for j in range(count)]
-        operands = addrs
+            want += [t] * count
+        operands = addrs + want
         if dense:
-            dbase, don = v[5 + len(ordered):]
-            operands += [addr(ll_p, arith.addi(arith.addi(dbase, arith.muli(chunk, const_i32(64))), col)), don]
+            dbase, don, dtag = v[5 + 2 * ng:]
+            operands += [addr(ll_p, arith.addi(arith.addi(dbase, arith.muli(chunk, const_i32(64))), col)), don,
+                         dtag]
         if norm:
             operands.append(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(rs[3])))
         dst_p = llvm.ptrtoint(i32, mgpu.utils.memref_ptr(dst))
@@ -138,13 +144,13 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
 
 def _norm_ptx(per_lane: int) -> str:
     """Operands: $0 the address of dense word `lane` of a vector (words lane + 128 i,
-    i < per_lane), $1 the lane, $2 the 4-float shared scratch. Polls the words, sums their
+    i < per_lane), $1 the lane, $2 the 4-float shared scratch, $3 the words' tag. Polls the words, sums their
     squares, reduces the warp by butterfly shuffles, and lane 0 of each warp stores its sum."""
     regs = " ".join(f".reg .b64 d{k}; .reg .b32 v{k}; .reg .b32 t{k}; .reg .u64 a{k};" for k in range(per_lane))
     addrs = "mul.wide.u32 a0, $1, 8; add.u64 a0, a0, $0; " + " ".join(
         f"add.u64 a{k}, a{k - 1}, 1024;" for k in range(1, per_lane))
     loads = " ".join(f"ld.relaxed.gpu.global.b64 d{k}, [a{k}]; mov.b64 {{v{k}, t{k}}}, d{k};" for k in range(per_lane))
-    checks = " ".join(f"setp.ne.b32 p, t{k}, 1; @p bra LAB_N;" for k in range(per_lane))
+    checks = " ".join(f"setp.ne.b32 p, t{k}, $3; @p bra LAB_N;" for k in range(per_lane))
     squares = " ".join(f"mov.b32 x, v{k}; fma.rn.f32 s, x, x, s;" for k in range(per_lane))
     shuffle = " ".join(f"mov.b32 r, s; shfl.sync.bfly.b32 r, r, {m}, 31, -1; mov.b32 x, r; add.f32 s, s, x;"
                        for m in (16, 8, 4, 2, 1))
@@ -154,16 +160,17 @@ def _norm_ptx(per_lane: int) -> str:
             f" shl.b32 w, w, 2; add.u32 w, w, $2; @!p st.shared.f32 [w], s; }}")
 
 
-def norm_partials(ll_ref, init_ref, scratch_ref, base_word, from_init, init_ok: bool, width: int):
+def norm_partials(ll_ref, init_ref, scratch_ref, base_word, from_init, init_ok: bool, width: int, tag):
     """The 4 warp partial sums of squares of the dense D-vector at LL word base_word (the
-    host's words when init_ok and from_init), into scratch_ref; then a warpgroup barrier."""
+    host's words when init_ok and from_init), written with `tag`, into scratch_ref; then a
+    warpgroup barrier."""
     if width % 128:
         raise ValueError(f"chain_mgpu norms: D={width} must be a multiple of 128.")
     ptx = _norm_ptx(width // 128)
     splat = plgpu.Layout.WG_SPLAT
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), splat, splat))
-    def op(_, ll, init, scratch, base, flag):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), splat, splat, splat))
+    def op(_, ll, init, scratch, base, flag, want):
         i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
         lane = arith.remui(mgpu.utils.thread_idx(), const_i32(128))
         ll_p = llvm.ptrtoint(i64, mgpu.utils.memref_ptr(ll))
@@ -173,7 +180,8 @@ def norm_partials(ll_ref, init_ref, scratch_ref, base_word, from_init, init_ok: 
             ptr = arith.select(from_init_, llvm.ptrtoint(i64, mgpu.utils.memref_ptr(init)), ll_p)
         start = arith.addi(ptr, arith.muli(arith.extui(i64, base.registers[()]), mgpu.utils.c(8, i64)))
         sc = llvm.ptrtoint(i32, mgpu.utils.memref_ptr(scratch))
-        mgpu.utils.inline_ptx(ptx, start, lane, sc, has_side_effects=True)
+        mgpu.utils.inline_ptx(ptx, start, lane, sc, want.registers[()], has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
 
-    op(ll_ref, init_ref, scratch_ref, jnp.asarray(base_word, jnp.int32), jnp.asarray(from_init, jnp.int32))
+    op(ll_ref, init_ref, scratch_ref, jnp.asarray(base_word, jnp.int32), jnp.asarray(from_init, jnp.int32),
+       jnp.asarray(tag, jnp.int32))

@@ -178,7 +178,7 @@ def attention_inputs(L, D, capacity, pos, heads=16, seed=2):
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
 @pytest.mark.parametrize("preset,layers,norms,pos", [("350m", 2, False, 70), ("350m", 1, False, 0),
-                                                     ("350m", 2, True, 255), ("1b", 2, True, 129)])
+                                                     ("350m", 5, True, 255), ("1b", 3, True, 129)])
 def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos):
     D, N1, F = SHAPES[preset]
     x0, wq, wo, wgu, wd = inputs(D, N1, F, layers)
@@ -198,7 +198,8 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None):
     layout (`layout`, `init_words`, `piece_word`) and input wiring (`input_spec`): each
     active block gathers its chunks (summing pieces, the residual, SwiGLU), rounds them to
     bf16, writes one piece per tile, and the tile-group-0 readers write the dense residuals.
-    Every word read must have been written (tag 1). att: (kv, pos, rope) as `chain_mgpu`
+    Every word read must carry the tag its group expects (the layer that wrote it), and a
+    word is only overwritten two layers later (two regions, `chain_plan.tag`). att: (kv, pos, rope) as `chain_mgpu`
     takes them: each head reads its q, k, v through `input_spec("att")`, attends in numpy
     (`attend`) and writes the layer's "att" words, which o reads. Returns x_L (and kv_new)."""
     L, N1, D = wq.shape
@@ -208,36 +209,37 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None):
     lay = plan.layout(prods, D, attention=att is not None)
     init = np.asarray(plan.init_words(x0, prods, lay)).reshape(-1, 2)
     init_vals = init[:, 0].view(np.float32).astype(np.float64)
-    vals = np.zeros(L * lay.layer_words)
-    tags = np.zeros(L * lay.layer_words, int)
+    init_tags = init[:, 1]
+    vals = np.zeros(plan.REGIONS * lay.layer_words)
+    tags = np.zeros(plan.REGIONS * lay.layer_words, int)
+
+    def write(w0, n, values, l):
+        assert np.isin(tags[w0:w0 + n], [0, plan.tag(l) - plan.REGIONS]).all(), (w0, l)  # not too early
+        vals[w0:w0 + n], tags[w0:w0 + n] = values, plan.tag(l)
     W = {"qkv": wq, "o": wo, "gu": wgu, "down": wd}
     W = {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in W.items()}
     bf16 = lambda v: np.asarray(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731
 
-    def words(base_word, n, init_ok, use_init):
+    def words(base_word, n, init_ok, use_init, want):
         w0 = int(base_word)
         if init_ok and use_init:
+            assert (init_tags[w0:w0 + n] == int(want)).all()
             return init_vals[w0:w0 + n]
-        assert (tags[w0:w0 + n] == 1).all(), (w0, n)
+        assert (tags[w0:w0 + n] == int(want)).all(), (w0, n, want)
         return vals[w0:w0 + n]
 
     def read(name, l, gt, c, use_init):
         groups, dense, norm = plan.input_spec(name, l, gt, prods, lay, F, norm_eps is not None,
                                               att is not None)
         sums = [np.zeros(64), np.zeros(64)]
-        for count, stride, is_b, base_word, init_ok in groups:
+        for count, stride, is_b, base_word, init_ok, want in groups:
             for j in range(count):
-                w0 = int(base_word) + c * stride + j * 64
-                if init_ok and use_init:
-                    sums[is_b] += init_vals[w0:w0 + 64]
-                else:
-                    assert (tags[w0:w0 + 64] == 1).all(), (name, l, c, j)
-                    sums[is_b] += vals[w0:w0 + 64]
+                sums[is_b] += words(int(base_word) + c * stride + j * 64, 64, init_ok, use_init, want)
         if dense and bool(dense["dense_on"]):
-            w0 = int(dense["dense_base"]) + c * 64
-            vals[w0:w0 + 64], tags[w0:w0 + 64] = sums[0], 1
+            assert int(dense["dense_tag"]) == plan.tag(l)
+            write(int(dense["dense_base"]) + c * 64, 64, sums[0], l)
         if norm is not None:
-            v = words(norm[0], D, norm[1], use_init)
+            v = words(norm[0], D, norm[1], use_init, norm[2])
             sums = [u / np.sqrt(np.mean(v * v) + norm_eps) for u in sums]
         if any(g[2] for g in groups):
             return sums[0] / (1 + np.exp(-sums[0])) * sums[1]
@@ -254,9 +256,7 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None):
                 for t in range(t0, t1):
                     piece = sum(W[p.name][l, t * 64:(t + 1) * 64, c * 64:(c + 1) * 64] @ x[c]
                                 for c in range(k0, k1))
-                    w0 = plan.piece_word(p, l, t, gk, lay)
-                    assert (tags[w0:w0 + 64] == 0).all()  # each word written once
-                    vals[w0:w0 + 64], tags[w0:w0 + 64] = piece, 1
+                    write(plan.piece_word(p, l, t, gk, lay), 64, piece, l)
             if p.name == "qkv" and att is not None:
                 kv, pos, rope = (np.asarray(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a) for a in att)
                 H, hd = kv.shape[2], kv.shape[4]
@@ -265,9 +265,7 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None):
                                                for j in range(hd // 64)]) for r in range(3))
                     o, kn, vn = attend(q, k, v, kv[l, 0, h], kv[l, 1, h], int(pos[0]), rope, bf16)
                     new.append((l, h, kn, vn))
-                    w0 = l * lay.layer_words + lay.offsets["att"] + h * hd
-                    assert (tags[w0:w0 + hd] == 0).all()
-                    vals[w0:w0 + hd], tags[w0:w0 + hd] = o, 1
+                    write(plan.region(l, lay) + lay.offsets["att"] + h * hd, hd, o, l)
     x_L = np.concatenate([read("final", L - 1, 0, c, False) for c in range(D // 64)])
     if att is None:
         return x_L
@@ -302,7 +300,7 @@ def test_the_kernels_data_flow_computes_the_chain(blocks, norms):
     """The decomposition, word layout and input wiring the kernel uses, run in numpy, give the
     reference's x_L, with and without RMSNorms (their gains folded into the weights as the
     kernel takes them); on the GPU the kernel itself is checked against it."""
-    D, N1, F, L = 256, 768, 512, 2
+    D, N1, F, L = 256, 768, 512, 3  # 3 layers: layer 2 reuses layer 0's region
     x0, wq, wo, wgu, wd = inputs(D, N1, F, L)
     if norms:
         g = gains(D, L)
@@ -319,7 +317,7 @@ def test_the_kernels_data_flow_computes_the_chain(blocks, norms):
 def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos):
     """With attention: each head's block reads q, k, v through the kernel's wiring, its
     output words are what o reads, and x_L and the new k, v are the reference's."""
-    D, N1, F, L, H = 256, 768, 512, 2, 2
+    D, N1, F, L, H = 256, 768, 512, 3, 2
     x0, wq, wo, wgu, wd = inputs(D, N1, F, L)
     att = attention_inputs(L, D, 192, pos, heads=H)
     g = gains(D, L) if norms else None

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# One H200 call (issue 19): where the chain megakernel's layer time goes. Kernel alone with
-# norms: no attention, then attention at positions 32 / 160 / 288 (the slope is the cost of
-# a 64-position tile, the rest the phase's fixed cost), each at 16 and 24 ring slots (TMA
-# tiles a block buffers while it waits on a handover); then whole batch-1 decode steps.
+# One H200 call (issue 19): where the chain megakernel's layer time goes. Its attention GPU
+# tests; the kernel alone with norms, without attention and with attention at the positions
+# POS_LIST (default 0 160), each at the ring depths STAGES_LIST (16 24: TMA tiles a block
+# buffers while it waits on a handover); then whole batch-1 decode steps.
 #   OUT=$OUT bash experiments/gpu_call_chain_stages.sh
 source "$(dirname "$0")/gpu_env.sh"
 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 90 python3 -m pytest -x -q \
     -p no:cacheprovider tests/test_chain_mgpu.py -k "attention and on_the_gpu" > "$OUT/chain_tests_h200.log" 2>&1
 echo "attention tests rc=$?"; tail -2 "$OUT/chain_tests_h200.log"
 for st in ${STAGES_LIST:-16 24}; do
-    for pos in 0 32 160 288; do
+    for pos in ${POS_LIST:-0 160}; do
         mkdir -p "$OUT/st${st}_pos$pos"
         XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 60 python3 experiments/bench_chain_mgpu.py --norms \
             --attention $pos --stages $st --rounds 2 --iters 10 --out "$OUT/st${st}_pos$pos" 2>&1 \

@@ -89,7 +89,10 @@ def generate_tokens(cfg: ModelConfig, params, prompt_BT, prompt_len_B, key, *,
     def body(carry):
         i, tok_B, cache, out_BN, done_B, count_B, key = carry
         logits_BV, cache = decode_step(cfg, params, tok_B, cache)
-        key, sub = jax.random.split(key)
+        if not sp.greedy:  # greedy draws nothing: no key split (a kernel a step) in the loop
+            key, sub = jax.random.split(key)
+        else:
+            sub = key
         nxt_B = sample(sub, logits_BV, sp)
         nxt_B = jnp.where(done_B, max(eos_id, 0), nxt_B)
         out_BN = out_BN.at[:, i].set(nxt_B)

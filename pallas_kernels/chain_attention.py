@@ -87,7 +87,7 @@ _PER_WARP = ("and.b32 w, {lane}, 31; setp.eq.u32 z, w, 0; shr.u32 w, {lane}, 5; 
 
 def _rope_ptx(head_dim: int) -> str:
     """Operands: $0 stage (fp32 q|k|v, shared), $1 window (shared), $2 k_new's global address,
-    $3 v_new's, $4 the angles (cos | sin, fp32 global), $5 red (shared), $6 lane."""
+    $3 v_new's, $4 the angles (cos | sin, fp32 shared), $5 red (shared), $6 lane."""
     h2 = head_dim // 2
     per_warp = _PER_WARP.format(lane="$6", slot=0, red="$5")
     return (
@@ -96,7 +96,7 @@ def _rope_ptx(head_dim: int) -> str:
         f" mov.f32 x, 0f00000000; setp.lt.u32 p, $6, {h2}; @!p bra ROPE_V;"
         " shl.b32 o, $6, 2; add.u32 i, $0, o; ld.shared.f32 q1, [i]; ld.shared.f32 q2, [i+" + str(4 * h2) + "];"
         f" ld.shared.f32 k1, [i+{4 * head_dim}]; ld.shared.f32 k2, [i+{4 * (head_dim + h2)}];"
-        " cvt.u64.u32 g, o; add.u64 g, g, $4; ld.global.f32 c, [g]; ld.global.f32 s, [g+" + str(4 * h2) + "];"
+        " add.u32 j, $4, o; ld.shared.f32 c, [j]; ld.shared.f32 s, [j+" + str(4 * h2) + "];"
         # q rotated, to the window (elements lane and lane + hd/2)
         " mul.f32 t, q2, s; neg.f32 t, t; fma.rn.f32 t, q1, c, t; cvt.rn.bf16.f32 a, t;"
         " mul.f32 u, q1, s; fma.rn.f32 u, q2, c, u; cvt.rn.bf16.f32 b, u;"
@@ -118,9 +118,10 @@ def _rope_ptx(head_dim: int) -> str:
         f" cvt.f32.bf16 t, a; st.shared.f32 [i+{8 * head_dim}], t; ROPE_E: }}")
 
 
-def rope_new(stage_smem, win_smem, kv_new_ref, rope_ref, red_smem, k_word, v_word, head_dim: int):
+def rope_new(stage_smem, win_smem, kv_new_ref, rope_smem, red_smem, k_word, v_word, head_dim: int):
     """Step 2 of the module docstring. k_word / v_word: the element offsets of this head's
-    new k and v in kv_new_ref (traced). Ends in a warpgroup barrier."""
+    new k and v in kv_new_ref (traced); rope_smem: the angles, cos | sin (fp32, in shared
+    memory: loaded once a call, the same for every layer). Ends in a warpgroup barrier."""
     splat = plgpu.Layout.WG_SPLAT
     ptx = _rope_ptx(head_dim)
 
@@ -135,11 +136,11 @@ def rope_new(stage_smem, win_smem, kv_new_ref, rope_ref, red_smem, k_word, v_wor
         def at(word):
             return arith.addi(base, arith.muli(arith.extui(i64, word.registers[()]), mgpu.utils.c(2, i64)))
 
-        mgpu.utils.inline_ptx(ptx, _u32(stage), _u32(win), at(words[0]), at(words[1]), _u64(rope),
+        mgpu.utils.inline_ptx(ptx, _u32(stage), _u32(win), at(words[0]), at(words[1]), _u32(rope),
                               _u32(red), _lane(), has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
 
-    op((stage_smem, win_smem, kv_new_ref, rope_ref, red_smem),
+    op((stage_smem, win_smem, kv_new_ref, rope_smem, red_smem),
        [jnp.asarray(k_word, jnp.int32), jnp.asarray(v_word, jnp.int32)])
 
 

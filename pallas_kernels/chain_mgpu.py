@@ -121,7 +121,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         kv_ref, pos_ref, rope_ref = refs[5:8] if attn is not None else (None,) * 3
         y_ref, kvn_ref = (refs[n_in], None) if attn is None else refs[n_in:n_in + 2]
         (x_win, w_smem, acc_smem, out_smem, norm_smem, full, free,
-         p_win, sc_smem, stage_smem, red_smem) = refs[n_in + (1 if attn is None else 2):]
+         p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar) = refs[n_in + (1 if attn is None else 2):]
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
         ll = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * REGIONS * lay.layer_words,)))
         w_refs = dict(qkv=wq_ref, o=wo_ref, gu=wgu_ref, down=wd_ref)
@@ -235,7 +235,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                     chain_words.gather(ll, init_ref, stage_smem, groups, out="f32", c0=c0, c1=c1,
                                        k0=k0, k0_hi=k0_hi, use_init=False, **dense)
                 row = (l * 2 * H + h) * hd  # this head's new k in kv_new [L, 2, H, hd]
-                ca.rope_new(stage_smem, x_win, kvn_ref, rope_ref, red_smem, row, row + H * hd, hd)
+                ca.rope_new(stage_smem, x_win, kvn_ref, rope_smem, red_smem, row, row + H * hd, hd)
                 plgpu.commit_smem()  # q in the window, for the tensor core
 
                 @pl.loop(0, n_tiles)
@@ -273,6 +273,12 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
 
         @pl.when(wg == 0)
         def _consumer():
+            if attn is not None:
+                @pl.when(h < H)
+                def _():  # the angles, once (every layer rotates by the same ones)
+                    plgpu.copy_gmem_to_smem(rope_ref, rope_smem, rope_bar.at[0])
+                    plgpu.barrier_wait(rope_bar.at[0])
+
             every_phase(consume, attend)
 
             @pl.when(b < D // T)
@@ -283,13 +289,15 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 plgpu.copy_smem_to_gmem(out_smem, y_ref.at[pl.ds(b * T, T)])
                 plgpu.wait_smem_to_gmem(0)
 
-    att_scratch = (None,) * 4
+    att_scratch = (None,) * 6
     if attn is not None:
         att_scratch = (
             tiled_smem((8 * (S // T), KC), jnp.bfloat16),  # p, as the tensor core reads it
             plgpu.SMEM((S // T, T), jnp.float32),  # the scores
             plgpu.SMEM((3 * hd,), jnp.float32),  # the head's q, k, v
             plgpu.SMEM((16,), jnp.float32),  # the warps' partial sums (chain_attention.RED)
+            plgpu.SMEM((hd,), jnp.float32),  # the angles (cos | sin)
+            plgpu.Barrier(num_barriers=1),  # the angles landed
         )
     scratch = (
         tiled_smem((_window_rows(kmax), KC), jnp.bfloat16),  # the input window
@@ -384,7 +392,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
 
 def attention_smem(S: int, hd: int) -> int:
     return smem_bytes(((8 * (S // T), KC), jnp.bfloat16), ((S // T, T), jnp.float32),
-                      ((3 * hd,), jnp.float32), ((16,), jnp.float32))
+                      ((3 * hd,), jnp.float32), ((16,), jnp.float32), ((hd,), jnp.float32))
 
 
 def fold_norms(w_qkv, w_gu, g_attn_LD, g_mlp_LD):

@@ -80,6 +80,8 @@ from pallas_kernels.chain_plan import (
 )
 from pallas_kernels.decode_attention import decode_attention_reference
 
+SCORE_GROUP = 4  # K tiles whose score products are in flight at once
+
 
 def _window_rows(kmax: int) -> int:
     """Rows of the bf16 input window: chunk i is the 8-row tile at row 8 i (its row 0 the
@@ -216,6 +218,38 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 gather(l, p, k0, k1, b % p.split.st)
                 pl.loop(t0, t1)(lambda t: tile_piece(l, p, t, j0 + (t - t0) * nk, nk, b // p.split.st))
 
+        def scores(j0):
+            """The scores of the cached positions (K tiles from ring step j0), SCORE_GROUP
+            tiles a pass: their wgmmas issued back to back into one accumulator each, one
+            wait, then column 0 of each to sc_smem."""
+            G = min(SCORE_GROUP, S // T)
+
+            @pl.loop(0, (n_tiles + G - 1) // G)
+            def _(g):
+                def body(*accs):
+                    for i, acc in enumerate(accs):
+                        t = g * G + i
+
+                        @pl.when(t < n_tiles)
+                        def _(t=t, acc=acc):  # (called at once: binds this tile's values)
+                            for c in range(nc):
+                                slot = lax.rem(j0 + t * nc + c, st)
+                                plgpu.barrier_wait(full.at[slot])
+                                plgpu.wgmma(acc, w_smem.at[slot], x_win.at[pl.ds(8 * c, 8)].transpose((1, 0)))
+
+                    plgpu.wgmma_wait(0)
+                    first_col = plgpu.broadcasted_iota(jnp.int32, (T, 8), 1, layout=WGMMA) == 0
+                    for i, acc in enumerate(accs):
+                        t = g * G + i
+
+                        @pl.when(t < n_tiles)
+                        def _(t=t, acc=acc):
+                            for c in range(nc):
+                                plgpu.barrier_arrive(free.at[lax.rem(j0 + t * nc + c, st)])
+                            sc_smem.at[t][...] = jnp.where(first_col, acc[...], 0.0).sum(axis=1)
+
+                pl.run_scoped(body, *[plgpu.ACC((T, 8), jnp.float32)] * G)
+
         def attend(l):  # head h of layer l (chain_attention's steps 1-6)
             j0 = l * per_layer + before["att"]
 
@@ -238,10 +272,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 ca.rope_new(stage_smem, x_win, kvn_ref, rope_smem, red_smem, row, row + H * hd, hd)
                 plgpu.commit_smem()  # q in the window, for the tensor core
 
-                @pl.loop(0, n_tiles)
-                def _(t):
-                    sc_smem.at[t][...] = ring_dot(j0 + t * nc, nc, lambda kk: x_win.at[pl.ds(8 * kk, 8)])
-
+                scores(j0)
                 plgpu.commit_smem()
                 ca.softmax(sc_smem, p_win, red_smem, pos, n_tiles, scale_log2)
                 plgpu.commit_smem()  # p in its window, for the tensor core

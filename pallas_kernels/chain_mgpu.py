@@ -1,18 +1,19 @@
-"""A batch-1 decode layer's weight products, every layer, as ONE persistent Mosaic GPU kernel
-whose phases hand activations over as low-latency words: a decode megakernel's skeleton
-(Hopper, sm90; issue 19).
+"""A batch-1 decode step's layers, every layer, as ONE persistent Mosaic GPU kernel whose
+phases hand activations over as low-latency words: the decode megakernel (Hopper, sm90;
+issue 19; on the decode path through `gendist.inference.megakernel`).
 
 Per layer l, from the residual stream x_l [D] (fp32):
     a   = Wqkv_l n_l(x_l)                 [N1]
-    h_l = x_l + Wo_l a[:D]                 (attention's place: the q part goes straight on)
+    h_l = x_l + Wo_l att(a)                (with kv: multi-head attention of the new token,
+                                            `chain_attention`; without: a[:D] goes straight on)
     g   = Wgu_l m_l(h_l)                   [2F]
     x_{l+1} = h_l + Wd_l (silu(g[:F]) * g[F:])
 with every product's input rounded to bf16 (as the decode path's products read it) and fp32
 sums; n_l, m_l are RMSNorms (`norm_eps`; their gains folded into Wqkv's and Wgu's columns,
 `fold_norms`, and the factor rsqrt(mean(v^2) + eps) applied by the readers of the product's
-output, each block summing the squares of the dense residual itself) or the identity. No
-attention yet: this kernel measures what a megakernel's weight stream and phase boundaries
-cost, the part of a decode step that is most of its bytes.
+output, each block summing the squares of the dense residual itself) or the identity.
+Without kv the kernel is the weight chain alone: what the weight stream and the phase
+boundaries cost.
 
 Why (benchmarks/README.md, issue 19): a decode step at batch 1 is ~230 kernels that each pay
 a fixed ramp and tail; one persistent kernel pays it once, but then needs a grid-wide

@@ -29,7 +29,6 @@ cast to bf16, products accumulated in fp32; p is bf16 (here unnormalised, divide
 from __future__ import annotations
 
 import math
-import struct
 
 import jax.numpy as jnp
 from jax.experimental.mosaic import gpu as mgpu
@@ -38,7 +37,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
 from pallas_kernels._mgpu import const_i32
-from pallas_kernels.chain_words import X_TRANSFORMS
+from pallas_kernels.chain_words import X_TRANSFORMS, f32_hex
 
 LOG2E = math.log2(math.e)
 RED = 12  # fp32 words of the reduction scratch: 4 warps' q.k_new, their max, their sum
@@ -167,7 +166,7 @@ def _p_ptx(scale_log2: float) -> str:
     """Operands: $0 scores, $1 pos, $2 red, $3 lane, $4 the p window (shared), $5 positions
     to write (tiles * 64)."""
     per_warp = _PER_WARP.format(lane="$3", slot=8, red="$2")
-    k = _f32(scale_log2)
+    k = f32_hex(scale_log2)
     return ("{ .reg .pred p; .reg .pred q; .reg .pred z; .reg .f32 x, r, y, s, m, e; .reg .b16 hb;"
             " .reg .u32 i, a, w, wt, j;" + _stats_ptx().replace("$R", "$2") +
             " mov.f32 x, 0f00000000; mov.u32 i, $3;"
@@ -176,10 +175,6 @@ def _p_ptx(scale_log2: float) -> str:
             " setp.lt.u32 q, i, $1; @!q mov.f32 e, 0f00000000; add.f32 x, x, e; cvt.rn.bf16.f32 hb, e;"
             f" {_win_offset('j', 'i')} add.u32 j, j, $4; st.shared.b16 [j], hb;"
             f" add.u32 i, i, 128; bra SP_L; SP_E: {_WARP_SUM} {per_warp} }}")
-
-
-def _f32(v: float) -> str:
-    return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
 
 
 def softmax(scores_smem, p_win, red_smem, pos, n_tiles, scale_log2: float):
@@ -206,7 +201,7 @@ def softmax(scores_smem, p_win, red_smem, pos, n_tiles, scale_log2: float):
 def _combine_ptx(scale_log2: float) -> str:
     """Operands: $0 out (fp32 [64] shared: P V's column, overwritten by the output), $1 the
     new v's 64 values (fp32 shared), $2 red, $3 lane."""
-    k = _f32(scale_log2)
+    k = f32_hex(scale_log2)
     return ("{ .reg .pred p; .reg .f32 s, m, y, l, e, a, v; .reg .u32 o, o2;"
             " setp.ge.u32 p, $3, 64; @p bra CMB_E;" + _stats_ptx().replace("$R", "$2") +
             " ld.shared.f32 l, [$2+32]; ld.shared.f32 y, [$2+36]; add.f32 l, l, y;"

@@ -20,7 +20,7 @@ X_TRANSFORMS = (plgpu.TilingTransform((8, KC)), plgpu.SwizzleTransform(2 * KC))
 
 
 
-def _f32_hex(v: float) -> str:
+def f32_hex(v: float) -> str:
     """A PTX fp32 immediate."""
     return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
 
@@ -51,7 +51,7 @@ def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, in
         eps, width = norm
         body += (f" ld.shared.f32 e, [${i}]; ld.shared.f32 g, [${i}+4]; add.f32 e, e, g;"
                  f" ld.shared.f32 g, [${i}+8]; add.f32 e, e, g; ld.shared.f32 g, [${i}+12]; add.f32 e, e, g;"
-                 f" mul.f32 e, e, {_f32_hex(1.0 / width)}; add.f32 e, e, {_f32_hex(eps)};"
+                 f" mul.f32 e, e, {f32_hex(1.0 / width)}; add.f32 e, e, {f32_hex(eps)};"
                  " rsqrt.approx.f32 e, e; mul.f32 fa, fa, e; mul.f32 fb, fb, e;")
         i += 1
     if n_b:  # silu(a) * b = a / (1 + 2^(-a log2 e)) * b

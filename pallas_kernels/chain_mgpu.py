@@ -170,15 +170,15 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             first = l == 0
             groups, dense, norm = input_spec(p.name, l, gt, prods, lay, F, norm_eps is not None,
                                              attn is not None)
-            if norm is not None:
-                chain_words.norm_partials(ll, init_ref, norm_smem, norm[0], first, norm[1], D, norm[2])
+            if norm is not None:  # the first pass also polls the norm's vector (its partials)
                 dense = dict(dense, norm_ref=norm_smem, norm=(norm_eps, D))
             for ps in range(cdiv(p.kmax(), 2)):
                 c0 = k0 + 2 * ps
                 c1 = jnp.minimum(c0 + 1, k1 - 1)
+                poll = dict(poll_norm=(norm[0], first, norm[1], norm[2])) if norm is not None and ps == 0 else {}
                 pl.when(c0 < k1)(functools.partial(
                     chain_words.gather, ll, init_ref, x_win, groups, out="bf16", c0=c0, c1=c1, k0=k0,
-                    use_init=first, **dense))
+                    use_init=first, **dense, **poll))
             plgpu.commit_smem()  # the window's rows, for the tensor core
 
         def ring_dot(jt, nk, b_chunk, a_transposed=False):
@@ -257,18 +257,18 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             @pl.when(h < H)
             def _():
                 groups, _, norm = input_spec("att", l, 0, prods, lay, F, norm_eps is not None)
-                dense = {}
-                if norm is not None:
-                    chain_words.norm_partials(ll, init_ref, norm_smem, norm[0], l == 0, norm[1], D, norm[2])
+                dense, poll = {}, {}
+                if norm is not None:  # the first pass also polls x_l (the norm's partials)
                     dense = dict(norm_ref=norm_smem, norm=(norm_eps, D))
+                    poll = dict(poll_norm=(norm[0], l == 0, norm[1], norm[2]))
                 first = [(r * D + h * hd) // T for r in range(3)]  # q's, k's, v's first chunk
                 if nc == 1:  # q and k in one pass (stage slots 0, 1), then v (slot 2)
                     passes = [(first[0], first[1], first[0], first[1] - 1), (first[2],) * 2 + (first[2] - 2,) * 2]
                 else:  # q, k, v: slots r nc .. r nc + nc - 1, two chunks a pass
                     passes = [(c, c + nc - 1, c - r * nc, c - r * nc) for r, c in enumerate(first)]
-                for c0, c1, k0, k0_hi in passes:
+                for i, (c0, c1, k0, k0_hi) in enumerate(passes):
                     chain_words.gather(ll, init_ref, stage_smem, groups, out="f32", c0=c0, c1=c1,
-                                       k0=k0, k0_hi=k0_hi, use_init=False, **dense)
+                                       k0=k0, k0_hi=k0_hi, use_init=False, **dense, **(poll if i == 0 else {}))
                 row = (l * 2 * H + h) * hd  # this head's new k in kv_new [L, 2, H, hd]
                 ca.rope_new(stage_smem, x_win, kvn_ref, rope_smem, red_smem, row, row + H * hd, hd)
                 plgpu.commit_smem()  # q in the window, for the tensor core

@@ -1,6 +1,6 @@
 """The inline-PTX movers of `chain_mgpu`'s low-latency (LL) words: a product's input
 gathered from its writers' pieces (with residual, SwiGLU and RMSNorm factor) into the bf16
-window the tensor core reads, and a norm's sums of squares. GPU only (sm90): Mosaic GPU's
+window the tensor core reads (polling the RMSNorm's vector in the same round trip). GPU only (sm90): Mosaic GPU's
 interpreter does not run inline PTX.
 """
 from __future__ import annotations
@@ -25,20 +25,32 @@ def f32_hex(v: float) -> str:
     return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
 
 
-def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, int] | None = None) -> str:
+def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, int] | None = None,
+                poll_norm: int = 0) -> str:
     """One lane's poll: operands $0.. the n_a + n_b source addresses, then their n expected
     tags, then (dense) the dense word's address, its write flag and its tag, then the
     shared-memory address. Sums group A (and B),
     writes A's sum as a dense word if asked, and stores bf16(A) or bf16(silu(A) * B)
     (out="bf16") or A as fp32 (out="f32"). norm=(eps, D): the operand before the last is the
-    shared-memory address of 4 warp partial sums of squares of a D-vector (`_norm_ptx`); A
+    shared-memory address of 4 warp partial sums of squares of a D-vector; A
     and B are scaled by rsqrt(sum / D + eps) first (the RMSNorm whose gain is folded into
-    the weights)."""
+    the weights). poll_norm=k (with norm): those partial sums are made here, in the same
+    poll as the sources (one round trip to L2, not two): after the dense operands come the
+    address of this lane's first word of the D-vector (words lane + 128 i, i < k), their
+    tag, the warpgroup's barrier id and the lane; each warp's sum of squares goes to the
+    shared partials, then a warpgroup barrier, then the scaling."""
     n = n_a + n_b
     regs = " ".join(f".reg .b64 d{k}; .reg .b32 v{k}; .reg .b32 t{k};" for k in range(n))
     loads = " ".join(f"ld.relaxed.gpu.global.b64 d{k}, [${k}]; mov.b64 {{v{k}, t{k}}}, d{k};"
                      for k in range(n))
     checks = " ".join(f"setp.ne.b32 p, t{k}, ${n + k}; @p bra LAB_G;" for k in range(n))
+    j = 2 * n + (3 if dense else 0)  # the first poll_norm operand
+    if poll_norm:
+        regs += " ".join(f" .reg .b64 nd{k}; .reg .b32 nv{k}; .reg .b32 nt{k};" for k in range(poll_norm))
+        regs += " .reg .f32 s2; .reg .f32 x2; .reg .b32 r2; .reg .u32 w2; .reg .pred z;"
+        loads += " " + " ".join(f"ld.relaxed.gpu.global.b64 nd{k}, [${j}+{1024 * k}]; mov.b64 {{nv{k}, nt{k}}}, nd{k};"
+                                for k in range(poll_norm))
+        checks += " " + " ".join(f"setp.ne.b32 p, nt{k}, ${j + 1}; @p bra LAB_G;" for k in range(poll_norm))
     sum_a = " ".join(f"mov.b32 g, v{k}; add.f32 fa, fa, g;" for k in range(n_a))
     sum_b = " ".join(f"mov.b32 g, v{k}; add.f32 fb, fb, g;" for k in range(n_a, n))
     body = f"mov.f32 fa, 0f00000000; mov.f32 fb, 0f00000000; {sum_a} {sum_b}"
@@ -47,6 +59,14 @@ def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, in
         body += (f" setp.ne.u32 q, ${i + 1}, 0; mov.b32 w, fa; mov.b32 one, ${i + 2};"
                  f" mov.b64 dd, {{w, one}}; @q st.relaxed.gpu.global.b64 [${i}], dd;")
         i += 3
+    if poll_norm:  # this warp's sum of squares to partial `warp`, then the warpgroup's barrier
+        body += (" mov.f32 s2, 0f00000000; " + " ".join(f"mov.b32 x2, nv{k}; fma.rn.f32 s2, x2, x2, s2;"
+                                                        for k in range(poll_norm))
+                 + " " + " ".join(f"mov.b32 r2, s2; shfl.sync.bfly.b32 r2, r2, {m}, 31, -1; mov.b32 x2, r2;"
+                                  f" add.f32 s2, s2, x2;" for m in (16, 8, 4, 2, 1))
+                 + f" and.b32 w2, ${j + 3}, 31; setp.eq.u32 z, w2, 0; shr.u32 w2, ${j + 3}, 5; shl.b32 w2, w2, 2;"
+                 f" add.u32 w2, w2, ${j + 4}; @z st.shared.f32 [w2], s2; bar.sync ${j + 2}, 128;")
+        i += 4
     if norm:
         eps, width = norm
         body += (f" ld.shared.f32 e, [${i}]; ld.shared.f32 g, [${i}+4]; add.f32 e, e, g;"
@@ -67,7 +87,8 @@ def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, in
 
 
 def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
-                 dense_base=None, dense_on=None, dense_tag=None, norm_ref=None, norm=None, k0_hi=None):
+                 dense_base=None, dense_on=None, dense_tag=None, norm_ref=None, norm=None, k0_hi=None,
+                 poll_norm=None):
     """The inline op behind a product's input: lanes < 64 read column lane of chunk c0, the
     others column lane - 64 of chunk c1. groups: [(count, stride, is_b, base_word, init_ok)]
     with count/stride/is_b static (stride: words from one chunk to the next, 64 * sk for
@@ -77,11 +98,14 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
     in fp32 (out="f32") dst_ref[(chunk - k0) * 64 + col]; with dense_base, A's sum as a dense word at
     dense_base + chunk * 64 + col when dense_on != 0; k0_hi (default k0): the lanes >= 64
     write slot c1 - k0_hi instead of c1 - k0; with out="f32", dst_ref[(chunk - k0) * 64 + col]; with norm=(eps, D), the sums scaled by
-    the RMSNorm factor from norm_ref's partials (`norm_partials`). Ends in a warpgroup barrier."""
+    the RMSNorm factor from norm_ref's 4 warp partial sums of squares (made by an earlier
+    pass, or with poll_norm=(base_word, from_init, init_ok, tag) of the dense D-vector there,
+    in this pass's poll). Ends in a warpgroup barrier."""
     n_a = sum(g[0] for g in groups if not g[2])
     n_b = sum(g[0] for g in groups if g[2])
     dense = dense_base is not None
-    ptx = _gather_ptx(n_a, n_b, dense, out, norm)
+    per_lane = norm[1] // 128 if poll_norm is not None else 0
+    ptx = _gather_ptx(n_a, n_b, dense, out, norm, per_lane)
     # A's groups first, then B's, in the order the PTX sums them.
     ordered = [g for g in groups if not g[2]] + [g for g in groups if g[2]]
     splat = plgpu.Layout.WG_SPLAT
@@ -92,6 +116,11 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
     if dense:
         traced += [jnp.asarray(dense_base, jnp.int32), jnp.asarray(dense_on, jnp.int32),
                    jnp.asarray(dense_tag, jnp.int32)]
+    n_dense = len(traced)
+    if per_lane:
+        nb, nfrom, n_init_ok, ntag = poll_norm
+        traced += [jnp.asarray(nb, jnp.int32), jnp.asarray(nfrom, jnp.int32) & int(n_init_ok),
+                   jnp.asarray(ntag, jnp.int32)]
 
     dst_type = plgpu.RefType(X_TRANSFORMS) if out == "bf16" else plgpu.RefType()
     refs = (ll_ref, init_ref, dst_ref) + ((norm_ref,) if norm else ())
@@ -125,9 +154,14 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
             want += [t] * count
         operands = addrs + want
         if dense:
-            dbase, don, dtag = v[5 + 2 * ng:]
+            dbase, don, dtag = v[5 + 2 * ng:5 + 2 * ng + 3]
             operands += [addr(ll_p, arith.addi(arith.addi(dbase, arith.muli(chunk, const_i32(64))), col)), don,
                          dtag]
+        if per_lane:
+            nb_, nfrom_, ntag_ = v[n_dense:]
+            nptr = arith.select(arith.cmpi(arith.CmpIPredicate.ne, nfrom_, const_i32(0)), init_p, ll_p)
+            operands += [addr(nptr, arith.addi(nb_, lane)), ntag_, mgpu.utils.warpgroup_barrier_idx(sync=False),
+                         lane]
         if norm:
             operands.append(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(rs[3])))
         dst_p = llvm.ptrtoint(i32, mgpu.utils.memref_ptr(dst))
@@ -140,48 +174,3 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
         mgpu.utils.warpgroup_barrier()
 
     op(refs, traced)
-
-
-def _norm_ptx(per_lane: int) -> str:
-    """Operands: $0 the address of dense word `lane` of a vector (words lane + 128 i,
-    i < per_lane), $1 the lane, $2 the 4-float shared scratch, $3 the words' tag. Polls the words, sums their
-    squares, reduces the warp by butterfly shuffles, and lane 0 of each warp stores its sum."""
-    regs = " ".join(f".reg .b64 d{k}; .reg .b32 v{k}; .reg .b32 t{k}; .reg .u64 a{k};" for k in range(per_lane))
-    addrs = "mul.wide.u32 a0, $1, 8; add.u64 a0, a0, $0; " + " ".join(
-        f"add.u64 a{k}, a{k - 1}, 1024;" for k in range(1, per_lane))
-    loads = " ".join(f"ld.relaxed.gpu.global.b64 d{k}, [a{k}]; mov.b64 {{v{k}, t{k}}}, d{k};" for k in range(per_lane))
-    checks = " ".join(f"setp.ne.b32 p, t{k}, $3; @p bra LAB_N;" for k in range(per_lane))
-    squares = " ".join(f"mov.b32 x, v{k}; fma.rn.f32 s, x, x, s;" for k in range(per_lane))
-    shuffle = " ".join(f"mov.b32 r, s; shfl.sync.bfly.b32 r, r, {m}, 31, -1; mov.b32 x, r; add.f32 s, s, x;"
-                       for m in (16, 8, 4, 2, 1))
-    return (f"{{ .reg .pred p; .reg .u32 n; .reg .f32 s; .reg .f32 x; .reg .b32 r; .reg .u32 w; {regs}"
-            f" {addrs} mov.u32 n, 0; LAB_N: {loads} {SPIN_GUARD} {checks} mov.f32 s, 0f00000000;"
-            f" {squares} {shuffle} and.b32 w, $1, 31; setp.ne.u32 p, w, 0; shr.u32 w, $1, 5;"
-            f" shl.b32 w, w, 2; add.u32 w, w, $2; @!p st.shared.f32 [w], s; }}")
-
-
-def norm_partials(ll_ref, init_ref, scratch_ref, base_word, from_init, init_ok: bool, width: int, tag):
-    """The 4 warp partial sums of squares of the dense D-vector at LL word base_word (the
-    host's words when init_ok and from_init), written with `tag`, into scratch_ref; then a
-    warpgroup barrier."""
-    if width % 128:
-        raise ValueError(f"chain_mgpu norms: D={width} must be a multiple of 128.")
-    ptx = _norm_ptx(width // 128)
-    splat = plgpu.Layout.WG_SPLAT
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(), splat, splat, splat))
-    def op(_, ll, init, scratch, base, flag, want):
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-        lane = arith.remui(mgpu.utils.thread_idx(), const_i32(128))
-        ll_p = llvm.ptrtoint(i64, mgpu.utils.memref_ptr(ll))
-        ptr = ll_p
-        if init_ok:
-            from_init_ = arith.cmpi(arith.CmpIPredicate.ne, flag.registers[()], const_i32(0))
-            ptr = arith.select(from_init_, llvm.ptrtoint(i64, mgpu.utils.memref_ptr(init)), ll_p)
-        start = arith.addi(ptr, arith.muli(arith.extui(i64, base.registers[()]), mgpu.utils.c(8, i64)))
-        sc = llvm.ptrtoint(i32, mgpu.utils.memref_ptr(scratch))
-        mgpu.utils.inline_ptx(ptx, start, lane, sc, want.registers[()], has_side_effects=True)
-        mgpu.utils.warpgroup_barrier()
-
-    op(ll_ref, init_ref, scratch_ref, jnp.asarray(base_word, jnp.int32), jnp.asarray(from_init, jnp.int32),
-       jnp.asarray(tag, jnp.int32))

@@ -104,7 +104,8 @@ def test_lowers_for_sm90_with_no_fence(preset, norm_eps):
     args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
             S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16))
     text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps), *args)
-    assert ("LAB_N" in text) == (norm_eps is not None)  # the norms' sums of squares
+    assert ("fma.rn.f32 s2" in text) == (norm_eps is not None)  # the norms' sums of squares, polled
+    assert ("bar.sync" in text.split("fma.rn.f32 s2")[-1][:2000]) == (norm_eps is not None)  # in the poll
     assert ("rsqrt.approx.f32" in text) == (norm_eps is not None)
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1 and "decode_chain" in text
     for s in ("st.relaxed.gpu.global.b64", "ld.relaxed.gpu.global.b64", "LAB_G", "cvt.rn.bf16.f32",

@@ -218,8 +218,19 @@ def const_i32(v: int):
     return mgpu.utils.c(v, ir.IntegerType.get_signless(32))
 
 
-def _lane():
+def lane():
+    """This thread's index in its warpgroup (inside `inline_mgpu` code)."""
     return arith.remui(mgpu.utils.thread_idx(), const_i32(128))
+
+
+def ptr32(ref):
+    """A shared-memory ref's address as a 32-bit integer (inline PTX operand)."""
+    return llvm.ptrtoint(ir.IntegerType.get_signless(32), mgpu.utils.memref_ptr(ref))
+
+
+def ptr64(ref):
+    """A global-memory ref's address as a 64-bit integer (inline PTX operand)."""
+    return llvm.ptrtoint(ir.IntegerType.get_signless(64), mgpu.utils.memref_ptr(ref))
 
 
 def _word_address(base_ptr, index_i32, scale: int):
@@ -231,8 +242,7 @@ def _word_address(base_ptr, index_i32, scale: int):
 
 def _smem_address(ref, index_i32, scale: int = 4):
     """A shared-memory address (32-bit) of ref's element `index`."""
-    i32 = ir.IntegerType.get_signless(32)
-    return arith.addi(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(ref)), arith.muli(index_i32, const_i32(scale)))
+    return arith.addi(ptr32(ref), arith.muli(index_i32, const_i32(scale)))
 
 
 def ll_store(ll_ref, src_smem, word: int | jax.Array, tag, then_barrier: bool = False):
@@ -246,13 +256,13 @@ def ll_store(ll_ref, src_smem, word: int | jax.Array, tag, then_barrier: bool = 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT,
                                   plgpu.Layout.WG_SPLAT))
     def store(_, ll, src, w, t):
-        lane = _lane()
-        addr = _word_address(mgpu.utils.memref_ptr(ll), arith.addi(w.registers[()], lane), 8)
+        ln = lane()
+        addr = _word_address(mgpu.utils.memref_ptr(ll), arith.addi(w.registers[()], ln), 8)
         mgpu.utils.inline_ptx(
             "{ .reg .pred p; .reg .b32 v; .reg .b64 d; setp.lt.u32 p, $3, 64;"
             " @p ld.shared.b32 v, [$0]; @p mov.b64 d, {v, $2};"
             " @p st.relaxed.gpu.global.b64 [$1], d; }",
-            _smem_address(src, arith.minui(lane, const_i32(63))), addr, t.registers[()], lane,
+            _smem_address(src, arith.minui(ln, const_i32(63))), addr, t.registers[()], ln,
             has_side_effects=True)
         if then_barrier:
             mgpu.utils.warpgroup_barrier()
@@ -279,14 +289,14 @@ def ll_gather(ll_ref, dst_smem, words, tag):
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), [plgpu.Layout.WG_SPLAT] * n,
                                   plgpu.Layout.WG_SPLAT))
     def gather(_, ll, dst, ws, t):
-        lane = _lane()
-        col = arith.minui(lane, const_i32(63))
+        ln = lane()
+        col = arith.minui(ln, const_i32(63))
         base = mgpu.utils.memref_ptr(ll)
         addrs = [_word_address(base, arith.addi(w.registers[()], col), 8) for w in ws]
         f32 = ir.F32Type.get()
         total = mgpu.utils.inline_ptx(ptx, *addrs, t.registers[()], result_types=f32,
                                       has_side_effects=True)
-        first = arith.cmpi(arith.CmpIPredicate.ult, lane, const_i32(64))
+        first = arith.cmpi(arith.CmpIPredicate.ult, ln, const_i32(64))
         mgpu.utils.inline_ptx("st.shared.f32 [$0], $1;", _smem_address(dst, col), total,
                               predicate=first, has_side_effects=True)
         mgpu.utils.warpgroup_barrier()

@@ -1,7 +1,7 @@
 """The attention phase of `chain_mgpu`'s decode megakernel: one block a head, batch 1, between
 the q|k|v product and the output product (Hopper, sm90; issue 19).
 
-Block `head_block(h)` (the last `heads` blocks, which the rectangle splits load least) takes
+A block (`head_of`: the last `heads` blocks, which the rectangle splits load least) takes
 head h of layer l:
 
 1. gathers its q, k and v (3 hd values: the sums of q|k|v's pieces, times x_l's RMSNorm
@@ -34,18 +34,19 @@ import jax.numpy as jnp
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm
+from jaxlib.mlir.dialects import arith
 
-from pallas_kernels._mgpu import const_i32
+from pallas_kernels._mgpu import const_i32, lane, ptr32, ptr64
 from pallas_kernels.chain_words import X_TRANSFORMS, f32_hex
 
 LOG2E = math.log2(math.e)
 RED = 12  # fp32 words of the reduction scratch: 4 warps' q.k_new, their max, their sum
 
 
-def head_block(h, blocks: int):
-    """The block that takes head h (h may be traced)."""
-    return blocks - 1 - h
+def head_of(b, blocks: int):
+    """The head block b attends to (b may be traced); it attends if that is below the head
+    count: the last blocks take the heads, block blocks - 1 head 0."""
+    return blocks - 1 - b
 
 
 def tiles(pos):
@@ -57,18 +58,6 @@ def tiles(pos):
 def items(pos, head_dim: int):
     """Weight-ring steps of a head: K tiles (tiles x hd/64 chunks) then V tiles."""
     return 2 * tiles(pos) * (head_dim // 64)
-
-
-def _u32(ref):
-    return llvm.ptrtoint(ir.IntegerType.get_signless(32), mgpu.utils.memref_ptr(ref))
-
-
-def _u64(ref):
-    return llvm.ptrtoint(ir.IntegerType.get_signless(64), mgpu.utils.memref_ptr(ref))
-
-
-def _lane():
-    return arith.remui(mgpu.utils.thread_idx(), const_i32(128))
 
 
 def _win_offset(reg: str, idx: str) -> str:
@@ -130,13 +119,13 @@ def rope_new(stage_smem, win_smem, kv_new_ref, rope_smem, red_smem, k_word, v_wo
     def op(_, refs, words):
         stage, win, kvn, rope, red = refs
         i64 = ir.IntegerType.get_signless(64)
-        base = _u64(kvn)
+        base = ptr64(kvn)
 
         def at(word):
             return arith.addi(base, arith.muli(arith.extui(i64, word.registers[()]), mgpu.utils.c(2, i64)))
 
-        mgpu.utils.inline_ptx(ptx, _u32(stage), _u32(win), at(words[0]), at(words[1]), _u32(rope),
-                              _u32(red), _lane(), has_side_effects=True)
+        mgpu.utils.inline_ptx(ptx, ptr32(stage), ptr32(win), at(words[0]), at(words[1]), ptr32(rope),
+                              ptr32(red), lane(), has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
 
     op((stage_smem, win_smem, kv_new_ref, rope_smem, red_smem),
@@ -153,13 +142,12 @@ def _max_ptx() -> str:
             f" SMAX_E: {_WARP_MAX} {per_warp} }}")
 
 
-def _stats_ptx() -> str:
-    """PTX computing into s (q . k_new), m (the maximum) from red at $R (a placeholder)."""
-    return ("ld.shared.f32 s, [$R]; ld.shared.f32 y, [$R+4]; add.f32 s, s, y; ld.shared.f32 y, [$R+8];"
-            " add.f32 s, s, y; ld.shared.f32 y, [$R+12]; add.f32 s, s, y;"
-            " mov.f32 m, s; ld.shared.f32 y, [$R+16]; max.f32 m, m, y; ld.shared.f32 y, [$R+20];"
-            " max.f32 m, m, y; ld.shared.f32 y, [$R+24]; max.f32 m, m, y; ld.shared.f32 y, [$R+28];"
-            " max.f32 m, m, y;")
+def _stats_ptx(red: str) -> str:
+    """PTX computing into s (q . k_new) and m (the maximum) from the partials at operand red."""
+    return (f"ld.shared.f32 s, [{red}]; " + " ".join(f"ld.shared.f32 y, [{red}+{4 * w}]; add.f32 s, s, y;"
+                                                  for w in (1, 2, 3))
+            + " mov.f32 m, s; " + " ".join(f"ld.shared.f32 y, [{red}+{16 + 4 * w}]; max.f32 m, m, y;"
+                                          for w in range(4)))
 
 
 def _p_ptx(scale_log2: float) -> str:
@@ -168,7 +156,7 @@ def _p_ptx(scale_log2: float) -> str:
     per_warp = _PER_WARP.format(lane="$3", slot=8, red="$2")
     k = f32_hex(scale_log2)
     return ("{ .reg .pred p; .reg .pred q; .reg .pred z; .reg .f32 x, r, y, s, m, e; .reg .b16 hb;"
-            " .reg .u32 i, a, w, wt, j;" + _stats_ptx().replace("$R", "$2") +
+            " .reg .u32 i, a, w, wt, j;" + _stats_ptx("$2") +
             " mov.f32 x, 0f00000000; mov.u32 i, $3;"
             " SP_L: setp.ge.u32 p, i, $5; @p bra SP_E; shl.b32 a, i, 2; add.u32 a, a, $0;"
             f" ld.shared.f32 y, [a]; sub.f32 y, y, m; mul.f32 y, y, {k}; ex2.approx.f32 e, y;"
@@ -189,9 +177,9 @@ def softmax(scores_smem, p_win, red_smem, pos, n_tiles, scale_log2: float):
     def op(_, refs, vals):
         sc, pw, red = refs
         pos_, n = (v.registers[()] for v in vals)
-        mgpu.utils.inline_ptx(max_ptx, _u32(sc), pos_, _u32(red), _lane(), has_side_effects=True)
+        mgpu.utils.inline_ptx(max_ptx, ptr32(sc), pos_, ptr32(red), lane(), has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
-        mgpu.utils.inline_ptx(p_ptx, _u32(sc), pos_, _u32(red), _lane(), _u32(pw),
+        mgpu.utils.inline_ptx(p_ptx, ptr32(sc), pos_, ptr32(red), lane(), ptr32(pw),
                               arith.muli(n, const_i32(64)), has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
 
@@ -203,7 +191,7 @@ def _combine_ptx(scale_log2: float) -> str:
     new v's 64 values (fp32 shared), $2 red, $3 lane."""
     k = f32_hex(scale_log2)
     return ("{ .reg .pred p; .reg .f32 s, m, y, l, e, a, v; .reg .u32 o, o2;"
-            " setp.ge.u32 p, $3, 64; @p bra CMB_E;" + _stats_ptx().replace("$R", "$2") +
+            " setp.ge.u32 p, $3, 64; @p bra CMB_E;" + _stats_ptx("$2") +
             " ld.shared.f32 l, [$2+32]; ld.shared.f32 y, [$2+36]; add.f32 l, l, y;"
             " ld.shared.f32 y, [$2+40]; add.f32 l, l, y; ld.shared.f32 y, [$2+44]; add.f32 l, l, y;"
             f" sub.f32 y, s, m; mul.f32 y, y, {k}; ex2.approx.f32 e, y; add.f32 l, l, e;"
@@ -221,8 +209,8 @@ def combine(out_smem, stage_smem, red_smem, v_offset, scale_log2: float):
     @plgpu.inline_mgpu(arg_types=((plgpu.RefType(),) * 3, [splat]))
     def op(_, refs, vals):
         out, stage, red = refs
-        v = arith.addi(_u32(stage), arith.muli(vals[0].registers[()], const_i32(4)))
-        mgpu.utils.inline_ptx(ptx, _u32(out), v, _u32(red), _lane(), has_side_effects=True)
+        v = arith.addi(ptr32(stage), arith.muli(vals[0].registers[()], const_i32(4)))
+        mgpu.utils.inline_ptx(ptx, ptr32(out), v, ptr32(red), lane(), has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
 
     op((out_smem, stage_smem, red_smem), [jnp.asarray(v_offset, jnp.int32)])

@@ -84,6 +84,12 @@ from pallas_kernels.decode_attention import decode_attention_reference
 SCORE_GROUP = 4  # K tiles whose score products are in flight at once
 
 
+def column0(acc_T8):
+    """Column 0 of a [64, 8] wgmma accumulator (the only column the B rows make): [64]."""
+    first_col = plgpu.broadcasted_iota(jnp.int32, (T, 8), 1, layout=WGMMA) == 0
+    return jnp.where(first_col, acc_T8, 0.0).sum(axis=1)
+
+
 def _window_rows(kmax: int) -> int:
     """Rows of the bf16 input window: chunk i is the 8-row tile at row 8 i (its row 0 the
     values, rows 1-7 whatever they hold: they reach only accumulator columns never read)."""
@@ -115,7 +121,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             n = n + jnp.where(active, (t1 - t0) * (k1 - k0), 0)
             if p.name == "qkv" and attn is not None:
                 before["att"] = n
-                n = n + jnp.where(b >= NB - H, ca.items(pos, hd), 0)
+                n = n + jnp.where(ca.head_of(b, NB) < H, ca.items(pos, hd), 0)
         return n, before
 
     def kernel(*refs):
@@ -131,7 +137,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         pos = jnp.clip(pos_ref[0], 0, S - 1) if attn is not None else None  # as the reference
         n_tiles = ca.tiles(pos) if attn is not None else None
         per_layer, before = counts(b, pos)
-        h = NB - 1 - b  # the head this block attends to, if h < H
+        h = ca.head_of(b, NB)  # the head this block attends to, if h < H
 
         def issue(j, src):  # ring step j: the tile src into its slot
             slot = lax.rem(j, st)
@@ -199,9 +205,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 plgpu.barrier_arrive(free.at[lax.rem(jt + nk - 1, st)])
                 return acc[...]
 
-            acc = pl.run_scoped(k_loop, plgpu.ACC((T, 8), jnp.float32))
-            first_col = plgpu.broadcasted_iota(jnp.int32, (T, 8), 1, layout=WGMMA) == 0
-            return jnp.where(first_col, acc, 0.0).sum(axis=1)
+            return column0(pl.run_scoped(k_loop, plgpu.ACC((T, 8), jnp.float32)))
 
         def tile_piece(l, p, t, jt, nk, gk):
             """Tile t's sum over this block's nk chunks (ring steps jt..), as LL words."""
@@ -239,7 +243,6 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                                 plgpu.wgmma(acc, w_smem.at[slot], x_win.at[pl.ds(8 * c, 8)].transpose((1, 0)))
 
                     plgpu.wgmma_wait(0)
-                    first_col = plgpu.broadcasted_iota(jnp.int32, (T, 8), 1, layout=WGMMA) == 0
                     for i, acc in enumerate(accs):
                         t = g * G + i
 
@@ -247,7 +250,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                         def _(t=t, acc=acc):
                             for c in range(nc):
                                 plgpu.barrier_arrive(free.at[lax.rem(j0 + t * nc + c, st)])
-                            sc_smem.at[t][...] = jnp.where(first_col, acc[...], 0.0).sum(axis=1)
+                            sc_smem.at[t][...] = column0(acc[...])
 
                 pl.run_scoped(body, *[plgpu.ACC((T, 8), jnp.float32)] * G)
 
@@ -327,7 +330,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             tiled_smem((8 * (S // T), KC), jnp.bfloat16),  # p, as the tensor core reads it
             plgpu.SMEM((S // T, T), jnp.float32),  # the scores
             plgpu.SMEM((3 * hd,), jnp.float32),  # the head's q, k, v
-            plgpu.SMEM((16,), jnp.float32),  # the warps' partial sums (chain_attention.RED)
+            plgpu.SMEM((ca.RED,), jnp.float32),  # the warps' partial sums
             plgpu.SMEM((hd,), jnp.float32),  # the angles (cos | sin)
             plgpu.Barrier(num_barriers=1),  # the angles landed
         )
@@ -424,7 +427,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
 
 def attention_smem(S: int, hd: int) -> int:
     return smem_bytes(((8 * (S // T), KC), jnp.bfloat16), ((S // T, T), jnp.float32),
-                      ((3 * hd,), jnp.float32), ((16,), jnp.float32), ((hd,), jnp.float32))
+                      ((3 * hd,), jnp.float32), ((ca.RED,), jnp.float32), ((hd,), jnp.float32))
 
 
 def fold_norms(w_qkv, w_gu, g_attn_LD, g_mlp_LD):

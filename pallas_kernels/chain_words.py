@@ -11,9 +11,9 @@ import jax.numpy as jnp
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm
+from jaxlib.mlir.dialects import arith
 
-from pallas_kernels._mgpu import SPIN_GUARD, const_i32
+from pallas_kernels._mgpu import SPIN_GUARD, const_i32, lane, ptr32, ptr64
 from pallas_kernels.chain_plan import KC
 
 X_TRANSFORMS = (plgpu.TilingTransform((8, KC)), plgpu.SwizzleTransform(2 * KC))
@@ -129,18 +129,17 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
     @plgpu.inline_mgpu(arg_types=(ref_types, [splat] * len(traced)))
     def op(_, rs, vals):
         ll, init, dst = rs[:3]
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        i64 = ir.IntegerType.get_signless(64)
         v = [x.registers[()] for x in vals]
         c0_, c1_, k0_lo, init_flag, k0_hi_ = v[:5]
         ng = len(ordered)
         bases, tags = v[5:5 + ng], v[5 + ng:5 + 2 * ng]
-        lane = arith.remui(mgpu.utils.thread_idx(), const_i32(128))
-        col = arith.remui(lane, const_i32(64))
-        hi = arith.cmpi(arith.CmpIPredicate.uge, lane, const_i32(64))
+        lane_ = lane()
+        col = arith.remui(lane_, const_i32(64))
+        hi = arith.cmpi(arith.CmpIPredicate.uge, lane_, const_i32(64))
         chunk = arith.select(hi, c1_, c0_)
         k0_ = arith.select(hi, k0_hi_, k0_lo)
-        ll_p = llvm.ptrtoint(i64, mgpu.utils.memref_ptr(ll))
-        init_p = llvm.ptrtoint(i64, mgpu.utils.memref_ptr(init))
+        ll_p, init_p = ptr64(ll), ptr64(init)
         from_init = arith.cmpi(arith.CmpIPredicate.ne, init_flag, const_i32(0))
 
         def addr(ptr, word):
@@ -160,11 +159,11 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
         if per_lane:
             nb_, nfrom_, ntag_ = v[n_dense:]
             nptr = arith.select(arith.cmpi(arith.CmpIPredicate.ne, nfrom_, const_i32(0)), init_p, ll_p)
-            operands += [addr(nptr, arith.addi(nb_, lane)), ntag_, mgpu.utils.warpgroup_barrier_idx(sync=False),
-                         lane]
+            operands += [addr(nptr, arith.addi(nb_, lane_)), ntag_, mgpu.utils.warpgroup_barrier_idx(sync=False),
+                         lane_]
         if norm:
-            operands.append(llvm.ptrtoint(i32, mgpu.utils.memref_ptr(rs[3])))
-        dst_p = llvm.ptrtoint(i32, mgpu.utils.memref_ptr(dst))
+            operands.append(ptr32(rs[3]))
+        dst_p = ptr32(dst)
         if out == "bf16":  # row 0 of 8-row group (chunk - k0): 1 KB a group, linear in the row
             off = arith.addi(arith.muli(arith.subi(chunk, k0_), const_i32(1024)), arith.muli(col, const_i32(2)))
         else:  # element (chunk - k0) * 64 + col

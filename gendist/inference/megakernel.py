@@ -30,8 +30,9 @@ from pallas_kernels import chain_mgpu as cm
 CHAIN = cm.chain_mgpu  # the kernel (tests on a CPU put `chain_reference` here)
 
 
-def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: float):
-    """`chain_mgpu`'s result from its own inputs (norm gains folded) by `cm.reference`: XLA."""
+def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: float, stages: int = 16):
+    """`chain_mgpu`'s result from its own inputs (norm gains folded) by `cm.reference`: XLA
+    (stages, the kernel's ring depth, changes nothing here)."""
     ones = jnp.ones((w_qkv.shape[0], x0_D.shape[0]), jnp.float32)
     return cm.reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, norms=(ones, ones), eps=norm_eps)
 
@@ -108,7 +109,7 @@ def step(cfg: ModelConfig, params: dict, tokens_B, cache: ChainCache):
     cos, sin = rope_angles(pos[:, None], cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
     rope = jnp.concatenate([cos.reshape(-1), sin.reshape(-1)])
     x_D, kv_new = CHAIN(x0, *params["chain"], cache.kv, pos, rope, norm_eps=cfg.norm_eps,
-                        **({"stages": cache.stages} if CHAIN is cm.chain_mgpu else {}))
+                        stages=cache.stages)
     kv = jax.lax.dynamic_update_slice(cache.kv, kv_new[:, :, :, None, :], (0, 0, 0, pos[0], 0))
     logits = transformer.head_logits(params, x_D.astype(cache.kv.dtype)[None, None], cfg)
     return logits[:, 0].astype(jnp.float32), dataclasses.replace(cache, kv=kv, lengths=pos + 1)

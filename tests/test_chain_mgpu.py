@@ -168,13 +168,19 @@ def test_matches_the_reference_on_the_gpu(preset, layers, norms):
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
-def attention_inputs(L, D, capacity, pos, heads=16, seed=2):
-    from gendist.models.layers import rope_angles  # noqa: PLC0415
+def _bench_module():
+    import importlib.util  # noqa: PLC0415
 
-    hd = D // heads
-    kv = jax.random.normal(jax.random.key(seed), (L, 2, heads, capacity, hd), jnp.float32).astype(jnp.bfloat16)
-    cos, sin = rope_angles(jnp.full((1, 1), pos, jnp.int32), hd, 10000.0)
-    return kv, jnp.array([pos], jnp.int32), jnp.concatenate([cos.reshape(-1), sin.reshape(-1)])
+    path = Path(__file__).resolve().parents[1] / "experiments" / "bench_chain_mgpu.py"
+    spec = importlib.util.spec_from_file_location("bench_chain_mgpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def attention_inputs(L, D, capacity, pos, heads=16):
+    """(kv, pos, rope) as the benchmark builds them (random bf16 cache, the angles of pos)."""
+    return _bench_module().attention_inputs(L, D, capacity, pos, heads)[0]
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")

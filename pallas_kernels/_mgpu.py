@@ -310,3 +310,37 @@ def softmax_start(rows: int, width: int):
     return (plgpu.layout_cast(jnp.zeros((rows, width), jnp.float32), WGMMA),
             plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), ROW),
             plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), ROW))
+
+
+def stamp(ref, index):
+    """Thread 0 of the warpgroup writes {%globaltimer's low 32 bits (ns), %clock (SM
+    cycles)} to int32 ref[2 index], ref[2 index + 1] (global): a trace point of a kernel
+    under study. The timer is grid-wide, the clock per SM (finer; for spans inside one
+    block). GPU only (inline PTX)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT))
+    def emit(_, r, i):
+        addr = _word_address(mgpu.utils.memref_ptr(r), i.registers[()], 8)
+        mgpu.utils.inline_ptx(
+            "{ .reg .pred p; .reg .u64 t; .reg .b32 lo, hi, c; setp.eq.u32 p, $1, 0;"
+            " mov.u64 t, %globaltimer; mov.u32 c, %clock; mov.b64 {lo, hi}, t;"
+            " @p st.global.v2.b32 [$0], {lo, c}; }",
+            addr, lane(), has_side_effects=True)
+
+    emit(ref, jnp.asarray(index, jnp.int32))
+
+
+def zero_words(ref, start, count: int):
+    """The warpgroup writes 0 to int32 words start .. start + count - 1 of the global ref
+    (each thread every 128th), then a warpgroup barrier: stores after it, by any thread of
+    the warpgroup, land after these. GPU only (inline PTX)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT))
+    def emit(_, r, s):
+        first = arith.addi(s.registers[()], lane())
+        mgpu.utils.inline_ptx(
+            "{ .reg .pred p; .reg .u32 i; .reg .u64 a; mov.u32 i, $1;"
+            " ZW_L: setp.ge.u32 p, i, $2; @p bra ZW_E; mul.wide.u32 a, i, 4; add.u64 a, a, $0;"
+            " st.global.b32 [a], 0; add.u32 i, i, 128; bra ZW_L; ZW_E: }",
+            ptr64(r), first, arith.addi(s.registers[()], const_i32(count)), has_side_effects=True)
+        mgpu.utils.warpgroup_barrier()
+
+    emit(ref, jnp.asarray(start, jnp.int32))

@@ -63,7 +63,9 @@ from pallas_kernels._mgpu import (
     ll_store,
     sm_count,
     smem_bytes,
+    stamp,
     tiled_smem,
+    zero_words,
 )
 from pallas_kernels.chain_plan import (
     KC,
@@ -82,6 +84,12 @@ from pallas_kernels.chain_plan import (
 from pallas_kernels.decode_attention import decode_attention_reference
 
 SCORE_GROUP = 4  # K tiles whose score products are in flight at once
+# Trace points a layer (`chain_mgpu(trace=True)`): product i's start, input gathered and
+# pieces written at 3 i .. 3 i + 2 (qkv, o, gu, down), then the attention head's start,
+# q|k|v gathered, rotated, scores, softmax, output written.
+TRACE_POINTS = ("qkv", "qkv_in", "qkv_out", "o", "o_in", "o_out", "gu", "gu_in", "gu_out",
+                "down", "down_in", "down_out", "att", "att_in", "att_rope", "att_scores",
+                "att_softmax", "att_out")
 
 
 def column0(acc_T8):
@@ -97,7 +105,7 @@ def _window_rows(kmax: int) -> int:
 
 
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
-                 norm_eps: float | None, attn=None):
+                 norm_eps: float | None, attn=None, trace: bool = False):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles)): the attention phase (`chain_attention`)."""
     L, D = w_o.shape[0], w_o.shape[1]
@@ -128,9 +136,11 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         n_in = 5 if attn is None else 8
         init_ref, wq_ref, wo_ref, wgu_ref, wd_ref = refs[:5]
         kv_ref, pos_ref, rope_ref = refs[5:8] if attn is not None else (None,) * 3
+        n_out = 1 + (attn is not None) + trace
         y_ref, kvn_ref = (refs[n_in], None) if attn is None else refs[n_in:n_in + 2]
+        trace_ref = refs[n_in + n_out - 1] if trace else None
         (x_win, w_smem, acc_smem, out_smem, norm_smem, full, free,
-         p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar) = refs[n_in + (1 if attn is None else 2):]
+         p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar) = refs[n_in + n_out:]
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
         ll = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * REGIONS * lay.layer_words,)))
         w_refs = dict(qkv=wq_ref, o=wo_ref, gu=wgu_ref, down=wd_ref)
@@ -138,6 +148,11 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         n_tiles = ca.tiles(pos) if attn is not None else None
         per_layer, before = counts(b, pos)
         h = ca.head_of(b, NB)  # the head this block attends to, if h < H
+        n_pts = len(TRACE_POINTS)
+
+        def tr(l, name):  # a trace point of this block (trace=True)
+            if trace:
+                stamp(trace_ref, (b * L + l) * n_pts + TRACE_POINTS.index(name))
 
         def issue(j, src):  # ring step j: the tile src into its slot
             slot = lax.rem(j, st)
@@ -218,10 +233,14 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             nk = k1 - k0
             j0 = l * per_layer + before[p.name]
 
+            tr(l, p.name)
+
             @pl.when(active)
             def _():
                 gather(l, p, k0, k1, b % p.split.st)
+                tr(l, p.name + "_in")
                 pl.loop(t0, t1)(lambda t: tile_piece(l, p, t, j0 + (t - t0) * nk, nk, b // p.split.st))
+                tr(l, p.name + "_out")
 
         def scores(j0):
             """The scores of the cached positions (K tiles from ring step j0), SCORE_GROUP
@@ -259,6 +278,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
 
             @pl.when(h < H)
             def _():
+                tr(l, "att")
                 groups, _, norm = input_spec("att", l, 0, prods, lay, F, norm_eps is not None)
                 dense, poll = {}, {}
                 if norm is not None:  # the first pass also polls x_l (the norm's partials)
@@ -272,14 +292,18 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 for i, (c0, c1, k0, k0_hi) in enumerate(passes):
                     chain_words.gather(ll, init_ref, stage_smem, groups, out="f32", c0=c0, c1=c1,
                                        k0=k0, k0_hi=k0_hi, use_init=False, **dense, **(poll if i == 0 else {}))
+                tr(l, "att_in")
                 row = (l * 2 * H + h) * hd  # this head's new k in kv_new [L, 2, H, hd]
                 ca.rope_new(stage_smem, x_win, kvn_ref, rope_smem, red_smem, row, row + H * hd, hd)
                 plgpu.commit_smem()  # q in the window, for the tensor core
+                tr(l, "att_rope")
 
                 scores(j0)
                 plgpu.commit_smem()
+                tr(l, "att_scores")
                 ca.softmax(sc_smem, p_win, red_smem, pos, n_tiles, scale_log2)
                 plgpu.commit_smem()  # p in its window, for the tensor core
+                tr(l, "att_softmax")
                 for c in range(nc):
                     acc_smem[...] = ring_dot(j0 + n_tiles * (nc + c), n_tiles,
                                              lambda kk: p_win.at[pl.ds(8 * kk, 8)], a_transposed=True)
@@ -287,6 +311,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                     ca.combine(acc_smem, stage_smem, red_smem, 2 * hd + c * T, scale_log2)
                     ll_store(ll, acc_smem, region(l, lay) + lay.offsets["att"] + h * hd + c * T, tag(l),
                              then_barrier=True)
+                tr(l, "att_out")
 
         def every_phase(step, step_att):  # every layer's phases, in order
             @pl.loop(0, L)
@@ -308,6 +333,8 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
 
         @pl.when(wg == 0)
         def _consumer():
+            if trace:  # every point of this block zero, so that points never reached read 0
+                zero_words(trace_ref, b * L * n_pts * 2, L * n_pts * 2)
             if attn is not None:
                 @pl.when(h < H)
                 def _():  # the angles, once (every layer rotates by the same ones)
@@ -348,6 +375,9 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
     if attn is not None:
         out_type = (out_type, jax.ShapeDtypeStruct((L, 2, H, hd), jnp.bfloat16))
         args += tuple(attn)
+    if trace:
+        out_type = (*(out_type if attn is not None else (out_type,)),
+                    jax.ShapeDtypeStruct((NB, L, len(TRACE_POINTS), 2), jnp.int32))
     return launch(kernel, args, out_type=out_type, scratch=scratch, grid=(NB,),
                   grid_names=("b",), num_threads=2, interpret=False, manual_barriers=True,
                   name="decode_chain")
@@ -394,9 +424,9 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
     return H, S, hd
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps"))
+@functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
-               blocks: int | None = None, norm_eps: float | None = None):
+               blocks: int | None = None, norm_eps: float | None = None, trace: bool = False):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`fold_norms`); None: no norms.
@@ -405,7 +435,11 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     position: the cache rows below it are read) and rope [hd] fp32 (cos | sin of its angles,
     `gendist.models.layers.rope_angles`), each layer attends (`chain_attention`) and the
     result is (x_L, kv_new [L, 2, H, hd] bf16: the new token's rotated k and its v, for the
-    caller to write at row pos)."""
+    caller to write at row pos).
+
+    trace=True adds a last output [blocks, L, len(TRACE_POINTS), 2] int32: each block's
+    {globaltimer ns (low 32 bits), SM clock} at `TRACE_POINTS` of every layer (0 where the
+    block never reaches the point): what `experiments/trace_chain.py` reads."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
     attn = None
@@ -422,7 +456,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     if attn is not None and (kmax < hd // T or H > NB):
         raise ValueError(f"chain_mgpu: head_dim={hd} needs a window of {hd // T} chunks (has "
                          f"{kmax}) and heads={H} at most blocks={NB}.")
-    return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn)
+    return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace)
 
 
 def attention_smem(S: int, hd: int) -> int:

@@ -132,6 +132,25 @@ def test_attention_lowers_for_sm90_with_no_fence(preset, norm_eps):
         assert s not in text, s
 
 
+@pytest.mark.parametrize("attention", [False, True])
+def test_trace_lowers_with_its_points(attention):
+    """trace=True: the stamps (timer and clock, a 64-bit store of the pair) and the zeroing
+    loop lower, with one more output of [blocks, L, points, 2]; without trace neither."""
+    D, N1, F = SHAPES["350m"]
+    S = jax.ShapeDtypeStruct
+    args = [S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
+            S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16)]
+    if attention:
+        args += [S((2, 2, 16, 320, 64), jnp.bfloat16), S((1,), jnp.int32), S((64,), jnp.float32)]
+    for trace in (False, True):
+        f = lambda *a, trace=trace: cm.chain_mgpu(*a, blocks=132, norm_eps=1e-5, trace=trace)  # noqa: E731
+        text = lowered_for_sm90(f, *args)
+        assert ("%globaltimer" in text) == trace and ("ZW_L" in text) == trace
+        if trace:
+            out = jax.eval_shape(f, *args)
+            assert out[-1].shape == (132, 2, len(cm.TRACE_POINTS), 2)
+
+
 def test_bad_inputs_name_the_field():
     x0, wq, wo, wgu, wd = inputs(64, 192, 128, 1)
     with pytest.raises(ValueError, match="want"):
@@ -347,3 +366,34 @@ def test_benchmark_dry_run_on_the_cpu(tmp_path):
     rows = json.loads((tmp_path / "bench_chain_mgpu.json").read_text())["rows"]
     assert rows[0]["preset"] == "350m" and rows[0]["xla"]["us"] > 0
     assert set(rows[0]["splits"]) == {"qkv", "o", "gu", "down"}
+
+
+def test_trace_analysis_recovers_a_known_schedule():
+    """experiments/trace_chain.py's critical path from synthetic stamps (a 10 us layer with
+    known handovers and work, the 32-bit timer wrapping mid-kernel): every segment back."""
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import trace_chain as tc  # noqa: PLC0415
+
+    NB, L, P = 24, 4, len(cm.TRACE_POINTS)
+    sched = dict(qkv=(0, 1, 2), att=(2, 2.5, 4.5), o=(4.6, 5.2, 6), gu=(6, 6.5, 8), down=(8, 8.4, 9.5))
+    raw = np.zeros((NB, L, P, 2), np.int64)
+    t0 = 2**32 - 15000  # wraps in layer 1
+    for b in range(NB):
+        for l in range(L):
+            for p, (start, inp, done) in sched.items():
+                if p == "att" and b < NB - 4:
+                    continue
+                names = (p, p + "_in", p + "_out")
+                for k, v in zip(names, (start, inp, done), strict=True):
+                    us = l * 10 + v
+                    raw[b, l, cm.TRACE_POINTS.index(k)] = [(t0 + int(us * 1000)) % 2**32, int(us * 1800) + 7]
+    got = tc.analyse(raw.astype(np.uint32).view(np.int32), L)
+    med = got["us_per_layer_median"]
+    want = dict(qkv_handover=1.5, qkv_work=1.0, att_handover=0.5, att_work=2.0, o_handover=0.7,
+                o_work=0.8, gu_handover=0.5, gu_work=1.5, down_handover=0.4, down_work=1.1, period=10.0)
+    for k, v in want.items():
+        assert med[k] == pytest.approx(v, abs=2e-3), k
+    assert got["sm_ghz"] == pytest.approx(1.8, rel=1e-3)

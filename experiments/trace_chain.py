@@ -1,0 +1,182 @@
+"""Where a layer's time goes inside the decode chain megakernel (issue 19): every block stamps
+the GPU's global timer and its SM clock at `chain_mgpu.TRACE_POINTS` of every layer
+(`chain_mgpu(trace=True)`), and this script turns the stamps into the layer's critical path.
+
+For each preset (norms and attention at position --pos, as a decode step at the mean position
+of a 32-token prompt + 256 new tokens), layers 1 .. L-1 (layer 0 carries the ramp), median
+over layers:
+
+* per product (qkv, o, gu, down) and for the attention heads: **handover** = when the last
+  block has its input minus when the last writer of that input finished (what the LL words
+  cost on the critical path); **work** = the last block done minus the last block's input;
+* the attention head's own steps (gather, RoPE, scores, softmax, P.V + combine + words), the
+  median head, from its SM clock;
+* the layer's period (the last block's q|k|v input, layer to layer).
+
+Writes trace_chain.json and trace_<preset>.png (a layer's timeline, block by block) to --out.
+
+    python3 experiments/trace_chain.py --out $OUT       # one H200
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_chain_mgpu import PRESETS, attention_inputs, weights  # noqa: E402
+
+from pallas_kernels import chain_mgpu as cm  # noqa: E402
+
+PRODUCTS = ("qkv", "o", "gu", "down")
+ATT_STEPS = ("att_in", "att_rope", "att_scores", "att_softmax", "att_out")
+
+
+def _relative(raw):
+    """Stamps [NB, L, P, 2] int32 -> (ns [NB, L, P] float, cycles [NB, L, P] float, written
+    [NB, L, P] bool), times relative to the earliest written stamp (32-bit wrap undone)."""
+    raw = np.asarray(raw).astype(np.int64) & 0xFFFFFFFF
+    written = raw[..., 0] != 0
+    t0 = raw[..., 0][written].min()
+    ns = ((raw[..., 0] - t0 + 2**31) % 2**32) - 2**31  # within +-2 s of t0
+    c0 = raw[:, :, :, 1][written].min()
+    cyc = ((raw[..., 1] - c0 + 2**31) % 2**32) - 2**31
+    return ns.astype(float), cyc.astype(float), written
+
+
+def analyse(raw, L: int) -> dict:
+    ns, cyc, written = _relative(raw)
+    idx = {n: i for i, n in enumerate(cm.TRACE_POINTS)}
+    t = lambda name: ns[:, :, idx[name]]  # noqa: E731
+    ok = lambda name: written[:, :, idx[name]]  # noqa: E731
+
+    def last(name, l):
+        w = ok(name)[:, l]
+        return t(name)[w, l].max() if w.any() else np.nan
+
+    # SM clock rate: each block's cycles over its nanoseconds, first to last stamp
+    rates = []
+    for b in range(ns.shape[0]):
+        w = written[b]
+        if w.sum() > 2:
+            span_ns = ns[b][w].max() - ns[b][w].min()
+            span_cyc = cyc[b][w].max() - cyc[b][w].min()
+            if span_ns > 0:
+                rates.append(span_cyc / span_ns)
+    ghz = float(np.median(rates))
+    layers = []
+    for l in range(1, L):
+        row = {}
+        prev_done = last("down_out", l - 1)
+        for p in PRODUCTS:
+            src_done = prev_done
+            if p == "o" and ok("att_out")[:, l].any():
+                src_done = last("att_out", l)
+            row[p + "_handover"] = last(p + "_in", l) - src_done
+            row[p + "_work"] = last(p + "_out", l) - last(p + "_in", l)
+            prev_done = last(p + "_out", l)
+            if p == "qkv" and ok("att_out")[:, l].any():
+                row["att_handover"] = last("att_in", l) - last("qkv_out", l)
+                row["att_work"] = last("att_out", l) - last("att_in", l)
+        if l + 1 < L:
+            row["period"] = last("qkv_in", l + 1) - last("qkv_in", l)
+        layers.append(row)
+    keys = sorted({k for r in layers for k in r})
+    median = {k: float(np.nanmedian([r.get(k, np.nan) for r in layers])) / 1e3 for k in keys}
+    steps = {}
+    heads = written[:, :, idx["att_out"]]
+    if heads.any():
+        prev = "att"
+        for s in ATT_STEPS:  # the median head's step, in SM cycles -> us
+            d = (cyc[:, :, idx[s]] - cyc[:, :, idx[prev]])[:, 1:][heads[:, 1:]]
+            steps[s] = float(np.median(d)) / ghz / 1e3
+            prev = s
+    total = ns[written].max() - ns[written].min()
+    return dict(us_per_layer_median=median, attention_steps_us=steps, sm_ghz=ghz,
+                kernel_us_from_stamps=float(total) / 1e3)
+
+
+def plot(raw, L: int, path: str, title: str):
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    ns, _, written = _relative(raw)
+    idx = {n: i for i, n in enumerate(cm.TRACE_POINTS)}
+    l = L // 2
+    colours = dict(qkv="tab:blue", o="tab:orange", gu="tab:green", down="tab:red", att="tab:purple")
+    fig, ax = plt.subplots(figsize=(11, 6))
+    t_min = ns[:, l][written[:, l]].min()
+    for b in range(ns.shape[0]):
+        for p in (*PRODUCTS, "att"):
+            start, inp, done = (p, p + "_in", p + "_out")
+            if not written[b, l, idx[done]]:
+                continue
+            s, i, d = (ns[b, l, idx[n]] - t_min for n in (start, inp, done))
+            ax.barh(b, (i - s) / 1e3, left=s / 1e3, color=colours[p], alpha=0.25, height=1.0)
+            ax.barh(b, (d - i) / 1e3, left=i / 1e3, color=colours[p], height=1.0)
+    from matplotlib.patches import Patch  # noqa: PLC0415
+
+    ax.legend(handles=[Patch(color=c, label=p) for p, c in colours.items()], loc="upper right")
+    ax.set_xlabel("us from the layer's first stamp (light: waiting for the input, dark: working)")
+    ax.set_ylabel("block")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", nargs="*", default=list(PRESETS))
+    ap.add_argument("--pos", type=int, default=160)
+    ap.add_argument("--capacity", type=int, default=320)
+    ap.add_argument("--stages", type=int, default=16)
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for name in args.presets:
+        D, N1, F, L = PRESETS[name]
+        x0, *ws = weights(D, N1, F, L)
+        att, _ = attention_inputs(L, D, args.capacity, args.pos)
+        f = jax.jit(lambda *a: cm.chain_mgpu(*a, stages=args.stages, norm_eps=1e-5, trace=True))
+        results = []
+        for _ in range(args.calls + 1):  # the first compiles
+            out = f(x0, *ws, *att)
+            results.append(analyse(jax.device_get(out[-1]), L))
+        raw = jax.device_get(out[-1])
+        results = results[1:]
+        keys = results[0]["us_per_layer_median"].keys()
+        med = {k: float(np.median([r["us_per_layer_median"][k] for r in results])) for k in keys}
+        steps = {k: float(np.median([r["attention_steps_us"][k] for r in results]))
+                 for k in results[0]["attention_steps_us"]}
+        row = dict(preset=name, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
+                   us_per_layer_median=med, attention_steps_us=steps,
+                   kernel_us_from_stamps=[r["kernel_us_from_stamps"] for r in results],
+                   sm_ghz=results[-1]["sm_ghz"])
+        rows.append(row)
+        print(f"{name}: {L} layers, pos {args.pos}; kernel (stamps) "
+              f"{np.median(row['kernel_us_from_stamps']):.1f} us; SM {row['sm_ghz']:.2f} GHz", flush=True)
+        for k in ("qkv", "att", "o", "gu", "down"):
+            if k + "_work" in med:
+                print(f"  {k:5s} handover {med[k + '_handover']:6.2f} us   work {med[k + '_work']:6.2f} us")
+        print(f"  period {med.get('period', float('nan')):6.2f} us a layer")
+        print("  head's steps (median, us): " + ", ".join(f"{k[4:]} {v:.2f}" for k, v in steps.items()),
+              flush=True)
+        plot(raw, L, os.path.join(args.out, f"trace_{name}.png"),
+             f"chain_mgpu {name}, layer {L // 2}, pos {args.pos}")
+        np.save(os.path.join(args.out, f"trace_{name}.npy"), np.asarray(raw))
+    with open(os.path.join(args.out, "trace_chain.json"), "w") as fh:
+        json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

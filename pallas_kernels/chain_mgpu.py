@@ -70,12 +70,14 @@ from pallas_kernels._mgpu import (
 from pallas_kernels.chain_plan import (
     KC,
     REGIONS,
+    Reads,
     T,
-    cdiv,
+    head_reads,
     init_words,
     input_spec,
     layout,
     piece_word,
+    product_reads,
     products,
     rect,
     region,
@@ -96,6 +98,11 @@ def column0(acc_T8):
     """Column 0 of a [64, 8] wgmma accumulator (the only column the B rows make): [64]."""
     first_col = plgpu.broadcasted_iota(jnp.int32, (T, 8), 1, layout=WGMMA) == 0
     return jnp.where(first_col, acc_T8, 0.0).sum(axis=1)
+
+
+def words(groups) -> int:
+    """LL words a lane polls a pass for an input read from `groups` (`input_spec`'s)."""
+    return sum(g[0] for g in groups)
 
 
 def _window_rows(kmax: int) -> int:
@@ -187,19 +194,18 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                     issue(j0 + n_tiles * nc + q, kv_ref.at[l, 1, h, pl.ds(t * T, T), pl.ds(c * KC, KC)])
 
         def gather(l, p, k0, k1, gt):
-            """The window's rows for chunks k0..k1-1 of product p's input, two chunks a pass."""
+            """The window's rows for chunks k0..k1-1 of product p's input: two chunks a pass,
+            every pass's words polled in one round trip (`product_reads`)."""
             first = l == 0
             groups, dense, norm = input_spec(p.name, l, gt, prods, lay, F, norm_eps is not None,
                                              attn is not None)
-            if norm is not None:  # the first pass also polls the norm's vector (its partials)
+            if norm is not None:  # the first round also polls the norm's vector (its partials)
                 dense = dict(dense, norm_ref=norm_smem, norm=(norm_eps, D))
-            for ps in range(cdiv(p.kmax(), 2)):
-                c0 = k0 + 2 * ps
-                c1 = jnp.minimum(c0 + 1, k1 - 1)
-                poll = dict(poll_norm=(norm[0], first, norm[1], norm[2])) if norm is not None and ps == 0 else {}
-                pl.when(c0 < k1)(functools.partial(
-                    chain_words.gather, ll, init_ref, x_win, groups, out="bf16", c0=c0, c1=c1, k0=k0,
-                    use_init=first, **dense, **poll))
+            for i, reads in enumerate(product_reads(p, k0, k1, words(groups))):
+                poll = dict(poll_norm=(norm[0], first, norm[1], norm[2])) if norm is not None and i == 0 else {}
+                pl.when(reads.chunks[0] < k1)(functools.partial(
+                    chain_words.gather, ll, init_ref, x_win, groups, reads, out="bf16", use_init=first,
+                    **dense, **poll))
             plgpu.commit_smem()  # the window's rows, for the tensor core
 
         def ring_dot(jt, nk, b_chunk, a_transposed=False):
@@ -284,14 +290,9 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 if norm is not None:  # the first pass also polls x_l (the norm's partials)
                     dense = dict(norm_ref=norm_smem, norm=(norm_eps, D))
                     poll = dict(poll_norm=(norm[0], l == 0, norm[1], norm[2]))
-                first = [(r * D + h * hd) // T for r in range(3)]  # q's, k's, v's first chunk
-                if nc == 1:  # q and k in one pass (stage slots 0, 1), then v (slot 2)
-                    passes = [(first[0], first[1], first[0], first[1] - 1), (first[2],) * 2 + (first[2] - 2,) * 2]
-                else:  # q, k, v: slots r nc .. r nc + nc - 1, two chunks a pass
-                    passes = [(c, c + nc - 1, c - r * nc, c - r * nc) for r, c in enumerate(first)]
-                for i, (c0, c1, k0, k0_hi) in enumerate(passes):
-                    chain_words.gather(ll, init_ref, stage_smem, groups, out="f32", c0=c0, c1=c1,
-                                       k0=k0, k0_hi=k0_hi, use_init=False, **dense, **(poll if i == 0 else {}))
+                for i, reads in enumerate(head_reads(D, h, hd, words(groups))):  # q, k, v to slots
+                    chain_words.gather(ll, init_ref, stage_smem, groups, reads, out="f32", use_init=False,
+                                       **dense, **(poll if i == 0 else {}))
                 tr(l, "att_in")
                 row = (l * 2 * H + h) * hd  # this head's new k in kv_new [L, 2, H, hd]
                 ca.rope_new(stage_smem, x_win, kvn_ref, rope_smem, red_smem, row, row + H * hd, hd)
@@ -346,7 +347,8 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             @pl.when(b < D // T)
             def _final():  # chunk b of x_L, to y
                 groups, _, _ = input_spec("final", L - 1, 0, prods, lay, F)
-                chain_words.gather(ll, init_ref, out_smem, groups, out="f32", c0=b, c1=b, k0=b, use_init=0)
+                chain_words.gather(ll, init_ref, out_smem, groups, Reads((b, b), (0, 0), b + 1, 1), out="f32",
+                                   use_init=0)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_smem, y_ref.at[pl.ds(b * T, T)])
                 plgpu.wait_smem_to_gmem(0)

@@ -116,6 +116,63 @@ def schedule(D: int, N1: int, F: int, blocks: int):
             for p in products(D, N1, F, blocks)}
 
 
+MAX_POLL_WORDS = 64  # LL words one lane may poll in one round trip (registers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reads:
+    """One poll round of an input gather (`chain_words.gather`): lanes < 64 read column lane
+    of chunk chunks[0] + i * chunk_step into slot slots[0] + i * slot_step, lanes >= 64
+    column lane - 64 of chunks[1] + i * chunk_step into slots[1] + i * slot_step, for every
+    pass i < passes whose chunk is below `limit`: every pass's words polled together, one
+    round trip to L2 for all. chunks, slots, limit: ints or traced."""
+
+    chunks: tuple
+    slots: tuple
+    limit: object
+    passes: int
+    chunk_step: int = 2
+    slot_step: int = 2
+
+    def expand(self):
+        """[(chunk, slot)] this round writes (ints only; the tests' view of the kernel's)."""
+        return [(c + i * self.chunk_step, s + i * self.slot_step)
+                for i in range(self.passes) for c, s in zip(self.chunks, self.slots, strict=True)
+                if c + i * self.chunk_step < self.limit]
+
+
+def rounds(reads: Reads, words: int) -> list[Reads]:
+    """reads split into rounds of at most MAX_POLL_WORDS // words passes (words: LL words a
+    pass polls a lane)."""
+    per = max(1, MAX_POLL_WORDS // max(words, 1))
+    out = []
+    for first in range(0, reads.passes, per):
+        out.append(dataclasses.replace(
+            reads, passes=min(per, reads.passes - first),
+            chunks=tuple(c + first * reads.chunk_step for c in reads.chunks),
+            slots=tuple(s + first * reads.slot_step for s in reads.slots)))
+    return out
+
+
+def product_reads(p: Product, k0, k1, words: int) -> list[Reads]:
+    """A product's input chunks k0..k1-1 into window slots 0..k1-k0-1: two chunks a pass, its
+    kmax chunks' passes in as few rounds as the lane's words allow."""
+    return rounds(Reads((k0, k0 + 1), (0, 1), k1, cdiv(p.kmax(), 2)), words)
+
+
+def head_reads(D: int, h: int, hd: int, words: int) -> list[Reads]:
+    """Head h's q, k and v (chunks h hd / 64 + r D / 64 + j, r = 0, 1, 2, j < hd / 64) into
+    stage slots r hd / 64 + j."""
+    nc, first, step = hd // T, h * hd // T, D // T
+    if nc == 1:  # q | k in the first pass, v in the second (k + step is past the limit)
+        return rounds(Reads((first, first + step), (0, 1), first + 2 * step + 1, 2, 2 * step, 2), words)
+    if nc == 2:  # q, k, v: a pass each
+        return rounds(Reads((first, first + 1), (0, 1), first + 2 * step + 2, 3, step, 2), words)
+    return [r for k in range(3) for r in rounds(
+        Reads((first + k * step, first + k * step + 1), (k * nc, k * nc + 1), first + k * step + nc,
+              cdiv(nc, 2)), words)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Word offsets (8-byte LL words) of each layer's regions in the semaphore array: every

@@ -26,24 +26,30 @@ def f32_hex(v: float) -> str:
 
 
 def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, int] | None = None,
-                poll_norm: int = 0) -> str:
-    """One lane's poll: operands $0.. the n_a + n_b source addresses, then their n expected
-    tags, then (dense) the dense word's address, its write flag and its tag, then the
-    shared-memory address. Sums group A (and B),
-    writes A's sum as a dense word if asked, and stores bf16(A) or bf16(silu(A) * B)
-    (out="bf16") or A as fp32 (out="f32"). norm=(eps, D): the operand before the last is the
-    shared-memory address of 4 warp partial sums of squares of a D-vector; A
-    and B are scaled by rsqrt(sum / D + eps) first (the RMSNorm whose gain is folded into
-    the weights). poll_norm=k (with norm): those partial sums are made here, in the same
-    poll as the sources (one round trip to L2, not two): after the dense operands come the
+                poll_norm: int = 0, passes: int = 1, advance: tuple[int, ...] = (), dense_advance: int = 0,
+                dst_advance: int = 0, chunk_step: int = 2) -> str:
+    """One lane's poll of `passes` passes at once: operands $0.. the n_a + n_b source
+    addresses of pass 0, then their n expected tags, then (dense) the dense word's address,
+    its write flag and its tag, then (poll_norm) the norm's operands, then (norm) the
+    partials' address, then the shared-memory destination of pass 0, this lane's pass-0
+    chunk and the limit. Pass i reads chunk + i chunk_step (skipped unless below the limit):
+    source k's words at advance[k] bytes a pass further, the dense word dense_advance, the
+    destination dst_advance. Every pass's words are loaded before any is checked: one round
+    trip to L2 for all. Sums group A (and B), writes A's sum as a dense word if asked, and
+    stores bf16(A) or bf16(silu(A) * B) (out="bf16") or A as fp32 (out="f32"). norm=(eps,
+    D): A and B are scaled by rsqrt(sum / D + eps) of 4 warp partial sums of squares of a
+    D-vector (the RMSNorm whose gain is folded into the weights). poll_norm=k (with norm):
+    those partial sums are made here, in the same poll as the sources: its operands are the
     address of this lane's first word of the D-vector (words lane + 128 i, i < k), their
     tag, the warpgroup's barrier id and the lane; each warp's sum of squares goes to the
     shared partials, then a warpgroup barrier, then the scaling."""
     n = n_a + n_b
-    regs = " ".join(f".reg .b64 d{k}; .reg .b32 v{k}; .reg .b32 t{k};" for k in range(n))
-    loads = " ".join(f"ld.relaxed.gpu.global.b64 d{k}, [${k}]; mov.b64 {{v{k}, t{k}}}, d{k};"
-                     for k in range(n))
-    checks = " ".join(f"setp.ne.b32 p, t{k}, ${n + k}; @p bra LAB_G;" for k in range(n))
+    P = range(passes)
+    regs = " ".join(f".reg .b64 d{i}_{k}; .reg .b32 v{i}_{k}; .reg .b32 t{i}_{k};" for i in P for k in range(n))
+    regs += " " + " ".join(f".reg .pred ok{i}; .reg .f32 fa{i}; .reg .f32 fb{i};" for i in P)
+    loads = " ".join(f"@ok{i} ld.relaxed.gpu.global.b64 d{i}_{k}, [${k}+{i * advance[k]}];"
+                     f" mov.b64 {{v{i}_{k}, t{i}_{k}}}, d{i}_{k};" for i in P for k in range(n))
+    checks = " ".join(f"setp.ne.and.b32 p, t{i}_{k}, ${n + k}, ok{i}; @p bra LAB_G;" for i in P for k in range(n))
     j = 2 * n + (3 if dense else 0)  # the first poll_norm operand
     if poll_norm:
         regs += " ".join(f" .reg .b64 nd{k}; .reg .b32 nv{k}; .reg .b32 nt{k};" for k in range(poll_norm))
@@ -51,14 +57,18 @@ def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, in
         loads += " " + " ".join(f"ld.relaxed.gpu.global.b64 nd{k}, [${j}+{1024 * k}]; mov.b64 {{nv{k}, nt{k}}}, nd{k};"
                                 for k in range(poll_norm))
         checks += " " + " ".join(f"setp.ne.b32 p, nt{k}, ${j + 1}; @p bra LAB_G;" for k in range(poll_norm))
-    sum_a = " ".join(f"mov.b32 g, v{k}; add.f32 fa, fa, g;" for k in range(n_a))
-    sum_b = " ".join(f"mov.b32 g, v{k}; add.f32 fb, fb, g;" for k in range(n_a, n))
-    body = f"mov.f32 fa, 0f00000000; mov.f32 fb, 0f00000000; {sum_a} {sum_b}"
-    i = 2 * n
+    body = ""
+    for i in P:
+        body += f" mov.f32 fa{i}, 0f00000000; mov.f32 fb{i}, 0f00000000;"
+        body += " ".join(f" mov.b32 g, v{i}_{k}; add.f32 f{'a' if k < n_a else 'b'}{i}, f{'a' if k < n_a else 'b'}{i}, g;"
+                         for k in range(n))
+    i_op = 2 * n
     if dense:
-        body += (f" setp.ne.u32 q, ${i + 1}, 0; mov.b32 w, fa; mov.b32 one, ${i + 2};"
-                 f" mov.b64 dd, {{w, one}}; @q st.relaxed.gpu.global.b64 [${i}], dd;")
-        i += 3
+        body += f" setp.ne.u32 q, ${i_op + 1}, 0; mov.b32 one, ${i_op + 2};"
+        for i in P:
+            body += (f" and.pred qq, q, ok{i}; mov.b32 w, fa{i}; mov.b64 dd, {{w, one}};"
+                     f" @qq st.relaxed.gpu.global.b64 [${i_op}+{i * dense_advance}], dd;")
+        i_op += 3
     if poll_norm:  # this warp's sum of squares to partial `warp`, then the warpgroup's barrier
         body += (" mov.f32 s2, 0f00000000; " + " ".join(f"mov.b32 x2, nv{k}; fma.rn.f32 s2, x2, x2, s2;"
                                                         for k in range(poll_norm))
@@ -66,51 +76,54 @@ def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, in
                                   f" add.f32 s2, s2, x2;" for m in (16, 8, 4, 2, 1))
                  + f" and.b32 w2, ${j + 3}, 31; setp.eq.u32 z, w2, 0; shr.u32 w2, ${j + 3}, 5; shl.b32 w2, w2, 2;"
                  f" add.u32 w2, w2, ${j + 4}; @z st.shared.f32 [w2], s2; bar.sync ${j + 2}, 128;")
-        i += 4
+        i_op += 4
     if norm:
         eps, width = norm
-        body += (f" ld.shared.f32 e, [${i}]; ld.shared.f32 g, [${i}+4]; add.f32 e, e, g;"
-                 f" ld.shared.f32 g, [${i}+8]; add.f32 e, e, g; ld.shared.f32 g, [${i}+12]; add.f32 e, e, g;"
-                 f" mul.f32 e, e, {f32_hex(1.0 / width)}; add.f32 e, e, {f32_hex(eps)};"
-                 " rsqrt.approx.f32 e, e; mul.f32 fa, fa, e; mul.f32 fb, fb, e;")
-        i += 1
-    if n_b:  # silu(a) * b = a / (1 + 2^(-a log2 e)) * b
-        body += (" mul.f32 e, fa, 0fBFB8AA3B; ex2.approx.f32 e, e; add.f32 e, e, 0f3F800000;"
-                 " div.approx.f32 fa, fa, e; mul.f32 fa, fa, fb;")
-    if out == "bf16":
-        body += f" cvt.rn.bf16.f32 h, fa; st.shared.b16 [${i}], h;"
-    else:
-        body += f" st.shared.f32 [${i}], fa;"
-    return (f"{{ .reg .pred p; .reg .pred q; .reg .u32 n; .reg .f32 fa; .reg .f32 fb; .reg .f32 g;"
-            f" .reg .f32 e; .reg .b32 w; .reg .b32 one; .reg .b64 dd; .reg .b16 h; {regs}"
+        body += (f" ld.shared.f32 e, [${i_op}]; ld.shared.f32 g, [${i_op}+4]; add.f32 e, e, g;"
+                 f" ld.shared.f32 g, [${i_op}+8]; add.f32 e, e, g; ld.shared.f32 g, [${i_op}+12]; add.f32 e, e, g;"
+                 f" mul.f32 e, e, {f32_hex(1.0 / width)}; add.f32 e, e, {f32_hex(eps)}; rsqrt.approx.f32 e, e;"
+                 + " ".join(f" mul.f32 fa{i}, fa{i}, e; mul.f32 fb{i}, fb{i}, e;" for i in P))
+        i_op += 1
+    for i in P:
+        if n_b:  # silu(a) * b = a / (1 + 2^(-a log2 e)) * b
+            body += (f" mul.f32 e, fa{i}, 0fBFB8AA3B; ex2.approx.f32 e, e; add.f32 e, e, 0f3F800000;"
+                     f" div.approx.f32 fa{i}, fa{i}, e; mul.f32 fa{i}, fa{i}, fb{i};")
+        if out == "bf16":
+            body += f" cvt.rn.bf16.f32 h, fa{i}; @ok{i} st.shared.b16 [${i_op}+{i * dst_advance}], h;"
+        else:
+            body += f" @ok{i} st.shared.f32 [${i_op}+{i * dst_advance}], fa{i};"
+    valid = " ".join(f"add.u32 c, ${i_op + 1}, {i * chunk_step}; setp.lt.u32 ok{i}, c, ${i_op + 2};" for i in P)
+    return (f"{{ .reg .pred p; .reg .pred q; .reg .pred qq; .reg .u32 n; .reg .u32 c; .reg .f32 g;"
+            f" .reg .f32 e; .reg .b32 w; .reg .b32 one; .reg .b64 dd; .reg .b16 h; {regs} {valid}"
             f" mov.u32 n, 0; LAB_G: {loads} {SPIN_GUARD} {checks} {body} }}")
 
 
-def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
-                 dense_base=None, dense_on=None, dense_tag=None, norm_ref=None, norm=None, k0_hi=None,
-                 poll_norm=None):
-    """The inline op behind a product's input: lanes < 64 read column lane of chunk c0, the
-    others column lane - 64 of chunk c1. groups: [(count, stride, is_b, base_word, init_ok)]
-    with count/stride/is_b static (stride: words from one chunk to the next, 64 * sk for
-    pieces, 64 for a dense vector) and base_word traced; init_ok: this group reads the host's
-    words instead of the kernel's when use_init (layer 0). Writes row 0 of the chunk's 8-row
-    group (chunk - k0) of the bf16 window dst_ref (tiled, swizzled: that row is linear), or
-    in fp32 (out="f32") dst_ref[(chunk - k0) * 64 + col]; with dense_base, A's sum as a dense word at
-    dense_base + chunk * 64 + col when dense_on != 0; k0_hi (default k0): the lanes >= 64
-    write slot c1 - k0_hi instead of c1 - k0; with out="f32", dst_ref[(chunk - k0) * 64 + col]; with norm=(eps, D), the sums scaled by
-    the RMSNorm factor from norm_ref's 4 warp partial sums of squares (made by an earlier
-    pass, or with poll_norm=(base_word, from_init, init_ok, tag) of the dense D-vector there,
-    in this pass's poll). Ends in a warpgroup barrier."""
+def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dense_base=None,
+           dense_on=None, dense_tag=None, norm_ref=None, norm=None, poll_norm=None):
+    """The inline op behind a product's input, one poll round (`chain_plan.Reads`: which
+    chunk each lane reads into which slot, pass by pass, all passes' words polled at once).
+    groups: [(count, stride, is_b, base_word, init_ok, tag)] with count/stride/is_b static
+    (stride: words from one chunk to the next, 64 * sk for pieces, 64 for a dense vector),
+    base_word traced; init_ok: this group reads the host's words instead of the kernel's when
+    use_init (layer 0). Writes row 0 of the slot's 8-row group of the bf16 window dst_ref
+    (tiled, swizzled: that row is linear), or in fp32 (out="f32") dst_ref[slot * 64 + col];
+    with dense_base, A's sum as a dense word at dense_base + chunk * 64 + col when
+    dense_on != 0; with norm=(eps, D), the sums scaled by the RMSNorm factor from norm_ref's 4
+    warp partial sums of squares (made by an earlier round, or with poll_norm=(base_word,
+    from_init, init_ok, tag) of the dense D-vector there, in this round's poll). Ends in a
+    warpgroup barrier."""
     n_a = sum(g[0] for g in groups if not g[2])
     n_b = sum(g[0] for g in groups if g[2])
     dense = dense_base is not None
     per_lane = norm[1] // 128 if poll_norm is not None else 0
-    ptx = _gather_ptx(n_a, n_b, dense, out, norm, per_lane)
     # A's groups first, then B's, in the order the PTX sums them.
     ordered = [g for g in groups if not g[2]] + [g for g in groups if g[2]]
+    step = reads.chunk_step
+    advance = tuple(8 * step * g[1] for g in ordered for _ in range(g[0]))
+    ptx = _gather_ptx(n_a, n_b, dense, out, norm, per_lane, reads.passes, advance, 8 * 64 * step,
+                      reads.slot_step * (1024 if out == "bf16" else 256), step)
     splat = plgpu.Layout.WG_SPLAT
-    k0_hi = k0 if k0_hi is None else k0_hi  # lanes >= 64 write slot c1 - k0_hi
-    traced = [jnp.asarray(v, jnp.int32) for v in (c0, c1, k0, use_init, k0_hi)]
+    traced = [jnp.asarray(v, jnp.int32) for v in (*reads.chunks, *reads.slots, reads.limit, use_init)]
     traced += [jnp.asarray(g[3], jnp.int32) for g in ordered]
     traced += [jnp.asarray(g[5], jnp.int32) for g in ordered]
     if dense:
@@ -131,14 +144,14 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
         ll, init, dst = rs[:3]
         i64 = ir.IntegerType.get_signless(64)
         v = [x.registers[()] for x in vals]
-        c0_, c1_, k0_lo, init_flag, k0_hi_ = v[:5]
+        c_lo, c_hi, s_lo, s_hi, limit, init_flag = v[:6]
         ng = len(ordered)
-        bases, tags = v[5:5 + ng], v[5 + ng:5 + 2 * ng]
+        bases, tags = v[6:6 + ng], v[6 + ng:6 + 2 * ng]
         lane_ = lane()
         col = arith.remui(lane_, const_i32(64))
         hi = arith.cmpi(arith.CmpIPredicate.uge, lane_, const_i32(64))
-        chunk = arith.select(hi, c1_, c0_)
-        k0_ = arith.select(hi, k0_hi_, k0_lo)
+        chunk = arith.select(hi, c_hi, c_lo)
+        slot = arith.select(hi, s_hi, s_lo)
         ll_p, init_p = ptr64(ll), ptr64(init)
         from_init = arith.cmpi(arith.CmpIPredicate.ne, init_flag, const_i32(0))
 
@@ -153,7 +166,7 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
             want += [t] * count
         operands = addrs + want
         if dense:
-            dbase, don, dtag = v[5 + 2 * ng:5 + 2 * ng + 3]
+            dbase, don, dtag = v[6 + 2 * ng:6 + 2 * ng + 3]
             operands += [addr(ll_p, arith.addi(arith.addi(dbase, arith.muli(chunk, const_i32(64))), col)), don,
                          dtag]
         if per_lane:
@@ -164,11 +177,11 @@ def gather(ll_ref, init_ref, dst_ref, groups, *, out: str, c0, c1, k0, use_init,
         if norm:
             operands.append(ptr32(rs[3]))
         dst_p = ptr32(dst)
-        if out == "bf16":  # row 0 of 8-row group (chunk - k0): 1 KB a group, linear in the row
-            off = arith.addi(arith.muli(arith.subi(chunk, k0_), const_i32(1024)), arith.muli(col, const_i32(2)))
-        else:  # element (chunk - k0) * 64 + col
-            off = arith.muli(arith.addi(arith.muli(arith.subi(chunk, k0_), const_i32(64)), col), const_i32(4))
-        operands.append(arith.addi(dst_p, off))
+        if out == "bf16":  # row 0 of the slot's 8-row group: 1 KB a group, linear in the row
+            off = arith.addi(arith.muli(slot, const_i32(1024)), arith.muli(col, const_i32(2)))
+        else:  # element slot * 64 + col
+            off = arith.muli(arith.addi(arith.muli(slot, const_i32(64)), col), const_i32(4))
+        operands += [arith.addi(dst_p, off), chunk, limit]
         mgpu.utils.inline_ptx(ptx, *operands, has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
 

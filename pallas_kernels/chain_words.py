@@ -25,32 +25,39 @@ def f32_hex(v: float) -> str:
     return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
 
 
-def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, int] | None = None,
-                poll_norm: int = 0, passes: int = 1, advance: tuple[int, ...] = (), dense_advance: int = 0,
-                dst_advance: int = 0, chunk_step: int = 2) -> str:
-    """One lane's poll of `passes` passes at once: operands $0.. the n_a + n_b source
-    addresses of pass 0, then their n expected tags, then (dense) the dense word's address,
-    its write flag and its tag, then (poll_norm) the norm's operands, then (norm) the
-    partials' address, then the shared-memory destination of pass 0, this lane's pass-0
-    chunk and the limit. Pass i reads chunk + i chunk_step (skipped unless below the limit):
-    source k's words at advance[k] bytes a pass further, the dense word dense_advance, the
-    destination dst_advance. Every pass's words are loaded before any is checked: one round
-    trip to L2 for all. Sums group A (and B), writes A's sum as a dense word if asked, and
-    stores bf16(A) or bf16(silu(A) * B) (out="bf16") or A as fp32 (out="f32"). norm=(eps,
-    D): A and B are scaled by rsqrt(sum / D + eps) of 4 warp partial sums of squares of a
-    D-vector (the RMSNorm whose gain is folded into the weights). poll_norm=k (with norm):
-    those partial sums are made here, in the same poll as the sources: its operands are the
-    address of this lane's first word of the D-vector (words lane + 128 i, i < k), their
-    tag, the warpgroup's barrier id and the lane; each warp's sum of squares goes to the
-    shared partials, then a warpgroup barrier, then the scaling."""
-    n = n_a + n_b
+def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str,
+                norm: tuple[float, int] | None = None, poll_norm: int = 0, passes: int = 1,
+                dense_advance: int = 0, dst_advance: int = 0, chunk_step: int = 2) -> str:
+    """One lane's poll of `passes` passes at once. groups: (count, is_b, advance) each, A's
+    first: `count` words 64 apart (512 bytes), the pass-i words `advance` bytes a pass
+    further. Operands: $0.. each group's first address (pass 0, word 0), then each group's
+    expected tag, then (dense) the dense word's address, its write flag and its tag, then
+    (poll_norm) the norm's operands, then (norm) the partials' address, then the
+    shared-memory destination of pass 0, this lane's pass-0 chunk and the limit. Pass i reads
+    chunk + i chunk_step (skipped unless below the limit), its dense word dense_advance and
+    its destination dst_advance bytes a pass further. Every pass's words are loaded before
+    any is checked: one round trip to L2 for all. Sums group A (and B), writes A's sum as a
+    dense word if asked, and stores bf16(A) or bf16(silu(A) * B) (out="bf16") or A as fp32
+    (out="f32"). norm=(eps, D): A and B are scaled by rsqrt(sum / D + eps) of 4 warp partial
+    sums of squares of a D-vector (the RMSNorm whose gain is folded into the weights).
+    poll_norm=k (with norm): those partial sums are made here, in the same poll as the
+    sources: its operands are the address of this lane's first word of the D-vector (words
+    lane + 128 i, i < k), their tag, the warpgroup's barrier id and the lane; each warp's sum
+    of squares goes to the shared partials, then a warpgroup barrier, then the scaling."""
+    G = len(groups)
+    # word k: (its group, its byte offset from the group's address)
+    word = [(g, 512 * j) for g, (count, _, _) in enumerate(groups) for j in range(count)]
+    n = len(word)
+    n_a = sum(c for c, is_b, _ in groups if not is_b)
+    n_b = n - n_a
     P = range(passes)
     regs = " ".join(f".reg .b64 d{i}_{k}; .reg .b32 v{i}_{k}; .reg .b32 t{i}_{k};" for i in P for k in range(n))
     regs += " " + " ".join(f".reg .pred ok{i}; .reg .f32 fa{i}; .reg .f32 fb{i};" for i in P)
-    loads = " ".join(f"@ok{i} ld.relaxed.gpu.global.b64 d{i}_{k}, [${k}+{i * advance[k]}];"
-                     f" mov.b64 {{v{i}_{k}, t{i}_{k}}}, d{i}_{k};" for i in P for k in range(n))
-    checks = " ".join(f"setp.ne.and.b32 p, t{i}_{k}, ${n + k}, ok{i}; @p bra LAB_G;" for i in P for k in range(n))
-    j = 2 * n + (3 if dense else 0)  # the first poll_norm operand
+    loads = " ".join(f"@ok{i} ld.relaxed.gpu.global.b64 d{i}_{k}, [${g}+{off + i * groups[g][2]}];"
+                     f" mov.b64 {{v{i}_{k}, t{i}_{k}}}, d{i}_{k};" for i in P for k, (g, off) in enumerate(word))
+    checks = " ".join(f"setp.ne.and.b32 p, t{i}_{k}, ${G + g}, ok{i}; @p bra LAB_G;"
+                      for i in P for k, (g, _) in enumerate(word))
+    j = 2 * G + (3 if dense else 0)  # the first poll_norm operand
     if poll_norm:
         regs += " ".join(f" .reg .b64 nd{k}; .reg .b32 nv{k}; .reg .b32 nt{k};" for k in range(poll_norm))
         regs += " .reg .f32 s2; .reg .f32 x2; .reg .b32 r2; .reg .u32 w2; .reg .pred z;"
@@ -62,7 +69,7 @@ def _gather_ptx(n_a: int, n_b: int, dense: bool, out: str, norm: tuple[float, in
         body += f" mov.f32 fa{i}, 0f00000000; mov.f32 fb{i}, 0f00000000;"
         body += " ".join(f" mov.b32 g, v{i}_{k}; add.f32 f{'a' if k < n_a else 'b'}{i}, f{'a' if k < n_a else 'b'}{i}, g;"
                          for k in range(n))
-    i_op = 2 * n
+    i_op = 2 * G
     if dense:
         body += f" setp.ne.u32 q, ${i_op + 1}, 0; mov.b32 one, ${i_op + 2};"
         for i in P:
@@ -112,15 +119,13 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     warp partial sums of squares (made by an earlier round, or with poll_norm=(base_word,
     from_init, init_ok, tag) of the dense D-vector there, in this round's poll). Ends in a
     warpgroup barrier."""
-    n_a = sum(g[0] for g in groups if not g[2])
-    n_b = sum(g[0] for g in groups if g[2])
     dense = dense_base is not None
     per_lane = norm[1] // 128 if poll_norm is not None else 0
     # A's groups first, then B's, in the order the PTX sums them.
     ordered = [g for g in groups if not g[2]] + [g for g in groups if g[2]]
     step = reads.chunk_step
-    advance = tuple(8 * step * g[1] for g in ordered for _ in range(g[0]))
-    ptx = _gather_ptx(n_a, n_b, dense, out, norm, per_lane, reads.passes, advance, 8 * 64 * step,
+    spec = tuple((g[0], g[2], 8 * step * g[1]) for g in ordered)
+    ptx = _gather_ptx(spec, dense, out, norm, per_lane, reads.passes, 8 * 64 * step,
                       reads.slot_step * (1024 if out == "bf16" else 256), step)
     splat = plgpu.Layout.WG_SPLAT
     traced = [jnp.asarray(v, jnp.int32) for v in (*reads.chunks, *reads.slots, reads.limit, use_init)]
@@ -159,11 +164,11 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
             return arith.addi(ptr, arith.muli(arith.extui(i64, word), mgpu.utils.c(8, i64)))
 
         addrs, want = [], []
-        for (count, stride, _, _, init_ok, _), base, t in zip(ordered, bases, tags, strict=True):
+        for (_, stride, _, _, init_ok, _), base, t in zip(ordered, bases, tags, strict=True):
             first = arith.addi(arith.addi(base, arith.muli(chunk, const_i32(stride))), col)
             ptr = arith.select(from_init, init_p, ll_p) if init_ok else ll_p
-            addrs += [addr(ptr, arith.addi(first, const_i32(64 * j))) for j in range(count)]
-            want += [t] * count
+            addrs.append(addr(ptr, first))
+            want.append(t)
         operands = addrs + want
         if dense:
             dbase, don, dtag = v[6 + 2 * ng:6 + 2 * ng + 3]

@@ -28,14 +28,16 @@ def f32_hex(v: float) -> str:
 def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str,
                 norm: tuple[float, int] | None = None, poll_norm: int = 0, passes: int = 1,
                 dense_advance: int = 0, dst_advance: int = 0, chunk_step: int = 2) -> str:
-    """One lane's poll of `passes` passes at once. groups: (count, is_b, advance) each, A's
-    first: `count` words 64 apart (512 bytes), the pass-i words `advance` bytes a pass
-    further. Operands: $0.. each group's first address (pass 0, word 0), then each group's
+    """One lane's poll of `passes` passes at once. groups: (count, is_b, stride) each, A's
+    first: `count` words 64 apart (512 bytes), the next chunk's `stride` bytes further. Operands: $0.. each group's first address (pass 0, word 0), then each group's
     expected tag, then (dense) the dense word's address, its write flag and its tag, then
     (poll_norm) the norm's operands, then (norm) the partials' address, then the
     shared-memory destination of pass 0, this lane's pass-0 chunk and the limit. Pass i reads
-    chunk + i chunk_step (skipped unless below the limit), its dense word dense_advance and
-    its destination dst_advance bytes a pass further. Every pass's words are loaded before
+    chunk + i chunk_step (ignored unless below the limit: its words are then read from
+    chunk limit - 1, always one of the lane's, so that no load is predicated: predicated
+    loads keep every loaded register live around the poll loop, which spilled the 1b
+    kernel), its dense word dense_advance and its destination dst_advance bytes a pass
+    further. Every pass's words are loaded before
     any is checked: one round trip to L2 for all. Sums group A (and B), writes A's sum as a
     dense word if asked, and stores bf16(A) or bf16(silu(A) * B) (out="bf16") or A as fp32
     (out="f32"). norm=(eps, D): A and B are scaled by rsqrt(sum / D + eps) of 4 warp partial
@@ -53,7 +55,8 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
     P = range(passes)
     regs = " ".join(f".reg .b64 d{i}_{k}; .reg .b32 v{i}_{k}; .reg .b32 t{i}_{k};" for i in P for k in range(n))
     regs += " " + " ".join(f".reg .pred ok{i}; .reg .f32 fa{i}; .reg .f32 fb{i};" for i in P)
-    loads = " ".join(f"@ok{i} ld.relaxed.gpu.global.b64 d{i}_{k}, [${g}+{off + i * groups[g][2]}];"
+    regs += " " + " ".join(f".reg .b64 a{g}_{i};" for g in range(G) for i in P)
+    loads = " ".join(f"ld.relaxed.gpu.global.b64 d{i}_{k}, [a{g}_{i}+{off}];"
                      f" mov.b64 {{v{i}_{k}, t{i}_{k}}}, d{i}_{k};" for i in P for k, (g, off) in enumerate(word))
     checks = " ".join(f"setp.ne.and.b32 p, t{i}_{k}, ${G + g}, ok{i}; @p bra LAB_G;"
                       for i in P for k, (g, _) in enumerate(word))
@@ -100,7 +103,12 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
         else:
             body += f" @ok{i} st.shared.f32 [${i_op}+{i * dst_advance}], fa{i};"
     valid = " ".join(f"add.u32 c, ${i_op + 1}, {i * chunk_step}; setp.lt.u32 ok{i}, c, ${i_op + 2};" for i in P)
-    return (f"{{ .reg .pred p; .reg .pred q; .reg .pred qq; .reg .u32 n; .reg .u32 c; .reg .f32 g;"
+    # pass i's chunks offset: min(i chunk_step, limit - 1 - chunk) chunks (signed)
+    valid += f" sub.s32 lc, ${i_op + 2}, 1; sub.s32 lc, lc, ${i_op + 1};"
+    valid += " ".join(f" min.s32 c, lc, {i * chunk_step}; mul.wide.s32 off, c, {groups[g][2]}; add.s64 a{g}_{i}, ${g}, off;"
+                      for i in P for g in range(G))
+    return (f"{{ .reg .pred p; .reg .pred q; .reg .pred qq; .reg .u32 n; .reg .s32 c; .reg .s32 lc; .reg .b64 off;"
+            f" .reg .f32 g;"
             f" .reg .f32 e; .reg .b32 w; .reg .b32 one; .reg .b64 dd; .reg .b16 h; {regs} {valid}"
             f" mov.u32 n, 0; LAB_G: {loads} {SPIN_GUARD} {checks} {body} }}")
 
@@ -124,7 +132,7 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     # A's groups first, then B's, in the order the PTX sums them.
     ordered = [g for g in groups if not g[2]] + [g for g in groups if g[2]]
     step = reads.chunk_step
-    spec = tuple((g[0], g[2], 8 * step * g[1]) for g in ordered)
+    spec = tuple((g[0], g[2], 8 * g[1]) for g in ordered)
     ptx = _gather_ptx(spec, dense, out, norm, per_lane, reads.passes, 8 * 64 * step,
                       reads.slot_step * (1024 if out == "bf16" else 256), step)
     splat = plgpu.Layout.WG_SPLAT

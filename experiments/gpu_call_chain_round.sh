@@ -7,9 +7,9 @@ source "$(dirname "$0")/gpu_env.sh"
 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout ${TESTS_S:-150} python3 -m pytest -x -q \
     -p no:cacheprovider tests/test_chain_mgpu.py -k on_the_gpu > "$OUT/chain_tests_h200.log" 2>&1
 echo "tests rc=$?"; grep -E "passed|failed|Error" "$OUT/chain_tests_h200.log" | tail -4
-# the kernel's registers and spills (ptxas -v) and its PTX, both presets, to $OUT/dump
-mkdir -p "$OUT/dump"
-MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="$OUT/dump" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+# the kernel's registers and spills (ptxas -v), both presets (the PTX: gpu_call_chain_dump.sh)
+rm -rf /tmp/rdump; mkdir -p /tmp/rdump
+MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/rdump XLA_PYTHON_CLIENT_PREALLOCATE=false \
     timeout 120 python3 -c "
 import sys; sys.path.insert(0, 'experiments')
 from bench_chain_mgpu import PRESETS, attention_inputs, weights
@@ -19,8 +19,8 @@ for name in ('350m', '1b'):
     x0, *ws = weights(D, N1, F, 2)
     att, _ = attention_inputs(2, D, 320, 160)
     cm.chain_mgpu(x0, *ws, *att, norm_eps=1e-5)[0].block_until_ready()
-" > "$OUT/dump/compile.log" 2>&1
-grep -rh "registers\|spill" "$OUT/dump" | sort | uniq -c | head -8
+" > /tmp/rdump/compile.log 2>&1
+grep -h "Used\|spill stores" /tmp/rdump/*.ptxas | tee "$OUT/ptxas.txt"
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TRACE_S:-120} python3 experiments/trace_chain.py \
     --pos ${POS:-160} --calls 3 --out "$OUT" 2>&1 | grep -v "^WARNING\|^I0000" | tail -18
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${DECODE_S:-240} python3 experiments/decode_floor.py \

@@ -27,3 +27,4 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${DECODE_S:-240} python3 experiments
     --presets ${PRESETS:-350m 1b} --batches 1 --variants ${VARIANTS:-chain fast} --reps 3 --out "$OUT" \
     > "$OUT/decode.log" 2>&1
 echo "decode rc=$?"; grep "^| \|read-only\|Error\|error" "$OUT/decode.log" | cut -c1-300 | tail -10
+rm -f "$OUT"/trace_*.png "$OUT/pip.log"  # (at most 8 files come back; the plots are redrawn from the .npy)

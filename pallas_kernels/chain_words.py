@@ -103,6 +103,11 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
         else:
             body += f" @ok{i} st.shared.f32 [${i_op}+{i * dst_advance}], fa{i};"
     valid = " ".join(f"add.u32 c, ${i_op + 1}, {i * chunk_step}; setp.lt.u32 ok{i}, c, ${i_op + 2};" for i in P)
+    # While waiting, each lane polls one word (its first), not all of them: a full poll is up
+    # to ~48 KB of L2 reads a block a round trip, which with every block waiting competes
+    # with the weight stream; then the full poll (usually once).
+    probe = (f"LAB_W: ld.relaxed.gpu.global.b64 pw, [a0_0]; mov.b64 {{pv, pt}}, pw; {SPIN_GUARD}"
+             f" setp.ne.b32 p, pt, ${G}; @p bra LAB_W;")
     # pass i's chunks offset: min(i chunk_step, limit - 1 - chunk) chunks (signed)
     valid += f" sub.s32 lc, ${i_op + 2}, 1; sub.s32 lc, lc, ${i_op + 1};"
     valid += " ".join(f" min.s32 c, lc, {i * chunk_step}; mul.wide.s32 off, c, {groups[g][2]}; add.s64 a{g}_{i}, ${g}, off;"
@@ -110,7 +115,8 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
     return (f"{{ .reg .pred p; .reg .pred q; .reg .pred qq; .reg .u32 n; .reg .s32 c; .reg .s32 lc; .reg .b64 off;"
             f" .reg .f32 g;"
             f" .reg .f32 e; .reg .b32 w; .reg .b32 one; .reg .b64 dd; .reg .b16 h; {regs} {valid}"
-            f" mov.u32 n, 0; LAB_G: {loads} {SPIN_GUARD} {checks} {body} }}")
+            f" .reg .b64 pw; .reg .b32 pv; .reg .b32 pt;"
+            f" mov.u32 n, 0; {probe} LAB_G: {loads} {SPIN_GUARD} {checks} {body} }}")
 
 
 def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dense_base=None,

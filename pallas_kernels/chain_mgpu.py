@@ -426,9 +426,10 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
     return H, S, hd
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace"))
+@functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
-               blocks: int | None = None, norm_eps: float | None = None, trace: bool = False):
+               blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
+               splits: tuple = ()):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`fold_norms`); None: no norms.
@@ -441,14 +442,15 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
 
     trace=True adds a last output [blocks, L, len(TRACE_POINTS), 2] int32: each block's
     {globaltimer ns (low 32 bits), SM clock} at `TRACE_POINTS` of every layer (0 where the
-    block never reaches the point): what `experiments/trace_chain.py` reads."""
+    block never reaches the point): what `experiments/trace_chain.py` reads. splits:
+    ((product, sk, st), ...) instead of `chain_plan.choose_split`'s for those products."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
     attn = None
     if kv is not None:
         H, S, hd = check_attention(kv, pos, rope, L, D, N1)
         attn = (kv, pos.astype(jnp.int32), rope.astype(jnp.float32))
-    prods = products(D, N1, F, NB, attention=attn is not None)
+    prods = products(D, N1, F, NB, attention=attn is not None, splits=splits)
     kmax = max(p.kmax() for p in prods)
     need = smem_need(kmax, stages) + (0 if attn is None else attention_smem(S, hd))
     if need > SMEM_LIMIT - 2048:

@@ -72,14 +72,24 @@ def choose_split(tiles: int, chunks: int, blocks: int, sources_in: int = 1, fan_
     return best[1]
 
 
-def products(D: int, N1: int, F: int, blocks: int, attention: bool = False) -> tuple[Product, ...]:
+def products(D: int, N1: int, F: int, blocks: int, attention: bool = False,
+             splits: tuple = ()) -> tuple[Product, ...]:
     """The layer's four products with their splits (qkv, o, gate|up, down). attention: o
-    reads the attention phase's dense output (one source a chunk), not q|k|v's pieces."""
+    reads the attention phase's dense output (one source a chunk), not q|k|v's pieces.
+    splits: ((name, sk, st), ...) overriding the cost model's choice for those products (a
+    sweep's knob: `experiments/sweep_chain_splits.py`)."""
+    chosen = {name: Split(sk, st) for name, sk, st in splits}
+    unknown = set(chosen) - {"qkv", "o", "gu", "down"}
+    if unknown:
+        raise ValueError(f"products: splits names {sorted(unknown)}; use qkv, o, gu or down.")
     out, sources = [], 2  # the first reads the previous down's pieces and a residual
     # fan_out: sources a reader of this product's pieces polls per piece set (gate and up;
     # a residual beside qkv's and o's readers... counted as 1 extra by sources_in below).
     for name, N, K, fan in (("qkv", N1, D, 1), ("o", D, D, 1), ("gu", 2 * F, D, 2), ("down", D, F, 1)):
-        split = choose_split(N // T, K // KC, blocks, sources, fan)
+        split = chosen.get(name) or choose_split(N // T, K // KC, blocks, sources, fan)
+        if not (1 <= split.sk <= K // KC and 1 <= split.st <= N // T and split.sk * split.st <= blocks):
+            raise ValueError(f"products: splits {name}=(sk {split.sk}, st {split.st}) needs 1 <= sk <= "
+                             f"{K // KC} chunks, 1 <= st <= {N // T} tiles and sk * st <= {blocks} blocks.")
         out.append(Product(name, N, K, split))
         sources = split.sk * fan + (name in ("o", "down"))
         if name == "qkv" and attention:

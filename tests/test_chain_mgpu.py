@@ -151,6 +151,15 @@ def test_trace_lowers_with_its_points(attention):
             assert out[-1].shape == (132, 2, len(cm.TRACE_POINTS), 2)
 
 
+def test_split_overrides_are_checked():
+    prods = plan.products(1024, 3072, 2816, 132, True, (("down", 22, 6),))
+    assert prods[3].split == plan.Split(22, 6) and prods[2].split == plan.products(1024, 3072, 2816, 132)[2].split
+    with pytest.raises(ValueError, match="sk <= 44 chunks"):
+        plan.products(1024, 3072, 2816, 132, True, (("down", 50, 6),))
+    with pytest.raises(ValueError, match="use qkv, o, gu or down"):
+        plan.products(1024, 3072, 2816, 132, True, (("mlp", 2, 6),))
+
+
 def test_bad_inputs_name_the_field():
     x0, wq, wo, wgu, wd = inputs(64, 192, 128, 1)
     with pytest.raises(ValueError, match="want"):
@@ -219,7 +228,7 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos):
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
 
 
-def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None):
+def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=()):
     """The kernel's data flow in numpy, through the kernel's own decomposition (`rect`), word
     layout (`layout`, `init_words`, `piece_word`) and input wiring (`input_spec`): each
     active block gathers its chunks (summing pieces, the residual, SwiGLU), rounds them to
@@ -231,7 +240,7 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None):
     L, N1, D = wq.shape
     F = wd.shape[2]
     new = []
-    prods = plan.products(D, N1, F, blocks, attention=att is not None)
+    prods = plan.products(D, N1, F, blocks, attention=att is not None, splits=splits)
     lay = plan.layout(prods, D, attention=att is not None)
     init = np.asarray(plan.init_words(x0, prods, lay)).reshape(-1, 2)
     init_vals = init[:, 0].view(np.float32).astype(np.float64)
@@ -339,16 +348,20 @@ def test_the_kernels_data_flow_computes_the_chain(blocks, norms):
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
-@pytest.mark.parametrize("blocks,norms,pos", [(132, False, 70), (20, True, 0), (132, True, 129)])
-def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos):
+@pytest.mark.parametrize("blocks,norms,pos,splits", [
+    (132, False, 70, ()), (20, True, 0, ()), (132, True, 129, ()),
+    (132, True, 70, (("gu", 2, 16), ("down", 8, 4)))])  # a sweep's override (odd chunk counts)
+def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits):
     """With attention: each head's block reads q, k, v through the kernel's wiring, its
-    output words are what o reads, and x_L and the new k, v are the reference's."""
+    output words are what o reads, and x_L and the new k, v are the reference's (also with
+    splits overridden, as `experiments/sweep_chain_splits.py` runs them)."""
     D, N1, F, L, H = 256, 768, 512, 3, 2
     x0, wq, wo, wgu, wd = inputs(D, N1, F, L)
     att = attention_inputs(L, D, 192, pos, heads=H)
     g = gains(D, L) if norms else None
     wq_f, wgu_f = cm.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
-    got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5 if norms else None, att=att)
+    got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5 if norms else None, att=att,
+                          splits=splits)
     want, want_kv = cm.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)

@@ -40,6 +40,7 @@ def main():
     ap.add_argument("--presets", nargs="*", default=list(PRESETS))
     ap.add_argument("--pos", type=int, default=160)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--variants", type=int, default=0, help="the first N of each preset's (0: all)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     from gendist.timing import pipelined_seconds, warm_gpu  # noqa: PLC0415
@@ -56,7 +57,7 @@ def main():
                           np.float64)
         kws = list(ws)
         kws[0], kws[2] = cm.fold_norms(ws[0], ws[2], *gains)
-        for splits in VARIANTS[name]:
+        for splits in VARIANTS[name][:args.variants or None]:
             prods = plan.products(D, N1, F, 132, attention=True, splits=splits)
             label = " ".join(f"{p.name} {p.split.sk}x{p.split.st}" for p in prods)
             f = jax.jit(functools.partial(cm.chain_mgpu, norm_eps=1e-5, splits=splits))

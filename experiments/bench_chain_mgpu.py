@@ -40,6 +40,13 @@ def weights(D, N1, F, L, seed=0):
     return x0, w(ks[1], (L, N1, D)), w(ks[2], (L, D, D)), w(ks[3], (L, 2 * F, D)), w(ks[4], (L, D, F))
 
 
+def norm_gains(L, D, seed=1):
+    """RMSNorm gains near 1 for q|k|v's and gate|up's inputs, (g_attn [L, D], g_mlp [L, D]):
+    the kernel takes them folded into the weights (`chain_mgpu.fold_norms`)."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return 1 + 0.1 * jax.random.normal(k1, (L, D)), 1 + 0.1 * jax.random.normal(k2, (L, D))
+
+
 def attention_inputs(L, D, capacity, pos, heads=16, seed=2):
     """(kv [L, 2, heads, capacity, hd] random bf16, pos [1], rope [hd]) and the bytes of the
     rows below pos (what a step must read)."""
@@ -82,10 +89,7 @@ def main():
         x0, *ws = weights(D, N1, F, L)
         nbytes = sum(w.size * 2 for w in ws)
         eps = 1e-5 if args.norms else None
-        gains = None
-        if args.norms:  # gains near 1; the kernel takes them folded into the weights
-            k1, k2 = jax.random.split(jax.random.key(1))
-            gains = (1 + 0.1 * jax.random.normal(k1, (L, D)), 1 + 0.1 * jax.random.normal(k2, (L, D)))
+        gains = norm_gains(L, D) if args.norms else None
         att, kv_bytes = (), 0
         if args.attention:
             att, kv_bytes = attention_inputs(L, D, args.capacity, args.attention)

@@ -10,16 +10,7 @@ echo "tests rc=$?"; grep -E "passed|failed|Error" "$OUT/chain_tests_h200.log" | 
 # the kernel's registers and spills (ptxas -v), both presets (the PTX: gpu_call_chain_dump.sh)
 rm -rf /tmp/rdump; mkdir -p /tmp/rdump
 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/rdump XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    timeout 120 python3 -c "
-import sys; sys.path.insert(0, 'experiments')
-from bench_chain_mgpu import PRESETS, attention_inputs, weights
-from pallas_kernels import chain_mgpu as cm
-for name in ('350m', '1b'):
-    D, N1, F, L = PRESETS[name]
-    x0, *ws = weights(D, N1, F, 2)
-    att, _ = attention_inputs(2, D, 320, 160)
-    cm.chain_mgpu(x0, *ws, *att, norm_eps=1e-5)[0].block_until_ready()
-" > /tmp/rdump/compile.log 2>&1
+    PYTHONPATH=$(pwd):$PYTHONPATH timeout 120 python3 experiments/compile_chain.py > /tmp/rdump/compile.log 2>&1
 grep -h "Used\|spill stores" /tmp/rdump/*.ptxas | tee "$OUT/ptxas.txt"
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TRACE_S:-120} python3 experiments/trace_chain.py \
     --pos ${POS:-160} --calls 3 --out "$OUT" 2>&1 | grep -v "^WARNING\|^I0000" | tail -18

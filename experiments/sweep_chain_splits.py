@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_chain_mgpu import PRESETS, attention_inputs, weights  # noqa: E402
+from bench_chain_mgpu import PRESETS, attention_inputs, norm_gains, weights  # noqa: E402
 
 from pallas_kernels import chain_mgpu as cm  # noqa: E402
 from pallas_kernels import chain_plan as plan  # noqa: E402
@@ -50,8 +50,7 @@ def main():
     for name in args.presets:
         D, N1, F, L = PRESETS[name]
         x0, *ws = weights(D, N1, F, L)
-        k1, k2 = jax.random.split(jax.random.key(1))
-        gains = (1 + 0.1 * jax.random.normal(k1, (L, D)), 1 + 0.1 * jax.random.normal(k2, (L, D)))
+        gains = norm_gains(L, D)
         att, _ = attention_inputs(L, D, 320, args.pos)
         want = np.asarray(jax.jit(functools.partial(cm.reference, norms=gains, eps=1e-5))(x0, *ws, *att)[0],
                           np.float64)

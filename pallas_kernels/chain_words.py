@@ -113,9 +113,8 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
     valid += " ".join(f" min.s32 c, lc, {i * chunk_step}; mul.wide.s32 off, c, {groups[g][2]}; add.s64 a{g}_{i}, ${g}, off;"
                       for i in P for g in range(G))
     return (f"{{ .reg .pred p; .reg .pred q; .reg .pred qq; .reg .u32 n; .reg .s32 c; .reg .s32 lc; .reg .b64 off;"
-            f" .reg .f32 g;"
-            f" .reg .f32 e; .reg .b32 w; .reg .b32 one; .reg .b64 dd; .reg .b16 h; {regs} {valid}"
-            f" .reg .b64 pw; .reg .b32 pv; .reg .b32 pt;"
+            f" .reg .f32 g; .reg .f32 e; .reg .b32 w; .reg .b32 one; .reg .b64 dd; .reg .b16 h;"
+            f" .reg .b64 pw; .reg .b32 pv; .reg .b32 pt; {regs} {valid}"
             f" mov.u32 n, 0; {probe} LAB_G: {loads} {SPIN_GUARD} {checks} {body} }}")
 
 

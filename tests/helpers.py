@@ -11,6 +11,23 @@ import numpy as np
 from gendist.config import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig
 
 
+def experiment(name: str):
+    """experiments/<name>.py as a module (experiments/ is not a package), loaded once."""
+    return _experiment(name)
+
+
+@functools.cache
+def _experiment(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def small_config(out_dir: str = "/tmp/gendist-test", **train_kw) -> Config:
     """A 2-layer width-32 model: compiles in seconds on CPU."""
     model = ModelConfig(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,

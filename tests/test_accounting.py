@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from helpers import mesh_of, small_config
+from helpers import experiment, mesh_of, small_config
 
 from gendist import accounting, train
 from gendist.presets import replace
@@ -88,18 +88,13 @@ def test_plan_command_prints_predictions(capsys):
 def test_collectives_benchmark_times_the_op_it_names():
     """experiments/collectives_bandwidth.py: each timed function computes its collective
     (checked against numpy on 8 devices), and bus bandwidth uses the ring model's bytes."""
-    import importlib.util
-    from pathlib import Path
 
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from gendist.parallel.compat import shard_map
 
-    path = Path(__file__).parents[1] / "experiments" / "collectives_bandwidth.py"
-    spec = importlib.util.spec_from_file_location("collectives_bandwidth", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = experiment("collectives_bandwidth")
     n = 8
     mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
     x = np.arange(n * n * 2, dtype=np.float32)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import lowered_for_sm90
+from helpers import experiment, lowered_for_sm90
 
 from pallas_kernels import chain_mgpu as cm
 from pallas_kernels import chain_plan as plan
@@ -151,6 +151,31 @@ def test_trace_lowers_with_its_points(attention):
             assert out[-1].shape == (132, 2, len(cm.TRACE_POINTS), 2)
 
 
+@pytest.mark.parametrize("preset", ["350m", "1b"])
+def test_reads_put_every_input_chunk_in_its_slot_once(preset):
+    """The poll rounds the kernel issues (`product_reads`, skipped where the round's first
+    chunk is past the block's: as `chain_mgpu.gather`) read each of a block's input chunks
+    into slot chunk - k0 exactly once, within the words a lane may poll a round; a head's
+    (`head_reads`) read q's, k's and v's chunks into stage slots r * nc + j."""
+    D, N1, F = SHAPES[preset]
+    prods = plan.products(D, N1, F, 132, attention=True)
+    lay = plan.layout(prods, D, attention=True)
+    for p in prods:
+        words = cm.words(plan.input_spec(p.name, 1, 0, prods, lay, F, True, True)[0])
+        for b in range(132):
+            active, _, _, k0, k1 = plan.rect(p, b)
+            if not active:
+                continue
+            rounds = [r for r in plan.product_reads(p, k0, k1, words) if r.chunks[0] < k1]
+            assert sorted(cs for r in rounds for cs in r.expand()) == [(c, c - k0) for c in range(k0, k1)]
+            assert all(r.passes * words <= max(plan.MAX_POLL_WORDS, words) for r in rounds)
+    for hd in (64, 128, 256):
+        nc = hd // 64
+        for h in (0, 5):
+            got = sorted(cs for r in plan.head_reads(D, h, hd, 8) for cs in r.expand())
+            assert got == sorted((h * nc + r * D // 64 + j, r * nc + j) for r in range(3) for j in range(nc))
+
+
 def test_split_overrides_are_checked():
     prods = plan.products(1024, 3072, 2816, 132, True, (("down", 22, 6),))
     assert prods[3].split == plan.Split(22, 6) and prods[2].split == plan.products(1024, 3072, 2816, 132)[2].split
@@ -196,19 +221,9 @@ def test_matches_the_reference_on_the_gpu(preset, layers, norms):
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
-def _bench_module():
-    import importlib.util  # noqa: PLC0415
-
-    path = Path(__file__).resolve().parents[1] / "experiments" / "bench_chain_mgpu.py"
-    spec = importlib.util.spec_from_file_location("bench_chain_mgpu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def attention_inputs(L, D, capacity, pos, heads=16):
     """(kv, pos, rope) as the benchmark builds them (random bf16 cache, the angles of pos)."""
-    return _bench_module().attention_inputs(L, D, capacity, pos, heads)[0]
+    return experiment("bench_chain_mgpu").attention_inputs(L, D, capacity, pos, heads)[0]
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
@@ -324,9 +339,9 @@ def attend(q, k, v, K_SH, V_SH, pos, rope, bf16):
     return o, k, v
 
 
-def gains(D, L, seed=1):
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    return (1 + 0.1 * jax.random.normal(k1, (L, D)), 1 + 0.1 * jax.random.normal(k2, (L, D)))
+def gains(D, L):
+    """The benchmark's RMSNorm gains (near 1), [L, D] each."""
+    return experiment("bench_chain_mgpu").norm_gains(L, D)
 
 
 @pytest.mark.parametrize("blocks", [132, 5])
@@ -384,12 +399,7 @@ def test_benchmark_dry_run_on_the_cpu(tmp_path):
 def test_trace_analysis_recovers_a_known_schedule():
     """experiments/trace_chain.py's critical path from synthetic stamps (a 10 us layer with
     known handovers and work, the 32-bit timer wrapping mid-kernel): every segment back."""
-    import sys  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    import trace_chain as tc  # noqa: PLC0415
-
+    tc = experiment("trace_chain")
     NB, L, P = 24, 4, len(cm.TRACE_POINTS)
     sched = dict(qkv=(0, 1, 2), att=(2, 2.5, 4.5), o=(4.6, 5.2, 6), gu=(6, 6.5, 8), down=(8, 8.4, 9.5))
     raw = np.zeros((NB, L, P, 2), np.int64)

@@ -3,13 +3,12 @@ contiguous cache) gives the reference path's greedy tokens, in plain, continuous
 speculative decoding; adaptive γ stays exact; the serving benchmark runs."""
 
 import dataclasses
-import importlib.util
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import experiment
 
 from gendist.config import ModelConfig
 from gendist.inference import fastpath
@@ -141,10 +140,7 @@ def test_speculative_fast_path_with_adaptive_gamma_equals_plain_greedy(params, r
 
 
 def test_serving_benchmark_runs_tiny(tmp_path):
-    path = pathlib.Path(__file__).parents[1] / "experiments" / "serve_trace.py"
-    spec = importlib.util.spec_from_file_location("serve_trace", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = experiment("serve_trace")
     trace = mod.make_trace(5, 500.0, 8, 24, CFG.vocab_size, seed=0)
     assert all(a.arrival < b.arrival for a, b in zip(trace, trace[1:], strict=False))
     params = transformer.init_params(CFG, 0)

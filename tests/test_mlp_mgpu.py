@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import lowered_for_sm90
+from helpers import experiment, lowered_for_sm90
 
 from pallas_kernels._mgpu import detecting_races, on_sm90
 from pallas_kernels.mlp_mgpu import (
@@ -177,14 +177,8 @@ def test_tma_stream_probe_runs_in_the_interpreter(tmp_path):
 
 
 def probe_module():
-    """experiments/probe_tma_stream.py as a module (experiments/ is not a package)."""
-    import importlib.util  # noqa: PLC0415
-
-    path = Path(__file__).resolve().parents[1] / "experiments" / "probe_tma_stream.py"
-    spec = importlib.util.spec_from_file_location("probe_tma_stream", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """experiments/probe_tma_stream.py as a module."""
+    return experiment("probe_tma_stream")
 
 
 @pytest.mark.parametrize("tag,present,absent", [

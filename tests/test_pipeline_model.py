@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import assert_trees_close as trees_close
-from helpers import mesh_of, small_config
+from helpers import experiment, mesh_of, small_config
 
 from gendist import train
 from gendist.data import TextData, shard_batch
@@ -211,13 +211,8 @@ def test_plan_lines_count_the_table():
 def test_partitioner_beats_uniform_on_uneven_layers():
     """experiments/partition_uneven.py's model: layers 4 and 5 run their MLP six times.
     On the measured profile the DP split's bottleneck is below the uniform split's."""
-    import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).parents[1] / "experiments" / "partition_uneven.py"
-    spec = importlib.util.spec_from_file_location("partition_uneven", path)
-    exp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(exp)
+    exp = experiment("partition_uneven")
     params, fns = exp.uneven_model(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (8, 32), 0, 128)
     _, dp, uniform = exp.plan_both(params, fns, tokens, 4, repeats=3)

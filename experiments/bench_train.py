@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gendist import train
-from gendist.data import shard_batch
+from gendist.data.batches import shard_batch
 from gendist.presets import preset, replace
 from gendist.timing import median_seconds
+from gendist.training import train
 
 DATASHEET_BF16 = 989e12  # H100/H200 SXM dense bf16 (NVIDIA datasheet)
 

@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from gendist import loop
 from gendist.presets import preset, replace
+from gendist.training import loop
 
 
 def train(cfg, name, steps, out):

@@ -39,8 +39,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from gendist import distributed  # noqa: E402
-from gendist.parallel import partition as part  # noqa: E402
 from gendist.parallel import pipeline as pl  # noqa: E402
+from gendist.parallel.pipeline import partition as part  # noqa: E402
 from gendist.timing import call_times  # noqa: E402
 
 # Under `python -m gendist launch --nproc P --devices-per-process 1`, each stage is its own
@@ -170,7 +170,7 @@ def main(argv=None):
     tok1 = jax.random.randint(jax.random.key(1), (args.mb_size, args.seq), 0, 128)
     (embed, layers, head), dp, uniform = plan_both(params, fns, tok1, p)
     tokens = jax.random.randint(jax.random.key(2), (data * m * args.mb_size, args.seq), 0, 128)
-    from gendist.parallel import schedule as S
+    from gendist.parallel.pipeline import schedules as S
     sched = S.make(args.schedule, p, m)
     lock = lockstep_split((embed, layers, head), sched)
     rows = {}

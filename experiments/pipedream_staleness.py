@@ -41,14 +41,14 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from gendist import train  # noqa: E402
 from gendist.config import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig  # noqa: E402
-from gendist.data import TextData  # noqa: E402
+from gendist.data.batches import TextData  # noqa: E402
 from gendist.models import transformer  # noqa: E402
-from gendist.parallel import schedule as S  # noqa: E402
 from gendist.parallel.pipeline import model as stage_model  # noqa: E402
 from gendist.parallel.pipeline import pipedream as PD  # noqa: E402
+from gendist.parallel.pipeline import schedules as S  # noqa: E402
 from gendist.sharding import make_mesh, rules_for  # noqa: E402
+from gendist.training import train  # noqa: E402
 
 
 def config(args) -> Config:

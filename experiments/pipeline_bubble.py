@@ -44,9 +44,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from gendist.parallel import pipeline as pl  # noqa: E402
-from gendist.parallel import schedule as S  # noqa: E402
-from gendist.parallel import schedule_plan as SP  # noqa: E402
-from gendist.parallel import schedule_stats as SS  # noqa: E402
+from gendist.parallel.pipeline import plan as SP  # noqa: E402
+from gendist.parallel.pipeline import schedules as S  # noqa: E402
+from gendist.parallel.pipeline import stats as SS  # noqa: E402
 from gendist.timing import call_times  # noqa: E402
 
 

@@ -37,8 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gendist import loop
-from gendist.data import TextData
+from gendist.data.batches import TextData
 from gendist.inference import fastpath
 from gendist.inference.generate import generate_tokens
 from gendist.inference.lm import draft_config, transformer_lm
@@ -46,6 +45,7 @@ from gendist.inference.sampling import SamplingParams
 from gendist.inference.speculative import SpecConfig, expected_tokens_per_cost, speculative_generate
 from gendist.presets import preset, replace
 from gendist.timing import call_times
+from gendist.training import loop
 
 
 def _train_cfg(cfg, steps, out_dir, seq_len, batch_size, resume=False, warmup=None):

@@ -45,8 +45,8 @@ import numpy as np  # noqa: E402
 
 from gendist.config import Config, MeshConfig, ModelConfig, TrainConfig  # noqa: E402
 from gendist.models import transformer  # noqa: E402
-from gendist.parallel import schedule as S  # noqa: E402
-from gendist.parallel import schedule_stats as SS  # noqa: E402
+from gendist.parallel.pipeline import schedules as S  # noqa: E402
+from gendist.parallel.pipeline import stats as SS  # noqa: E402
 from gendist.parallel.pipeline import terapipe as tp  # noqa: E402
 from gendist.sharding import make_mesh  # noqa: E402
 from gendist.timing import call_times  # noqa: E402

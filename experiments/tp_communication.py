@@ -24,9 +24,10 @@ if "jax" not in sys.modules:
 
 import jax  # noqa: E402
 
-from gendist import accounting, train  # noqa: E402
+from gendist import accounting
 from gendist.config import Config, MeshConfig, ModelConfig, TrainConfig  # noqa: E402
 from gendist.sharding import make_mesh  # noqa: E402
+from gendist.training import train  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "benchmarks"
 

@@ -66,7 +66,8 @@ CHILD = """
 import json, sys
 sys.path.insert(0, {here!r})
 import bench_train
-from gendist import accounting, train
+from gendist import accounting
+from gendist.training import train
 from gendist.presets import preset, replace
 sets = bench_train.parse_overrides({sets!r})
 setup = train.build(replace(preset({preset!r}), **sets))

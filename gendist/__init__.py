@@ -25,8 +25,8 @@ _EXPORTS = {
     "Config": "gendist.config", "ModelConfig": "gendist.config", "MeshConfig": "gendist.config",
     "DataConfig": "gendist.config", "TrainConfig": "gendist.config",
     "GenerateConfig": "gendist.config", "preset": "gendist.presets", "replace": "gendist.presets",
-    "build": "gendist.train", "Setup": "gendist.train",
-    "run": "gendist.loop", "RunResult": "gendist.loop",
+    "build": "gendist.training.train", "Setup": "gendist.training.train",
+    "run": "gendist.training.loop", "RunResult": "gendist.training.loop",
     "generate_text": "gendist.inference.generate",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]

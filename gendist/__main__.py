@@ -109,10 +109,11 @@ def cmd_train(argv: list[str]) -> int:
                        " Hugging Face Llama directory or a gendist run.")
     from gendist.cli_data import resolve_train
     cfg, init_params, tok = resolve_train(cfg, init_from)
-    from gendist import console, distributed
+    from gendist import distributed
+    from gendist.output import console
     distributed.maybe_initialize()  # a multi-process job (launch, SLURM, MPI): join it first
     console.route_logging()
-    from gendist import loop
+    from gendist.training import loop
     result = loop.run(cfg, init_params=init_params)
     if sample and cfg.generate.max_new_tokens > 0:
         _print_sample(cfg, result.state["params"], tok)
@@ -122,8 +123,8 @@ def cmd_train(argv: list[str]) -> int:
 def _print_sample(cfg, params, tok) -> None:
     import jax
 
-    from gendist import console
     from gendist.cli_data import sample
+    from gendist.output import console
     if jax.process_count() > 1:  # every process takes part in gathering the shards
         from jax.experimental import multihost_utils
         params = multihost_utils.process_allgather(params, tiled=True)
@@ -162,7 +163,7 @@ def cmd_generate(argv: list[str]) -> int:
     import jax
 
     from gendist.cli_data import run_tokenizer, sample
-    from gendist.serialize import load_params
+    from gendist.training.serialize import load_params
     model_cfg, params, step = load_params(args.checkpoint)
     print(f"checkpoint {Path(args.checkpoint)} step {step}; {model_cfg.params_text()}",
           flush=True)
@@ -213,14 +214,14 @@ COMMANDS = {"train": cmd_train, "generate": cmd_generate, "prepare": cmd_prepare
 
 
 def _user_error_types():
-    from gendist.checkpoint import CheckpointError
+    from gendist.training.checkpoint import CheckpointError
     return (ValueError, FileNotFoundError, NotADirectoryError, CheckpointError)
 
 
 def _failure_types():
     """Runs that stopped for a reason worth one line, not a traceback (exit code 1)."""
     from gendist.distributed import DistributedError
-    from gendist.train import NonFiniteLoss
+    from gendist.training.train import NonFiniteLoss
     return (NonFiniteLoss, DistributedError)
 
 

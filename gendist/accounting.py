@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gendist import train
 from gendist.models import transformer
-from gendist.parallel import schedule as sched_lib
-from gendist.parallel import schedule_stats as stats_lib
 from gendist.parallel.pipeline import pipedream, terapipe
+from gendist.parallel.pipeline import schedules as sched_lib
+from gendist.parallel.pipeline import stats as stats_lib
 from gendist.parallel.zero import model_for_stage
 from gendist.sharding import logical_to_spec
+from gendist.training import train
 
 DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2,
                "f16": 2, "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}

@@ -68,7 +68,7 @@ class PrepareArgs:
 def cmd_prepare(argv: list[str]) -> int:
     import tyro
 
-    from gendist.tokenfiles import prepare
+    from gendist.data.tokenfiles import prepare
     a = tyro.cli(PrepareArgs, args=argv, description=PrepareArgs.__doc__)
     d = a.data
     meta = prepare(tuple(d.corpus), d.tokenizer, a.out, text_field=d.text_field,
@@ -94,12 +94,12 @@ def resolve_train(cfg: Config, init_from: str | None = None):
     is fixed, so a larger tokenizer is refused.
     """
     from gendist import hf
-    from gendist.tokenfiles import META
-    from gendist.tokenizer import find_tokenizer_file, load_tokenizer
+    from gendist.data.tokenfiles import META
+    from gendist.data.tokenizer import find_tokenizer_file, load_tokenizer
     init = None
     m, d = cfg.model, cfg.data
     if d.tokens and (Path(d.tokens) / META).is_file():
-        from gendist.tokenfiles import open_token_dir, tokenizer_of
+        from gendist.data.tokenfiles import open_token_dir, tokenizer_of
         d = dataclasses.replace(d, tokenizer=tokenizer_of(d.tokens, open_token_dir(d.tokens)[2]))
     if init_from is not None:
         src = Path(init_from)
@@ -109,7 +109,7 @@ def resolve_train(cfg: Config, init_from: str | None = None):
         else:
             import jax
 
-            from gendist.serialize import load_params
+            from gendist.training.serialize import load_params
             loaded_cfg, params, _ = load_params(src)
             m = dataclasses.replace(loaded_cfg, **{f: getattr(m, f) for f in hf.RUNTIME_FIELDS})
             init = jax.device_get(params)  # host arrays: placed per shard by loop.run
@@ -181,7 +181,7 @@ def cmd_generate_model_dir(argv: list[str], model_dir: str) -> int:
 
     from gendist import hf
     from gendist.config import ModelConfig
-    from gendist.tokenizer import find_tokenizer_file, load_tokenizer
+    from gendist.data.tokenizer import find_tokenizer_file, load_tokenizer
     prompt = pop_option(argv, "--prompt")
     draft_dir = pop_option(argv, "--draft-dir")
     gamma = int(pop_option(argv, "--gamma", "4"))
@@ -212,7 +212,7 @@ def cmd_generate_model_dir(argv: list[str], model_dir: str) -> int:
 def run_tokenizer(run_dir: str):
     """The tokenizer a run trained with (its saved config.yaml), or bytes."""
     from gendist import config_yaml
-    from gendist.tokenizer import load_tokenizer
+    from gendist.data.tokenizer import load_tokenizer
     saved = Path(run_dir) / config_yaml.YAML_NAME
     return load_tokenizer(config_yaml.load(saved).data.tokenizer if saved.is_file() else "bytes")
 
@@ -222,8 +222,8 @@ def run_tokenizer(run_dir: str):
 def cmd_export(argv: list[str]) -> int:
     """export --checkpoint RUN_DIR --out MODEL_DIR [--dtype float32|bfloat16] [--tokenizer T]."""
     from gendist import hf
-    from gendist.serialize import load_params
-    from gendist.tokenizer import load_tokenizer
+    from gendist.data.tokenizer import load_tokenizer
+    from gendist.training.serialize import load_params
     ckpt, out = pop_option(argv, "--checkpoint"), pop_option(argv, "--out")
     dtype = pop_option(argv, "--dtype", "float32")
     tok_spec = pop_option(argv, "--tokenizer")

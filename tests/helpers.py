@@ -47,8 +47,8 @@ def mesh_of(n: int, **sizes):
 def run_steps_with_grads(cfg, mesh, data, steps: int):
     """Train `steps` steps on fixed batches; (losses, grads per step, final params,
     compiled step, setup). Asserts the step compiled once."""
-    from gendist import train
-    from gendist.data import shard_batch
+    from gendist.data.batches import shard_batch
+    from gendist.training import train
     setup = train.build(cfg, mesh, with_grads=True)
     state = setup.init_state()
     batches = [shard_batch(data.global_batch(i, 8, 16), mesh) for i in range(steps)]

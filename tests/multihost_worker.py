@@ -5,7 +5,7 @@
 
 Joins the job (gendist.distributed), checks that per-process batches assemble into the
 global batch on a contiguous and an interleaved mesh, then trains the small test model on
-a data=4 x tensor=2 mesh through gendist.loop.run, on the bundled text or, with --tokens, on
+a data=4 x tensor=2 mesh through gendist.training.loop.run, on the bundled text or, with --tokens, on
 token files from `prepare` (memory-mapped; each process reads only its rows' windows). GENDIST_TEST_DIE_AT=S makes process
 GENDIST_TEST_DIE_RANK (default 1) SIGKILL itself when it starts step S (or tick S of
 --collectives-only, a model-free loop of all-reduces).
@@ -33,10 +33,10 @@ from helpers import small_config  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from gendist import loop  # noqa: E402
 from gendist.config import MeshConfig  # noqa: E402
-from gendist.data import TextData, process_rows, shard_batch  # noqa: E402
+from gendist.data.batches import TextData, process_rows, shard_batch  # noqa: E402
 from gendist.sharding import MESH_AXES, make_mesh  # noqa: E402
+from gendist.training import loop  # noqa: E402
 
 
 class DyingData(TextData):

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from helpers import experiment, mesh_of, small_config
 
-from gendist import accounting, train
+from gendist import accounting
 from gendist.presets import replace
+from gendist.training import train
 
 HLO = """HloModule m
 

@@ -4,9 +4,9 @@ import jax
 import numpy as np
 from helpers import mesh_of, small_config
 
-from gendist import train
-from gendist.data import TextData, shard_batch
+from gendist.data.batches import TextData, shard_batch
 from gendist.presets import replace
+from gendist.training import train
 
 
 def losses(backend, dtype, steps=3):

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from helpers import mesh_of, small_config
 
-from gendist import loop, train
-from gendist.checkpoint import Checkpointer, CheckpointError
-from gendist.data import TextData
+from gendist.data.batches import TextData
+from gendist.training import loop, train
+from gendist.training.checkpoint import Checkpointer, CheckpointError
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ SECOND_HALF = textwrap.dedent("""
     import sys  # XLA_FLAGS inherited from this process (tests/conftest.py): the same codegen
     sys.path.insert(0, {tests!r})
     from helpers import small_config
-    from gendist import loop
+    from gendist.training import loop
     loop.run(small_config({out!r}, steps=20, checkpoint_every=5), log=lambda *a: None)
 """)
 

@@ -137,7 +137,7 @@ def test_traceback_on_request(done_run, monkeypatch):
 def test_unawaited_orbax_read_is_quiet_at_exit():
     """A read orbax never started is a coroutine collected at exit ("sys:1: RuntimeWarning:
     coroutine ... was never awaited", seen once in the test below): quiet after a restore."""
-    code = ("from gendist.checkpoint import _quiet_orbax_leftovers\n"
+    code = ("from gendist.training.checkpoint import _quiet_orbax_leftovers\n"
             "_quiet_orbax_leftovers()\n"
             "async def _read_array_index_and_device_put(): pass\n"
             "KEEP = [_read_array_index_and_device_put()]\n")

@@ -17,12 +17,13 @@ import pytest
 from helpers import assert_trees_close, mesh_of
 from test_tensor_parallel import _block_case, _value_and_grads, tp_config
 
-from gendist import train, train_checks
 from gendist.accounting import parse_collectives
-from gendist.data import TextData, shard_batch
+from gendist.data.batches import TextData, shard_batch
 from gendist.models import transformer
 from gendist.parallel import manual
 from gendist.presets import replace
+from gendist.training import checks as train_checks
+from gendist.training import train
 
 RTOL, ATOL = 1e-5, 1e-7  # fp32, as tests/test_tensor_parallel.py
 

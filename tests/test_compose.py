@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from helpers import assert_trees_close, mesh_of, run_steps_with_grads, small_config, stash_update
 
-from gendist import optim, train
-from gendist.data import TextData, shard_batch
+from gendist.data.batches import TextData, shard_batch
 from gendist.models import transformer
 from gendist.models.moe import moe_ffn
 from gendist.models.ops import Ops
 from gendist.presets import replace
+from gendist.training import optim, train
 
 RTOL, ATOL = 1e-5, 1e-7  # fp32, as tests/test_zero.py
 PARAM_ATOL = 1e-6  # params after optimizer steps, as tests/test_zero.py

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gendist import console
 from gendist.models import attention
+from gendist.output import console
 
 
 class _Stream(io.StringIO):
@@ -95,7 +95,7 @@ def test_a_notebook_training_cell_has_at_most_one_progress_output(tmp_path):
     tests = str(Path(__file__).parent)
     cell = (f"import sys; sys.path.insert(0, {tests!r})\n"
             "from helpers import small_config\n"
-            "from gendist import loop\n"
+            "from gendist.training import loop\n"
             f"r = loop.run(small_config({str(tmp_path)!r}, steps=4, eval_every=2, "
             "log_every=1, progress=True))")
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from helpers import mesh_of, small_config
 
-from gendist import train
-from gendist.data import TextData, shard_batch
+from gendist.data.batches import TextData, shard_batch
 from gendist.models import transformer
+from gendist.training import train
 
 RTOL = 1e-5  # fp32
 

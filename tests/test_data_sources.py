@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from helpers import mesh_of, small_config
 
-from gendist import loop
 from gendist.cli_data import resolve_train
 from gendist.config import DataConfig
-from gendist.corpus import documents, expand, load_tokens
-from gendist.data import TextData, load_corpus
+from gendist.data.batches import TextData, load_corpus
+from gendist.data.corpus import documents, expand, load_tokens
+from gendist.data.tokenfiles import TokenStream, open_token_dir
+from gendist.data.tokenizer import ByteTokenizer, load_tokenizer
 from gendist.presets import replace
-from gendist.tokenfiles import TokenStream, open_token_dir
-from gendist.tokenizer import ByteTokenizer, load_tokenizer
+from gendist.training import loop
 
 TEXT = bytes(load_corpus()[:120_000]).decode("utf-8", errors="ignore")
 
@@ -165,8 +165,8 @@ def test_prepare_writes_shards_meta_and_tokenizer(prepared, corpus, bpe):
 def test_prepare_then_train_equals_training_on_text(prepared, corpus, bpe, tmp_path):
     """Same tokenizer, same split, same windows: the same losses, step by step (one compiled
     step fed by both sources)."""
-    from gendist import train
-    from gendist.data import shard_batch
+    from gendist.data.batches import shard_batch
+    from gendist.training import train
     data_cfg = DataConfig(corpus=(str(corpus / "books"), str(corpus / "rec.jsonl")),
                           text_field="body", tokenizer=bpe, val_fraction=0.1)
     cfg = replace(small_config(str(tmp_path)), data=data_cfg)

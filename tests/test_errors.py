@@ -3,12 +3,12 @@
 import pytest
 from helpers import mesh_of, small_config
 
-from gendist import train
 from gendist.config import DataConfig, MeshConfig, ModelConfig
-from gendist.data import load_corpus
+from gendist.data.batches import load_corpus
 from gendist.inference.generate import check_lengths
 from gendist.presets import replace
 from gendist.sharding import make_mesh
+from gendist.training import train
 
 
 def test_mesh_sizes_must_divide_devices():
@@ -58,7 +58,7 @@ def test_unknown_attention_backend():
 
 
 def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path):
-    from gendist import loop
+    from gendist.training import loop
     cfg = small_config(str(tmp_path), steps=1, resume=False)
     loop.run(cfg, mesh=mesh_of(1), log=lambda *a: None)
     with pytest.raises(ValueError, match=r"train.resume=False but .* already holds a run .*"

@@ -13,13 +13,14 @@ import pytest
 from helpers import mesh_of, small_config
 from hf_fixtures import hf_llama_logits, llama_config, random_weights, write_llama
 
-from gendist import config_yaml, hf, loop
+from gendist import config_yaml, hf
 from gendist.__main__ import parse_config
 from gendist.cli_data import cmd_export, resolve_train, sample
 from gendist.config import Config
-from gendist.data import TextData, load_corpus
+from gendist.data.batches import TextData, load_corpus
+from gendist.data.tokenizer import load_tokenizer
 from gendist.presets import replace
-from gendist.tokenizer import load_tokenizer
+from gendist.training import loop
 
 TEXT = bytes(load_corpus()[:60_000]).decode("utf-8", errors="ignore")
 

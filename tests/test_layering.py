@@ -74,7 +74,7 @@ def find_cycle(graph) -> list[str] | None:
 
 def test_the_import_graph_is_read_and_nonempty():
     graph = import_graph()
-    assert "gendist.train" in graph and "gendist.models.transformer" in graph["gendist.train"]
+    assert "gendist.training.train" in graph and "gendist.models.transformer" in graph["gendist.training.train"]
     assert "gendist.parallel.pipeline.core" in graph["gendist.parallel.pipeline.sync"]
     assert find_cycle({"a": {"b"}, "b": {"a"}}) is not None  # the cycle finder finds one
 
@@ -95,13 +95,13 @@ def test_layers():
     assert _imports_under(graph, "pallas_kernels", ("gendist",)) == []
     # The model knows no parallel engine, training loop or decoding machinery.
     assert _imports_under(graph, "gendist.models", (
-        "gendist.parallel", "gendist.train", "gendist.loop", "gendist.inference",
+        "gendist.parallel", "gendist.training.train", "gendist.training.loop", "gendist.inference",
         "gendist.accounting", "gendist.__main__")) == []
     # Configs are plain data.
     assert graph["gendist.config"] == set()
     assert graph["gendist.presets"] == {"gendist.config"}
     # The parallel layer builds on the model, not on training or decoding.
     assert _imports_under(graph, "gendist.parallel", (
-        "gendist.train", "gendist.loop", "gendist.inference", "gendist.__main__")) == []
+        "gendist.training.train", "gendist.training.loop", "gendist.inference", "gendist.__main__")) == []
     assert _imports_under(graph, "gendist.inference", (
-        "gendist.parallel", "gendist.train", "gendist.loop")) == []
+        "gendist.parallel", "gendist.training.train", "gendist.training.loop")) == []

@@ -6,7 +6,7 @@ import numpy as np
 from helpers import full_forward_greedy, mesh_of
 
 from gendist.config import ModelConfig
-from gendist.data import shard_batch
+from gendist.data.batches import shard_batch
 from gendist.inference import generate as G
 from gendist.inference.sampling import SamplingParams
 from gendist.models import transformer
@@ -61,8 +61,8 @@ def test_moe_model_decodes_like_full_forward():
 def test_moe_training_reports_router_metrics(tmp_path):
     from helpers import small_config
 
-    from gendist import loop
     from gendist.presets import replace
+    from gendist.training import loop
     cfg = replace(small_config(str(tmp_path), steps=3, grad_accum=2, batch_size=16),
                   **{"model.moe_experts": 4, "model.moe_top_k": 1, "model.moe_every": 2,
                      "model.moe_capacity_factor": 1.0, "mesh.expert": 2})

@@ -22,10 +22,11 @@ import pytest
 from helpers import assert_trees_close as trees_close
 from helpers import mesh_of, small_config
 
-from gendist import distributed, loop, train
-from gendist.checkpoint import Checkpointer
-from gendist.data import rows_of_shards
-from gendist.tokenfiles import prepare
+from gendist import distributed
+from gendist.data.batches import rows_of_shards
+from gendist.data.tokenfiles import prepare
+from gendist.training import loop, train
+from gendist.training.checkpoint import Checkpointer
 
 WORKER = str(Path(__file__).with_name("multihost_worker.py"))
 STEPS, EVERY = 6, 3

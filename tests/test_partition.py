@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gendist.parallel import partition as part
+from gendist.parallel.pipeline import partition as part
 
 
 def _random_problems(seed=0, count=300):
@@ -102,7 +102,7 @@ def test_profile_model_then_plan():
 
 
 def test_lockstep_step_time_by_hand_and_for_the_sequential_schedule():
-    from gendist.parallel import schedule as S
+    from gendist.parallel.pipeline import schedules as S
     # gpipe p=2, m=2: F0 F1 . . B0 B1 / . F0 F1 B0 B1 .; stage times 3, 6 -> F 1, 2; B 2, 4
     # without recomputation, B 3, 6 when the backward recomputes the forward.
     g = S.gpipe(2, 2)
@@ -117,7 +117,7 @@ def test_lockstep_step_time_by_hand_and_for_the_sequential_schedule():
 
 
 def test_lockstep_partition_is_the_best_split_under_barriers():
-    from gendist.parallel import schedule as S
+    from gendist.parallel.pipeline import schedules as S
     rng = np.random.default_rng(0)
     sched = S.one_f_one_b(3, 7)
     for _ in range(10):

@@ -19,8 +19,8 @@ from helpers import stash_update
 from jax.sharding import Mesh
 
 from gendist.parallel import pipeline as pl
-from gendist.parallel import schedule as S
 from gendist.parallel.pipeline import pipedream as PD
+from gendist.parallel.pipeline import schedules as S
 
 D, F, V, T, MB = 16, 32, 32, 8, 2
 DATA, P_STAGES = 2, 4

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gendist.parallel import pipeline as pl
-from gendist.parallel import schedule as S
+from gendist.parallel.pipeline import schedules as S
 
 D, F, V, T = 16, 32, 32, 8
 MB = 2  # sequences per microbatch per data shard

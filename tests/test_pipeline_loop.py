@@ -3,8 +3,8 @@
 import numpy as np
 from helpers import mesh_of, small_config
 
-from gendist import loop
 from gendist.presets import replace
+from gendist.training import loop
 
 
 def test_loop_runs_pipelined_and_matches_plain(tmp_path):

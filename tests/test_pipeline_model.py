@@ -11,14 +11,14 @@ import pytest
 from helpers import assert_trees_close as trees_close
 from helpers import experiment, mesh_of, small_config
 
-from gendist import train
-from gendist.data import TextData, shard_batch
+from gendist.data.batches import TextData, shard_batch
 from gendist.models import transformer
-from gendist.parallel import schedule as S
-from gendist.parallel import schedule_stats as SS
 from gendist.parallel.pipeline import model as stage_model
+from gendist.parallel.pipeline import schedules as S
+from gendist.parallel.pipeline import stats as SS
 from gendist.presets import replace
 from gendist.sharding import rules_for
+from gendist.training import train
 
 RTOL = 1e-5  # fp32, fixed
 # Entries that cancel to ~0 are compared against their leaf's largest entry instead.
@@ -199,7 +199,7 @@ def test_interleaved_config_errors_name_the_field(kw, field):
 
 
 def test_plan_lines_count_the_table():
-    from gendist.parallel import schedule as S
+    from gendist.parallel.pipeline import schedules as S
     lines = SS.pipeline_plan_lines(4, 8, "1f1b")
     assert "24/88 idle" in lines[1] and "0.2727" in lines[1] and "0.2727" in lines[2]
     assert "4 3 2 1 (max 4" in lines[3]

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from gendist.parallel import schedule as S
-from gendist.parallel import schedule_plan as SP
-from gendist.parallel import schedule_stats as SS
+from gendist.parallel.pipeline import plan as SP
+from gendist.parallel.pipeline import schedules as S
+from gendist.parallel.pipeline import stats as SS
 
 GRID = [(p, m) for p in range(1, 7) for m in range(1, 13)]
 BUILDERS = [S.gpipe, S.one_f_one_b, S.one_f_one_b_phased]

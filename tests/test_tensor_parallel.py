@@ -21,15 +21,15 @@ import pytest
 from helpers import mesh_of, run_steps_with_grads, small_config
 from jax.sharding import NamedSharding
 
-from gendist import train
 from gendist.accounting import parse_collectives
 from gendist.config import ModelConfig
-from gendist.data import TextData
+from gendist.data.batches import TextData
 from gendist.models import transformer
 from gendist.parallel import manual, tensor
 from gendist.parallel.compat import shard_map
 from gendist.presets import replace
 from gendist.sharding import DEFAULT_RULES, SEQUENCE_PARALLEL, named_sharding, use_mesh
+from gendist.training import train
 
 RTOL, ATOL = 1e-5, 1e-7  # fp32
 BF16_LOSS_RTOL, BF16_VS_ONE_DEVICE, BF16_FLOOR = 1e-3, 2.0, 1e-3

@@ -13,13 +13,13 @@ import pytest
 from helpers import assert_trees_close as trees_close
 from helpers import mesh_of, small_config
 
-from gendist import train
-from gendist.data import TextData, shard_batch
+from gendist.data.batches import TextData, shard_batch
 from gendist.models import transformer
-from gendist.parallel import schedule as S
-from gendist.parallel import schedule_stats as SS
+from gendist.parallel.pipeline import schedules as S
+from gendist.parallel.pipeline import stats as SS
 from gendist.parallel.pipeline import terapipe as tp
 from gendist.presets import replace
+from gendist.training import train
 
 RTOL, LEAF_ATOL = 1e-5, 1e-6  # fp32; near-zero entries measured against the leaf's largest
 SEQ = 16

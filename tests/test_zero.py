@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from helpers import mesh_of, run_steps_with_grads, small_config
 
-from gendist import optim
 from gendist.accounting import parse_collectives
-from gendist.data import TextData
+from gendist.data.batches import TextData
 from gendist.models import transformer
 from gendist.parallel import zero
 from gendist.presets import replace
 from gendist.sharding import make_mesh
+from gendist.training import optim
 
 RTOL, ATOL = 1e-5, 1e-7  # fp32
 STEPS = 3

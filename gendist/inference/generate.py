@@ -109,7 +109,7 @@ def generate_text(cfg: ModelConfig, params, prompts: list[str], *, max_new_token
                   sp: SamplingParams = SamplingParams(), seed: int = 0, eos_id: int = -1
                   ) -> list[str]:
     """Convenience: strings in, continuations out (byte-level tokenizer)."""
-    from gendist.data import decode, encode
+    from gendist.data.batches import decode, encode
     prompt_BT, len_B = pad_prompts([encode(p) for p in prompts])
     check_lengths(cfg, prompt_BT.shape[1], max_new_tokens)
     out, count = generate_tokens(cfg, params, jnp.asarray(prompt_BT), jnp.asarray(len_B),

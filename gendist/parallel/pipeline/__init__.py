@@ -1,5 +1,10 @@
-"""Pipeline parallelism: one schedule executor (`core`) and the engines built on it.
+"""Pipeline parallelism: schedules as tables, one executor (`core`), the engines built on it.
 
+    table      the schedule table: which action each stage runs at each step
+    schedules  named schedules (GPipe, 1F1B, interleaved, ZB-H1, PipeDream) as tables
+    plan       where each device keeps and receives the microbatches a table holds
+    stats      a table's bubble, time and pictures (and `plan`'s lines)
+    partition  layers to stages: min-max dynamic programming over profiled costs
     core       the scan over a schedule table (the only one), buffers, final reduction
     stages     a model as stage functions; what a forward / backward step computes
     sync       GPipe, 1F1B and any validated table: loss and gradients
@@ -7,9 +12,6 @@
                updates inside the pipeline, weight versions as an extra carry and a hook
     terapipe   TeraPipe: token slices of each sequence, a K/V cache as an extra carry
     model      gendist's transformer on these engines (specs, per-device ops)
-
-The schedules themselves are `gendist.parallel.schedule`; the layer partitioner is
-`gendist.parallel.partition`.
 """
 
 from gendist.parallel.pipeline.core import PIPELINE, stage_layer_split

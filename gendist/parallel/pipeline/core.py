@@ -1,6 +1,6 @@
 """The one schedule executor: a static table walked by a `lax.scan` on every stage.
 
-Each device on the `pipeline` mesh axis is a stage. A schedule (`gendist.parallel.schedule`)
+Each device on the `pipeline` mesh axis is a stage. A schedule (`gendist.parallel.pipeline.schedules`)
 says, for every step t and stage s, what the stage does (forward, backward or idle) and on
 which microbatch; `schedule_plan.buffer_plan` says in which slot of its activation /
 cotangent buffers a stage keeps each microbatch it holds. `run_table` turns that into one
@@ -38,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from gendist.parallel import schedule as sched_lib
-from gendist.parallel import schedule_plan
 from gendist.parallel.compat import shard_map_manual
+from gendist.parallel.pipeline import plan as schedule_plan
+from gendist.parallel.pipeline import schedules as sched_lib
 
 PIPELINE = "pipeline"
 ROLES = ("first", "mid", "last", "only")
@@ -185,7 +185,7 @@ def stage_layer_split(num_units: int, num_stages: int, stage_layer_counts=None
         if num_units % num_stages:
             raise ValueError(
                 f"layers: {num_units} layers do not split evenly over {num_stages} stages; "
-                "pass stage_layer_counts (e.g. from gendist.parallel.partition)")
+                "pass stage_layer_counts (e.g. from gendist.parallel.pipeline.partition)")
         return (num_units // num_stages,) * num_stages
     counts = tuple(int(c) for c in stage_layer_counts)
     if len(counts) != num_stages or min(counts) < 1 or sum(counts) != num_units:

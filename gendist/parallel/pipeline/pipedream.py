@@ -35,8 +35,8 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from gendist.parallel import schedule as sched_lib
 from gendist.parallel.pipeline import core
+from gendist.parallel.pipeline import schedules as sched_lib
 from gendist.parallel.pipeline.stages import computations, from_layer_fn
 from gendist.parallel.pipeline.sync import check_inputs, num_units_of
 from gendist.sharding import BATCH_AXES

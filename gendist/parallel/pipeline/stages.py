@@ -33,8 +33,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gendist.parallel import schedule as sched_lib
 from gendist.parallel.pipeline import core
+from gendist.parallel.pipeline import schedules as sched_lib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,9 +26,9 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from gendist.parallel import schedule as sched_lib
-from gendist.parallel import schedule_plan
 from gendist.parallel.pipeline import core, uniform
+from gendist.parallel.pipeline import plan as schedule_plan
+from gendist.parallel.pipeline import schedules as sched_lib
 from gendist.parallel.pipeline.stages import (
     Out,
     StageFns,

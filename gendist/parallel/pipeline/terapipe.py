@@ -30,10 +30,10 @@ from jax.sharding import PartitionSpec as P
 
 from gendist.models import transformer
 from gendist.models.attention import xla_attention
-from gendist.parallel import schedule as sched_lib
-from gendist.parallel.partition import profile_fwd_bwd
 from gendist.parallel.pipeline import core
 from gendist.parallel.pipeline import model as stage_model
+from gendist.parallel.pipeline import schedules as sched_lib
+from gendist.parallel.pipeline.partition import profile_fwd_bwd
 from gendist.parallel.pipeline.stages import Out, accumulate, accumulators
 from gendist.sharding import rules_for
 

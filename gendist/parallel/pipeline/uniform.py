@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gendist.parallel import schedule as sched_lib
-from gendist.parallel import schedule_plan
 from gendist.parallel.pipeline import core
+from gendist.parallel.pipeline import plan as schedule_plan
+from gendist.parallel.pipeline import schedules as sched_lib
 from gendist.parallel.pipeline.stages import StageFns, UnitPlan, accumulators, unit_vjp_fn
 
 F, B = sched_lib.FORWARD, sched_lib.BACKWARD

@@ -5,7 +5,7 @@ in, coloured greedily so that a stage (or a device's chunks together) uses no mo
 than the microbatches it holds at once; a `DevicePlan` folds that [steps, stages] view onto
 the devices ([steps, devices] columns, with the chunk that acts) for the executor
 (`gendist.parallel.pipeline.core`). The tables themselves are built in
-`gendist.parallel.schedule`."""
+`gendist.parallel.pipeline.schedules`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from gendist.parallel.schedule_table import IDLE, Schedule, all_action_times, validate
+from gendist.parallel.pipeline.table import IDLE, Schedule, all_action_times, validate
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

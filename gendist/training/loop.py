@@ -14,14 +14,14 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from gendist import console, report
-from gendist.checkpoint import Checkpointer
 from gendist.config import Config, ModelConfig, check_pipeline
-from gendist.data import TextData, process_rows, shard_batch
+from gendist.data.batches import TextData, process_rows, shard_batch
 from gendist.distributed import Watchdog, is_runtime_error, lost_peer_message
-from gendist.rundir import check_resume, fresh_dir
+from gendist.output import console, report
+from gendist.output.rundir import check_resume, fresh_dir
 from gendist.sharding import make_mesh
-from gendist.train import NonFiniteLoss, Setup, build, host_metrics, throughput
+from gendist.training.checkpoint import Checkpointer
+from gendist.training.train import NonFiniteLoss, Setup, build, host_metrics, throughput
 
 
 class MetricsWriter:
@@ -35,7 +35,7 @@ class MetricsWriter:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         if wandb != "off":
-            from gendist.wandb_logger import WandbLogger
+            from gendist.output.wandb_logger import WandbLogger
             self.wandb = WandbLogger(out_dir, cfg, wandb, wandb_project)
         self.jsonl = open(out_dir / "metrics.jsonl", "a")  # noqa: SIM115
         if tensorboard:
@@ -89,7 +89,7 @@ STEP_TIMEOUT_ENV = "GENDIST_STEP_TIMEOUT"
 
 def check_vocab(model: ModelConfig, data) -> None:
     """Every token id of the data must be below model.vocab_size (else NaN at step 0)."""
-    if hasattr(data, "check_vocab"):  # gendist.data.TextData: text or token files
+    if hasattr(data, "check_vocab"):  # gendist.data.batches.TextData: text or token files
         data.check_vocab(model.vocab_size)
         return
     top = int(max(data.train.max(initial=0), data.val.max(initial=0)))
@@ -106,7 +106,7 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
     Prints a header (model, mesh, batch per device, output paths), validation losses and a
     footer through `log` (default: `console.say`, process 0 only, above the progress bar).
     Refuses, before any step, a data set with token ids >= model.vocab_size and an out_dir
-    whose checkpoint was written by another config (`gendist.rundir`).
+    whose checkpoint was written by another config (`gendist.output.rundir`).
     `stop_after` ends the loop early at that step (after checkpointing it), as if the
     process had been killed there: used by the exact-resume test. `step_timeout` (or
     $GENDIST_STEP_TIMEOUT) seconds without a finished step, eval or checkpoint after the

@@ -1,13 +1,14 @@
 """Counting and drawing schedule tables: the bubble (from the table and analytic), the time
 of a table on a lock-step executor or with real action costs, the microbatches each stage
 holds, a text and a matplotlib picture, and the plan lines of `python -m gendist plan`.
-The tables themselves are built in `gendist.parallel.schedule`."""
+The tables themselves are built in `gendist.parallel.pipeline.schedules`."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from gendist.parallel.schedule import (
+from gendist.parallel.pipeline.plan import buffer_plan
+from gendist.parallel.pipeline.schedules import (
     BACKWARD,
     FORWARD,
     IDLE,
@@ -17,7 +18,6 @@ from gendist.parallel.schedule import (
     check_sizes,
     make,
 )
-from gendist.parallel.schedule_plan import buffer_plan
 
 _LETTER = {IDLE: ".", FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
 

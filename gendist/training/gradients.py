@@ -27,12 +27,12 @@ import jax.numpy as jnp
 from gendist.config import Config
 from gendist.models import transformer
 from gendist.models.ops import DEFAULT_OPS, Ops
-from gendist.parallel import schedule as sched_lib
 from gendist.parallel import zero
 from gendist.parallel.mesh_ops import MeshOps
 from gendist.parallel.pipeline import model as stage_model
+from gendist.parallel.pipeline import schedules as sched_lib
 from gendist.parallel.pipeline import terapipe
-from gendist.train_checks import ASYNC_SCHEDULES, pipedream_window, pipeline_microbatches
+from gendist.training.checks import ASYNC_SCHEDULES, pipedream_window, pipeline_microbatches
 
 
 def cross_entropy(logits_BTV, targets_BT):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gendist.parallel.schedule_table import BACKWARD, FORWARD
+from gendist.parallel.pipeline.table import BACKWARD, FORWARD
 from gendist.timing import median_seconds
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import jax
 from jax.sharding import SingleDeviceSharding
 
-from gendist import optim
-from gendist.checkpoint import Checkpointer, CheckpointError
 from gendist.config import ModelConfig
 from gendist.models import transformer
 from gendist.presets import config_from_dict
+from gendist.training import optim
+from gendist.training.checkpoint import Checkpointer, CheckpointError
 
 
 def find_checkpoint_dir(path: str | Path) -> Path:

@@ -2,7 +2,7 @@
 
 `build(cfg, mesh)` makes every training step in gendist: one `jax.jit` with explicit
 in/out shardings and a donated state. What computes the loss and gradients is an engine
-(`gendist.engines`: plain, manual, pipeline, TeraPipe, PipeDream), chosen by the config.
+(`gendist.training.gradients`: plain, manual, pipeline, TeraPipe, PipeDream), chosen by the config.
 The optimizer (optax AdamW), the ZeRO placement of the state and gradients, gradient
 accumulation, the non-finite guard, the metrics, evaluation and checkpoints are shared by
 all of them, here.
@@ -18,14 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gendist import optim
 from gendist.config import Config
-from gendist.engines import cross_entropy, engine_for, loss_and_metrics, loss_fn, pipedream_update
 from gendist.models import transformer
 from gendist.parallel import zero
 from gendist.parallel.mesh_ops import MeshOps
 from gendist.sharding import make_mesh, named_sharding, rules_for, use_mesh
-from gendist.train_checks import ASYNC_SCHEDULES, validate_config
+from gendist.training import optim
+from gendist.training.checks import ASYNC_SCHEDULES, validate_config
+from gendist.training.gradients import (
+    cross_entropy,
+    engine_for,
+    loss_and_metrics,
+    loss_fn,
+    pipedream_update,
+)
 
 # The training loss, re-exported: `train.loss_fn` is every parallel form's one-device oracle.
 __all__ = ["NonFiniteLoss", "Setup", "build", "cross_entropy", "host_metrics", "loss_and_metrics",

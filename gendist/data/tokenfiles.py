@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gendist.corpus import token_chunks, token_dtype
-from gendist.tokenizer import load_tokenizer
+from gendist.data.corpus import token_chunks, token_dtype
+from gendist.data.tokenizer import load_tokenizer
 
 META = "meta.json"
 FORMAT = "gendist-tokens-1"

@@ -14,7 +14,7 @@ import jax
 
 from gendist.config import Config
 from gendist.models.attention import resolve_backend
-from gendist.train_checks import pipeline_microbatches
+from gendist.training.checks import pipeline_microbatches
 
 
 def loss_text(loss: float, vocab_size: int) -> str:

@@ -3,8 +3,8 @@
 Batches are a pure function of (seed, step, split), so a resumed run sees exactly the
 batches it would have seen, on any number of devices or processes. Each batch lands on
 the mesh sharded over the `batch` logical axis (mesh axes `data` and `expert`). Where the
-tokens come from: `gendist.corpus` (text files, .jsonl, Parquet/Arrow, tokenized in
-memory) or `gendist.tokenfiles` (shards written by `prepare`, memory-mapped).
+tokens come from: `gendist.data.corpus` (text files, .jsonl, Parquet/Arrow, tokenized in
+memory) or `gendist.data.tokenfiles` (shards written by `prepare`, memory-mapped).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import jax
 import numpy as np
 
 from gendist.config import DataConfig
-from gendist.corpus import load_tokens
+from gendist.data.corpus import load_tokens
+from gendist.data.tokenizer import ByteTokenizer, load_tokenizer
 from gendist.sharding import named_sharding
-from gendist.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def encode(text: str) -> np.ndarray:
@@ -64,7 +64,7 @@ class TextData:
     @classmethod
     def from_token_files(cls, path: str, seed: int = 0) -> TextData:
         """Memory-mapped shards from `python -m gendist prepare` (or nanoGPT's .bin files)."""
-        from gendist.tokenfiles import open_token_dir, tokenizer_of
+        from gendist.data.tokenfiles import open_token_dir, tokenizer_of
         train, val, meta = open_token_dir(path)
         return cls(train, val, seed, tokenizer_of(path, meta) if meta.get("tokenizer")
                    else "", meta.get("max_token_id"))

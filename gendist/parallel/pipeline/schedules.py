@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gendist.parallel.schedule_table import (  # re-exported: the schedule API in one place
+from gendist.parallel.pipeline.table import (  # re-exported: the schedule API in one place
     BACKWARD,
     FORWARD,
     IDLE,

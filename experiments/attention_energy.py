@@ -1,6 +1,6 @@
-"""Energy per call of the attention kernels at the 1b step's shape (issue 20).
+"""Does our attention need more energy per call than cuDNN's at the 1b step's shape?
 
-The 1b training step runs at the H200's 700 W limit (benchmarks/README.md: 689-692 W, SM clock
+The 1b training step runs at the H200's 700 W limit (benchmarks/training.md: 689-692 W, SM clock
 ~1,515 MHz against 1,980 alone), where a kernel's speed follows the energy it needs rather
 than its speed at full clock. Alone, our forward+backward at this shape is ~1.1x cuDNN's, yet
 the step with ours is level with cuDNN's. This measures what each form draws: every
@@ -60,7 +60,7 @@ def samples(proc) -> list[tuple[float, float, float]]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--impls", nargs="*", default=["ours", "cudnn", "ours_fused", "ours_before_1202b"])
+    ap.add_argument("--impls", nargs="*", default=["ours", "cudnn", "ours_fused", "ours_steps_delta_off"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=3.0, help="each turn's window")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, XLA attention")

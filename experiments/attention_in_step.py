@@ -1,8 +1,7 @@
-"""Why our attention runs slower inside the 1b training step than alone (issue 20).
+"""Why does our attention run slower inside the 1b training step than alone?
 
-Profiled inside the 1b step (batch 24; `benchmarks/profile_1b_h200_attention_1202.json`) our
-dK/dV kernel takes 1.81-1.85 ms a layer against 1.50 ms alone at the same shape
-(`attention_mgpu_h200_train_shape.json`): our three kernels 4.20 ms a layer in the step, 3.48
+Profiled inside the 1b step (batch 24) our dK/dV kernel took 1.81-1.85 ms a layer against
+1.50 ms alone at the same shape: our three kernels 4.20 ms a layer in the step, 3.48
 alone (+21%); cuDNN's 3.87 against 3.57 (+8%). This times the attention's kernels (device
 time from a profile) at the training shape, ours and cuDNN in one process, in three settings:
 
@@ -35,10 +34,10 @@ from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.flash_attention_mgpu import MosaicBlockSizes
 
 # the forms of ours (MosaicBlockSizes fields): the defaults, the fused 5-matmul backward, and
-# the two-kernel backward as it was before each consumer ran only its own causal steps and
-# delta moved into the dQ kernel (2026-12-02 afternoon); the backward through dS in global memory
+# the two-kernel backward without each consumer's own causal steps and with delta computed
+# by XLA (both now on by default); the backward through dS in global memory
 FORMS = {"ours": None, "ours_fused": dict(fused_bwd=True),
-         "ours_before_1202b": dict(own_causal_steps=False, delta_in_dq=False),
+         "ours_steps_delta_off": dict(own_causal_steps=False, delta_in_dq=False),
          "ours_ds": dict(ds_in_hbm=True)}  # dS^T stored by the dK/dV kernel, then dQ = dS K
 
 

@@ -1,16 +1,20 @@
-"""Attention TFLOP/s on one GPU: our Pallas FlashAttention next to its peers, same run.
+"""How fast is our Pallas FlashAttention against its peers on one GPU, and does its memory
+stay linear in the sequence length?
 
     PYTHONPATH=.:$PYTHONPATH python3 experiments/bench_attention.py          # on the GPU
+    python3 experiments/bench_attention.py --ours triton                     # the Triton kernels on Hopper too
     python3 experiments/bench_attention.py --smoke                           # CPU, interpret
 
 Batch*seq = 16384 tokens, 16 heads, bf16, seq 1k..16k, head dim 64 and 128, causal and
 not, forward and forward+backward. Peers: XLA and cuDNN (`jax.nn.dot_product_attention`),
 jax's own Pallas Triton op (`jax.experimental.pallas.ops.gpu.attention.mha`), tokamax when
-importable. FLOPs as in the anchors: 4*B*S^2*H*D forward, halved when causal, x3.5 for
+importable (`pip install -e ".[peers]"`). FLOPs: 4*B*S^2*H*D forward, halved when causal, x3.5 for
 forward+backward. Also compiled temp memory of forward+backward vs sequence length (ours
 is linear, XLA's quadratic). Writes attention.json and attention.png to $OUT.
-Expected on an H200 (see benchmarks/README.md): ours >= jax Pallas forward, >= 2x it
-forward+backward at seq >= 4k, head dim 128.
+"ours" is `flash_attention` with `--ours` as its implementation (default: Mosaic GPU on an
+sm90 GPU, Triton elsewhere). Measured on an H200 with the Triton kernels
+(benchmarks/attention.md): ours >= jax Pallas forward, >= 2x it forward+backward at seq >= 4k,
+head dim 128.
 """
 from __future__ import annotations
 
@@ -38,9 +42,9 @@ def bench(f, *args, n=None, warm=None):
     return median_seconds(f, *args, n=n or ITERS["n"], warm=warm or ITERS["warm"])
 
 
-def peers(smoke: bool):
-    """name -> fn(q, k, v, causal) over [B, S, N, H] arrays."""
-    impls = {"ours": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal)}
+def peers(smoke: bool, ours: str | None = None):
+    """name -> fn(q, k, v, causal) over [B, S, N, H] arrays; `ours`: flash_attention's implementation."""
+    impls = {"ours": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal, implementation=ours)}
     impls["xla"] = lambda q, k, v, causal: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="xla")
     if smoke:
@@ -60,7 +64,7 @@ def peers(smoke: bool):
         impls["tokamax_mosaic"] = lambda q, k, v, causal: tokamax.dot_product_attention(
             q, k, v, is_causal=causal, implementation="mosaic")
     except Exception as e:  # noqa: BLE001
-        print("no tokamax:", repr(e))
+        print("no tokamax (skipped; pip install -e \".[peers]\"):", repr(e))
     return impls
 
 
@@ -108,12 +112,14 @@ def main():
     parser.add_argument("--mem-seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--mem-xla-max", type=int, default=16384, help="longest seq for XLA memory")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--ours", choices=["triton", "mosaic"], default=None,
+                        help="our kernels' implementation (default: Mosaic GPU on sm90, Triton elsewhere)")
     args = parser.parse_args()
     ITERS["n"] = args.iters
     tokens = 256 if args.smoke else TOKENS
     seqs = [128] if args.smoke else args.seqs
     mem_seqs = [128, 256] if args.smoke else args.mem_seqs
-    impls = {k: f for k, f in peers(args.smoke).items() if not args.impls or k in args.impls}
+    impls = {k: f for k, f in peers(args.smoke, args.ours).items() if not args.impls or k in args.impls}
     res = dict(jax=jax.__version__, devices=str(jax.devices()), attention=[], memory=[])
     print(res["devices"], "jax", res["jax"], flush=True)
     out_dir = os.environ.get("OUT", "/tmp")

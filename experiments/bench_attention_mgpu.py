@@ -1,4 +1,4 @@
-"""Issue 20 on one H200: the Mosaic GPU kernels beside cuDNN and tokamax, same run.
+"""Are the Mosaic GPU attention kernels (Hopper) as fast as cuDNN and tokamax, in the same run?
 
     export PYTHONPATH=.:$PYTHONPATH; python3 experiments/bench_attention_mgpu.py --part fa
     python3 experiments/bench_attention_mgpu.py --part paged
@@ -7,10 +7,10 @@
 FlashAttention (`--part fa`): bf16, batch*seq = 16384 tokens; 4k and 16k, causal and not,
 16 heads, D 128; 4k and 16k causal GQA 32/8; 2k causal D 64. Ours = `flash_attention` (Mosaic GPU
 on sm90), peers cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`) and tokamax's
-Mosaic GPU kernel. FLOPs as the anchors count them: 4*B*S^2*N*D forward, halved when causal,
+Mosaic GPU kernel (when importable: `pip install -e ".[peers]"`). FLOPs: 4*B*S^2*N*D forward, halved when causal,
 x3.5 for forward+backward. Our output and gradients are compared with cuDNN's (rel. L2).
 
-Paged decode (`--part paged`): the five shapes of issue 20, bf16, D 128; TB/s = K and V
+Paged decode (`--part paged`): five shapes (batch, context, heads, page), bf16, D 128; TB/s = K and V
 bytes read once / median time; the ceiling is a read-only XLA sum over the same K/V pools
 timed in the same run. Variants of the Mosaic kernel's tiling are timed beside the default on
 every shape, and "waves": the default before the stream-K schedule (a grid of context splits in whole waves).
@@ -115,7 +115,7 @@ FWD_VARIANTS = {
     # causal: every consumer computes every step of its block (before the own-steps default)
     "ours_block_steps": dict(own_causal_steps=False),
     "ours_xla_delta": dict(delta_in_dq=False),  # delta = rowsum(dO * O) by XLA, not the dQ kernel
-    "ours_before_1202b": dict(own_causal_steps=False, delta_in_dq=False),  # both, as before
+    "ours_steps_delta_off": dict(own_causal_steps=False, delta_in_dq=False),  # both off
     "ours_no_ds": dict(ds_in_hbm=False),  # the two-kernel (or fused) backward, not through dS in HBM
     "ours_ds": dict(ds_in_hbm=True),  # dS^T stored by the dK/dV kernel, then dQ = dS K
 }
@@ -171,7 +171,7 @@ def fa_impls(names, smoke):
         impls["tokamax_mosaic"] = lambda q, k, v, c: tokamax.dot_product_attention(
             q, k, v, is_causal=c, implementation="mosaic")
     except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
-        print("no tokamax:", repr(e)[:200], flush=True)
+        print("no tokamax (skipped; pip install -e \".[peers]\"):", repr(e)[:200], flush=True)
     unknown = sorted(set(names or ()) - set(impls) - {"tokamax_mosaic"})  # tokamax: may be absent
     if unknown:
         raise SystemExit(f"--impls: unknown {unknown}; choose from {sorted(impls)}")

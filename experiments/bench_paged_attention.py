@@ -1,8 +1,7 @@
-"""Paged decode attention on one GPU: effective TB/s of our Pallas kernel against JAX's own
-Pallas paged op and XLA attention on a contiguous cache, in the same run.
+"""How fast does our paged decode attention read the KV cache, against JAX's own Pallas paged
+op and XLA attention on a contiguous cache, in the same run (effective TB/s, one GPU)?
 
-Bytes counted = K and V pages read once (2 * B * context * K * H * 2 for bf16), the figure in
-`.anchors/README.md`; PagedAttention after Kwon et al. 2023 (vLLM). Each kernel's output is
+Bytes counted = K and V pages read once (2 * B * context * K * H * 2 for bf16); PagedAttention after Kwon et al. 2023 (vLLM). Each kernel's output is
 checked against the pure-jnp reference (relative L2 error) before it is timed.
 
     export PYTHONPATH=.:$PYTHONPATH; python3 experiments/bench_paged_attention.py --sweep --out $OUT
@@ -31,7 +30,7 @@ from pallas_kernels.paged_attention import (
 )
 
 HEAD_DIM = 128
-# (batch, context, q heads, kv heads, page size), as in .anchors/README.md
+# (batch, context, q heads, kv heads, page size)
 SHAPES = [(64, 4096, 32, 8, 16), (64, 4096, 32, 8, 64), (16, 16384, 32, 8, 64), (128, 2048, 32, 32, 64)]
 # --sweep: every (tokens per step, warps, stages) on the first shape, then splits for the best;
 # the other shapes try the first shape's top configurations.

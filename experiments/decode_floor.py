@@ -16,7 +16,7 @@ only valid tokens; one-token steps through the fused decode kernels), `fast_unfu
 same without the fused kernels: XLA's RMSNorm and RoPE, the paged kernel), `fast@<tiling>`
 (fast with the fused attention kernel tiled as `LayerKVCache.tiling` says), `fast_xla` (the same with jnp attention over all
 max_len slots), `reference` (stacked weights, one stacked cache, the layer scan unrolled:
-the issue's baseline protocol), `chain` (batch 1: each step one persistent kernel over
+the baseline the fast path is measured against), `chain` (batch 1: each step one persistent kernel over
 every layer, `gendist.inference.megakernel`; sm90 only). Each row also carries the kernels one loop iteration
 launches, by kind, read from the compiled HLO, and with `--profile` the device time per
 kind of the first case of each preset. Writes `decode_floor_<device>.json` after every case.

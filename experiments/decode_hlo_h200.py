@@ -4,7 +4,7 @@ XLA can compile for a GPU it does not have (deviceless ahead-of-time compilation
 PJRT topology with a target config), so the fused HLO that the H200 would run can be read
 on a CPU-only machine: how many kernels one decode step launches, of which kinds, and
 whether a step copies the KV cache or materialises a matrix-sized product. This is how the
-fast path's layout choices were made (benchmarks/README.md, issue 19); the times need the GPU
+fast path's layout choices were made (benchmarks/decode.md, docs/decisions.md); the times need the GPU
 (`decode_floor.py`).
 
 Setup (once; the CUDA plugin of the installed jax version, without its CUDA libraries):

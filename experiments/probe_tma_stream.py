@@ -1,15 +1,18 @@
-"""How fast can a Mosaic GPU kernel stream weights through a TMA ring? (issue 19)
+"""How fast can a Mosaic GPU kernel stream weights through a TMA ring, and what does a
+handover between dependent phases cost?
 
-The persistent decode MLP kernel (`pallas_kernels.mlp_mgpu`) streams at 3.2-3.4 TB/s once a
-layer is large, XLA's row reductions at ~4.0 and the paged attention kernel at 4.1
-(benchmarks/README.md). This probe strips the MLP kernel down to its weight stream: `blocks`
-blocks each walk their share of a matrix's [rows, kc] tiles (dealt round-robin) through a
-`stages`-slot shared-memory ring, a producer warpgroup issuing the TMA copies and a consumer
-warpgroup releasing the slots, after a wgmma on each tile (`consume="wgmma"`, as the MLP
-kernel's consumer does at batch <= 64) or without one (`consume="none"`). Variants differ in
+A batch-1 decode step is a weight stream: every matrix read once. This probe is that stream
+alone: `blocks` blocks each walk their share of a matrix's [rows, kc] tiles (dealt
+round-robin) through a `stages`-slot shared-memory ring, a producer warpgroup issuing the TMA
+copies and a consumer warpgroup releasing the slots, after a wgmma on each tile
+(`consume="wgmma"`, batch rows as A) or without one (`consume="none"`). Variants differ in
 tile shape, ring depth, consumer and blocks (one or two a SM), and are timed as pipelined
 calls over 1 GiB of bf16 beside XLA's read-only sum of the same matrix (all of it, and
-per row: the form of a batch-1 matrix-vector product).
+per row: the form of a batch-1 matrix-vector product). With `phases` > 1 the stream is cut
+into phases with a handover between them (a grid-wide barrier with or without fences, or
+NCCL-style LL words, `mode="ll"`); price = (time - the unbroken stream) / (phases - 1). The
+LL prices are what `pallas_kernels/chain`'s cost model is fitted to
+(benchmarks/decode.md).
 
     python3 experiments/probe_tma_stream.py --out $OUT            # one H200
     python3 experiments/probe_tma_stream.py --interpret           # CPU: the code path, tiny

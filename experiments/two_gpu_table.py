@@ -1,4 +1,5 @@
-"""The two-GPU table of issue 23 in one call: every parallel form beside one GPU, with `plan`.
+"""How close does each parallel form on two GPUs come to twice one GPU? Every form beside one
+GPU in one run, with `plan`'s predicted communication.
 
 Rows (each in its own process with its own devices, a timeout, and a failure such as an
 out-of-memory recorded as the row's error while the rest go on):
@@ -15,7 +16,7 @@ out-of-memory recorded as the row's error while the rest go on):
     moe_ep2           the same on expert 2, batch 2m (the same batch per GPU)
 
 Each two-GPU row is compared with its one-GPU row: `vs_2x` = tokens/s / (2 x one GPU's),
-the issue's acceptance figure (tensor 2 >= 90%, ZeRO-3 >= 97%, expert 2 >= 1.8/2). Beside
+the figure to judge a form by (targets: tensor 2 >= 90%, ZeRO-3 >= 97%, expert 2 >= 1.8/2). Beside
 the measured step time stands `accounting.predict`'s communication (what `python -m gendist
 plan` prints) per step: payload bytes by collective and mesh axis, and the ring's wire bytes
 per device, with the time those take at the NVLink bus bandwidths measured on this machine
@@ -44,7 +45,7 @@ from pipeline_speed import run_child  # noqa: E402 - the one subprocess runner
 
 from gendist.distributed import host_device_flags  # noqa: E402
 
-# Bus bandwidth (bytes/s) measured on the nvidia-h200-x2 machine (issue 23).
+# Bus bandwidth (bytes/s) measured on two H200s over NVLink (benchmarks/collectives.md).
 NVLINK_BUS = {"all-reduce": 246e9, "all-gather": 237e9, "reduce-scatter": 205e9,
               "all-to-all": 252e9, "collective-permute": 237e9}
 MOE = ["model.moe_experts=8", "model.moe_top_k=2", "model.moe_every=2"]

@@ -1,7 +1,8 @@
-"""Matmul TFLOP/s against XLA's dot, and safe (3-pass) vs online (2-pass) softmax GB/s.
+"""How fast are the Pallas matmul against XLA's dot, and the online (2-pass) softmax against the
+safe (3-pass) one?
 
-    PYTHONPATH=.:$PYTHONPATH python3 experiments/bench_kernels.py     # on the GPU
-    python3 experiments/bench_kernels.py --smoke                      # CPU, interpret
+    PYTHONPATH=.:$PYTHONPATH python3 experiments/bench_matmul_softmax.py     # on the GPU
+    python3 experiments/bench_matmul_softmax.py --smoke                      # CPU, interpret
 
 Softmax bandwidth counts the useful bytes (read the row once, write it once), so a kernel
 that reads the row three times shows lower GB/s; the online kernel should gain up to 4/3

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU measurements behind benchmarks/*.md, one topic a run, from a checkout of this
+# repository on a machine with one H200 (two for `pipeline`, `collectives`, `two_gpu`):
+#
+#   bash experiments/run_gpu.sh TOPIC [OUT]        # OUT: where the JSON/PNG go (default /tmp/gendist_TOPIC)
+#
+# TOPIC             what runs                                                      page
+#   tests           the GPU tests of the Mosaic GPU kernels and the decode kernels  -
+#   attention       FlashAttention fwd / fwd+bwd: ours, cuDNN, tokamax               benchmarks/attention.md
+#   attention_step  our attention's kernels alone and after matmuls; energy a call  benchmarks/attention.md
+#   paged           paged decode attention against the read-only bandwidth         benchmarks/paged_decode.md
+#   decode          batch-1 decode steps: megakernel and fast path vs the floor;    benchmarks/decode.md
+#                   where a megakernel layer's time goes (trace)
+#   train           the 1b training step, cuDNN's attention and ours alternated    benchmarks/training.md
+#   serving         continuous batching vs static batching on one request trace    benchmarks/serving.md
+#   speculative     speculative decoding, 1b target, over the fast path            benchmarks/speculative.md
+#   pipeline        1F1B in phases on two GPUs against one GPU                     benchmarks/pipeline.md
+#   collectives     NCCL collectives' bus bandwidth over all GPUs                  benchmarks/collectives.md
+#   two_gpu         every parallel form on two GPUs beside one GPU                 -
+#
+# Peers: tokamax comes from the package index (`pip install -e ".[peers]"`); without it the
+# benchmarks print one line and skip that peer. The machine's jax must have its CUDA plugin
+# (`pip install -e ".[gpu]"`). Each run prints its table and writes its JSON under OUT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TOPIC=${1:?usage: bash experiments/run_gpu.sh TOPIC [OUT] (topics: see the head of this file)}
+OUT=${2:-/tmp/gendist_$TOPIC}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY=${PYTHON:-python3}
+
+"$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
+"$PY" -c "import tokamax" 2>/dev/null || echo "tokamax not installed: its rows are skipped (pip install -e '.[peers]')"
+
+train_1b() {  # train_1b ATTENTION ROUND: one run of the 1b step (batch 24, 6 steps), own process
+    "$PY" experiments/bench_train.py --presets 1b --steps 6 --set train.batch_size=24 \
+        model.attention="$1" --out "$OUT" --tag "_1b_$1_r$2"
+}
+
+case "$TOPIC" in
+tests)
+    JAX_PLATFORMS=cuda "$PY" -m pytest -n 4 -q -rA -p no:cacheprovider \
+        tests/test_flash_attention.py tests/test_paged_attention.py tests/test_mgpu_lowering.py \
+        -k "mosaic or Mosaic or linearly or lower"
+    JAX_PLATFORMS=cuda "$PY" -m pytest -q -rA -p no:cacheprovider \
+        tests/test_decode_kernels.py tests/test_megakernel_decode.py ;;
+attention)
+    # compiled first, the order turned each round, best of 4 rounds; ours_no_ds: the backward
+    # without dS in global memory (the form at 16k, where dS would exceed its 4 GiB cap)
+    OUT=$OUT "$PY" experiments/bench_attention_mgpu.py --part fa --pipelined --iters 10 --rounds 4 \
+        --rotate --cases 11 1 4 0 2 3 --impls ours ours_no_ds cudnn tokamax_mosaic ;;
+attention_step)
+    "$PY" experiments/attention_in_step.py --impls ours ours_ds cudnn --settings alone after_matmul \
+        --rounds 2 --out "$OUT"
+    "$PY" experiments/attention_energy.py --out "$OUT" ;;
+paged)
+    OUT=$OUT "$PY" experiments/bench_attention_mgpu.py --part paged --pipelined --paged-rounds 2 \
+        --paged-variants default bk128_st2_streamonly ;;
+decode)
+    "$PY" experiments/decode_floor.py --presets 350m 1b --batches 1 --variants chain fast --reps 3 \
+        --out "$OUT"
+    "$PY" experiments/trace_chain.py --pos 160 --out "$OUT" ;;
+train)
+    for round in 1 2 3; do train_1b cudnn "$round"; train_1b pallas "$round"; done ;;
+serving)
+    "$PY" experiments/serve_trace.py --preset 350m --requests 200 --rate 50 --max-len 1024 \
+        --max-prompt 256 --budget-seqs 16 --slots 64 --page-size 64 --systems engine static engine_sync \
+        --out "$OUT" ;;
+speculative)
+    "$PY" experiments/speculative_speedup.py --target 1b --steps 1100 --seq-len 256 --batch-size 32 \
+        --draft-width 1024 --draft-layers 2 --draft-round-steps 300 --draft-rounds 5 --gammas 4 \
+        --adaptive --batches 1 8 --temperatures 0 1 --prompts-b1 2 --new-tokens 128 --tag _1b --out "$OUT" ;;
+pipeline)
+    "$PY" experiments/pipeline_speed.py --variants one_gpu pp2_1f1b-phased_m16 \
+        pp2_1f1b-phased_m16_b96_savemm pp2_1f1b-phased_m16_b128_savemm --out "$OUT" ;;
+collectives)
+    "$PY" experiments/collectives_bandwidth.py --out "$OUT" ;;
+two_gpu)
+    "$PY" experiments/two_gpu_table.py --out "$OUT" ;;
+*)
+    echo "unknown topic '$TOPIC' (see the head of experiments/run_gpu.sh)" >&2; exit 2 ;;
+esac
+echo "results in $OUT:"; ls "$OUT"

@@ -1,9 +1,9 @@
-"""The decode chain megakernel (`pallas_kernels.chain_mgpu`) against the same chain in XLA and
-against its floor (issue 19).
+"""The decode chain megakernel (`pallas_kernels.chain`) against the same chain in XLA and
+against its floor.
 
 For each preset's shapes (350m: D 1024, N1 3072, F 2816, 24 layers; 1b: D 2048, N1 6144,
 F 5632, 22 layers), batch 1, random bf16 weights: the kernel's output against XLA's
-(`chain_mgpu.reference`), then both timed as pipelined calls beside a read-only sum over
+(`pallas_kernels.chain.kernel.reference`), then both timed as pipelined calls beside a read-only sum over
 the same weights (the floor: weight bytes / that bandwidth). Prints and writes
 bench_chain_mgpu.json to --out.
 
@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels import chain_mgpu as cm  # noqa: E402
-from pallas_kernels import chain_plan as plan  # noqa: E402
+from pallas_kernels.chain import kernel as cm  # noqa: E402
+from pallas_kernels.chain import plan  # noqa: E402
 from pallas_kernels._mgpu import sm_count  # noqa: E402
 
 PRESETS = {"350m": (1024, 3072, 2816, 24), "1b": (2048, 6144, 5632, 22)}
@@ -42,7 +42,7 @@ def weights(D, N1, F, L, seed=0):
 
 def norm_gains(L, D, seed=1):
     """RMSNorm gains near 1 for q|k|v's and gate|up's inputs, (g_attn [L, D], g_mlp [L, D]):
-    the kernel takes them folded into the weights (`chain_mgpu.fold_norms`)."""
+    the kernel takes them folded into the weights (`pallas_kernels.chain.kernel.fold_norms`)."""
     k1, k2 = jax.random.split(jax.random.key(seed))
     return 1 + 0.1 * jax.random.normal(k1, (L, D)), 1 + 0.1 * jax.random.normal(k2, (L, D))
 

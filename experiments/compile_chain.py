@@ -8,7 +8,7 @@ of another tree can be compiled by putting it first on PYTHONPATH.
 """
 import jax.numpy as jnp
 
-import pallas_kernels.chain_mgpu as cm
+from pallas_kernels.chain import kernel as cm
 
 print(cm.__file__)
 for D, N1, F in ((1024, 3072, 2816), (2048, 6144, 5632)):

@@ -1,5 +1,5 @@
-"""The decode chain megakernel's product splits, swept on the GPU (issue 19): for each preset,
-the cost model's splits (`chain_plan.choose_split`) against hand-picked overrides of the
+"""The decode chain megakernel's product splits, swept on the GPU: for each preset,
+the cost model's splits (`pallas_kernels.chain.plan.choose_split`) against hand-picked overrides of the
 gate|up and down splits (`chain_mgpu(splits=...)`), each checked against XLA's chain and timed
 as pipelined calls, with norms and attention at position --pos (a decode step's mean).
 
@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_chain_mgpu import PRESETS, attention_inputs, norm_gains, weights  # noqa: E402
 
-from pallas_kernels import chain_mgpu as cm  # noqa: E402
-from pallas_kernels import chain_plan as plan  # noqa: E402
+from pallas_kernels.chain import kernel as cm  # noqa: E402
+from pallas_kernels.chain import plan  # noqa: E402
 
 VARIANTS = {
     "350m": [(), (("down", 16, 8),), (("down", 22, 6),), (("down", 11, 12),), (("gu", 8, 16),),

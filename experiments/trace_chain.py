@@ -1,5 +1,5 @@
-"""Where a layer's time goes inside the decode chain megakernel (issue 19): every block stamps
-the GPU's global timer and its SM clock at `chain_mgpu.TRACE_POINTS` of every layer
+"""Where a layer's time goes inside the decode chain megakernel: every block stamps
+the GPU's global timer and its SM clock at `pallas_kernels.chain.kernel.TRACE_POINTS` of every layer
 (`chain_mgpu(trace=True)`), and this script turns the stamps into the layer's critical path.
 
 For each preset (norms and attention at position --pos, as a decode step at the mean position
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_chain_mgpu import PRESETS, attention_inputs, weights  # noqa: E402
 
-from pallas_kernels import chain_mgpu as cm  # noqa: E402
+from pallas_kernels.chain import kernel as cm  # noqa: E402
 
 PRODUCTS = ("qkv", "o", "gu", "down")
 ATT_STEPS = ("att_in", "att_rope", "att_scores", "att_softmax", "att_out")

@@ -1,4 +1,4 @@
-"""The decode chain megakernel (`pallas_kernels.chain_mgpu`): its decomposition covers every
+"""The decode chain megakernel (`pallas_kernels.chain`): its decomposition covers every
 weight tile once and every LL word it reads is written once, its sm90 lowering carries the
 LL protocol and no fence, its reference is the chain's math, and on an sm90 GPU the kernel
 matches the reference."""
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from helpers import experiment, lowered_for_sm90
 
-from pallas_kernels import chain_mgpu as cm
-from pallas_kernels import chain_plan as plan
+from pallas_kernels.chain import kernel as cm
+from pallas_kernels.chain import plan
 from pallas_kernels._mgpu import on_sm90
 
 ON_SM90 = jax.default_backend() == "gpu" and on_sm90()
@@ -154,7 +154,7 @@ def test_trace_lowers_with_its_points(attention):
 @pytest.mark.parametrize("preset", ["350m", "1b"])
 def test_reads_put_every_input_chunk_in_its_slot_once(preset):
     """The poll rounds the kernel issues (`product_reads`, skipped where the round's first
-    chunk is past the block's: as `chain_mgpu.gather`) read each of a block's input chunks
+    chunk is past the block's: as `kernel.gather`) read each of a block's input chunks
     into slot chunk - k0 exactly once, within the words a lane may poll a round; a head's
     (`head_reads`) read q's, k's and v's chunks into stage slots r * nc + j."""
     D, N1, F = SHAPES[preset]
@@ -249,7 +249,7 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=()):
     active block gathers its chunks (summing pieces, the residual, SwiGLU), rounds them to
     bf16, writes one piece per tile, and the tile-group-0 readers write the dense residuals.
     Every word read must carry the tag its group expects (the layer that wrote it), and a
-    word is only overwritten two layers later (two regions, `chain_plan.tag`). att: (kv, pos, rope) as `chain_mgpu`
+    word is only overwritten two layers later (two regions, `plan.tag`). att: (kv, pos, rope) as `chain_mgpu`
     takes them: each head reads its q, k, v through `input_spec("att")`, attends in numpy
     (`attend`) and writes the layer's "att" words, which o reads. Returns x_L (and kv_new)."""
     L, N1, D = wq.shape
@@ -383,7 +383,7 @@ def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits):
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
 
 
-@pytest.mark.skipif(ON_SM90, reason="the benchmark's CPU path (the GPU runs experiments/gpu_call_chain.sh)")
+@pytest.mark.skipif(ON_SM90, reason="the benchmark's CPU path (a GPU runs the benchmark itself)")
 def test_benchmark_dry_run_on_the_cpu(tmp_path):
     """experiments/bench_chain_mgpu.py --dry: the splits and XLA's chain, timed, to JSON."""
     root = Path(__file__).resolve().parents[1]

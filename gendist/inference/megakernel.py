@@ -1,5 +1,5 @@
 """Batch-1 decode steps through one persistent kernel: every layer's products, attention and
-residual adds in `pallas_kernels.chain_mgpu` (issue 19).
+residual adds in `pallas_kernels.chain`.
 
 A decode step at batch 1 reads every weight once, and on an H200 the step of XLA's fast path
 is ~230 small kernels that each pay a ramp and a tail (`benchmarks/README.md`). Here the
@@ -25,7 +25,7 @@ from gendist.config import ModelConfig
 from gendist.inference.cache import KVCache, contiguous_attend
 from gendist.models import decode_layout, transformer
 from gendist.models.layers import rope_angles
-from pallas_kernels import chain_mgpu as cm
+from pallas_kernels.chain import kernel as cm
 
 CHAIN = cm.chain_mgpu  # the kernel (tests on a CPU put `chain_reference` here)
 

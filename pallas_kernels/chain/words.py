@@ -14,7 +14,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith
 
 from pallas_kernels._mgpu import SPIN_GUARD, const_i32, lane, ptr32, ptr64
-from pallas_kernels.chain_plan import KC
+from pallas_kernels.chain.plan import KC
 
 X_TRANSFORMS = (plgpu.TilingTransform((8, KC)), plgpu.SwizzleTransform(2 * KC))
 
@@ -120,7 +120,7 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
 
 def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dense_base=None,
            dense_on=None, dense_tag=None, norm_ref=None, norm=None, poll_norm=None):
-    """The inline op behind a product's input, one poll round (`chain_plan.Reads`: which
+    """The inline op behind a product's input, one poll round (`plan.Reads`: which
     chunk each lane reads into which slot, pass by pass, all passes' words polled at once).
     groups: [(count, stride, is_b, base_word, init_ok, tag)] with count/stride/is_b static
     (stride: words from one chunk to the next, 64 * sk for pieces, 64 for a dense vector),

@@ -1,11 +1,11 @@
 """A batch-1 decode step's layers, every layer, as ONE persistent Mosaic GPU kernel whose
 phases hand activations over as low-latency words: the decode megakernel (Hopper, sm90;
-issue 19; on the decode path through `gendist.inference.megakernel`).
+on the decode path through `gendist.inference.megakernel`).
 
 Per layer l, from the residual stream x_l [D] (fp32):
     a   = Wqkv_l n_l(x_l)                 [N1]
     h_l = x_l + Wo_l att(a)                (with kv: multi-head attention of the new token,
-                                            `chain_attention`; without: a[:D] goes straight on)
+                                            `attention`; without: a[:D] goes straight on)
     g   = Wgu_l m_l(h_l)                   [2F]
     x_{l+1} = h_l + Wd_l (silu(g[:F]) * g[F:])
 with every product's input rounded to bf16 (as the decode path's products read it) and fp32
@@ -15,7 +15,7 @@ output, each block summing the squares of the dense residual itself) or the iden
 Without kv the kernel is the weight chain alone: what the weight stream and the phase
 boundaries cost.
 
-Why (benchmarks/README.md, issue 19): a decode step at batch 1 is ~230 kernels that each pay
+Why (benchmarks/README.md): a decode step at batch 1 is ~230 kernels that each pay
 a fixed ramp and tail; one persistent kernel pays it once, but then needs a grid-wide
 handover between dependent products. On the H200 a fenced barrier (TMA store, proxy and
 release fences, counter) costs ~1.9 us of stream time per handover, while a handover as
@@ -34,14 +34,14 @@ wgmma takes the weight tile [64, 64] as A and that chunk tile seen transposed as
 the weight tiles through a `stages`-slot TMA ring without waiting for any activation: the
 weights run ahead across phases and layers. The LL words live in a global semaphore array
 (zeroed before the kernel) of two layers' regions: layer l's words carry tag l + 2 and go
-to region l % 2, overwritten two layers later (`chain_plan.tag`: why that is safe).
+to region l % 2, overwritten two layers later (`plan.tag`: why that is safe).
 Every poll traps after `_mgpu.SPIN_LIMIT` tries: a word never written is a CUDA error, not
 a hung GPU. (The zeroing is a memset of the array each call: ~4 MB at 1b; with a region a
 layer it was 44 MB, written again by the words themselves: ~4% of a step's bytes.)
 
 GPU only (the words are moved by inline PTX, which Mosaic GPU's interpreter does not run);
-`reference` is the same math in XLA; `chain_plan` holds the decomposition, the word layout
-and the input wiring (CPU-testable), `chain_words` the inline-PTX word movers.
+`reference` is the same math in XLA; `plan` holds the decomposition, the word layout
+and the input wiring (CPU-testable), `words` the inline-PTX word movers.
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import chain_attention as ca
-from pallas_kernels import chain_words
+from pallas_kernels.chain import attention as ca
+from pallas_kernels.chain import words as cw
 from pallas_kernels._mgpu import (
     SMEM_LIMIT,
     WGMMA,
@@ -67,7 +67,7 @@ from pallas_kernels._mgpu import (
     tiled_smem,
     zero_words,
 )
-from pallas_kernels.chain_plan import (
+from pallas_kernels.chain.plan import (
     KC,
     REGIONS,
     Reads,
@@ -114,7 +114,7 @@ def _window_rows(kmax: int) -> int:
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                  norm_eps: float | None, attn=None, trace: bool = False):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
-    rope [hd] fp32 (cos | sin of pos's angles)): the attention phase (`chain_attention`)."""
+    rope [hd] fp32 (cos | sin of pos's angles)): the attention phase (`attention`)."""
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     lay = layout(prods, D, attn is not None)
@@ -204,7 +204,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             for i, reads in enumerate(product_reads(p, k0, k1, words(groups))):
                 poll = dict(poll_norm=(norm[0], first, norm[1], norm[2])) if norm is not None and i == 0 else {}
                 pl.when(reads.chunks[0] < k1)(functools.partial(
-                    chain_words.gather, ll, init_ref, x_win, groups, reads, out="bf16", use_init=first,
+                    cw.gather, ll, init_ref, x_win, groups, reads, out="bf16", use_init=first,
                     **dense, **poll))
             plgpu.commit_smem()  # the window's rows, for the tensor core
 
@@ -279,7 +279,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
 
                 pl.run_scoped(body, *[plgpu.ACC((T, 8), jnp.float32)] * G)
 
-        def attend(l):  # head h of layer l (chain_attention's steps 1-6)
+        def attend(l):  # head h of layer l (attention.py's steps 1-6)
             j0 = l * per_layer + before["att"]
 
             @pl.when(h < H)
@@ -291,7 +291,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                     dense = dict(norm_ref=norm_smem, norm=(norm_eps, D))
                     poll = dict(poll_norm=(norm[0], l == 0, norm[1], norm[2]))
                 for i, reads in enumerate(head_reads(D, h, hd, words(groups))):  # q, k, v to slots
-                    chain_words.gather(ll, init_ref, stage_smem, groups, reads, out="f32", use_init=False,
+                    cw.gather(ll, init_ref, stage_smem, groups, reads, out="f32", use_init=False,
                                        **dense, **(poll if i == 0 else {}))
                 tr(l, "att_in")
                 row = (l * 2 * H + h) * hd  # this head's new k in kv_new [L, 2, H, hd]
@@ -347,7 +347,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             @pl.when(b < D // T)
             def _final():  # chunk b of x_L, to y
                 groups, _, _ = input_spec("final", L - 1, 0, prods, lay, F)
-                chain_words.gather(ll, init_ref, out_smem, groups, Reads((b, b), (0, 0), b + 1, 1), out="f32",
+                cw.gather(ll, init_ref, out_smem, groups, Reads((b, b), (0, 0), b + 1, 1), out="f32",
                                    use_init=0)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_smem, y_ref.at[pl.ds(b * T, T)])
@@ -436,14 +436,14 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
 
     With kv [L, 2, H, S, hd] (bf16 K and V caches, finite), pos [1] int32 (the new token's
     position: the cache rows below it are read) and rope [hd] fp32 (cos | sin of its angles,
-    `gendist.models.layers.rope_angles`), each layer attends (`chain_attention`) and the
+    `gendist.models.layers.rope_angles`), each layer attends (`attention`) and the
     result is (x_L, kv_new [L, 2, H, hd] bf16: the new token's rotated k and its v, for the
     caller to write at row pos).
 
     trace=True adds a last output [blocks, L, len(TRACE_POINTS), 2] int32: each block's
     {globaltimer ns (low 32 bits), SM clock} at `TRACE_POINTS` of every layer (0 where the
     block never reaches the point): what `experiments/trace_chain.py` reads. splits:
-    ((product, sk, st), ...) instead of `chain_plan.choose_split`'s for those products."""
+    ((product, sk, st), ...) instead of `plan.choose_split`'s for those products."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
     attn = None

@@ -1,11 +1,11 @@
 """The attention phase of `chain_mgpu`'s decode megakernel: one block a head, batch 1, between
-the q|k|v product and the output product (Hopper, sm90; issue 19).
+the q|k|v product and the output product (Hopper, sm90).
 
 A block (`head_of`: the last `heads` blocks, which the rectangle splits load least) takes
 head h of layer l:
 
 1. gathers its q, k and v (3 hd values: the sums of q|k|v's pieces, times x_l's RMSNorm
-   factor with norms) into fp32 shared memory (`chain_words.gather`, out="f32");
+   factor with norms) into fp32 shared memory (`words.gather`, out="f32");
 2. `rope_new`: rotates q and the new k (NeoX pairs (x[:hd/2], x[hd/2:]), fp32, rounded to
    bf16 as the cache holds them), writes q into the window the tensor core reads, the new
    k and v to the `kv_new` output [L, 2, H, hd] (the caller writes them into the cache at
@@ -37,7 +37,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith
 
 from pallas_kernels._mgpu import const_i32, lane, ptr32, ptr64
-from pallas_kernels.chain_words import X_TRANSFORMS, f32_hex
+from pallas_kernels.chain.words import X_TRANSFORMS, f32_hex
 
 LOG2E = math.log2(math.e)
 RED = 12  # fp32 words of the reduction scratch: 4 warps' q.k_new, their max, their sum

@@ -131,7 +131,7 @@ MAX_POLL_WORDS = 64  # LL words one lane may poll in one round trip (registers)
 
 @dataclasses.dataclass(frozen=True)
 class Reads:
-    """One poll round of an input gather (`chain_words.gather`): lanes < 64 read column lane
+    """One poll round of an input gather (`words.gather`): lanes < 64 read column lane
     of chunk chunks[0] + i * chunk_step into slot slots[0] + i * slot_step, lanes >= 64
     column lane - 64 of chunks[1] + i * chunk_step into slots[1] + i * slot_step, for every
     pass i < passes whose chunk is below `limit`: every pass's words polled together, one

@@ -1,0 +1,15 @@
+"""The batch-1 decode megakernel: every layer of a decode step in one persistent Mosaic GPU
+kernel (Hopper, sm90).
+
+    kernel.py     the kernel (`chain_mgpu`), its XLA reference (`reference`) and the RMSNorm
+                  gains folded into the weights it reads (`fold_norms`)
+    attention.py  its attention phase: one block a head, between q|k|v and the output product
+    plan.py       the decomposition, the word layout and the input wiring (plain Python)
+    words.py      the inline-PTX movers of the low-latency words between phases
+
+`gendist.inference.megakernel` decodes through it.
+"""
+
+from pallas_kernels.chain.kernel import chain_mgpu, fold_norms, reference
+
+__all__ = ["chain_mgpu", "fold_norms", "reference"]

@@ -233,7 +233,7 @@ def test_combinations_refused_name_both_fields(kw, fields):
 def test_stage_bodies_are_manual_over_every_axis(monkeypatch):
     """cuDNN attention is custom-partitioned: a stage body that left an axis (`tensor`) to
     the compiler ran its partitioner inside the pipeline's shard_map and failed to compile
-    on GPUs (issue 18). Attention inside every stage must see a mesh whose axes are all
+    on GPUs. Attention inside every stage must see a mesh whose axes are all
     manual, so that no partitioner runs there."""
     from gendist.models import attention as attention_lib
     seen = []

@@ -206,7 +206,7 @@ def test_mosaic_is_picked_only_on_sm90():
     with pytest.raises(ValueError, match="implementation='triton'"):
         paged_attention(q[..., :32], k[..., :32], v[..., :32], tables, lens, implementation="mosaic")
     with pytest.raises(ValueError, match="issuers=3"):
-        PagedBlockSizes(issuers=3)
+        PagedBlockSizes(block_k=128, issuers=3)
 
 
 # (page size, GQA ratio, dtype, tokens, lengths, positions kind, num_splits, block_k)

@@ -68,7 +68,7 @@ def test_poll_cost_fit_matches_the_measured_points():
 
 
 def test_prediction_is_the_documented_one():
-    """benchmarks/README.md quotes the cost model: 11.9 us a layer at 350m, 31.6 at 1b."""
+    """benchmarks/decode.md quotes the cost model: 11.9 us a layer at 350m, 31.6 at 1b."""
     assert round(plan.predict_us_per_layer(*SHAPES["350m"], 132), 1) == 11.9
     assert round(plan.predict_us_per_layer(*SHAPES["1b"], 132), 1) == 31.6
 

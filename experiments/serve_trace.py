@@ -36,9 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gendist.inference import fastpath
+from gendist.inference import decoder
 from gendist.inference.engine import Engine, EngineConfig, Request
-from gendist.inference.generate import decode_step, prefill
 from gendist.inference.sampling import SamplingParams, sample
 from gendist.models import transformer
 from gendist.presets import preset
@@ -84,22 +83,23 @@ class Progress:
             self.bar.close()
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _static_prefill(cfg, params, cache, prompt_BT, len_B):
-    logits, cache = prefill(cfg, params, prompt_BT, len_B, cache)
+@jax.jit
+def _static_prefill(plan, cache, prompt_BT, len_B):
+    logits, cache = plan.prefill(prompt_BT, len_B, cache)
     return cache, sample(None, logits, GREEDY)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(2,))
-def _static_step(cfg, params, cache, tok_B):
-    logits, cache = decode_step(cfg, params, tok_B, cache)
+@functools.partial(jax.jit, donate_argnums=(1,))
+def _static_step(plan, cache, tok_B):
+    logits, cache = plan.step(tok_B, cache)
     return cache, sample(None, logits, GREEDY)
 
 
-def run_static(cfg, params, trace, slots: int, max_len: int, max_prompt: int, fast, progress):
-    """Static batching: up to `slots` arrived requests at a time, each holding max_len slots
-    of a contiguous cache, decoded together until the longest is done."""
-    cache0 = fastpath.make_cache(cfg, slots, max_len, fast)
+def run_static(plan, trace, max_prompt: int, progress):
+    """Static batching: up to `plan.batch` arrived requests at a time, each holding
+    `plan.max_len` slots of a contiguous cache, decoded together until the longest is done."""
+    slots, max_len = plan.batch, plan.max_len
+    cache0 = plan.make_cache()
     pending = sorted(trace, key=lambda r: r.arrival)
     t0 = time.perf_counter()
     steps = useful = reserved_steps = 0
@@ -116,7 +116,7 @@ def run_static(cfg, params, trace, slots: int, max_len: int, max_prompt: int, fa
             prompts[i, : len(r.prompt)] = r.prompt
             lens[i] = len(r.prompt)
         cache = cache0.rollback(jnp.zeros((slots,), jnp.int32))
-        cache, tok = _static_prefill(cfg, params, cache, jnp.asarray(prompts), jnp.asarray(lens))
+        cache, tok = _static_prefill(plan, cache, jnp.asarray(prompts), jnp.asarray(lens))
         out = np.asarray(tok)
         stamp = time.perf_counter() - t0
         for i, r in enumerate(batch):
@@ -124,7 +124,7 @@ def run_static(cfg, params, trace, slots: int, max_len: int, max_prompt: int, fa
             r.token_times.append(stamp)
         progress.update(len(batch))
         for _ in range(max(r.max_new_tokens for r in batch) - 1):
-            cache, tok = _static_step(cfg, params, cache, tok)
+            cache, tok = _static_step(plan, cache, tok)
             out = np.asarray(tok)
             stamp = time.perf_counter() - t0
             steps += 1
@@ -219,7 +219,8 @@ def main():
                requests=args.requests, rate=args.rate, max_len=args.max_len,
                max_prompt=args.max_prompt, budget_tokens=budget, page_size=args.page_size,
                engine_slots=args.slots, static_slots=args.budget_seqs,
-               fast=fastpath.enabled(None), kv_bytes_per_token=per_token,
+               path=decoder.plan(cfg, params, args.budget_seqs, args.max_len).line,
+               kv_bytes_per_token=per_token,
                trace_output_tokens=sum(r.max_new_tokens for r in trace),
                trace_prompt_tokens=sum(len(r.prompt) for r in trace))
     print(res, flush=True)
@@ -250,12 +251,10 @@ def main():
                              peak_kv_tokens_reserved=s["peak_pages"] * args.page_size,
                              mean_kv_tokens_used=s["token_steps"] / max(s["steps"], 1))
             else:
-                dparams = fastpath.prepare(cfg, params)
-                run_static(cfg, dparams, fresh(warm), args.budget_seqs, args.max_len,
-                           args.max_prompt, None, Progress(0, "warm-up"))
+                plan = decoder.plan(cfg, params, args.budget_seqs, args.max_len)
+                run_static(plan, fresh(warm), args.max_prompt, Progress(0, "warm-up"))
                 bar = Progress(res["trace_output_tokens"], name)
-                extra = run_static(cfg, dparams, reqs, args.budget_seqs, args.max_len,
-                                   args.max_prompt, None, bar)
+                extra = run_static(plan, reqs, args.max_prompt, bar)
                 bar.close()
             res[name] = summarize(reqs, per_token, extra)
         except Exception as e:  # one failing system must not lose the other

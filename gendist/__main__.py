@@ -28,7 +28,8 @@ commands:
              all devices data-parallel), checkpoint it, print validation loss and a sample
              (--no-sample skips it)
   generate   sample from a checkpoint: --checkpoint DIR [--prompt TEXT] [--generate.top-k K ...],
-             or from a Hugging Face Llama directory: --model-dir DIR [--draft-dir DIR]
+             from a Hugging Face Llama directory: --model-dir DIR [--draft-dir DIR], or from
+             a preset with random weights (a decode benchmark): --preset NAME
   prepare    tokenize a corpus into token files: --out DIR --data.corpus ... --data.tokenizer T
   export     write a checkpoint as a Hugging Face Llama directory: --checkpoint RUN --out DIR
   plan       predicted vs compiled per-device memory and communication (and the pipeline
@@ -136,39 +137,56 @@ def _print_sample(cfg, params, tok) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class GenerateArgs:
-    """Sample from a trained checkpoint. --prompt TEXT is short for --generate.prompt TEXT."""
+    """Sample from a trained checkpoint (or a preset's random weights: --preset NAME). --prompt
+    TEXT is short for --generate.prompt TEXT."""
 
     checkpoint: str = ""  # a run's train.out_dir (e.g. runs/default) or its checkpoints/ folder
     generate: GenerateConfig = dataclasses.field(default_factory=GenerateConfig)
 
 
 def cmd_generate(argv: list[str]) -> int:
-    """Sample from a checkpoint: --checkpoint DIR [--prompt TEXT] [--generate.* ...], or
-    from a Hugging Face directory: --model-dir DIR [--draft-dir DIR]."""
+    """Sample from a checkpoint: --checkpoint DIR [--prompt TEXT] [--generate.* ...], from
+    a Hugging Face directory: --model-dir DIR [--draft-dir DIR], or from a preset's random
+    weights: --preset NAME (the decode path line and tokens/s on stderr: a benchmark)."""
     argv = list(argv)
     model_dir = _pop_option(argv, "--model-dir")
     if model_dir is not None:
         from gendist.cli_data import cmd_generate_model_dir
         return cmd_generate_model_dir(argv, model_dir)
+    preset_name = _pop_option(argv, "--preset")
     prompt = _pop_option(argv, "--prompt")
     fields = {f.name.replace("_", "-") for f in dataclasses.fields(GenerateConfig)}
     argv = [f"--generate.{a[2:]}" if a.startswith("--") and a[2:].split("=")[0] in fields
             else a for a in argv]  # `--top-k 5` is accepted as `--generate.top-k 5`
     args = tyro_cli(GenerateArgs, argv, f"{PROG} generate")
-    if not args.checkpoint:
-        raise UsageError("generate needs --checkpoint DIR: a run's train.out_dir "
-                         "(e.g. runs/default) or its checkpoints/ folder")
+    if not args.checkpoint and preset_name is None:
+        raise UsageError("generate needs --checkpoint DIR (a run's train.out_dir, e.g. "
+                         "runs/default, or its checkpoints/ folder), --model-dir DIR (a Hugging "
+                         "Face Llama directory) or --preset NAME (random weights)")
+    if args.checkpoint and preset_name is not None:
+        raise UsageError("generate takes --checkpoint DIR or --preset NAME, not both: a "
+                         "checkpoint holds its own config")
     g = args.generate if prompt is None else dataclasses.replace(args.generate, prompt=prompt)
 
     import jax
 
     from gendist.cli_data import run_tokenizer, sample
-    from gendist.training.serialize import load_params
-    model_cfg, params, step = load_params(args.checkpoint)
-    print(f"checkpoint {Path(args.checkpoint)} step {step}; {model_cfg.params_text()}",
-          flush=True)
-    text = sample(model_cfg, jax.device_get(params), run_tokenizer(args.checkpoint), g,
-                  [g.prompt])[0]
+    if preset_name is not None:
+        from gendist.data.tokenizer import load_tokenizer
+        from gendist.models.params import init_params
+        from gendist.presets import preset
+        cfg = preset(preset_name)
+        model_cfg, tok = cfg.model, load_tokenizer(cfg.data.tokenizer)
+        params = init_params(model_cfg, g.seed)
+        print(f"weights: random (preset {preset_name}; {model_cfg.params_text()}); give "
+              "--checkpoint DIR for a trained model", flush=True)
+    else:
+        from gendist.training.serialize import load_params
+        model_cfg, params, step = load_params(args.checkpoint)
+        print(f"checkpoint {Path(args.checkpoint)} step {step}; {model_cfg.params_text()}",
+              flush=True)
+        params, tok = jax.device_get(params), run_tokenizer(args.checkpoint)
+    text = sample(model_cfg, params, tok, g, [g.prompt])[0]
     print(g.prompt + text)
     return 0
 

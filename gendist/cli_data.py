@@ -134,28 +134,45 @@ def loss_unit(tok) -> str:
 # --- generate -----------------------------------------------------------------------------
 
 def sample(model_cfg, params, tok, g: GenerateConfig, prompts: list[str]) -> list[str]:
-    """Continuations of `prompts` with a tokenizer (stops at g.eos_id, else the tokenizer's)."""
+    """Continuations of `prompts` with a tokenizer (stops at g.eos_id, else the tokenizer's),
+    decoded on `g.path` (`decoder.plan`); the path line and the decode speed go to stderr."""
+    import time
+
     import jax
     import jax.numpy as jnp
 
-    from gendist.inference.generate import check_lengths, generate_tokens, pad_prompts
+    from gendist.inference import decoder
+    from gendist.inference.generate import check_lengths, generate, pad_prompts
     from gendist.inference.sampling import SamplingParams
     eos = g.eos_id if g.eos_id >= 0 or tok.eos_id is None else tok.eos_id
     prompt_BT, len_B = pad_prompts([tok.encode_prompt(p) for p in prompts])
-    check_lengths(model_cfg, prompt_BT.shape[1], g.max_new_tokens)
-    out, count = generate_tokens(model_cfg, params, jnp.asarray(prompt_BT), jnp.asarray(len_B),
-                                 jax.random.key(g.seed), max_new_tokens=g.max_new_tokens,
-                                 sp=SamplingParams(g.temperature, g.top_k, g.top_p), eos_id=eos)
-    out, count = jax.device_get((out, count))
+    B, T = prompt_BT.shape
+    check_lengths(model_cfg, T, g.max_new_tokens)
+    plan = decoder.plan(model_cfg, params, B, T + g.max_new_tokens, g.path)
+    print(plan.line, file=sys.stderr, flush=True)
+    args = (plan, jnp.asarray(prompt_BT), jnp.asarray(len_B), jax.random.key(g.seed))
+    t0 = time.perf_counter()
+    run = generate.lower(*args, max_new_tokens=g.max_new_tokens, eos_id=eos,
+                         sp=SamplingParams(g.temperature, g.top_k, g.top_p)).compile()
+    t1 = time.perf_counter()
+    out, count = jax.device_get(run(*args))
+    t2 = time.perf_counter()
+    n = int(count.sum())
+    print(f"decode: {n} tokens in {t2 - t1:.3f} s, {n / (t2 - t1):.1f} tokens/s (prompt "
+          f"included; compiled in {t1 - t0:.1f} s)", file=sys.stderr, flush=True)
     return [tok.decode([t for t in o[:c] if t != eos]) for o, c in zip(out, count, strict=True)]
 
 
 def speculative_sample(tcfg, tparams, dcfg, dparams, tok, g: GenerateConfig, prompt: str,
                        gamma: int):
-    """(continuation, statistics) with `dcfg` drafting for `tcfg` (same vocabulary)."""
+    """(continuation, statistics) with `dcfg` drafting for `tcfg` (same vocabulary). Each
+    model decodes through its own plan (`decoder.plan`, lines on stderr) on `g.path`; an
+    explicit "megakernel" is the draft's (one token a call), the target then takes "auto"
+    (it verifies gamma + 1 tokens a call)."""
     import jax
     import jax.numpy as jnp
 
+    from gendist.inference import decoder
     from gendist.inference.generate import check_lengths, pad_prompts
     from gendist.inference.lm import transformer_lm
     from gendist.inference.sampling import SamplingParams
@@ -166,8 +183,14 @@ def speculative_sample(tcfg, tparams, dcfg, dparams, tok, g: GenerateConfig, pro
     eos = g.eos_id if g.eos_id >= 0 or tok.eos_id is None else tok.eos_id
     prompt_BT, len_B = pad_prompts([tok.encode_prompt(prompt)])
     check_lengths(tcfg, prompt_BT.shape[1], g.max_new_tokens + gamma + 1)
+    max_len = prompt_BT.shape[1] + g.max_new_tokens + gamma + 1
+    target = decoder.plan(tcfg, tparams, 1, max_len, "auto" if g.path == "megakernel" else g.path,
+                          step_tokens=gamma + 1)
+    draft = decoder.plan(dcfg, dparams, 1, max_len, g.path)
+    print(f"{target.line} [target]\n{draft.line} [draft]", file=sys.stderr, flush=True)
     out, count, stats = speculative_generate(
-        transformer_lm(tcfg), tparams, transformer_lm(dcfg), dparams, jnp.asarray(prompt_BT),
+        transformer_lm(target, "target"), target.params, transformer_lm(draft, "draft"),
+        draft.params, jnp.asarray(prompt_BT),
         jnp.asarray(len_B), jax.random.key(g.seed), max_new_tokens=g.max_new_tokens,
         sp=SamplingParams(g.temperature, g.top_k, g.top_p), spec=SpecConfig(gamma=gamma),
         eos_id=eos)

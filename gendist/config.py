@@ -10,7 +10,11 @@ import contextlib
 import math
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
+
+# How a model decodes (`gendist.inference.decoder`): "auto" picks the fastest that runs.
+DecodePath = Literal["auto", "megakernel", "fast", "reference"]
+DECODE_PATHS: tuple[str, ...] = get_args(DecodePath)
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,16 @@ class GenerateConfig:
     top_p: float = 1.0  # nucleus sampling mass (1 = off)
     seed: int = 0  # sampling seed
     eos_id: int = -1  # stop a sequence at this token (-1 = never)
+    path: DecodePath = "auto"  # decode path: auto (fastest that runs), megakernel, fast, reference
+
+    def __post_init__(self):
+        _check_unless_deferred(self)
+
+    def check(self) -> None:
+        """Raise ValueError naming the field and the fix for values sampling cannot take."""
+        if self.path not in DECODE_PATHS:
+            raise ValueError(f"generate.path={self.path!r}; choose one of "
+                             f"{', '.join(DECODE_PATHS)}.")
 
 
 @dataclass(frozen=True)
@@ -275,6 +289,7 @@ class Config:
         """Every section's checks, then the ones across sections (mesh against model)."""
         self.model.check()
         self.train.check()
+        self.generate.check()
         if self.mesh.pipeline > 1:
             check_pipeline(self.model, self.mesh.pipeline, self.train.pipeline_stage_layers,
                            self.train.pipeline_chunks)

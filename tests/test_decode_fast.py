@@ -11,14 +11,14 @@ import pytest
 from helpers import experiment
 
 from gendist.config import ModelConfig
-from gendist.inference import fastpath
+from gendist.inference import decode_block, decode_layout, decoder
 from gendist.inference import generate as G
 from gendist.inference.engine import Engine, EngineConfig, Request
 from gendist.inference.layer_cache import LayerKVCache, write_rows
 from gendist.inference.lm import transformer_lm
 from gendist.inference.sampling import SamplingParams
 from gendist.inference.speculative import SpecConfig, speculative_generate
-from gendist.models import decode_layout, transformer
+from gendist.models import transformer
 
 CFG = ModelConfig(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, d_ff=64,
                   max_seq_len=64)
@@ -36,7 +36,7 @@ def params():
 def reference(params):
     pb, lb = G.pad_prompts(PROMPTS)
     out, _ = G.generate_tokens(CFG, params, jnp.asarray(pb), jnp.asarray(lb), jax.random.key(0),
-                               max_new_tokens=9, sp=GREEDY, fast=False)
+                               max_new_tokens=9, sp=GREEDY, path="reference")
     return np.asarray(out)
 
 
@@ -46,32 +46,35 @@ def test_decode_layout_logits_equal_the_model(params):
     assert isinstance(dp["blocks"], tuple) and len(dp["blocks"]) == CFG.num_layers
     assert dp["blocks"][0]["wqkv_CHD"].shape == (4 + 2 * 2, 16, 32)
     assert decode_layout.decode_params(CFG, dp) is dp  # already in the layout
-    np.testing.assert_allclose(transformer.forward(CFG, dp, tokens),
+    np.testing.assert_allclose(decode_block.forward(CFG, dp, tokens),
                                transformer.forward(CFG, params, tokens), rtol=1e-5, atol=1e-5)
     gelu = dataclasses.replace(CFG, mlp="gelu", tie_embeddings=False)  # the other layouts
     gp = transformer.init_params(gelu, 3)
     gdp = decode_layout.decode_params(gelu, gp)
     assert "head_VD" in gdp and "w_up_FD" in gdp["blocks"][1]
-    np.testing.assert_allclose(transformer.forward(gelu, gdp, tokens),
+    np.testing.assert_allclose(decode_block.forward(gelu, gdp, tokens),
                                transformer.forward(gelu, gp, tokens), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_fast_greedy_equals_reference(params, reference, backend):
     pb, lb = G.pad_prompts(PROMPTS)
-    cache = fastpath.make_cache(CFG, 3, pb.shape[1] + 9, True, backend=backend)
+    plan = decoder.plan(CFG, params, 3, pb.shape[1] + 9, "fast", backend=backend)
+    cache = plan.make_cache()
     assert isinstance(cache, LayerKVCache) and cache.backend == backend
-    out, count = G.generate_tokens(CFG, params, jnp.asarray(pb), jnp.asarray(lb),
-                                   jax.random.key(0), max_new_tokens=9, sp=GREEDY, fast=True,
-                                   cache=cache)
+    out, count = G.generate(plan, jnp.asarray(pb), jnp.asarray(lb), jax.random.key(0),
+                            max_new_tokens=9, sp=GREEDY, cache=cache)
     np.testing.assert_array_equal(np.asarray(out), reference)
     assert list(np.asarray(count)) == [9] * 3
 
 
 def test_cpu_default_is_the_reference_path(params):
-    assert not fastpath.enabled(None)  # tests run on a CPU
-    assert "blocks" in fastpath.prepare(CFG, params) and not isinstance(
-        fastpath.prepare(CFG, params)["blocks"], tuple)
+    plan = decoder.plan(CFG, params, 3, 16)  # tests run on a CPU
+    assert plan.path == "reference" and not isinstance(plan.params["blocks"], tuple)
+    assert plan.line == "decode: reference — cpu (the fast path and the megakernel need a GPU)"
+    with pytest.raises(ValueError, match="generate.path='reference' reads the model's stacked"):
+        decoder.plan(CFG, plan.with_params(params).params | {"blocks": (params["blocks"],)},
+                     3, 16, "reference")
 
 
 @pytest.mark.parametrize("B,T", [(1, 1), (1, 4), (2, 3)])
@@ -110,8 +113,9 @@ def test_engine_fast_path_equals_reference_engine(params):
     rng = np.random.default_rng(3)
     reqs = [Request(rng.integers(0, 256, size=int(rng.integers(2, 9))).astype(np.int32),
                     int(rng.integers(3, 14))) for _ in range(6)]
-    ref = Engine(CFG, params, EngineConfig(**ENGINE, fast=False))
-    fast = Engine(CFG, params, EngineConfig(**ENGINE, fast=True))
+    ref = Engine(CFG, params, EngineConfig(**ENGINE, path="reference"))
+    fast = Engine(CFG, params, EngineConfig(**ENGINE, path="fast"))
+    assert fast.plan.path == "fast" and ref.plan.path == "reference"
     assert fast.cache.per_layer and not ref.cache.per_layer
     done_ref = ref.run([Request(r.prompt, r.max_new_tokens) for r in reqs])
     done = fast.run([Request(r.prompt, r.max_new_tokens) for r in reqs])
@@ -129,8 +133,8 @@ def test_speculative_fast_path_with_adaptive_gamma_equals_plain_greedy(params, r
     tokens are still plain greedy's (fixed γ on both paths: tests/test_speculative.py)."""
     dp = transformer.init_params(CFG_D, 2)
     pb, lb = G.pad_prompts(PROMPTS)
-    target = transformer_lm(CFG, "target-fast", fast=True)
-    draft = transformer_lm(CFG_D, "draft-fast", fast=True)
+    target = transformer_lm(decoder.plan(CFG, params, 3, 64, "fast", step_tokens=5), "target-fast")
+    draft = transformer_lm(decoder.plan(CFG_D, dp, 3, 64, "fast"), "draft-fast")
     spec = SpecConfig(gamma=4, adaptive=True, cost_ratio=0.3)
     out, count, stats = speculative_generate(target, params, draft, dp, jnp.asarray(pb),
                                              jnp.asarray(lb), jax.random.key(0),
@@ -148,8 +152,7 @@ def test_serving_benchmark_runs_tiny(tmp_path):
     reqs = mod.fresh(trace)
     eng.run(reqs, realtime=True)
     static = mod.fresh(trace)
-    mod.run_static(CFG, fastpath.prepare(CFG, params), static, 2, 24, 8, None,
-                   mod.Progress(0, "static"))
+    mod.run_static(decoder.plan(CFG, params, 2, 24), static, 8, mod.Progress(0, "static"))
     for r, s in zip(reqs, static, strict=True):  # same greedy tokens either way
         assert r.output == s.output and len(r.output) == r.max_new_tokens
         assert r.token_times[0] >= r.arrival

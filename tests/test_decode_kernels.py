@@ -1,4 +1,4 @@
-"""The fused decode kernels (issue 19): RoPE + KV-cache write + attention in one kernel, and
+"""The fused decode kernels: RoPE + KV-cache write + attention in one kernel, and
 RMSNorm (optionally after the residual add) in one kernel, against their unfused math; and
 greedy decoding through them equal to the reference path token for token. On a CPU the
 kernels run in Pallas interpret mode; the same tests run compiled on a GPU."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gendist.config import ModelConfig
-from gendist.inference import fastpath
+from gendist.inference import decoder
 from gendist.inference import generate as G
 from gendist.inference.cache import ContiguousKVCache
 from gendist.inference.layer_cache import LayerKVCache
@@ -113,16 +113,17 @@ def test_fused_decode_greedy_equals_reference(heads, tiling):
                             np.array([9, 10, 11, 12, 13, 14])])
     greedy = SamplingParams(temperature=0.0)
     args = (cfg, params, jnp.asarray(pb), jnp.asarray(lb), jax.random.key(0))
-    ref, _ = G.generate_tokens(*args, max_new_tokens=9, sp=greedy, fast=False)
-    cache = fastpath.make_cache(cfg, 3, pb.shape[1] + 9, True, backend="pallas", tiling=tiling)
+    ref, _ = G.generate_tokens(*args, max_new_tokens=9, sp=greedy, path="reference")
+    plan = decoder.plan(cfg, params, 3, pb.shape[1] + 9, "fast", backend="pallas", tiling=tiling)
+    cache = plan.make_cache()
     assert cache.decode_kernels(3, 1) == (True, True)
-    assert fastpath.make_cache(cfg, 3, 8, True, backend="pallas", fused=False).decode_kernels(
-        3, 1) == (False, False)
-    jaxpr = str(jax.make_jaxpr(lambda c: G.generate_tokens(
-        *args, max_new_tokens=9, sp=greedy, fast=True, cache=c))(cache))
+    unfused = decoder.plan(cfg, params, 3, 8, "fast", backend="pallas", fused=False)
+    assert unfused.make_cache().decode_kernels(3, 1) == (False, False)
+    run = lambda c: G.generate(plan, *args[2:], max_new_tokens=9, sp=greedy, cache=c)  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(run)(cache))
     assert ("decode_attention_bk16_splits2" if tiling else "decode_attention_bk") in jaxpr
     assert "add_rms_norm" in jaxpr
     with pytest.raises(ValueError, match="tiling 'split2'"):
-        fastpath.make_cache(cfg, 3, 8, True, backend="pallas", tiling="split2")
-    out, _ = G.generate_tokens(*args, max_new_tokens=9, sp=greedy, fast=True, cache=cache)
+        decoder.plan(cfg, params, 3, 8, "fast", backend="pallas", tiling="split2").make_cache()
+    out, _ = run(cache)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))

@@ -20,6 +20,7 @@ from hf_fixtures import (
 )
 
 from gendist import hf
+from gendist.inference import decoder
 from gendist.inference.generate import generate_tokens
 from gendist.inference.lm import transformer_lm
 from gendist.inference.sampling import SamplingParams
@@ -159,8 +160,11 @@ def test_speculative_with_two_loaded_checkpoints_equals_greedy(tmp_path):
     sp = SamplingParams(temperature=0.0)
     want, _ = generate_tokens(tcfg, tparams, prompt, lens, jax.random.key(0),
                               max_new_tokens=12, sp=sp)
-    got, _, stats = speculative_generate(transformer_lm(tcfg), tparams, transformer_lm(dcfg),
-                                         dparams, prompt, lens, jax.random.key(0),
+    target = decoder.plan(tcfg, tparams, 2, 32, step_tokens=4)
+    draft = decoder.plan(dcfg, dparams, 2, 32)
+    got, _, stats = speculative_generate(transformer_lm(target), target.params,
+                                         transformer_lm(draft), draft.params, prompt, lens,
+                                         jax.random.key(0),
                                          max_new_tokens=12, sp=sp, spec=SpecConfig(gamma=3))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert int(stats["steps"]) > 0

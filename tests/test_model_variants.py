@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from gendist.config import ModelConfig
-from gendist.models import decode_layout, transformer
+from gendist.inference import decode_layout
+from gendist.models import transformer
 
 BASE = ModelConfig(vocab_size=64, d_model=64, num_layers=3, num_heads=4, num_kv_heads=2,
                    head_dim=16, d_ff=96, max_seq_len=32)

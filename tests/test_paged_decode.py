@@ -133,8 +133,9 @@ def test_prefill_of_the_joiners_only_equals_a_full_batch_prefill(params):
     """The engine prefills only the joining rows into their slots; the cache and first tokens
     equal a prefill over every slot (non-joining rows padding, as the engine did before),
     and the tokens equal the full forward's. A step the pool cannot hold changes nothing."""
-    from gendist.inference import engine
+    from gendist.inference import decoder, engine
     S, T, pages = 3, 8, 6
+    plan = decoder.plan(CFG, params, S, 24, "reference", paged=True)
     seqs = {2: np.arange(20, 28), 0: np.arange(40, 47)}  # slots 2 and 0 join: 2 + 2 pages
 
     def prefill(cache, rows):
@@ -144,13 +145,12 @@ def test_prefill_of_the_joiners_only_equals_a_full_batch_prefill(params):
             if s in seqs:
                 job[r, :2] = s, len(seqs[s])
                 job[r, 2: 2 + len(seqs[s])] = seqs[s]
-        cache, nxt, _ = engine._prefill(CFG, params, cache, jnp.zeros(S + 1, jnp.int32),
+        cache, nxt, _ = engine._prefill(plan, cache, jnp.zeros(S + 1, jnp.int32),
                                         jnp.zeros(S, bool), job, jax.random.key(0), sp=GREEDY)
         return cache, np.asarray(nxt)
 
     def empty():
-        return PagedKVCache.create(2, S, 24, 2, 16, num_pages=pages, page_size=4, active=False,
-                                   share_pages=False)
+        return plan.paged_cache(num_pages=pages, page_size=4, active=False, share_pages=False)
 
     sub, tok_sub = prefill(empty(), [2, 0])  # two rows: only the joiners
     full, tok_full = prefill(empty(), [0, 1, 2])  # every slot, slot 1 not joining
@@ -169,7 +169,7 @@ def test_prefill_of_the_joiners_only_equals_a_full_batch_prefill(params):
     seqs = {1: np.arange(60, 68)}
     cache, nxt = prefill(sub, [1])
     before = jax.tree.map(np.asarray, cache)
-    after, nxt2, _ = engine._step(CFG, params, cache, jnp.asarray(nxt), jnp.zeros(S, bool),
+    after, nxt2, _ = engine._step(plan, cache, jnp.asarray(nxt), jnp.zeros(S, bool),
                                   jax.random.key(1), sp=GREEDY)
     assert int(nxt2[S]) == pa.NO_PAGES
     np.testing.assert_array_equal(np.asarray(nxt2[:S]), nxt[:S])  # the tokens wait

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from gendist.config import ModelConfig
+from gendist.inference import decoder
 from gendist.inference import generate as G
+from gendist.inference import megakernel as mk
 from gendist.inference.lm import markov_lm, transformer_lm
 from gendist.inference.sampling import SamplingParams, probs
 from gendist.inference.speculative import SpecConfig, speculative_generate
@@ -83,6 +85,11 @@ CFG_D = ModelConfig(d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, head_
                     max_seq_len=96)
 
 
+def lm(cfg, params, name, path="auto", **kw):
+    """A transformer LM decoding through its plan (on a CPU "auto" is the reference path)."""
+    return transformer_lm(decoder.plan(cfg, params, 1, cfg.max_seq_len, path, **kw), name)
+
+
 @pytest.fixture(scope="module")
 def models():
     tp = transformer.init_params(CFG_T, 0)
@@ -105,8 +112,8 @@ def plain_greedy(tp, pb, lb, n):
 def test_greedy_equals_plain_greedy(models, draft_is_target):
     tp, dp, pb, lb = models
     n = 12
-    target = transformer_lm(CFG_T, "target")
-    draft, dparams = (target, tp) if draft_is_target else (transformer_lm(CFG_D, "draft"), dp)
+    target = lm(CFG_T, tp, "target")
+    draft, dparams = (target, tp) if draft_is_target else (lm(CFG_D, dp, "draft"), dp)
     out, count, stats = speculative_generate(
         target, tp, draft, dparams, pb, lb, jax.random.key(0), max_new_tokens=n,
         sp=SamplingParams(temperature=0.0), spec=SpecConfig(gamma=3))
@@ -118,7 +125,7 @@ def test_greedy_equals_plain_greedy(models, draft_is_target):
 def test_per_sequence_acceptance_equals_running_alone(models):
     tp, dp, pb, lb = models
     n = 10
-    target, draft = transformer_lm(CFG_T, "target"), transformer_lm(CFG_D, "draft")
+    target, draft = lm(CFG_T, tp, "target"), lm(CFG_D, dp, "draft")
     kw = dict(max_new_tokens=n, sp=SamplingParams(temperature=0.0), spec=SpecConfig(gamma=4))
     out, _, stats = speculative_generate(target, tp, draft, dp, pb, lb, jax.random.key(0), **kw)
     acc = np.asarray(stats["accepted_B"])
@@ -134,14 +141,14 @@ def test_per_sequence_acceptance_equals_running_alone(models):
 def test_one_compile_and_no_host_transfers(models):
     tp, dp, pb, lb = models
     traces = []
-    base = transformer_lm(CFG_T, "counted")
+    base = lm(CFG_T, tp, "counted")
 
     def counted_apply(*a):
         traces.append(1)
         return base.apply(*a)
 
     target = type(base)(counted_apply, base.make_cache, base.vocab_size, "counted")
-    draft = transformer_lm(CFG_D, "draft")
+    draft = lm(CFG_D, dp, "draft")
     kw = dict(max_new_tokens=8, sp=SamplingParams(temperature=1.0, top_k=20),
               spec=SpecConfig(gamma=3, adaptive=True))
     key = jax.device_put(jax.random.key(3))
@@ -164,12 +171,31 @@ def test_greedy_with_paged_caches_equals_plain_greedy(models):
                                    cfg.head_dim, num_pages=batch * (-(-max_len // 4)),
                                    page_size=4)
 
-    target = transformer_lm(CFG_T, "target-paged", cache_factory=paged)
-    draft = transformer_lm(CFG_D, "draft-paged", cache_factory=paged)
+    target = transformer_lm(decoder.plan(CFG_T, tp, 4, 96), "target-paged", cache_factory=paged)
+    draft = transformer_lm(decoder.plan(CFG_D, dp, 4, 96), "draft-paged", cache_factory=paged)
     out, _, _ = speculative_generate(target, tp, draft, dp, pb, lb, jax.random.key(0),
                                      max_new_tokens=n, sp=SamplingParams(temperature=0.0),
                                      spec=SpecConfig(gamma=3))
     np.testing.assert_array_equal(np.asarray(out), plain_greedy(tp, pb, lb, n))
+
+
+CFG_MK = ModelConfig(d_model=128, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=64,
+                     d_ff=192, max_seq_len=96, dtype="bfloat16")  # the megakernel's kind
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_greedy_with_a_megakernel_draft_equals_plain_greedy(models, gamma):
+    """The draft decodes one token a call through the megakernel (its XLA reference here),
+    its cache rolled back over rejected drafts every round: the tokens are plain greedy's."""
+    tp, _, pb, lb = models
+    n = 10
+    dp = transformer.init_params(CFG_MK, 4)
+    draft = lm(CFG_MK, dp, "draft-megakernel", "megakernel", kernel=mk.chain_reference)
+    out, count, stats = speculative_generate(
+        lm(CFG_T, tp, "target"), tp, draft, dp, pb[:1], lb[:1], jax.random.key(0),
+        max_new_tokens=n, sp=SamplingParams(temperature=0.0), spec=SpecConfig(gamma=gamma))
+    np.testing.assert_array_equal(np.asarray(out), plain_greedy(tp, pb[:1], lb[:1], n))
+    assert int(count[0]) == n and int(stats["proposed"]) > int(stats["accepted"])  # rollbacks
 
 
 def test_greedy_acceptance_equals_the_rejection_rule_with_one_hot_distributions():

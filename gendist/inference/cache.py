@@ -38,7 +38,7 @@ class KVCache(abc.ABC):
 
     def layer_states(self) -> list:
         """The per-layer arrays as a list, one entry per layer, for a model whose layers are
-        separate buffers (`decode_layout.decode_params`). Caches that keep one buffer per layer
+        separate buffers (`decode_block.run_layers`). Caches that keep one buffer per layer
         return them as they are; the default slices the stacked arrays."""
         state = self.layer_state()
         num = jax.tree.leaves(state)[0].shape[0]
@@ -49,7 +49,7 @@ class KVCache(abc.ABC):
         return self.with_layer_state(jax.tree.map(lambda *a: jnp.stack(a), *states))
 
     def decode_kernels(self, batch: int, tokens: int) -> tuple[bool, bool]:
-        """(norm, attention): whether a decode-layout model (`decode_layout`) runs a step of
+        """(norm, attention): whether the decode block (`decode_block`) runs a step of
         `tokens` new tokens for `batch` sequences through the fused decode kernels: RMSNorm
         as one kernel, and RoPE + cache write + attention as one (`attend_qkv`). Off here;
         `LayerKVCache` turns them on for its GPU backend."""
@@ -59,7 +59,7 @@ class KVCache(abc.ABC):
                    sm_scale):
         """`attend` from the fused q|k|v projection [B, T, N+2K, H] before RoPE (angles
         cos/sin [B, T, H/2]). Here: split, rotate, `attend`, the model's own steps;
-        `LayerKVCache` does it in one kernel (the model calls this only when
+        `LayerKVCache` does it in one kernel (the decode block calls this only when
         `decode_kernels` says attention is fused)."""
         kv_heads = (qkv_BTCH.shape[2] - num_heads) // 2
         q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [num_heads, num_heads + kv_heads], axis=2)

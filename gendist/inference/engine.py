@@ -24,9 +24,9 @@ and recomputed later, as vLLM does) or refuses with a clear error. The device st
 the allocator in every call; a failed call changes nothing (the allocator commits
 all-or-nothing, no row is written) and the host raises.
 
-On a GPU the engine takes the decode fast path by default (`fastpath`: the decode weight
-layout, one page pool per layer written in place, the Pallas paged kernel); on a CPU the
-reference path, as before. Requests may carry arrival times (`run(realtime=True)`), and
+The model decodes through the front door (`decoder.plan`, `EngineConfig.path`, with a paged
+cache): on a GPU the fast path by default (the decode weight layout, one page pool per layer
+written in place, the Pallas paged kernel); on a CPU the reference path. Requests may carry arrival times (`run(realtime=True)`), and
 every output token's time (when the host reads it) is recorded, for serving benchmarks
 (`experiments/serve_trace.py`).
 """
@@ -43,11 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from gendist.config import ModelConfig
-from gendist.inference import fastpath
+from gendist.inference import decoder
 from gendist.inference import page_allocator as pa
-from gendist.inference.paged_cache import PagedKVCache
 from gendist.inference.sampling import SamplingParams, sample
-from gendist.models import transformer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +57,7 @@ class EngineConfig:
     page_size: int = 16  # tokens per page
     backend: str = "auto"  # paged attention: "pallas" kernel, "xla" gather, "auto" (GPU: pallas)
     preempt: bool = True  # on an empty pool: preempt and recompute (False: raise)
-    fast: bool | None = None  # decode layout + per-layer pools (None: on a GPU only)
+    path: str = "auto"  # decode path (`decoder`): auto, fast (per-layer pools) or reference
     prefill_rows: int = 8  # most joiners per prefill call (row counts: powers of two up to it)
     overlap: bool = True  # dispatch each call before reading the last one's tokens (same tokens)
 
@@ -80,8 +78,8 @@ class Request:
 # (without donation every call would copy every pool). A failed call (status != OK) leaves
 # the cache and the tokens unchanged, but for the frees it was given: the allocator commits
 # all-or-nothing and no row is written.
-@functools.partial(jax.jit, static_argnames=("cfg", "sp"), donate_argnums=(2,))
-def _prefill(cfg, params, cache, next_S1, free_S, job_RC, key, *, sp):
+@functools.partial(jax.jit, static_argnames=("sp",), donate_argnums=(1,))
+def _prefill(plan, cache, next_S1, free_S, job_RC, key, *, sp):
     """Frees the slots in free_S (finished since the last call), then the joiners: job_RC
     [R, 2 + T] holds per row its slot (>= S: a padding row), its length and its tokens.
     Claims the slots, fills their pages, samples their first token."""
@@ -92,7 +90,7 @@ def _prefill(cfg, params, cache, next_S1, free_S, job_RC, key, *, sp):
     pos_RT = jnp.where(t_T[None, :] < len_R[:, None], t_T[None, :], -1)
     key, sub = jax.random.split(key)
     view = cache.take_rows(rows_R, activate=True)
-    logits, view = transformer.forward(cfg, params, tokens_RT, pos_RT, view)
+    logits, view = plan.forward(tokens_RT, pos_RT, view)
     ok = view.status == pa.OK
     view = dataclasses.replace(
         view, lengths=jnp.where(ok & view.alloc.active, len_R, view.lengths),
@@ -105,8 +103,8 @@ def _prefill(cfg, params, cache, next_S1, free_S, job_RC, key, *, sp):
     return cache, next_S1.at[S].set(view.status), key
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sp"), donate_argnums=(2,))
-def _step(cfg, params, cache, next_S1, free_S, key, *, sp):
+@functools.partial(jax.jit, static_argnames=("sp",), donate_argnums=(1,))
+def _step(plan, cache, next_S1, free_S, key, *, sp):
     """Frees the slots in free_S, then one token for every active slot at its cached length;
     on success the lengths advance."""
     S = cache.lengths.shape[0]
@@ -114,7 +112,7 @@ def _step(cfg, params, cache, next_S1, free_S, key, *, sp):
     key, sub = jax.random.split(key)
     active_S = cache.alloc.active
     pos_S = jnp.where(active_S, cache.lengths, 0)
-    logits, cache = transformer.forward(cfg, params, next_S1[:S, None], pos_S[:, None], cache)
+    logits, cache = plan.forward(next_S1[:S, None], pos_S[:, None], cache)
     ok = cache.status == pa.OK
     cache = cache.advance(jnp.where(ok & active_S, 1, 0))
     tok_S = jnp.where(ok, sample(sub, logits[:, 0], sp), next_S1[:S])
@@ -138,18 +136,15 @@ class Engine:
             raise ValueError(f"EngineConfig.backend={ecfg.backend!r}; choose auto, xla or pallas.")
         if ecfg.prefill_rows < 1:
             raise ValueError(f"EngineConfig.prefill_rows={ecfg.prefill_rows} must be >= 1.")
-        # Matrices cast to the compute dtype once (the decode layout when fast), not inside
-        # every jitted step.
+        # The weights laid out for the path once (cast; the decode layout on the fast
+        # path), not inside every jitted step.
         self.cfg, self.ecfg, self.sp = cfg, ecfg, sp
-        fast = fastpath.enabled(ecfg.fast)
-        self.params = fastpath.prepare(cfg, params, fast)
-        backend = fastpath.attention_backend(cfg, None if ecfg.backend == "auto" else ecfg.backend)
+        self.plan = decoder.plan(cfg, params, ecfg.max_slots, ecfg.max_len, ecfg.path,
+                                 paged=True,
+                                 backend=None if ecfg.backend == "auto" else ecfg.backend)
         self.key = jax.random.key(seed)
-        self.cache = PagedKVCache.create(
-            cfg.num_layers, ecfg.max_slots, ecfg.max_len, cfg.num_kv_heads, cfg.head_dim,
-            num_pages=ecfg.num_pages, page_size=ecfg.page_size,
-            dtype=transformer.DTYPES[cfg.dtype], backend=backend, active=False,
-            per_layer=fastpath.per_layer(cfg, fast), share_pages=False)  # nothing forks
+        self.cache = self.plan.paged_cache(num_pages=ecfg.num_pages, page_size=ecfg.page_size,
+                                           active=False, share_pages=False)  # nothing forks
         self._next = jnp.zeros((ecfg.max_slots + 1,), jnp.int32)  # see `_step`
         self._no_free = jnp.zeros((ecfg.max_slots,), bool)  # on the device: no transfer
         # page_steps / token_steps: pages held / tokens cached, summed over steps (means);
@@ -187,9 +182,9 @@ class Engine:
             job = np.zeros((r, 2 + t), np.int32)
             job[:, 0] = S  # padding rows: write nothing
             self.cache, self._next, self.key = _prefill(
-                self.cfg, self.params, self.cache, self._next, self._no_free,
+                self.plan, self.cache, self._next, self._no_free,
                 jax.device_put(job), self.key, sp=self.sp)  # as `run` passes it
-        self.cache, self._next, self.key = _step(self.cfg, self.params, self.cache, self._next,
+        self.cache, self._next, self.key = _step(self.plan, self.cache, self._next,
                                                  self._no_free, self.key, sp=self.sp)
         self.cache = _free(self.cache, self._no_free)
         jax.block_until_ready((self.cache, self._next))
@@ -280,7 +275,7 @@ class Engine:
             self._release(s)
 
     def _dispatch_step(self, inflight):
-        self.cache, self._next, self.key = _step(self.cfg, self.params, self.cache, self._next,
+        self.cache, self._next, self.key = _step(self.plan, self.cache, self._next,
                                                  self._frees(), self.key, sp=self.sp)
         self._next.copy_to_host_async()
         occupied = list(self._order)
@@ -371,7 +366,7 @@ class Engine:
         for r, s in enumerate(rows):
             job[r, 0], job[r, 1] = s, len(seqs[s])
             job[r, 2: 2 + len(seqs[s])] = seqs[s]
-        self.cache, self._next, self.key = _prefill(self.cfg, self.params, self.cache,
+        self.cache, self._next, self.key = _prefill(self.plan, self.cache,
                                                     self._next, self._frees(),
                                                     jax.device_put(job), self.key,
                                                     sp=self.sp)

@@ -1,7 +1,9 @@
 """Prefill + autoregressive decoding as one jitted `lax.while_loop` (no host round-trips).
 
 Prompts of different lengths are right-padded; each sequence writes and attends at its own
-positions (`cache.lengths`), so a batch needs no left-padding tricks.
+positions (`cache.lengths`), so a batch needs no left-padding tricks. The model's path, its
+weights and its cache come from the decode front door (`decoder.plan`): `generate` runs a
+plan, `generate_tokens` builds one for its call.
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from gendist.config import ModelConfig
-from gendist.inference import fastpath, megakernel
+from gendist.inference import decoder
 from gendist.inference.cache import KVCache
 from gendist.inference.sampling import SamplingParams, sample
-from gendist.models import transformer
 
 
 def check_lengths(cfg: ModelConfig, prompt_len: int, max_new_tokens: int) -> None:
@@ -39,41 +40,15 @@ def pad_prompts(prompts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return out, np.array([len(p) for p in prompts], np.int32)
 
 
-def prefill(cfg: ModelConfig, params, prompt_BT, prompt_len_B, cache: KVCache):
-    """Run the prompts through the model, filling the cache; logits at each last token."""
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "sp", "eos_id"))
+def generate(plan: decoder.DecodePlan, prompt_BT, prompt_len_B, key, *, max_new_tokens: int,
+             sp: SamplingParams, eos_id: int = -1, cache: KVCache | None = None):
+    """New tokens [B, max_new_tokens] (eos-padded after a sequence stops) and counts [B],
+    decoded by `plan` (`decoder.plan`) into `cache` (the plan's own by default)."""
     B, T = prompt_BT.shape
-    pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) + cache.lengths[:, None]
-    logits_BTV, cache = transformer.forward(cfg, params, prompt_BT, pos_BT, cache)
-    last_BV = jnp.take_along_axis(logits_BTV, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
-    return last_BV, cache.rollback(cache.lengths + prompt_len_B)
-
-
-def decode_step(cfg: ModelConfig, params, tokens_B, cache: KVCache):
-    """Feed one token per sequence at its own position; returns (logits_BV, cache). With a
-    `megakernel.ChainCache` the step is one persistent kernel (`megakernel.step`)."""
-    if isinstance(cache, megakernel.ChainCache):
-        return megakernel.step(cfg, params, tokens_B, cache)
-    logits, cache = transformer.forward(cfg, params, tokens_B[:, None], cache.lengths[:, None],
-                                        cache)
-    return logits[:, 0], cache.advance(jnp.ones_like(cache.lengths))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "sp", "eos_id", "fast"))
-def generate_tokens(cfg: ModelConfig, params, prompt_BT, prompt_len_B, key, *,
-                    max_new_tokens: int, sp: SamplingParams, eos_id: int = -1,
-                    cache: KVCache | None = None, fast: bool | None = None):
-    """New tokens [B, max_new_tokens] (eos-padded after a sequence stops) and counts [B].
-
-    `fast` (None: on for a GPU, off for a CPU; see `fastpath`): weights in the decode layout
-    and a per-layer cache (paged-kernel attention on a GPU). Params already in the decode
-    layout are used as given (build them once with `decode_layout.decode_params` to keep the
-    layout change out of every call).
-    """
-    B, T = prompt_BT.shape
-    params = fastpath.prepare(cfg, params, fast)  # cast once, not once per token
     if cache is None:
-        cache = fastpath.make_cache(cfg, B, T + max_new_tokens, fast)
-    logits_BV, cache = prefill(cfg, params, prompt_BT, prompt_len_B, cache)
+        cache = plan.make_cache(B, T + max_new_tokens)
+    logits_BV, cache = plan.prefill(prompt_BT, prompt_len_B, cache)
     key, sub = jax.random.split(key)
     tok_B = sample(sub, logits_BV, sp)
     out_BN = jnp.full((B, max_new_tokens), max(eos_id, 0), jnp.int32).at[:, 0].set(tok_B)
@@ -88,7 +63,7 @@ def generate_tokens(cfg: ModelConfig, params, prompt_BT, prompt_len_B, key, *,
 
     def body(carry):
         i, tok_B, cache, out_BN, done_B, count_B, key = carry
-        logits_BV, cache = decode_step(cfg, params, tok_B, cache)
+        logits_BV, cache = plan.step(tok_B, cache)
         if not sp.greedy:  # greedy draws nothing: no key split (a kernel a step) in the loop
             key, sub = jax.random.split(key)
         else:
@@ -105,15 +80,31 @@ def generate_tokens(cfg: ModelConfig, params, prompt_BT, prompt_len_B, key, *,
     return out_BN, count_B
 
 
+def generate_tokens(cfg: ModelConfig, params, prompt_BT, prompt_len_B, key, *,
+                    max_new_tokens: int, sp: SamplingParams, eos_id: int = -1,
+                    cache: KVCache | None = None, path: str = "auto", kernel=None):
+    """New tokens [B, max_new_tokens] (eos-padded after a sequence stops) and counts [B].
+
+    Builds the decode plan for this call (`decoder.plan`: `path` "auto" | "megakernel" |
+    "fast" | "reference", the megakernel's `kernel`) and runs it (`generate`). To keep the
+    weights' layout change out of repeated calls, build the plan once and call `generate`.
+    """
+    B, T = prompt_BT.shape
+    p = decoder.plan(cfg, params, B, T + max_new_tokens, path, kernel)
+    return generate(p, prompt_BT, prompt_len_B, key, max_new_tokens=max_new_tokens, sp=sp,
+                    eos_id=eos_id, cache=cache)
+
+
 def generate_text(cfg: ModelConfig, params, prompts: list[str], *, max_new_tokens: int = 200,
-                  sp: SamplingParams = SamplingParams(), seed: int = 0, eos_id: int = -1
-                  ) -> list[str]:
-    """Convenience: strings in, continuations out (byte-level tokenizer)."""
+                  sp: SamplingParams = SamplingParams(), seed: int = 0, eos_id: int = -1,
+                  path: str = "auto") -> list[str]:
+    """Convenience: strings in, continuations out (byte-level tokenizer; `path` as in
+    `generate_tokens`)."""
     from gendist.data.batches import decode, encode
     prompt_BT, len_B = pad_prompts([encode(p) for p in prompts])
     check_lengths(cfg, prompt_BT.shape[1], max_new_tokens)
     out, count = generate_tokens(cfg, params, jnp.asarray(prompt_BT), jnp.asarray(len_B),
                                  jax.random.key(seed), max_new_tokens=max_new_tokens, sp=sp,
-                                 eos_id=eos_id)
+                                 eos_id=eos_id, path=path)
     out, count = jax.device_get((out, count))
     return [decode(o[:c]) for o, c in zip(out, count, strict=True)]

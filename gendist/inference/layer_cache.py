@@ -5,8 +5,8 @@ scan slices and re-stacks; inside a decode loop XLA then rewrites the whole stac
 step (a concatenate of the L updated slices: read and write of every cached byte, seen in
 the compiled HLO). Here each layer has its own buffers, threaded through the loop as
 separate values, so a step's write is an in-place update of one row per sequence and
-layer. The model runs its layers straight-line over them (`decode_layout.decode_params`,
-`run_layers`); a scanned model still works (`layer_state` stacks, at the cost of a copy).
+layer. The decode block runs its layers straight-line over them (`decode_block.run_layers`);
+a scanned model still works (`layer_state` stacks, at the cost of a copy).
 
 Positions must lie in [0, max_len): a write is a plain in-place row update (scatter mode
 "clip"; "drop" would read and select the old row first, one more kernel per buffer and

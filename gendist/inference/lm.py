@@ -14,9 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from gendist.config import ModelConfig
-from gendist.inference import fastpath
 from gendist.inference.cache import KVCache
-from gendist.models import transformer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,25 +28,23 @@ class LM:
     prepare: Callable[[Any], Any] = lambda params: params  # once per generation (dtype casts)
 
 
-def transformer_lm(cfg: ModelConfig, name: str = "transformer", cache_factory=None,
-                   fast: bool | None = None) -> LM:
-    """A gendist transformer behind the LM interface (contiguous cache by default).
-
-    fast (None: on a GPU only): the decode fast path (`fastpath`): weights in the decode
-    layout, a per-layer cache, paged-kernel attention on a GPU.
-    """
+def transformer_lm(plan, name: str = "transformer", cache_factory=None) -> LM:
+    """A gendist transformer behind the LM interface, decoding as its `decoder.DecodePlan`
+    does (its path, its cache; `cache_factory(cfg, batch, max_len)` instead when given).
+    Pass the plan's weights (`plan.params`) as the LM's params; other weights are laid out
+    for the path by `prepare`."""
+    skeleton = dataclasses.replace(plan, params=None)  # the path alone: no weights held
 
     def make_cache(batch, max_len):
         if cache_factory is not None:
-            return cache_factory(cfg, batch, max_len)
-        return fastpath.make_cache(cfg, batch, max_len, fast)
+            return cache_factory(plan.cfg, batch, max_len)
+        return skeleton.make_cache(batch, max_len)
 
     def apply(params, tokens_BT, pos_BT, cache):
-        logits, cache = transformer.forward(cfg, params, tokens_BT, pos_BT, cache)
-        return logits.astype(jnp.float32), cache
+        return dataclasses.replace(skeleton, params=params).forward(tokens_BT, pos_BT, cache)
 
-    return LM(apply, make_cache, cfg.vocab_size, name,
-              prepare=lambda params: fastpath.prepare(cfg, params, fast))
+    return LM(apply, make_cache, plan.cfg.vocab_size, name,
+              prepare=lambda params: skeleton.with_params(params).params)
 
 
 def draft_config(target: ModelConfig, width: int, num_layers: int) -> ModelConfig:

@@ -8,11 +8,14 @@ weights, q|k|v, attention over the cache, o, gate|up, SwiGLU, down, the residual
 in-place update writing every layer's new k and v at the step's position, and the final
 norm, the output layer and sampling (XLA).
 
-Use: `chain_params` once (it keeps the decode layout for the prompt and adds the stacked,
-norm-folded matrices the kernel reads), a `ChainCache` for the generation, and
-`generate_tokens` as usual: the prompt runs through the model (`attend`, XLA attention over
-this cache), each one-token step through `step`. `supported` says whether a model and batch
-can (a Hopper GPU, batch 1, dense SwiGLU, multi-head attention, head_dim a multiple of 64).
+The decode front door (`decoder.plan(..., path="megakernel")`) puts the pieces together:
+`chain_params` once (it keeps the decode layout for the prompt and adds the stacked,
+norm-folded matrices the kernel reads), a `ChainCache`, the prompt through the decode block
+(`ChainCache.attend`, XLA attention over this cache) and each one-token step through `step`
+with the kernel it is given (`kernel.chain_mgpu` on a Hopper GPU; `chain_reference`, its
+math in XLA, anywhere). `supported` says what a model and batch need besides the GPU.
+A rolled-back cache (speculative decoding) needs nothing more: the kernel and the prompt's
+attention read only the rows up to the query's position, and the rows past it stay finite.
 """
 from __future__ import annotations
 
@@ -22,46 +25,46 @@ import jax
 import jax.numpy as jnp
 
 from gendist.config import ModelConfig
+from gendist.inference import decode_block, decode_layout
 from gendist.inference.cache import KVCache, contiguous_attend
-from gendist.models import decode_layout, transformer
 from gendist.models.layers import rope_angles
 from pallas_kernels.chain import kernel as cm
 
-CHAIN = cm.chain_mgpu  # the kernel (tests on a CPU put `chain_reference` here)
-
 
 def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: float, stages: int = 16):
-    """`chain_mgpu`'s result from its own inputs (norm gains folded) by `cm.reference`: XLA
-    (stages, the kernel's ring depth, changes nothing here)."""
+    """`chain_mgpu`'s result from its own inputs (norm gains folded) by `cm.reference`: the
+    kernel's math in XLA, for any device (stages, the kernel's ring depth, changes nothing)."""
     ones = jnp.ones((w_qkv.shape[0], x0_D.shape[0]), jnp.float32)
     return cm.reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, norms=(ones, ones), eps=norm_eps)
 
 
 def supported(cfg: ModelConfig, batch: int) -> str | None:
-    """None if `cfg` at `batch` can decode through the chain kernel, else why not."""
+    """None if `cfg` at `batch` can decode through the chain kernel, else what the kernel
+    needs that it lacks ("batch 1 (this is batch 4); num_kv_heads == num_heads ...")."""
     D, hd = cfg.d_model, cfg.head_dim
-    reasons = [
-        (batch != 1, f"batch={batch}: the chain kernel decodes one sequence"),
-        (cfg.moe_experts > 0, "an MoE model (the chain is dense)"),
-        (cfg.mlp != "swiglu", f"mlp={cfg.mlp!r} (the chain computes SwiGLU)"),
-        (cfg.num_kv_heads != cfg.num_heads, "grouped-query attention (the chain's attention "
-                                            "is multi-head: num_kv_heads == num_heads)"),
-        (cfg.num_heads * hd != D, "num_heads * head_dim != d_model"),
-        (hd % 64 or D % 128 or cfg.d_ff % 64, f"head_dim={hd} (a multiple of 64), d_model={D} "
-                                              f"(of 128), d_ff={cfg.d_ff} (of 64)"),
-        (cfg.dtype != "bfloat16", f"dtype={cfg.dtype!r} (the chain reads bf16 weights)"),
+    needs = [
+        (batch != 1, f"batch 1 (this is batch {batch})"),
+        (cfg.moe_experts > 0, "a dense model (this is MoE)"),
+        (cfg.mlp != "swiglu", f"mlp='swiglu' (this is {cfg.mlp!r})"),
+        (cfg.num_kv_heads != cfg.num_heads, f"num_kv_heads == num_heads (this has "
+                                            f"{cfg.num_kv_heads} for {cfg.num_heads})"),
+        (cfg.num_heads * hd != D, "num_heads * head_dim == d_model"),
+        (hd % 64 or D % 128 or cfg.d_ff % 64, f"head_dim a multiple of 64 (is {hd}), d_model "
+                                              f"of 128 (is {D}), d_ff of 64 (is {cfg.d_ff})"),
+        (cfg.dtype != "bfloat16", f"dtype='bfloat16' (this is {cfg.dtype!r})"),
     ]
-    why = [r for bad, r in reasons if bad]
-    return "; ".join(why) or None
+    return "; ".join(need for lacking, need in needs if lacking) or None
 
 
 def chain_params(cfg: ModelConfig, params: dict) -> dict:
     """The decode layout (`decode_layout.decode_params`, for the prompt) plus "chain": the
     matrices the kernel reads, stacked over layers, RMSNorm gains folded into q|k|v's and
     gate|up's columns: (w_qkv [L, 3D, D], w_o [L, D, D], w_gu [L, 2F, D], w_down [L, D, F])."""
+    if "chain" in params:
+        return params
     why = supported(cfg, 1)
     if why:
-        raise ValueError(f"chain_params: {why}.")
+        raise ValueError(f"chain_params: the megakernel needs {why}.")
     dp = decode_layout.decode_params(cfg, params)
     blocks = dp["blocks"]
     D = cfg.d_model
@@ -102,14 +105,15 @@ class ChainCache(KVCache):
         return out, jnp.stack([k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)])
 
 
-def step(cfg: ModelConfig, params: dict, tokens_B, cache: ChainCache):
-    """One token through the chain kernel: (fp32 logits [1, V], cache advanced by one)."""
-    pos = cache.lengths
-    x0 = transformer.embed(params, tokens_B[:, None], cfg)[0, 0].astype(jnp.float32)
-    cos, sin = rope_angles(pos[:, None], cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
+def step(cfg: ModelConfig, params: dict, tokens_B, pos_B, cache: ChainCache, kernel):
+    """One token at position pos_B through `kernel` (`kernel.chain_mgpu` or `chain_reference`):
+    (fp32 logits [1, V], the cache with every layer's new k and v written at pos_B; its
+    lengths are the caller's, as for a forward)."""
+    x0 = decode_block.embed(params, tokens_B[:, None], cfg)[0, 0].astype(jnp.float32)
+    cos, sin = rope_angles(pos_B[:, None], cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
     rope = jnp.concatenate([cos.reshape(-1), sin.reshape(-1)])
-    x_D, kv_new = CHAIN(x0, *params["chain"], cache.kv, pos, rope, norm_eps=cfg.norm_eps,
-                        stages=cache.stages)
-    kv = jax.lax.dynamic_update_slice(cache.kv, kv_new[:, :, :, None, :], (0, 0, 0, pos[0], 0))
-    logits = transformer.head_logits(params, x_D.astype(cache.kv.dtype)[None, None], cfg)
-    return logits[:, 0].astype(jnp.float32), dataclasses.replace(cache, kv=kv, lengths=pos + 1)
+    x_D, kv_new = kernel(x0, *params["chain"], cache.kv, pos_B, rope, norm_eps=cfg.norm_eps,
+                         stages=cache.stages)
+    kv = jax.lax.dynamic_update_slice(cache.kv, kv_new[:, :, :, None, :], (0, 0, 0, pos_B[0], 0))
+    logits = decode_block.head_logits(params, x_D.astype(cache.kv.dtype)[None, None], cfg)
+    return logits[:, 0].astype(jnp.float32), dataclasses.replace(cache, kv=kv)

@@ -47,7 +47,7 @@ class PagedKVCache(KVCache):
 
         per_layer: one pool buffer per layer (tuples of L arrays [K, P, Z, H]) instead of one
         stacked [L, K, P, Z, H] array, for a model in the decode layout
-        (`decode_layout.decode_params`), which then writes each layer's pool in place.
+        (the fast path, `decode_block`), which then writes each layer's pool in place.
         """
         pages_per_seq = -(-max_len // page_size)
         alloc = pa.init_allocator(num_pages, page_size, batch, pages_per_seq)

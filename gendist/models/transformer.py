@@ -9,7 +9,9 @@ The model is written once, as pure functions of one params pytree (named in `par
 
 and everything else calls them: the plain forward below, pipeline stages (a contiguous
 slice of the stacked layers), TeraPipe token slices (a cache holding earlier slices' K/V),
-PipeDream, and the decode loop (a KV cache).
+PipeDream, and the reference decode path and prompt prefill (a KV cache: `cache.attend`).
+The decode fast path runs its own layer over weights laid out for decoding
+(`gendist.inference.decode_block`).
 
 Why pure functions over a pytree, not NNX modules: every consumer wants arrays, not
 objects. jit, `shard_map` stage slices, optax, orbax, the pipeline executors and the
@@ -34,7 +36,6 @@ import jax
 import jax.numpy as jnp
 
 from gendist.config import ModelConfig
-from gendist.models import decode_layout
 from gendist.models import moe as moe_lib
 from gendist.models import params as P
 from gendist.models.attention import attention
@@ -77,65 +78,35 @@ def embed(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, ops: Ops = DEFAU
 
 
 def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, cache=None,
-          layer_state=None, defer_add: bool = False):
+          layer_state=None):
     """One pre-norm block: x + attn(norm(x)), then + ffn(norm(x)).
 
     `p` holds one layer's weights (a dense block, or an MoE block when it has `moe_router`).
     Returns (x, layer_state, stats) with stats = (weighted router loss, drop fraction,
-    load [E]) for an MoE block and None for a dense one.
-
-    Decode steps on the fused kernels (`KVCache.decode_kernels`) do each residual add in the
-    norm kernel after it. For the add that ends a block that norm is the next block's, so
-    with `defer_add` such a block returns x as the pair (x, ffn output) unsummed, and a block
-    given a pair adds it in its first norm (`_run_layer_list` threads them).
+    load [E]) for an MoE block and None for a dense one. With a `cache`, attention writes
+    this layer's keys and values into `layer_state` and reads them back (`cache.attend`).
     """
-    pending = None
-    if isinstance(x_BTD, tuple):  # (x, delta): the previous block's deferred residual add
-        x_BTD, pending = x_BTD
     moe = "moe_router" in p
     dt = x_BTD.dtype
     # Weights in their compute layout: under ZeRO-3 this is the layer's just-in-time gather.
     p = ops.weights(p, _block_axes(cfg, moe), dt)
-    B, T = pos_BT.shape
-    layout = decode_layout.is_layer(p)  # a decode step's weights (`decode_layout`)
-    norm_k, attn_k = cache.decode_kernels(B, T) if layout and cache is not None else (False, False)
-
-    def residual(s_BTD):  # the residual stream's layout
-        return ops.constrain(s_BTD, ("batch", "act_seq", "embed"))
-
-    if pending is None:
-        h_BTD = decode_layout.rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps, norm_k)
-    else:
-        x_BTD, h_BTD = decode_layout.add_rms_norm(x_BTD, pending, p["attn_norm"], cfg.norm_eps,
-                                                  norm_k, residual)
+    h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
     cos, sin = rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
-    if attn_k:  # RoPE, the cache write and attention in one kernel, from q|k|v unsplit
-        qkv_BTCH = decode_layout.qkv_fused(ops.enter(h_BTD), p)
-        o_BTNH, layer_state = cache.attend_qkv(layer_state, qkv_BTCH, cfg.num_heads, pos_BT,
-                                               cos, sin, sm_scale)
-    else:
-        o_BTNH, layer_state = _attention(p, h_BTD, pos_BT, cos, sin, sm_scale, cfg, ops, cache,
-                                         layer_state)
+    o_BTNH, layer_state = _attention(p, h_BTD, pos_BT, cos, sin, sm_scale, cfg, ops, cache,
+                                     layer_state)
     o_BTNH = ops.constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
-    if layout:
-        attn_BTD = ops.leave(decode_layout.attention_output(o_BTNH, p))
-    else:
-        attn_BTD = ops.row(o_BTNH, p["wo"], 2)  # the row-parallel matmul, then g
-    x_BTD, h_BTD = decode_layout.add_rms_norm(x_BTD, attn_BTD, p["mlp_norm"], cfg.norm_eps,
-                                              norm_k, residual)  # x + attn, its norm
+    attn_BTD = ops.row(o_BTNH, p["wo"], 2)  # the row-parallel matmul, then g
+    x_BTD = ops.constrain(x_BTD + attn_BTD, ("batch", "act_seq", "embed"))
+    h_BTD = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
     stats = None
     if moe:
         y_BTD, aux = ops.moe(moe_lib.layer_weights(p), ops.enter(h_BTD), cfg)  # f
         stats = (aux.weighted_loss(cfg), aux.drop_fraction, aux.expert_load_E)
         y_BTD = ops.leave(y_BTD)  # g
-    elif layout:
-        y_BTD = ops.leave(decode_layout.mlp(ops.enter(h_BTD), p, cfg))
     else:
         outs = ops.column(h_BTD, mlp_inputs(p, cfg.mlp, cfg.fused_projections))
         y_BTD = ops.row(mlp_hidden(outs, cfg.mlp), p["w_down"], 1)
-    if defer_add and norm_k:
-        return (x_BTD, y_BTD), layer_state, stats
     x_BTD = x_BTD + y_BTD
     x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
     return x_BTD, layer_state, stats
@@ -146,9 +117,7 @@ def _attention(p, h_BTD, pos_BT, cos, sin, sm_scale, cfg: ModelConfig, ops: Ops,
     """Self-attention of the normed input: q, k, v, RoPE, attention (through the cache when
     one is given). Returns (o [B, T, N, H], layer_state)."""
     dt = h_BTD.dtype
-    if decode_layout.is_layer(p):  # one output-major q|k|v matrix (`decode_layout`)
-        q_BTNH, k_BTKH, v_BTKH = decode_layout.qkv(ops.enter(h_BTD), p, cfg.num_kv_heads)
-    elif cfg.fused_projections:  # one [D, N+2K, H] matmul: fewer, larger GEMMs
+    if cfg.fused_projections:  # one [D, N+2K, H] matmul: fewer, larger GEMMs
         w_DCH = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1).astype(dt)
         (qkv_BTCH,) = ops.column(h_BTD, (w_DCH,))  # Megatron f, then the matmul
         n, k = p["wq"].shape[1], p["wk"].shape[1]  # local heads (per tensor shard)
@@ -241,8 +210,6 @@ def run_layers(layers: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT
     """The stack: a scan of `block` over units of `layers` (a contiguous slice of the
     model's layer units, stacked on their leading axis), threading the cache's per-layer
     state. Returns (x, cache, MoEStats or None)."""
-    if isinstance(layers["blocks"], (list, tuple)):  # the decode layout: one buffer per layer
-        return _run_layer_list(layers["blocks"], x_BTD, pos_BT, cfg, ops, cache)
     units = unit_params(layers, cfg)
     moe = isinstance(units, tuple)
     num_units = jax.tree.leaves(units)[0].shape[0]
@@ -262,22 +229,6 @@ def run_layers(layers: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT
     return x_BTD, cache, stats
 
 
-def _run_layer_list(blocks, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops, cache):
-    """The stack as straight-line code over separate per-layer weights (the decode layout):
-    no layer loop, and a cache with one buffer per layer is updated in place, layer by
-    layer, instead of being sliced and re-stacked around a scan."""
-    states = None if cache is None else cache.layer_states()
-    new_states = []
-    for i, p in enumerate(blocks):
-        ls = None if states is None else states[i]
-        x_BTD, ls, _ = block(p, x_BTD, pos_BT, cfg, ops, cache=cache, layer_state=ls,
-                             defer_add=i + 1 < len(blocks))  # x may come back as a pair
-        new_states.append(ls)
-    if cache is not None:
-        cache = cache.with_layer_states(new_states)
-    return x_BTD, cache, None
-
-
 def head_params(params: dict, cfg: ModelConfig) -> dict:
     """What the output side reads: the final norm and the output matrix (the token table
     when tied)."""
@@ -290,10 +241,7 @@ def head_logits(params: dict, x_BTD, cfg: ModelConfig, ops: Ops = DEFAULT_OPS):
     final_norm = ops.weights({"final_norm": params["final_norm"]},
                              {"final_norm": ("embed",)}, x_BTD.dtype)["final_norm"]
     h_BTD = rms_norm(x_BTD, final_norm, cfg.norm_eps)
-    if cfg.tie_embeddings:
-        w_DV = params["embed"].T
-    else:  # the decode layout stores the output layer output-major (`decode_layout`)
-        w_DV = params["head_VD"].T if "head_VD" in params else params["head"]
+    w_DV = params["embed"].T if cfg.tie_embeddings else params["head"]
     return ops.logits(h_BTD, w_DV)
 
 

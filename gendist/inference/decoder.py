@@ -1,0 +1,242 @@
+"""The decode front door: which path decodes a model, and everything that path needs.
+
+    p = plan(cfg, params, batch, max_len, path="auto")   # outside jit: weights laid out once
+    print(p.line)     # decode: fast path — the megakernel needs num_kv_heads == num_heads ...
+    cache = p.make_cache()
+    logits_BV, cache = p.prefill(prompt_BT, prompt_len_B, cache)
+    logits_BV, cache = p.step(tokens_B, cache)
+
+Every decoder in gendist goes through a `DecodePlan`: `generate.generate_tokens` and
+`generate_text`, the CLI's `generate`, the continuous-batching `Engine` (its paged cache,
+`paged_cache`) and speculative decoding (`lm.transformer_lm(plan)` for target and draft).
+
+The paths, fastest first; none changes the math beyond rounding (greedy tokens are tested
+equal across them):
+
+* "megakernel": every layer of a one-token step in one persistent kernel (`megakernel`,
+  `pallas_kernels.chain`): a Hopper GPU, batch 1, a dense multi-head SwiGLU bf16 model
+  (`megakernel.supported`). The kernel is an argument: `chain_mgpu` by default,
+  `megakernel.chain_reference` (its math in XLA) to run the path on any device.
+* "fast": weights in the decode layout (`decode_layout`), one cache buffer per layer written
+  in place (`LayerKVCache`), the layers straight-line (`decode_block`); on a GPU attention
+  through the paged kernel and the fused RoPE/attention and RMSNorm kernels. Dense models.
+* "reference": the training model's own forward (`models.transformer`) over its stacked
+  weights cast once, one stacked cache, attention in XLA. Any model.
+
+"auto" takes the first that supports the model, batch and device (`choose`, a pure function
+of them), and the plan says in one line which path runs and why a faster one does not.
+A `DecodePlan` is a pytree: its weights are the leaves and everything else is static, so a
+jitted function takes it as an argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from gendist.config import DECODE_PATHS, ModelConfig
+from gendist.inference import decode_block, decode_layout, megakernel
+from gendist.inference.cache import ContiguousKVCache, KVCache
+from gendist.inference.layer_cache import LayerKVCache
+from gendist.inference.paged_cache import PagedKVCache
+from gendist.models import transformer
+from gendist.models.params import DTYPES
+from pallas_kernels.chain import chain_mgpu
+
+
+def hopper(device_kind: str) -> bool:
+    """Whether a device kind names a Hopper GPU (sm90): H100, H200, H800, H20, GH200."""
+    return re.search(r"\bG?H(100|200|800|20)\b", device_kind) is not None
+
+
+def attention_backend(cfg: ModelConfig, platform: str, backend: str | None = None) -> str:
+    """The fast path's attention: "pallas" (the paged kernel reads only valid tokens) on a
+    GPU when the kernels take the head dim (a power of two >= 16), else "xla"; an explicit
+    `backend` wins."""
+    if backend is not None:
+        return backend
+    h = cfg.head_dim
+    return "pallas" if platform == "gpu" and h >= 16 and h & (h - 1) == 0 else "xla"
+
+
+def choose(cfg: ModelConfig, batch: int, platform: str, device_kind: str, *,
+           paged: bool = False, step_tokens: int = 1) -> tuple[str, str]:
+    """(path, its one-line reason) that "auto" takes for `cfg` at `batch` on a device of
+    `platform` ("gpu", "cpu", ...) and `device_kind` ("NVIDIA H200"). `paged`: the caller
+    needs a paged cache (continuous batching); `step_tokens`: tokens a call decodes (a
+    speculative target verifies gamma + 1)."""
+    if platform != "gpu":
+        return "reference", f"decode: reference — {platform} (the fast path and the megakernel need a GPU)"
+    if cfg.moe_experts:
+        return "reference", ("decode: reference — an MoE model (the fast path and the "
+                             "megakernel are dense)")
+    why = megakernel.supported(cfg, batch)
+    if why is None and not hopper(device_kind):
+        why = f"a Hopper GPU (sm90; this is {device_kind})"
+    if why is None and paged:
+        why = "a contiguous cache (continuous batching pages it)"
+    if why is None and step_tokens != 1:
+        why = f"one token a call (this plan decodes {step_tokens})"
+    if why is None:
+        return "megakernel", f"decode: megakernel (batch {batch}, {device_kind})"
+    return "fast", f"decode: fast path — the megakernel needs {why}"
+
+
+def _device() -> tuple[str, str]:
+    dev = jax.devices()[0]
+    return dev.platform, dev.device_kind
+
+
+def _refuse(path: str, why: str, fix: str) -> ValueError:
+    return ValueError(f"generate.path={path!r}: {why}; {fix}.")
+
+
+def resolve(cfg: ModelConfig, batch: int, path: str = "auto", *, platform: str,
+            device_kind: str, kernel: Callable | None = None, paged: bool = False,
+            step_tokens: int = 1) -> tuple[str, str]:
+    """(path, line) for an explicit or "auto" `path`; an explicit path that cannot run is a
+    ValueError naming generate.path and the fix."""
+    if path not in DECODE_PATHS:
+        raise ValueError(f"generate.path={path!r}; choose one of {', '.join(DECODE_PATHS)}.")
+    if path == "auto":
+        return choose(cfg, batch, platform, device_kind, paged=paged, step_tokens=step_tokens)
+    if path == "megakernel":
+        why = megakernel.supported(cfg, batch)
+        if why:
+            raise _refuse(path, f"the megakernel needs {why}",
+                          "use generate.path='fast' or 'auto'")
+        if paged:
+            raise _refuse(path, "the megakernel reads a contiguous cache, not a paged one",
+                          "use generate.path='fast' or 'auto'")
+        if kernel is None and not (platform == "gpu" and hopper(device_kind)):
+            raise _refuse(path, f"the megakernel's kernel needs a Hopper GPU (sm90; this is "
+                          f"{device_kind})", "use generate.path='auto', or pass "
+                          "kernel=megakernel.chain_reference (its math in XLA)")
+        return path, f"decode: megakernel (batch {batch}, {device_kind}; generate.path='megakernel')"
+    if path == "fast" and cfg.moe_experts:
+        raise _refuse(path, "an MoE model has no decode layout (its expert blocks stay "
+                      "stacked)", "use generate.path='reference' or 'auto'")
+    name = "fast path" if path == "fast" else path
+    return path, f"decode: {name} (generate.path={path!r})"
+
+
+def layout(cfg: ModelConfig, params: dict, path: str) -> dict:
+    """`params` as `path` reads them (idempotent): cast once; the decode layout for "fast";
+    plus the stacked, norm-folded matrices of the kernel for "megakernel"."""
+    if path == "megakernel":
+        return megakernel.chain_params(cfg, params)
+    if path == "fast":
+        return decode_layout.decode_params(cfg, params)
+    if decode_layout.is_layout(params):
+        raise ValueError("generate.path='reference' reads the model's stacked weights, but these "
+                         "params are in the decode layout (decode_layout.decode_params); pass "
+                         "the model's params, or use generate.path='fast'.")
+    return decode_layout.inference_params(cfg, params)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """One model decoding `batch` sequences of up to `max_len` tokens on one path: its weights
+    (`params`, already in the path's layout), its cache and its forward, prefill and step."""
+
+    params: dict
+    cfg: ModelConfig = dataclasses.field(metadata=dict(static=True))
+    path: str = dataclasses.field(metadata=dict(static=True))
+    line: str = dataclasses.field(metadata=dict(static=True))  # which path, and why
+    batch: int = dataclasses.field(metadata=dict(static=True))
+    max_len: int = dataclasses.field(metadata=dict(static=True))
+    backend: str = dataclasses.field(default="xla", metadata=dict(static=True))  # attention
+    kernel: Callable | None = dataclasses.field(default=None, metadata=dict(static=True))
+    fused: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    tiling: str = dataclasses.field(default="", metadata=dict(static=True))
+    stages: int = dataclasses.field(default=16, metadata=dict(static=True))  # the kernel's ring
+
+    def make_cache(self, batch: int | None = None, max_len: int | None = None) -> KVCache:
+        """An empty cache of this path for `batch` sequences of up to `max_len` tokens (the
+        plan's by default): stacked (reference), one buffer per layer (fast: attention
+        `backend`, the fused kernels when `fused`, their `tiling`) or the kernel's
+        (megakernel)."""
+        cfg, batch, max_len = self.cfg, batch or self.batch, max_len or self.max_len
+        dt = DTYPES[cfg.dtype]
+        if self.path == "megakernel":
+            if batch != 1:
+                raise ValueError(f"the megakernel's cache holds one sequence, not {batch}.")
+            return megakernel.ChainCache.create(cfg, max_len, self.stages)
+        if self.path == "fast":
+            return LayerKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
+                                       cfg.head_dim, dt, backend=self.backend, fused=self.fused,
+                                       tiling=self.tiling)
+        return ContiguousKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
+                                        cfg.head_dim, dt)
+
+    def paged_cache(self, *, num_pages: int, page_size: int, active: bool = True,
+                    share_pages: bool = True) -> PagedKVCache:
+        """An empty paged cache of this path (continuous batching): one page pool per layer
+        on the fast path, one stacked pool on the reference path."""
+        cfg = self.cfg
+        if self.path == "megakernel":
+            raise ValueError("the megakernel reads a contiguous cache, not a paged one.")
+        return PagedKVCache.create(cfg.num_layers, self.batch, self.max_len, cfg.num_kv_heads,
+                                   cfg.head_dim, num_pages=num_pages, page_size=page_size,
+                                   dtype=DTYPES[cfg.dtype], backend=self.backend, active=active,
+                                   per_layer=self.path == "fast", share_pages=share_pages)
+
+    def forward(self, tokens_BT, pos_BT, cache):
+        """fp32 logits [B, T, V] of tokens at positions pos_BT, and the cache with their keys
+        and values written (its lengths are the caller's)."""
+        if self.path == "reference":
+            logits_BTV, cache = transformer.forward(self.cfg, self.params, tokens_BT, pos_BT, cache)
+        elif self.path == "megakernel" and tokens_BT.shape[1] == 1:
+            logits_BV, cache = megakernel.step(self.cfg, self.params, tokens_BT[:, 0],
+                                               pos_BT[:, 0], cache, self.kernel)
+            return logits_BV[:, None], cache
+        else:  # fast, and the megakernel's prompts (XLA attention over its cache)
+            logits_BTV, cache = decode_block.forward(self.cfg, self.params, tokens_BT, pos_BT,
+                                                     cache)
+        return logits_BTV.astype(jnp.float32), cache
+
+    def prefill(self, prompt_BT, prompt_len_B, cache):
+        """The right-padded prompts into the cache: (logits at each last token [B, V], the
+        cache counting the prompt tokens)."""
+        B, T = prompt_BT.shape
+        pos_BT = jnp.arange(T, dtype=jnp.int32)[None, :] + cache.lengths[:, None]
+        logits_BTV, cache = self.forward(prompt_BT, pos_BT, cache)
+        last_BV = jnp.take_along_axis(logits_BTV, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
+        return last_BV, cache.rollback(cache.lengths + prompt_len_B)
+
+    def step(self, tokens_B, cache):
+        """One token per sequence at its own position (its cached length): (logits [B, V],
+        the cache one token longer)."""
+        logits_BTV, cache = self.forward(tokens_B[:, None], cache.lengths[:, None], cache)
+        return logits_BTV[:, 0], cache.advance(jnp.ones_like(cache.lengths))
+
+    def with_params(self, params: dict) -> DecodePlan:
+        """This plan over other weights (laid out for the path here when they are not)."""
+        return dataclasses.replace(self, params=layout(self.cfg, params, self.path))
+
+
+def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "auto",
+         kernel: Callable | None = None, *, paged: bool = False, step_tokens: int = 1,
+         backend: str | None = None, fused: bool = True, tiling: str = "", stages: int = 16,
+         device: tuple[str, str] | None = None) -> DecodePlan:
+    """The decode plan of `cfg` for `batch` sequences of up to `max_len` tokens (module
+    docstring). Call it outside jit: it lays the weights out for the path once.
+
+    path: "auto" | "megakernel" | "fast" | "reference". kernel: the megakernel's
+    (`pallas_kernels.chain.chain_mgpu` by default; `megakernel.chain_reference` runs the path
+    in XLA). paged, step_tokens: what the caller needs (`choose`). backend ("xla" |
+    "pallas"), fused, tiling: the fast path's attention (`LayerKVCache`); stages: the
+    megakernel's ring. device: (platform, device_kind), the first device's by default.
+    """
+    platform, kind = device or _device()
+    path, line = resolve(cfg, batch, path, platform=platform, device_kind=kind, kernel=kernel,
+                         paged=paged, step_tokens=step_tokens)
+    if path == "megakernel" and kernel is None:
+        kernel = chain_mgpu
+    return DecodePlan(layout(cfg, params, path), cfg, path, line, batch, max_len,
+                      attention_backend(cfg, platform, backend), kernel, fused, tiling, stages)

@@ -1,4 +1,5 @@
-"""Decoding against its memory floor: ms per step of greedy `generate_tokens` beside the time to
+"""Decoding against its memory floor: ms per step of greedy decoding (`generate` of a decode
+plan, `gendist.inference.decoder`) beside the time to
 read the weights and the valid KV cache once at the read-only bandwidth XLA reaches in the
 same process.
 
@@ -17,7 +18,7 @@ same without the fused kernels: XLA's RMSNorm and RoPE, the paged kernel), `fast
 (fast with the fused attention kernel tiled as `LayerKVCache.tiling` says), `fast_xla` (the same with jnp attention over all
 max_len slots), `reference` (stacked weights, one stacked cache, the layer scan unrolled:
 the baseline the fast path is measured against), `chain` (batch 1: each step one persistent kernel over
-every layer, `gendist.inference.megakernel`; sm90 only). Each row also carries the kernels one loop iteration
+every layer, the "megakernel" path; sm90 only; chain@<stages>: its ring slots). Each row also carries the kernels one loop iteration
 launches, by kind, read from the compiled HLO, and with `--profile` the device time per
 kind of the first case of each preset. Writes `decode_floor_<device>.json` after every case.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import tempfile
@@ -38,10 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from gendist import profiling
-from gendist.inference import fastpath, megakernel
-from gendist.inference.generate import generate_tokens
+from gendist.inference import decoder
+from gendist.inference.generate import generate
 from gendist.inference.sampling import SamplingParams
-from gendist.models import decode_layout, transformer
+from gendist.models import transformer
 from gendist.presets import preset
 from gendist.timing import call_times, pipelined_seconds, warm_gpu
 
@@ -90,43 +90,40 @@ def _floor(row: dict, tbps: float) -> None:
         row["share_of_floor"] = row["floor_ms"] / row["ms_per_step"]
 
 
+def case_plan(cfg, params, batch: int, variant: str, max_len: int) -> decoder.DecodePlan:
+    """The decode plan of a variant (`params` already laid out for its path)."""
+    kind, _, option = variant.partition("@")
+    if kind == "reference":
+        return decoder.plan(dataclasses.replace(cfg, scan_unroll=cfg.num_layers), params, batch,
+                            max_len, "reference")
+    if kind == "chain":  # one persistent kernel a step (chain@STAGES: ring slots)
+        return decoder.plan(cfg, params, batch, max_len, "megakernel", stages=int(option or 16))
+    return decoder.plan(cfg, params, batch, max_len, "fast",
+                        backend="xla" if kind == "fast_xla" else None,
+                        fused=kind != "fast_unfused", tiling=option)
+
+
 def run_case(cfg, params, batch, variant, args, profile: bool):
     P, N = args.prompt, args.new_tokens
     prompt = jax.random.randint(jax.random.key(batch), (batch, P), 0, cfg.vocab_size)
     lens = jnp.full((batch,), P, jnp.int32)
     key = jax.random.key(1)
     sp = SamplingParams(temperature=0.0)
-    if variant == "reference":
-        mcfg = dataclasses.replace(cfg, scan_unroll=cfg.num_layers)
-        kw = dict(fast=False)
-    elif variant.split("@")[0] == "chain":  # one persistent kernel a step (chain@STAGES: ring slots)
-        mcfg = cfg
-        stages = int(variant.split("@")[1]) if "@" in variant else 16
-        kw = dict(fast=True, cache=megakernel.ChainCache.create(cfg, P + N, stages))
-    else:
-        mcfg = cfg
-        backend = "xla" if variant == "fast_xla" else None
-        tiling = variant.split("@", 1)[1] if "@" in variant else ""
-        kw = dict(fast=True, cache=fastpath.make_cache(cfg, batch, P + N, True, backend=backend,
-                                                       fused=variant != "fast_unfused",
-                                                       tiling=tiling))
+    plan = case_plan(cfg, params, batch, variant, P + N)
     t0 = time.perf_counter()
-    compiled = generate_tokens.lower(mcfg, params, prompt, lens, key, max_new_tokens=N, sp=sp,
-                                     **kw).compile()
+    compiled = generate.lower(plan, prompt, lens, key, max_new_tokens=N, sp=sp).compile()
     compile_s = time.perf_counter() - t0
-    kw.pop("fast")
-    ts, (out, count) = call_times(functools.partial(compiled, **kw), params, prompt, lens, key,
-                                  n=args.reps, warm=1)
+    ts, (out, count) = call_times(compiled, plan, prompt, lens, key, n=args.reps, warm=1)
     wall = float(np.median(ts))
-    row = dict(variant=variant, batch=batch, compile_s=compile_s, wall_s=wall,
+    row = dict(variant=variant, batch=batch, path=plan.line, compile_s=compile_s, wall_s=wall,
                ms_per_step=wall / N * 1e3, tokens_per_s=batch * N / wall,
                tokens_out=int(np.asarray(count).sum()),
                kernels_per_step=profiling.loop_body_kinds(compiled.as_text()),
-               attention=getattr(kw.get("cache"), "backend", "chain" if variant.startswith("chain") else "xla"))
+               attention={"fast": plan.backend, "megakernel": "chain"}.get(plan.path, "xla"))
     if profile:
         trace_dir = tempfile.mkdtemp(prefix="decode_floor_")
         with jax.profiler.trace(trace_dir) as session:
-            jax.block_until_ready(compiled(params, prompt, lens, key, **kw))
+            jax.block_until_ready(compiled(plan, prompt, lens, key))
         split = profiling.time_by_kind(profiling.load_profile(session, trace_dir),
                                        profiling.classify_hlo(compiled.as_text()))
         row["profile_ms_per_step"] = {k: v / N * 1e3 for k, v in split["seconds"].items()}
@@ -186,13 +183,13 @@ def main():
                 current = name
                 cfg = preset(name).model
                 raw = transformer.init_params(cfg, 0)
-                params["fast"] = decode_layout.decode_params(cfg, raw)
-                params["reference"] = decode_layout.inference_params(cfg, raw)
+                params["fast"] = decoder.layout(cfg, raw, "fast")
+                params["reference"] = decoder.layout(cfg, raw, "reference")
                 del raw
                 first = True
             cfg = preset(name).model
             if variant.startswith("chain") and "chain" not in params:
-                params["chain"] = megakernel.chain_params(cfg, params["fast"])
+                params["chain"] = decoder.layout(cfg, params["fast"], "megakernel")
             p = params[variant.split("@")[0] if variant.startswith(("reference", "chain")) else "fast"]
             row = run_case(cfg, p, batch, variant, args, profile=args.profile_all or (args.profile and first))
             first = False

@@ -18,7 +18,7 @@ Variants: `reference` (stacked weights, one stacked cache, the layer scan unroll
 + attention), `fast@<tiling>` (fast with the attention kernel tiled as `LayerKVCache.tiling`
 says, e.g. `fast@bk128_sp1_w4_st3`), `fast_unfused` (fast without the fused kernels: XLA's norms and RoPE, the
 paged kernel), `fast_xla` (fast with jnp attention over all max_len slots). (`decode_hlo_h200_fold.json` came from a `fast` that folded the
-norms' gains into the next matrices, an option since removed: `models/decode_layout.py`.)
+norms' gains into the next matrices, an option since removed: docs/decisions.md.)
 
 Autotuning needs a device, so GEMM configurations (batch > 1) are XLA's defaults, not what
 the GPU would pick; fusion decisions, reductions and copies are the GPU's. Pallas kernels
@@ -88,35 +88,31 @@ def _pretend_h200():
 def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep,
                  hlo_dir: str | None = None):
     from gendist import profiling
-    from gendist.inference import fastpath
-    from gendist.inference.generate import generate_tokens
+    from gendist.inference import decoder
+    from gendist.inference.generate import generate
     from gendist.inference.sampling import SamplingParams
-    from gendist.models import decode_layout, transformer
+    from gendist.models import transformer
     from gendist.presets import preset
 
     cfg = preset(name).model
     S = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep)  # noqa: E731
     raw = jax.eval_shape(lambda: transformer.init_params(cfg, 0))
-    kw = {}
-    if variant == "reference":
+    kind, _, tiling = variant.partition("@")
+    if kind == "reference":
         cfg = dataclasses.replace(cfg, scan_unroll=cfg.num_layers)
-        params = jax.eval_shape(lambda p: decode_layout.inference_params(cfg, p), raw)
-        kw["fast"] = False
+        opts = dict(path="reference")
     else:
-        params = jax.eval_shape(lambda p: decode_layout.decode_params(cfg, p), raw)
-        backend = "xla" if variant == "fast_xla" else "pallas"
-        kw["fast"] = True
-        fused = variant != "fast_unfused"
-        tiling = variant.split("@", 1)[1] if "@" in variant else ""
-        kw["cache"] = jax.tree.map(S, jax.eval_shape(
-            lambda: fastpath.make_cache(cfg, batch, prompt + new, True, backend=backend,
-                                        fused=fused, tiling=tiling)))
+        opts = dict(path="fast", backend="xla" if kind == "fast_xla" else "pallas",
+                    fused=kind != "fast_unfused", tiling=tiling)
+    plan = jax.eval_shape(lambda p: decoder.plan(cfg, p, batch, prompt + new,
+                                                 device=("gpu", "NVIDIA H200"), **opts), raw)
+    cache = jax.tree.map(S, jax.eval_shape(plan.make_cache))
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep)
-    args = (jax.tree.map(S, params), S(jnp.zeros((batch, prompt), jnp.int32)),
+    args = (jax.tree.map(S, plan), S(jnp.zeros((batch, prompt), jnp.int32)),
             S(jnp.zeros((batch,), jnp.int32)), key)
     t0 = time.perf_counter()
-    text = generate_tokens.lower(cfg, *args, max_new_tokens=new,
-                                 sp=SamplingParams(temperature=0.0), **kw).compile().as_text()
+    text = generate.lower(*args, max_new_tokens=new, sp=SamplingParams(temperature=0.0),
+                          cache=cache).compile().as_text()
     kinds = profiling.loop_body_kinds(text)
     if hlo_dir:
         Path(hlo_dir).mkdir(parents=True, exist_ok=True)

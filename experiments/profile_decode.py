@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from gendist import profiling
-from gendist.inference.generate import generate_tokens
+from gendist.inference import decoder
+from gendist.inference.generate import generate
 from gendist.inference.lm import draft_config, transformer_lm
 from gendist.inference.sampling import SamplingParams
 from gendist.inference.speculative import SpecConfig, speculative_generate
@@ -115,7 +116,12 @@ def main():
            "target_scan_unroll": tm.scan_unroll, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     common = dict(max_new_tokens=args.new_tokens, sp=sp)
     plain_steps = lambda out: args.new_tokens - 1  # noqa: E731 - the first token is prefill's
-    target, draft = transformer_lm(tm, "target"), transformer_lm(dm, "draft")
+    max_len = P + args.new_tokens + args.gamma + 1
+    plain_t, plain_d = (decoder.plan(m, p, B, max_len) for m, p in ((tm, tp), (dm, dp)))
+    verify_t = decoder.plan(tm, tp, B, max_len, step_tokens=args.gamma + 1)
+    target, draft = transformer_lm(verify_t, "target"), transformer_lm(plain_d, "draft")
+    tp, dp = verify_t.params, plain_d.params  # laid out once, outside the timed calls
+    res["paths"] = {"plain": plain_t.line, "draft": plain_d.line, "target": verify_t.line}
     spec = SpecConfig(gamma=args.gamma)
     tag = res["device"].replace(" ", "_").lower()
     suffix = f"_unroll{tm.scan_unroll}" if args.target_unroll else ""
@@ -123,10 +129,10 @@ def main():
     out = Path(args.out)
     hlo = out / f"profile_decode_{tag}{suffix}_speculative.hlo.txt.gz" if args.hlo else None
     if not args.calls_only:
-        res["plain"] = profile(functools.partial(generate_tokens, tm, **common),
-                               (tp, prompt, lens, key), plain_steps)
-        res["draft_plain"] = profile(functools.partial(generate_tokens, dm, **common),
-                                     (dp, prompt, lens, key), plain_steps)
+        res["plain"] = profile(functools.partial(generate, **common),
+                               (plain_t, prompt, lens, key), plain_steps)
+        res["draft_plain"] = profile(functools.partial(generate, **common),
+                                     (plain_d, prompt, lens, key), plain_steps)
         res["speculative"] = profile(
             lambda tp, dp, *a: speculative_generate(target, tp, draft, dp, *a, spec=spec,
                                                     **common),

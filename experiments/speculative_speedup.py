@@ -1,6 +1,7 @@
 """Speculative decoding speedup: train a target and a small draft on the corpus, then measure
-acceptance α, cost ratio c and wall-clock speedup over plain jitted decoding (the decode fast
-path on a GPU: `fastpath`), next to Leviathan et al.'s prediction
+acceptance α, cost ratio c and wall-clock speedup over plain jitted decoding (the fastest
+decode path that runs, `gendist.inference.decoder`; the paths are recorded), next to
+Leviathan et al.'s prediction
 (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
 
 The target must be clearly better than its draft, as in real use: the draft is trained in
@@ -38,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gendist.data.batches import TextData
-from gendist.inference import fastpath
-from gendist.inference.generate import generate_tokens
+from gendist.inference import decoder
+from gendist.inference.generate import generate
 from gendist.inference.lm import draft_config, transformer_lm
 from gendist.inference.sampling import SamplingParams
 from gendist.inference.speculative import SpecConfig, expected_tokens_per_cost, speculative_generate
@@ -151,7 +152,7 @@ def main():
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "target_scan_unroll": tm.scan_unroll,
-        "fast_path": fastpath.enabled(None),
+        "paths": {},
         "draft": {
             "d_model": dm.d_model,
             "num_layers": dm.num_layers,
@@ -171,15 +172,22 @@ def main():
         "runs": [],
     }
     print({k: v for k, v in res.items() if k != "runs"}, flush=True)
-    target, draft = transformer_lm(tm, "target"), transformer_lm(dm, "draft")
     data = TextData.from_config(tcfg.data)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = res["device"].replace(" ", "_").lower() + args.tag
     specs = [(g, SpecConfig(gamma=g)) for g in args.gammas]
     c_greedy = {}
-    sets_of = {}
+    sets_of, plans_of = {}, {}
+    g_max = max(args.gammas) + (2 if args.adaptive else 0)
     for B in args.batches:
+        # The decode plans of each batch, laid out once: plain target and draft, and the
+        # target verifying up to g_max + 1 tokens a call (LMs for speculative decoding).
+        n_max = 32 + args.new_tokens + g_max + 1
+        plans_of[B] = dict(target=decoder.plan(tm, tp, B, n_max),
+                           draft=decoder.plan(dm, dp, B, n_max),
+                           verify=decoder.plan(tm, tp, B, n_max, step_tokens=g_max + 1))
+        res["paths"][B] = {k: p.line for k, p in plans_of[B].items()}
         # Batch 1 is measured over several prompts (times and counts summed): one prompt's
         # acceptance rate varies a lot with its text.
         rng = np.random.default_rng(B)
@@ -193,6 +201,9 @@ def main():
     for temp in args.temperatures:
         for B in args.batches:
             sets, n_sets = sets_of[B], len(sets_of[B])
+            plans = plans_of[B]
+            target = transformer_lm(plans["verify"], "target")
+            draft = transformer_lm(plans["draft"], "draft")
             if time.perf_counter() - t0 > args.budget_s:
                 res["runs"].append(dict(batch=B, temperature=temp, skipped="time budget"))
                 continue
@@ -200,12 +211,12 @@ def main():
             key = jax.random.key(0)
             common = dict(max_new_tokens=args.new_tokens, sp=sp)
             t_plain = sum(
-                timed(functools.partial(generate_tokens, tm, tp, pb, lb, key, **common))[0]
+                timed(functools.partial(generate, plans["target"], pb, lb, key, **common))[0]
                 for pb, lb in sets
             )
             if B not in c_greedy:  # c is a ratio of step costs: measured once per batch
                 t_small = sum(
-                    timed(functools.partial(generate_tokens, dm, dp, pb, lb, key,
+                    timed(functools.partial(generate, plans["draft"], pb, lb, key,
                                             **common))[0]
                     for pb, lb in sets
                 )
@@ -226,9 +237,9 @@ def main():
                     fn = functools.partial(
                         speculative_generate,
                         target,
-                        tp,
+                        plans["verify"].params,
                         draft,
-                        dp,
+                        plans["draft"].params,
                         pb,
                         lb,
                         key,

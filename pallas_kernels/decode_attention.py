@@ -3,7 +3,7 @@
 A decode step at small batch is dominated by small kernels, not bytes: on an H200 a 350m
 batch-1 step ran ~330 kernels, and per layer the attention part alone was four or more of
 them (RoPE + padding of q, RoPE + write of k, write of v, the paged kernel, and for a split
-context its merge; `benchmarks/README.md`, issue 19). This kernel does that part of a layer
+context its merge; `benchmarks/README.md`). This kernel does that part of a layer
 in one launch, for one new token per sequence:
 
 * it reads the fused q|k|v projection [B, N+2K, H] as it comes out of the decode layout's

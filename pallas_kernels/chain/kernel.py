@@ -54,8 +54,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.chain import attention as ca
-from pallas_kernels.chain import words as cw
 from pallas_kernels._mgpu import (
     SMEM_LIMIT,
     WGMMA,
@@ -67,6 +65,8 @@ from pallas_kernels._mgpu import (
     tiled_smem,
     zero_words,
 )
+from pallas_kernels.chain import attention as ca
+from pallas_kernels.chain import words as cw
 from pallas_kernels.chain.plan import (
     KC,
     REGIONS,

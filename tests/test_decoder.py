@@ -99,8 +99,9 @@ def test_a_hopper_plan_holds_the_kernel_and_its_weights():
                                           "decode: megakernel (batch 1, NVIDIA H200)")
     assert p.params["chain"][0].shape == (2, 3 * 128, 128) and len(p.params["blocks"]) == 2
     assert isinstance(p.make_cache(), mk.ChainCache) and p.make_cache().kv.shape[3] == 128
-    assert decoder.plan(MHA, params, 1, 100, "megakernel", mk.chain_reference).kernel is (
-        mk.chain_reference)
+    ref = decoder.plan(MHA, params, 1, 100, "megakernel", mk.chain_reference)
+    assert ref.kernel is mk.chain_reference and ref.line == (
+        "decode: megakernel (batch 1, cpu, kernel chain_reference; generate.path='megakernel')")
     fast = decoder.plan(GQA, transformer.init_params(GQA, 0), 1, 100, device=("gpu", H200))
     assert (fast.path, fast.backend) == ("fast", "pallas")  # the paged kernel on a GPU
 

@@ -69,7 +69,7 @@ def test_fast_greedy_equals_reference(params, reference, backend):
 
 
 def test_cpu_default_is_the_reference_path(params):
-    plan = decoder.plan(CFG, params, 3, 16)  # tests run on a CPU
+    plan = decoder.plan(CFG, params, 3, 16, device=("cpu", "cpu"))
     assert plan.path == "reference" and not isinstance(plan.params["blocks"], tuple)
     assert plan.line == "decode: reference — cpu (the fast path and the megakernel need a GPU)"
     with pytest.raises(ValueError, match="generate.path='reference' reads the model's stacked"):

@@ -26,6 +26,11 @@ MOE = dataclasses.replace(MHA, moe_experts=4, moe_top_k=2, moe_every=2)
 H200, A100 = "NVIDIA H200", "NVIDIA A100-SXM4-80GB"
 NO_GPU = "decode: reference — cpu (the fast path and the megakernel need a GPU)"
 
+
+def auto(cfg, batch, **kw):
+    """(path, line) that "auto" takes on this machine (the reference path on a CPU)."""
+    return decoder.choose(cfg, batch, *decoder.this_device(), **kw)
+
 TABLE = [  # cfg, batch, platform, device kind, options -> path, line
     (MHA, 1, "gpu", H200, {}, "megakernel", "decode: megakernel (batch 1, NVIDIA H200)"),
     (MHA, 1, "gpu", "NVIDIA H100 80GB HBM3", {}, "megakernel",
@@ -68,7 +73,8 @@ def test_hopper_device_kinds():
     (GQA, 1, "megakernel", {}, "generate.path='megakernel': the megakernel needs num_kv_heads "
                                "== num_heads (this has 1 for 2); use generate.path='fast'"),
     (MHA, 2, "megakernel", {}, "needs batch 1 (this is batch 2)"),
-    (MHA, 1, "megakernel", {}, "generate.path='megakernel': the megakernel's kernel needs a "
+    (MHA, 1, "megakernel", dict(device=("cpu", "cpu")),
+     "generate.path='megakernel': the megakernel's kernel needs a "
                                "Hopper GPU (sm90; this is cpu); use generate.path='auto', or "
                                "pass kernel=megakernel.chain_reference"),
     (MHA, 1, "megakernel", dict(paged=True, kernel=mk.chain_reference),
@@ -99,7 +105,7 @@ def test_a_hopper_plan_holds_the_kernel_and_its_weights():
                                           "decode: megakernel (batch 1, NVIDIA H200)")
     assert p.params["chain"][0].shape == (2, 3 * 128, 128) and len(p.params["blocks"]) == 2
     assert isinstance(p.make_cache(), mk.ChainCache) and p.make_cache().kv.shape[3] == 128
-    ref = decoder.plan(MHA, params, 1, 100, "megakernel", mk.chain_reference)
+    ref = decoder.plan(MHA, params, 1, 100, "megakernel", mk.chain_reference, device=("cpu", "cpu"))
     assert ref.kernel is mk.chain_reference and ref.line == (
         "decode: megakernel (batch 1, cpu, kernel chain_reference; generate.path='megakernel')")
     fast = decoder.plan(GQA, transformer.init_params(GQA, 0), 1, 100, device=("gpu", H200))
@@ -149,7 +155,7 @@ def test_generate_tokens_and_generate_text_go_through_the_front_door(recorded):
     texts = {p: G.generate_text(CFG, params, ["ab", "c"], max_new_tokens=4, sp=GREEDY, path=p)
              for p in ("auto", "fast")}
     assert texts["auto"] == texts["fast"] and len(texts["auto"]) == 2
-    assert recorded["plans"] == ["reference", "fast", "reference", "fast"]
+    assert recorded["plans"] == ["reference", "fast", auto(CFG, 2)[0], "fast"]
     assert set(recorded["ran"]) == {"reference", "fast"}
 
 
@@ -162,8 +168,8 @@ def test_the_engine_goes_through_the_front_door(recorded):
         outs[path] = [r.output for r in eng.run([Request(np.array([1, 2, 3]), 5),
                                                  Request(np.array([7]), 4)])]
     assert outs["auto"] == outs["fast"]
-    assert recorded["plans"] == ["reference", "fast"]
-    assert set(recorded["ran"]) == {"reference", "fast"}
+    assert recorded["plans"] == [auto(CFG, 2, paged=True)[0], "fast"]
+    assert set(recorded["ran"]) == {auto(CFG, 2, paged=True)[0], "fast"}
 
 
 def test_the_cli_samplers_go_through_the_front_door(recorded, capsys):
@@ -194,8 +200,10 @@ def test_generate_a_preset_with_random_weights(recorded, capsys):
     out, err = capsys.readouterr()
     assert out.startswith("weights: random (preset tiny; 0.89M params); give --checkpoint DIR "
                           "for a trained model\nx")
-    assert NO_GPU in err and "tokens/s" in err
-    assert recorded["plans"] == ["reference"]
+    from gendist.presets import preset
+    path, line = auto(preset("tiny").model, 1)
+    assert line in err and "tokens/s" in err
+    assert recorded["plans"] == [path]
     assert main(["generate", "--preset", "tiny", "--generate.path", "fast", "--prompt", "x",
                  "--generate.max-new-tokens", "4"]) == 0
     assert "decode: fast path (generate.path='fast')" in capsys.readouterr().err

@@ -86,7 +86,8 @@ def choose(cfg: ModelConfig, batch: int, platform: str, device_kind: str, *,
     return "fast", f"decode: fast path — the megakernel needs {why}"
 
 
-def _device() -> tuple[str, str]:
+def this_device() -> tuple[str, str]:
+    """(platform, device kind) of the first device: what "auto" chooses for."""
     dev = jax.devices()[0]
     return dev.platform, dev.device_kind
 
@@ -234,7 +235,7 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     "pallas"), fused, tiling: the fast path's attention (`LayerKVCache`); stages: the
     megakernel's ring. device: (platform, device_kind), the first device's by default.
     """
-    platform, kind = device or _device()
+    platform, kind = device or this_device()
     path, line = resolve(cfg, batch, path, platform=platform, device_kind=kind, kernel=kernel,
                          paged=paged, step_tokens=step_tokens)
     if path == "megakernel" and kernel is None:

@@ -18,8 +18,7 @@ objects. jit, `shard_map` stage slices, optax, orbax, the pipeline executors and
 Hugging Face converter all take nested dicts, and a stage must be able to run layers
 [a, b) of a stack by slicing, which a pytree gives for free. The one thing modules add,
 per-parameter metadata, is the table in `params.py` (shape, logical axes, init), from which
-the shardings come. (An earlier version kept the math in functions and init/metadata in NNX
-modules, merging the two on every call; there is now one representation.)
+the shardings come.
 
 `ops` (see `ops.py`) is how the math meets the mesh: the default is the annotated SPMD form
 (constraints by logical axes, no-ops without a mesh); `gendist.parallel` passes the explicit

@@ -36,8 +36,8 @@ weights run ahead across phases and layers. The LL words live in a global semaph
 (zeroed before the kernel) of two layers' regions: layer l's words carry tag l + 2 and go
 to region l % 2, overwritten two layers later (`plan.tag`: why that is safe).
 Every poll traps after `_mgpu.SPIN_LIMIT` tries: a word never written is a CUDA error, not
-a hung GPU. (The zeroing is a memset of the array each call: ~4 MB at 1b; with a region a
-layer it was 44 MB, written again by the words themselves: ~4% of a step's bytes.)
+a hung GPU. (The zeroing is a memset of the array each call: ~4 MB at 1b; a region a layer
+would be 44 MB, written again by the words themselves: ~4% of a step's bytes.)
 
 GPU only (the words are moved by inline PTX, which Mosaic GPU's interpreter does not run);
 `reference` is the same math in XLA; `plan` holds the decomposition, the word layout

@@ -372,26 +372,3 @@ def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.05)
-
-
-def cmd_launch(argv: list[str]) -> int:
-    """`python -m gendist launch --nproc N [options] -- COMMAND ...`."""
-    import argparse
-    ap = argparse.ArgumentParser(
-        prog="python -m gendist launch", usage="%(prog)s --nproc N [options] -- COMMAND ...",
-        description="Start N processes of one multi-process job on this machine (development "
-        "and tests). Each gets GENDIST_COORDINATOR/NUM_PROCESSES/PROCESS_ID (read by "
-        "gendist.distributed.maybe_initialize); output lines are prefixed with [rank]; when "
-        "one process fails the others are stopped and the launcher exits with its code.")
-    ap.add_argument("--nproc", type=int, required=True, help="processes to start")
-    ap.add_argument("--devices-per-process", type=int, default=None,
-                    help="simulate D CPU devices per process (JAX_PLATFORMS=cpu, gloo)")
-    ap.add_argument("--gpus-per-process", type=int, default=None,
-                    help="process i owns GPUs i*G .. i*G+G-1 (GENDIST_LOCAL_DEVICE_IDS)")
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = ap.parse_args(argv[:split])
-    try:
-        return launch(argv[split + 1:], args.nproc, args.devices_per_process,
-                      args.gpus_per_process)
-    except ValueError as e:
-        ap.error(str(e))

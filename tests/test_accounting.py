@@ -78,7 +78,7 @@ def test_ideal_prediction_differs_only_where_the_cpu_compiler_does():
 
 
 def test_plan_command_prints_predictions(capsys):
-    from gendist.__main__ import main
+    from gendist.cli.main import main
     assert main(["plan", "--preset", "tiny", "--mesh.data", "2", "--mesh.tensor", "4",
                  "--mesh.sequence-parallel", "--train.zero-stage", "3",
                  "--no-compile"]) == 0

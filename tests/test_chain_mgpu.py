@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from helpers import experiment, lowered_for_sm90
 
+from pallas_kernels._mgpu import on_sm90
 from pallas_kernels.chain import kernel as cm
 from pallas_kernels.chain import plan
-from pallas_kernels._mgpu import on_sm90
 
 ON_SM90 = jax.default_backend() == "gpu" and on_sm90()
 SHAPES = {"350m": (1024, 3072, 2816), "1b": (2048, 6144, 5632)}

@@ -2,7 +2,7 @@
 
 Bad input (each mistake a user reported plus those of tests/test_errors.py): exit code 2, one
 line on stderr naming the field and the fix, no traceback, nothing on disk deleted or
-overwritten. Mostly `gendist.__main__.main` in-process; a subprocess where the process's
+overwritten. Mostly `gendist.cli.main.main` in-process; a subprocess where the process's
 own shutdown matters (orbax's leftovers after a failed restore). Also: the header and footer
 of a run, resuming, `--help` of every command, `--no-sample`, generate's flag names.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gendist.__main__ import main
+from gendist.cli.main import main
 
 MODEL = {"model.num-layers": 2, "model.d-model": 32, "model.num-heads": 2,
          "model.num-kv-heads": 2, "model.head-dim": 16, "model.d-ff": 64}
@@ -102,7 +102,7 @@ BAD_INPUT = [
      ["--checkpoint 'nowhere' is not a directory"]),
     ("generate from a directory without checkpoints", ["generate", "--checkpoint", "empty"],
      ["no checkpoint found", "--train.out-dir"]),
-    ("plan with a malformed device count", ["plan", "--devices", "x"], ["--devices 'x'"]),
+    ("plan with a malformed device count", ["plan", "--devices", "x"], ["--devices", "'x'"]),
     ("unknown attention backend", ["train", "--model.attention", "flash"],
      ["'flash'", "--model.attention", "('xla', 'cudnn', 'pallas')"]),
     ("steps that are not a number", ["train", "--train.steps", "many"],
@@ -206,7 +206,7 @@ def test_every_command_has_help_and_one_naming(capsys):
                                  "--no-sample", "--model.num-layers", "--generate.top-k"]),
                       ("generate", ["usage: python -m gendist generate", "--checkpoint",
                                     "--generate.top-k", "--prompt TEXT"]),
-                      ("plan", ["usage: python -m gendist plan", "--devices N"])):
+                      ("plan", ["usage: python -m gendist plan", "--devices INT", "--no-compile"])):
         with pytest.raises(SystemExit) as e:
             main([cmd, "--help"])
         assert e.value.code == 0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import mesh_of, small_config
 
-from gendist.cli_data import resolve_train
+from gendist.cli.train import resolve_train
 from gendist.config import DataConfig
 from gendist.data.batches import TextData, load_corpus
 from gendist.data.corpus import documents, expand, load_tokens

@@ -173,7 +173,7 @@ def test_the_engine_goes_through_the_front_door(recorded):
 
 
 def test_the_cli_samplers_go_through_the_front_door(recorded, capsys):
-    from gendist.cli_data import sample, speculative_sample
+    from gendist.cli.generate import sample, speculative_sample
     from gendist.data.tokenizer import load_tokenizer
     tok = load_tokenizer("bytes")
     params = _params()
@@ -194,7 +194,7 @@ def test_the_cli_samplers_go_through_the_front_door(recorded, capsys):
 
 
 def test_generate_a_preset_with_random_weights(recorded, capsys):
-    from gendist.__main__ import main
+    from gendist.cli.main import main
     assert main(["generate", "--preset", "tiny", "--prompt", "x",
                  "--generate.max-new-tokens", "4"]) == 0
     out, err = capsys.readouterr()

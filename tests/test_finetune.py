@@ -14,8 +14,10 @@ from helpers import mesh_of, small_config
 from hf_fixtures import hf_llama_logits, llama_config, random_weights, write_llama
 
 from gendist import config_yaml, hf
-from gendist.__main__ import parse_config
-from gendist.cli_data import cmd_export, resolve_train, sample
+from gendist.cli.args import parse_config
+from gendist.cli.export import cmd_export
+from gendist.cli.generate import sample
+from gendist.cli.train import resolve_train
 from gendist.config import Config
 from gendist.data.batches import TextData, load_corpus
 from gendist.data.tokenizer import load_tokenizer

@@ -96,12 +96,22 @@ def test_layers():
     # The model knows no parallel engine, training loop or decoding machinery.
     assert _imports_under(graph, "gendist.models", (
         "gendist.parallel", "gendist.training.train", "gendist.training.loop", "gendist.inference",
-        "gendist.accounting", "gendist.__main__")) == []
+        "gendist.accounting", "gendist.cli")) == []
     # Configs are plain data.
     assert graph["gendist.config"] == set()
     assert graph["gendist.presets"] == {"gendist.config"}
     # The parallel layer builds on the model, not on training or decoding.
     assert _imports_under(graph, "gendist.parallel", (
-        "gendist.training.train", "gendist.training.loop", "gendist.inference", "gendist.__main__")) == []
+        "gendist.training.train", "gendist.training.loop", "gendist.inference", "gendist.cli")) == []
     assert _imports_under(graph, "gendist.inference", (
         "gendist.parallel", "gendist.training.train", "gendist.training.loop")) == []
+    # Data knows nothing of models, training, decoding or the command line.
+    assert _imports_under(graph, "gendist.data", (
+        "gendist.models", "gendist.parallel", "gendist.training", "gendist.inference",
+        "gendist.output", "gendist.cli")) == []
+    # Training and run output do not decode; only the command line's entry imports it.
+    assert _imports_under(graph, "gendist.training", ("gendist.inference", "gendist.cli")) == []
+    assert _imports_under(graph, "gendist.output", (
+        "gendist.training.loop", "gendist.inference", "gendist.cli")) == []
+    assert sorted(m for m, ts in graph.items() if not m.startswith("gendist.cli")
+                  and any(t.startswith("gendist.cli") for t in ts)) == ["gendist.__main__"]

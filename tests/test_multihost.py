@@ -244,7 +244,7 @@ def test_launcher_returns_zero_and_rejects_bad_options():
     assert ok.returncode == 0 and sorted(ok.stdout.split("\n")[:2]) == ["[0] ok", "[1] ok"]
     bad = subprocess.run([sys.executable, "-m", "gendist", "launch", "--nproc", "two", "--",
                           "true"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "argument --nproc: invalid int value: 'two'" in bad.stderr
+    assert bad.returncode == 2 and "--nproc" in bad.stderr and "'two'" in bad.stderr
 
 
 def test_watchdog_ends_a_stuck_process():

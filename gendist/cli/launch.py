@@ -1,0 +1,26 @@
+"""`launch`: N local processes of one multi-process job (development and tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gendist.cli.args import parse
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchArgs:
+    """Start N processes of one multi-process job on this machine: launch --nproc N
+    [options] -- COMMAND .... Each gets GENDIST_COORDINATOR/NUM_PROCESSES/PROCESS_ID (read
+    by gendist.distributed.maybe_initialize); output lines are prefixed with [rank]; when
+    one process fails the others are stopped and the launcher exits with its code."""
+
+    nproc: int  # processes to start
+    devices_per_process: int | None = None  # simulate D CPU devices per process (JAX_PLATFORMS=cpu, gloo)
+    gpus_per_process: int | None = None  # process i owns GPUs i*G .. i*G+G-1 (GENDIST_LOCAL_DEVICE_IDS)
+
+
+def cmd_launch(argv: list[str]) -> int:
+    from gendist.distributed import launch
+    split = argv.index("--") if "--" in argv else len(argv)
+    a = parse(LaunchArgs, argv[:split], "launch", description=LaunchArgs.__doc__)
+    return launch(argv[split + 1:], a.nproc, a.devices_per_process, a.gpus_per_process)

@@ -1,0 +1,96 @@
+"""`train`: train a config (resuming its run directory), optionally from a Hugging Face
+Llama directory or another run (`--init-from`), then print a sample."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated
+
+import tyro
+
+from gendist.cli.args import parse_with_config
+from gendist.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainArgs:
+    config: Annotated[Config, tyro.conf.arg(name="")]
+    no_sample: bool = False  # skip the sample printed at the end (so does --generate.max-new-tokens 0)
+    init_from: str = ""  # fine-tune from a Hugging Face Llama directory or a gendist run directory
+
+
+def cmd_train(argv: list[str]) -> int:
+    """Train (resuming train.out_dir's checkpoint of the same config), then print a sample."""
+    args = parse_with_config(TrainArgs, argv, "train", "gendist train: train a model, "
+                             "checkpoint it, print the validation loss and a sample.")
+    cfg, init_params, tok = resolve_train(args.config, args.init_from or None)
+    from gendist import distributed
+    from gendist.output import console
+    distributed.maybe_initialize()  # a multi-process job (launch, SLURM, MPI): join it first
+    console.route_logging()
+    from gendist.training import loop
+    result = loop.run(cfg, init_params=init_params)
+    if not args.no_sample and cfg.generate.max_new_tokens > 0:
+        print_sample(cfg, result.state["params"], tok)
+    return 0
+
+
+def print_sample(cfg: Config, params, tok) -> None:
+    """A sample of `cfg.generate` from a run's params (gathered from every process)."""
+    import jax
+
+    from gendist.cli.generate import sample
+    from gendist.output import console
+    if jax.process_count() > 1:  # every process takes part in gathering the shards
+        from jax.experimental import multihost_utils
+        params = multihost_utils.process_allgather(params, tiled=True)
+    if jax.process_index() == 0:
+        g = cfg.generate
+        text = sample(cfg.model, jax.device_get(params), tok, g, [g.prompt])[0]
+        console.say("sample:\n" + g.prompt + text)
+
+
+def resolve_train(cfg: Config, init_from: str | None = None):
+    """(config, init_params or None, tokenizer) for a training run.
+
+    `init_from`: a Hugging Face model directory (config.json + safetensors) or a gendist
+    run directory; the architecture comes from it (runtime fields such as dtype from the
+    flags), and so does the tokenizer when data.tokenizer is left at bytes. Then
+    model.vocab_size follows the tokenizer: raised to its vocabulary when smaller (a larger
+    value is kept, e.g. padded to a multiple of mesh.tensor); a loaded model's vocabulary
+    is fixed, so a larger tokenizer is refused.
+    """
+    from gendist import hf
+    from gendist.data.tokenfiles import META
+    from gendist.data.tokenizer import find_tokenizer_file, load_tokenizer
+    init = None
+    m, d = cfg.model, cfg.data
+    if d.tokens and (Path(d.tokens) / META).is_file():
+        from gendist.data.tokenfiles import open_token_dir, tokenizer_of
+        d = dataclasses.replace(d, tokenizer=tokenizer_of(d.tokens, open_token_dir(d.tokens)[2]))
+    if init_from is not None:
+        src = Path(init_from)
+        if (src / hf.CONFIG).is_file():
+            m = hf.model_config_from_hf(hf.read_config(src), m)
+            init = lambda shardings: hf.load_params(src, m, shardings)  # noqa: E731
+        else:
+            import jax
+
+            from gendist.training.serialize import load_params
+            loaded_cfg, params, _ = load_params(src)
+            m = dataclasses.replace(loaded_cfg, **{f: getattr(m, f) for f in hf.RUNTIME_FIELDS})
+            init = jax.device_get(params)  # host arrays: placed per shard by loop.run
+        if d.tokenizer == "bytes" and not d.tokens and find_tokenizer_file(src):
+            d = dataclasses.replace(d, tokenizer=str(src))
+    tok = load_tokenizer(d.tokenizer)
+    # Bytes: the model's vocabulary is the user's (text that uses only ASCII trains with 128;
+    # the data check refuses ids it cannot embed). A tokenizer's vocabulary is followed.
+    if m.vocab_size < tok.vocab_size and tok.name != "bytes":
+        if init is not None:
+            raise ValueError(
+                f"data.tokenizer={d.tokenizer!r} has {tok.vocab_size} tokens but the model "
+                f"from {init_from} embeds only {m.vocab_size}; use the model's own tokenizer.")
+        m = dataclasses.replace(m, vocab_size=tok.vocab_size)
+    return dataclasses.replace(cfg, model=m, data=d), init, tok
+

@@ -41,7 +41,7 @@ PRESETS: dict[str, Config] = {
                      d_ff=2816, max_seq_len=2048, dtype="bfloat16", attention="cudnn"),
         train=TrainConfig(batch_size=16, seq_len=1024, lr=3e-4, steps=2000)),
     # ~1.2B params, head_dim 128 (Llama-style). The layer scan is unrolled: on an H200 that
-    # took the step from 45.6% to 54.8% MFU and halved its temp memory (benchmarks/README.md).
+    # took the step from 45.6% to 54.8% MFU and halved its temp memory (benchmarks/training.md).
     "1b": Config(
         model=_model(d_model=2048, num_layers=22, num_heads=16, num_kv_heads=16, head_dim=128,
                      d_ff=5632, max_seq_len=2048, dtype="bfloat16", attention="cudnn",

@@ -3,7 +3,7 @@
 A decode step at small batch is dominated by small kernels, not bytes: on an H200 a 350m
 batch-1 step ran ~330 kernels, and per layer the attention part alone was four or more of
 them (RoPE + padding of q, RoPE + write of k, write of v, the paged kernel, and for a split
-context its merge; `benchmarks/README.md`). This kernel does that part of a layer
+context its merge; `benchmarks/decode.md`). This kernel does that part of a layer
 in one launch, for one new token per sequence:
 
 * it reads the fused q|k|v projection [B, N+2K, H] as it comes out of the decode layout's
@@ -159,7 +159,7 @@ def default_splits(batch: int, kv_heads: int, capacity: int, block_k: int) -> in
 
 def default_tiling(batch: int, kv_heads: int, capacity: int) -> dict:
     """The tiling measured best in whole decode steps on an H200 (`decode_floor.py` variants
-    fast@<tiling>, `benchmarks/README.md`): few sequences x heads: 64-slot blocks, the context
+    fast@<tiling>, `benchmarks/decode.md`): few sequences x heads: 64-slot blocks, the context
     split (`default_splits`), 4 warps, 2 stages (350m and 1b at batch 1: 0.504 and 1.101 ms
     per step, against 0.536-0.593 and 1.141-1.176 for four other tilings); enough of them to
     fill the GPU without splits: 32-slot blocks, 2 warps, 3 stages (1b at batch 64: 1.784

@@ -122,7 +122,7 @@ class MosaicBlockSizes:
         shared memory beside P's staging tiles (regs=False) and, with a causal mask, at head
         dim 128 where the query tiles pair up (an even number a head: `TileSchedule`). Causal
         pairs measured faster than one block per tile on the H200: forward +4% at 2k x batch
-        24, +13% at 2k x batch 8, +7% at 4k, +6% at 4k GQA, +1% at 16k (benchmarks/README.md)."""
+        24, +13% at 2k x batch 8, +7% at 4k, +6% at 4k GQA, +1% at 16k (benchmarks/attention.md)."""
         if self.persistent is not None:
             return self.persistent
         if causal and (head_dim != 128 or not _pairs(q_len, self.block_q)):
@@ -135,7 +135,7 @@ class MosaicBlockSizes:
         PERSISTENT_DQ_MAX_KV keys (short tiles, where a tile's prologue and epilogue weigh
         most), where its dQ out tiles fit in shared memory and, with a causal mask, its query
         tiles pair up. H200, forward+backward: +5% at 2k causal x batch 24, +2% at x 8; at 4k
-        -1.5% (no mask), -1.7% (causal), 0% (causal GQA), one call: benchmarks/README.md."""
+        -1.5% (no mask), -1.7% (causal), 0% (causal GQA), one run: benchmarks/attention.md."""
         fits = self._need(head_dim, regs, False, True)["dq"] <= SMEM_LIMIT - SMEM_RESERVE
         if self.persistent_dq is not None:
             if self.persistent_dq and not fits:
@@ -149,7 +149,7 @@ class MosaicBlockSizes:
     def resolve_persistent_dkv(self, head_dim: int, regs: bool) -> bool:
         """The dK/dV kernel's grid: as asked, or (None) one block per key block: persistent it
         measured slower at 2k causal on the H200 (-5.5% forward+backward at batch 24, -2% at
-        8; benchmarks/README.md). The fused backward (`fused_bwd` resolved) always keeps one
+        8; benchmarks/attention.md). The fused backward (`fused_bwd` resolved) always keeps one
         block per key block."""
         if self.fused_bwd:
             return False
@@ -175,7 +175,7 @@ class MosaicBlockSizes:
         head dim 128 (where it was timed) unless `fused_bwd` is asked for, if its dS^T buffer
         (batch x heads x kv_pad x q_pad elements) is at most DS_IN_HBM_MAX_BYTES. H200, the
         1b step's attention (2k causal, batch 24, 3.2 GB): 2.85 against 3.10-3.19 ms of kernel
-        time a forward+backward, the 1b step +1.0-1.5% (benchmarks/README.md)."""
+        time a forward+backward, the 1b step +1.0-1.5% (benchmarks/attention.md)."""
         if self.ds_in_hbm is not None:
             return self.ds_in_hbm
         if not regs or head_dim != 128 or self.fused_bwd:
@@ -187,7 +187,7 @@ class MosaicBlockSizes:
         """The backward's form: as asked, or (None) fused at head dim 128 from 8k keys on, where
         it measured faster than the two kernels on the H200 (with its 240-register consumers:
         +6% at 8k, +4-10% at 16k, causal and not; at 2k and 4k 5-16% slower:
-        benchmarks/README.md), if its shared memory fits these tiles."""
+        benchmarks/attention.md), if its shared memory fits these tiles."""
         if self.fused_bwd is not None:
             return self.fused_bwd
         if self.ds_in_hbm:

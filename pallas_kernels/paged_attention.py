@@ -18,7 +18,7 @@ max and sum in base 2 and the splits are merged with a log-sum-exp rescaling.
 K/V tiles are gathered token by token straight into [block_k, H] (a page id per token), not
 as [pages, Z, H] reshaped: with the reshape between load and dot the same kernel read 1.4 TB/s
 on an H200, without it 2.4-2.7 TB/s at batch 64, context 4096, 32q/8kv heads, page 16, where
-JAX's own Pallas paged op reads 1.6 (experiments/bench_paged_attention.py, benchmarks/README.md).
+JAX's own Pallas paged op reads 1.6 (experiments/bench_paged_attention.py, benchmarks/paged_decode.md).
 
 On a Hopper GPU `paged_attention` dispatches to the Mosaic GPU kernel of
 `paged_attention_mgpu.py` (TMA page copies, wgmma); this kernel stays the portable path and

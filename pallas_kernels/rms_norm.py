@@ -2,7 +2,7 @@
 
 XLA compiles `gendist.models.layers.rms_norm` of one decode token into two kernels on a GPU:
 a reduction for the sum of squares and an elementwise kernel for the scaling, which it does
-not fuse into the matrix-vector product that follows (`benchmarks/README.md`).
+not fuse into the matrix-vector product that follows (`benchmarks/decode.md`).
 At batch 1 each costs a launch and little else, twice per layer. This kernel does both in
 one program per row: read the row once, sum its squares in fp32, scale, cast back. Given the
 residual branch's output too, it also does the residual add before the norm (XLA ran that

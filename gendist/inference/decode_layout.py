@@ -5,7 +5,7 @@ to read the weights. On a GPU, XLA turns each one-row matmul into a reduction, a
 that reduction streams the matrix depends on its layout: with the reduced (input) axis minor
 it is one fused row reduction per matrix; with the stored [input, output] layout XLA wrote
 the whole elementwise product to memory and read it back (three times the bytes; seen in
-the compiled HLO of a decode loop for an H200, `benchmarks/README.md`). So `decode_params`
+the compiled HLO of a decode loop for an H200, `benchmarks/decode.md`). So `decode_params`
 stores every matrix output-major, cast once to the compute dtype, fuses q|k|v and gate|up
 into one matrix each, and keeps every layer in its own buffer (a tuple, run straight-line by
 `decode_block.run_layers`): no slices of a stacked weight inside the loop.

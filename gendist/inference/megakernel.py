@@ -2,7 +2,7 @@
 residual adds in `pallas_kernels.chain`.
 
 A decode step at batch 1 reads every weight once, and on an H200 the step of XLA's fast path
-is ~230 small kernels that each pay a ramp and a tail (`benchmarks/README.md`). Here the
+is ~230 small kernels that each pay a ramp and a tail (`benchmarks/decode.md`). Here the
 step is: the embedding row (XLA), the chain kernel over all layers (RMSNorms folded into the
 weights, q|k|v, attention over the cache, o, gate|up, SwiGLU, down, the residual adds), one
 in-place update writing every layer's new k and v at the step's position, and the final

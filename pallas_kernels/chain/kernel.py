@@ -15,7 +15,7 @@ output, each block summing the squares of the dense residual itself) or the iden
 Without kv the kernel is the weight chain alone: what the weight stream and the phase
 boundaries cost.
 
-Why (benchmarks/README.md): a decode step at batch 1 is ~230 kernels that each pay
+Why (benchmarks/decode.md): a decode step at batch 1 is ~230 kernels that each pay
 a fixed ramp and tail; one persistent kernel pays it once, but then needs a grid-wide
 handover between dependent products. On the H200 a fenced barrier (TMA store, proxy and
 release fences, counter) costs ~1.9 us of stream time per handover, while a handover as

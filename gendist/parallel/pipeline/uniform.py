@@ -4,7 +4,7 @@
 copies whatever large operands and results pass through it: the kept vjp residuals of a
 microbatch were sliced out of their buffer before the switch, copied out of it after, and
 written back (on two H200s, a 1b pipeline step spent a third of its kernel time in those
-copies: `benchmarks/README.md`, "Pipeline stages on two H200s").
+copies: `benchmarks/pipeline.md`).
 
 When every step of a schedule runs the same kind of action on all stages that are busy
 (GPipe; 1F1B in phases, `schedule.one_f_one_b_phased`), no switch is needed: a step runs

@@ -9,7 +9,8 @@
 #   attention       FlashAttention fwd / fwd+bwd: ours, cuDNN, tokamax               benchmarks/attention.md
 #   attention_step  our attention's kernels alone and after matmuls; energy a call  benchmarks/attention.md
 #   paged           paged decode attention against the read-only bandwidth         benchmarks/paged_decode.md
-#   decode          batch-1 decode steps: megakernel and fast path vs the floor;    benchmarks/decode.md
+#   decode          the path `generate` takes and each path's speed; batch-1 decode benchmarks/decode.md
+#                   steps: megakernel and fast path vs the floor;
 #                   where a megakernel layer's time goes (trace)
 #   train           the 1b training step, cuDNN's attention and ours alternated    benchmarks/training.md
 #   serving         continuous batching vs static batching on one request trace    benchmarks/serving.md
@@ -57,6 +58,7 @@ paged)
     OUT=$OUT "$PY" experiments/bench_attention_mgpu.py --part paged --pipelined --paged-rounds 2 \
         --paged-variants default bk128_st2_streamonly ;;
 decode)
+    "$PY" experiments/decode_paths.py --out "$OUT"
     "$PY" experiments/decode_floor.py --presets 350m 1b --batches 1 --variants chain fast --reps 3 \
         --out "$OUT"
     "$PY" experiments/trace_chain.py --pos 160 --out "$OUT" ;;

@@ -118,3 +118,57 @@ def test_readme_commands_run_in_order_in_one_directory(tmp_path):
     assert ran == len(cmds) - 3  # all but export, pip install and pytest
     if "launch" in cmds[-1][0]:
         assert "[1] done:" not in out and "[1] model:" not in out  # rank 0 alone prints
+
+
+def layout() -> dict[str, list[str]]:
+    """The Layout section's block: folder -> the module names it lists (text in
+    parentheses is a description)."""
+    (block,) = blocks(section("Layout"), "")
+    groups: dict[str, list[str]] = {}
+    folder = None
+    for line in block.splitlines():
+        if line and not line[0].isspace():
+            folder, _, line = line.partition(" ")
+            groups[folder] = []
+        groups[folder].append(line)
+    out = {}
+    for folder, parts in groups.items():
+        text = re.sub(r"\([^()]*\)", "", " ".join(parts))
+        out[folder] = [n.strip() for n in text.split(",") if n.strip()]
+    return out
+
+
+def test_layout_section_matches_the_tree():
+    root = README.parent
+    listed = layout()
+    packages = sorted(str(p.parent.relative_to(root)) + "/" for pkg in ("gendist", "pallas_kernels")
+                      for p in (root / pkg).rglob("__init__.py"))
+    assert sorted(listed) == packages, "README's Layout lists other folders than the tree has"
+    for folder, names in listed.items():
+        for n in names:
+            assert re.fullmatch(r"_*[a-z][a-z0-9_]*", n), f"{folder}: {n!r} is not a module name"
+        assert len(names) == len(set(names)), f"{folder}: a module named twice"
+        modules = sorted(p.stem for p in (root / folder).glob("*.py") if p.stem != "__init__")
+        assert sorted(names) == modules, f"{folder}: README lists {sorted(names)}, tree has {modules}"
+    assert len(README.read_text().splitlines()) <= 150, "README is to be read in five minutes"
+
+
+def test_experiments_are_indexed_and_benchmark_pages_name_real_commands():
+    root = README.parent
+    index = (root / "experiments" / "README.md").read_text()
+    scripts = sorted(p.name for p in (root / "experiments").iterdir()
+                     if p.is_file() and p.name != "README.md")
+    assert [s for s in scripts if s not in index] == [], "experiments/README.md misses these"
+    topics = set(re.findall(r"^(\w+)\)", (root / "experiments" / "run_gpu.sh").read_text(),
+                            flags=re.M))
+    pages = sorted((root / "benchmarks").glob("*.md"))
+    assert len(pages) >= 8
+    for page in pages:
+        text = page.read_text()
+        for script in re.findall(r"experiments/(\w+\.(?:py|sh))", text):
+            assert (root / "experiments" / script).is_file(), f"{page.name}: {script}"
+        for topic in re.findall(r"run_gpu\.sh ([a-z_]+)", text):
+            assert topic in topics, f"{page.name}: run_gpu.sh has no topic {topic!r}"
+        for name in re.findall(r"\b([\w.-]+\.(?:json|png))\b", text):
+            assert (root / "benchmarks" / name).is_file() or "*" in name, \
+                f"{page.name} cites {name}, which is not in benchmarks/"

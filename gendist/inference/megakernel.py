@@ -49,8 +49,9 @@ def supported(cfg: ModelConfig, batch: int) -> str | None:
         (cfg.num_kv_heads != cfg.num_heads, f"num_kv_heads == num_heads (this has "
                                             f"{cfg.num_kv_heads} for {cfg.num_heads})"),
         (cfg.num_heads * hd != D, "num_heads * head_dim == d_model"),
-        (hd % 64 or D % 128 or cfg.d_ff % 64, f"head_dim a multiple of 64 (is {hd}), d_model "
-                                              f"of 128 (is {D}), d_ff of 64 (is {cfg.d_ff})"),
+        (hd % 64, f"head_dim a multiple of 64 (is {hd})"),
+        (D % 128, f"d_model a multiple of 128 (is {D})"),
+        (cfg.d_ff % 64, f"d_ff a multiple of 64 (is {cfg.d_ff})"),
         (cfg.dtype != "bfloat16", f"dtype='bfloat16' (this is {cfg.dtype!r})"),
     ]
     return "; ".join(need for lacking, need in needs if lacking) or None

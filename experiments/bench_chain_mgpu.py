@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels._mgpu import sm_count  # noqa: E402
 from pallas_kernels.chain import kernel as cm  # noqa: E402
 from pallas_kernels.chain import plan  # noqa: E402
-from pallas_kernels._mgpu import sm_count  # noqa: E402
 
 PRESETS = {"350m": (1024, 3072, 2816, 24), "1b": (2048, 6144, 5632, 22)}
 

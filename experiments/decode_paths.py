@@ -67,7 +67,7 @@ def main():
         ref = next((r["text"] for r in rows if r["preset"] == preset and r["path"] == "auto"), "")
         for r in rows:
             if r["preset"] == preset and ref:
-                n = next((i for i, (a, b) in enumerate(zip(r["text"], ref)) if a != b),
+                n = next((i for i, (a, b) in enumerate(zip(r["text"], ref, strict=False)) if a != b),
                          min(len(r["text"]), len(ref)))
                 r["chars_equal_to_auto_before_first_difference"] = n
     out = Path(args.out) / f"decode_paths_{device}.json"

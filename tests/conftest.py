@@ -37,3 +37,19 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+# Tests that take a third of a minute or more on 2 cores (the CI log's slowest durations).
+_LONG = ("test_readme_commands_run_in_order", "test_persistent_backward_equals_one_block_per_tile",
+         "test_per_sequence_acceptance_equals_running_alone", "test_killed_process_ends_the_other",
+         "test_init_from_hf_on_zero3_mesh", "test_two_processes_equal_one_process",
+         "test_two_gpu_table_runs_tiny_on_cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The long tests and the notebooks first: xdist hands tests out in this order, so the
+    run does not end with one worker busy on a long test while the other waits."""
+    def long(item):
+        return (item.get_closest_marker("slow") is not None or item.path.suffix == ".ipynb"
+                or any(name in item.name for name in _LONG))
+    items.sort(key=lambda item: not long(item))

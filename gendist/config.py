@@ -57,8 +57,7 @@ class ModelConfig:
 
     def check(self) -> None:
         """Raise ValueError naming the field and the fix for values the model cannot take."""
-        _check_positive(self, "vocab_size", "d_model", "num_layers", "num_heads",
-                        "num_kv_heads", "head_dim", "d_ff", "max_seq_len", "scan_unroll")
+        check_ranges(self)
         if self.mlp not in ("swiglu", "gelu"):
             raise ValueError(f"model.mlp={self.mlp!r}; choose 'swiglu' or 'gelu'.")
         if self.moe_experts:
@@ -68,6 +67,12 @@ class ModelConfig:
                 f"model.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
                 f"model.rope_low_freq_factor={self.rope_low_freq_factor} (llama3 RoPE scaling "
                 "blends between the two); Llama 3.1 uses 4 and 1.")
+        if self.num_params > MAX_PARAMS:
+            raise ValueError(
+                f"the model has {self.num_params:.3g} parameters (model.d_model={self.d_model}, "
+                f"model.num_layers={self.num_layers}, model.d_ff={self.d_ff}, "
+                f"model.vocab_size={self.vocab_size}), more than {MAX_PARAMS:.0e} that no "
+                "machine holds; lower the --model.* sizes (the presets: --preset 8b).")
         if self.moe_experts and self.num_layers % self.moe_every:
             raise ValueError(
                 f"model.num_layers={self.num_layers} is not a multiple of model.moe_every="
@@ -169,6 +174,18 @@ class MeshConfig:
     tensor: int = 1  # Megatron tensor parallelism (heads, MLP width, vocabulary)
     sequence_parallel: bool = False  # Megatron-3: norms/residuals split over seq on `tensor`
 
+    def __post_init__(self):
+        _check_unless_deferred(self)
+
+    def check(self) -> None:
+        """Raise ValueError naming the axis and the fix for sizes no mesh can take."""
+        check_ranges(self)
+        free = [a for a, s in self.sizes().items() if s == -1]
+        if len(free) > 1:
+            raise ValueError(f"mesh sizes {self.sizes()}: only one axis may be -1, got "
+                             f"{free}; give explicit sizes to all but one "
+                             f"(e.g. --mesh.{free[1]} 1).")
+
     def sizes(self) -> dict[str, int]:
         """The four axis sizes (one may be -1)."""
         return {"data": self.data, "pipeline": self.pipeline, "expert": self.expert,
@@ -185,6 +202,13 @@ class DataConfig:
     tokens: str = ""  # a directory of token files from `prepare` (instead of corpus/tokenizer)
     val_fraction: float = 0.05  # last fraction of the corpus held out for validation
     seed: int = 0  # batches are a pure function of (seed, step)
+
+    def __post_init__(self):
+        _check_unless_deferred(self)
+
+    def check(self) -> None:
+        """Raise ValueError naming the field and the fix for values the data cannot take."""
+        check_ranges(self)
 
 
 @dataclass(frozen=True)
@@ -232,8 +256,7 @@ class TrainConfig:
 
     def check(self) -> None:
         """Raise ValueError naming the field and the fix for values training cannot take."""
-        _check_positive(self, "batch_size", "seq_len", "steps", "grad_accum", "eval_every",
-                        "eval_batches", "log_every", "keep_checkpoints", "pipeline_chunks")
+        check_ranges(self)
         interleaved = self.pipeline_schedule == "interleaved-1f1b"
         if interleaved != (self.pipeline_chunks > 1):
             raise ValueError(
@@ -244,9 +267,6 @@ class TrainConfig:
         if self.tp_comm not in ("xla", "collective"):
             raise ValueError(f"train.tp_comm={self.tp_comm!r}: choose 'xla' (XLA's collectives) "
                              "or 'collective' (collective matmuls; needs mesh.sequence_parallel).")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"train.checkpoint_every={self.checkpoint_every} must be >= 0 "
-                             "(0 = only at the end); pass --train.checkpoint-every 0 or more.")
 
 
 @dataclass(frozen=True)
@@ -267,6 +287,7 @@ class GenerateConfig:
 
     def check(self) -> None:
         """Raise ValueError naming the field and the fix for values sampling cannot take."""
+        check_ranges(self)
         if self.path not in DECODE_PATHS:
             raise ValueError(f"generate.path={self.path!r}; choose one of "
                              f"{', '.join(DECODE_PATHS)}.")
@@ -288,6 +309,8 @@ class Config:
     def check(self) -> None:
         """Every section's checks, then the ones across sections (mesh against model)."""
         self.model.check()
+        self.mesh.check()
+        self.data.check()
         self.train.check()
         self.generate.check()
         if self.mesh.pipeline > 1:
@@ -351,29 +374,140 @@ _SECTIONS = {"ModelConfig": "model", "MeshConfig": "mesh", "DataConfig": "data",
 
 
 def _check_moe(m: ModelConfig) -> None:
-    """The MoE fields, checked where a user sets them (named as flags)."""
-    if m.moe_experts < 0:
-        raise ValueError(f"model.moe_experts={m.moe_experts}: use 0 for a dense model or >= 1.")
-    if not 1 <= m.moe_top_k <= m.moe_experts:
+    """The MoE fields against each other (their ranges: `check_ranges`)."""
+    if m.moe_top_k > m.moe_experts:
         raise ValueError(
             f"model.moe_top_k={m.moe_top_k} must be in [1, model.moe_experts={m.moe_experts}]: "
             "a token cannot pick more experts than exist; lower moe_top_k or add experts.")
-    if not m.moe_capacity_factor > 0:
-        raise ValueError(f"model.moe_capacity_factor={m.moe_capacity_factor} must be > 0 "
-                         "(1.0 gives each expert exactly its even share of tokens).")
-    if m.moe_d_ff < 0:
-        raise ValueError(f"model.moe_d_ff={m.moe_d_ff}: use 0 (= model.d_ff) or a positive width.")
-    if m.moe_every < 1:
-        raise ValueError(f"model.moe_every={m.moe_every} must be >= 1 (1 = every block is MoE).")
-    if m.moe_load_balance_weight < 0 or m.moe_z_loss_weight < 0:
-        raise ValueError("model.moe_load_balance_weight and model.moe_z_loss_weight must be "
-                         f">= 0, got {m.moe_load_balance_weight} and {m.moe_z_loss_weight}.")
 
 
-def _check_positive(cfg, *names):
-    for n in names:
-        v = getattr(cfg, n)
-        if v <= 0:
-            section = _SECTIONS[type(cfg).__name__]
-            raise ValueError(f"{section}.{n}={v} must be positive; pass "
-                             f"--{section}.{n.replace('_', '-')} with a value of 1 or more.")
+INT32_MAX = 2**31 - 1  # sizes, steps and seeds become int32 arrays and shapes
+FLOAT32_MAX = 3.4028234663852886e38  # floats feed float32 math: larger ones turn into inf
+MAX_PARAMS = 10**13  # no machine holds the training state of a larger model
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field takes: [lo, hi] (open ends: lo_open / hi_open), plus
+    `special` values outside it with a meaning (-1 = the remaining devices), a `noun` saying
+    what the number is and a `note` on a value's meaning (0 = off). Integers stop at INT32_MAX, floats must be finite float32."""
+
+    lo: float
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    special: tuple[tuple[float, str], ...] = ()
+    noun: str = ""
+    note: str = ""
+
+    def holds(self, v) -> bool:
+        if any(v == s for s, _ in self.special):
+            return True
+        hi = self.hi
+        return ((v > self.lo if self.lo_open else v >= self.lo)
+                and (hi is None or (v < hi if self.hi_open else v <= hi)))
+
+    def text(self, noun: str = "") -> str:
+        """'> 0', 'an integer >= 1', 'in [0, 1)', '-1 (the remaining devices) or >= 1'."""
+        if self.hi is None:
+            rng = f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
+        else:
+            rng = (f"in {'(' if self.lo_open else '['}{_num(self.lo)}, {_num(self.hi)}"
+                   f"{')' if self.hi_open else ']'}")
+        rng = f"{noun} {rng}" if noun else rng
+        return "".join(f"{_num(v)} ({what}) or " for v, what in self.special) + rng
+
+
+def _num(x) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+POSITIVE, NON_NEGATIVE = Range(1), Range(0)  # integers
+POSITIVE_REAL, NON_NEGATIVE_REAL = Range(0, lo_open=True), Range(0)
+FRACTION = Range(0, 1)
+# Every numeric field's range by section; a numeric field not listed must be >= 0.
+RANGES: dict[str, dict[str, Range]] = {
+    "model": {
+        **dict.fromkeys(("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                         "head_dim", "d_ff", "max_seq_len", "rope_original_max_len",
+                         "scan_unroll", "moe_every", "moe_top_k"), POSITIVE),
+        **dict.fromkeys(("rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
+                         "rope_high_freq_factor", "norm_eps", "init_std",
+                         "moe_capacity_factor"), POSITIVE_REAL),
+        "moe_experts": Range(0, noun="a number of experts", note="0 = a dense model"),
+        "moe_d_ff": Range(0, noun="a width", note="0 = model.d_ff"),
+        "moe_load_balance_weight": NON_NEGATIVE_REAL, "moe_z_loss_weight": NON_NEGATIVE_REAL,
+    },
+    "mesh": dict.fromkeys(("data", "pipeline", "expert", "tensor"),
+                          Range(1, special=((-1, "the remaining devices"),),
+                                noun="a number of devices")),
+    "data": {"val_fraction": Range(0, 1, lo_open=True, hi_open=True,
+                                   noun="a fraction of the corpus"),
+             "seed": NON_NEGATIVE},
+    "train": {
+        **dict.fromkeys(("batch_size", "seq_len", "steps", "grad_accum", "eval_every",
+                         "eval_batches", "log_every", "keep_checkpoints", "pipeline_chunks"),
+                        POSITIVE),
+        "lr": POSITIVE_REAL, "min_lr_ratio": FRACTION, "warmup_steps": NON_NEGATIVE,
+        "weight_decay": NON_NEGATIVE_REAL, "b1": Range(0, 1, hi_open=True),
+        "b2": Range(0, 1, hi_open=True), "grad_clip": POSITIVE_REAL, "seed": NON_NEGATIVE,
+        "checkpoint_every": Range(0, noun="a number of steps", note="0 = only at the end"),
+        "checkpoint_every_minutes": Range(0, noun="a number of minutes", note="0 = off"),
+        "pipeline_microbatches": Range(0, noun="a number of microbatches",
+                                       note="0 = 2 x stages"),
+        "pipedream_window": NON_NEGATIVE, "terapipe_slices": NON_NEGATIVE,
+        "pipeline_stage_layers": Range(1, noun="a list of layer counts, each"),
+        "debug_nan_step": Range(0, special=((-1, "off"),)),
+    },
+    "generate": {
+        "max_new_tokens": NON_NEGATIVE,
+        "temperature": Range(0, noun="a temperature", note="0 = greedy"),
+        "top_k": Range(0, noun="a number of tokens", note="0 = off"),
+        "top_p": Range(0, 1, lo_open=True, noun="a probability mass", note="1 = off"),
+        "seed": NON_NEGATIVE, "eos_id": Range(0, special=((-1, "never"),)),
+    },
+}
+
+
+def numeric_fields(cls) -> dict[str, type]:
+    """{field: int or float} of a config class: its numbers and tuples of numbers."""
+    import typing
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        if typing.get_origin(hint) is tuple:
+            hint = typing.get_args(hint)[0]
+        if hint in (int, float):
+            out[name] = hint
+    return out
+
+
+def check_ranges(cfg) -> None:
+    """Raise ValueError for a numeric field outside its `RANGES` entry (or NaN, infinite,
+    beyond int32/float32, or not a number), naming the flag, the value and the fix."""
+    import dataclasses
+    import numbers
+    section = _SECTIONS[type(cfg).__name__]
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for name, kind in numeric_fields(type(cfg)).items():
+        value = getattr(cfg, name)
+        rng = RANGES[section].get(name, NON_NEGATIVE if kind is int else NON_NEGATIVE_REAL)
+        for v in value if isinstance(value, tuple) else (value,):
+            number = (isinstance(v, numbers.Integral) if kind is int
+                      else isinstance(v, numbers.Real)) and not isinstance(v, bool)
+            ok = number and rng.holds(v) and (
+                abs(v) <= INT32_MAX if kind is int else abs(v) <= FLOAT32_MAX)  # NaN: False
+            if ok:
+                continue
+            noun = rng.noun or ("an integer" if kind is int else "a finite number")
+            cap = ""
+            if number and kind is int and abs(v) > INT32_MAX:
+                cap = f" and at most {INT32_MAX} (int32)"
+            elif number and kind is float and abs(v) > FLOAT32_MAX and math.isfinite(v):
+                cap = " and at most 3.4e38 (float32)"
+            note = f" ({rng.note})" if rng.note else ""
+            flag = f"--{section}.{name.replace('_', '-')}"
+            default = defaults[name]
+            hint = (f" (default {default})" if not isinstance(default, tuple)
+                    else f" (default {' '.join(map(str, default))})" if default else "")
+            raise ValueError(f"{section}.{name}={value!r} must be {rng.text(noun)}{cap}{note}; "
+                             f"pass {flag} with a value {rng.text()}{hint}.")

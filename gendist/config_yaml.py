@@ -47,15 +47,24 @@ def _coerce(section: str, f: dataclasses.Field, value, hint):
     if origin is tuple:
         if not isinstance(value, list | tuple):
             value = [value]
-        return tuple(value)
+        item = typing.get_args(hint)[0]
+        return tuple(_coerce(section, f, v, item) for v in value)
     if hint is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{name}={value!r} in the config file must be true or false.")
         return value
-    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as text
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if hint is float:
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} in the config file must be a number.")
         return float(value)
     if hint in (int, str) and not (isinstance(value, hint) and not isinstance(value, bool)):
-        raise ValueError(f"{name}={value!r} in the config file must be a {hint.__name__}.")
+        what = "an integer" if hint is int else "a string (quote it)"
+        raise ValueError(f"{name}={value!r} in the config file must be {what}.")
     return value
 
 
@@ -67,13 +76,16 @@ def from_dict(d: dict, base: Config | None = None) -> Config:
     for sec, values in (d or {}).items():
         if sec not in sections:
             raise ValueError(f"unknown config section {sec!r}; sections are {sorted(sections)}.")
+        if values is not None and not isinstance(values, dict):
+            raise ValueError(f"config section {sec!r} holds {values!r}, not fields; give "
+                             f"them under it, e.g. `{sec}: {{field: value}}`.")
         cur = getattr(base, sec)
         cls = type(cur)
         hints = typing.get_type_hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kw = {}
         for k, v in (values or {}).items():
-            key = k.replace("-", "_")
+            key = str(k).replace("-", "_")
             if key not in fields:
                 raise ValueError(f"unknown config field {sec}.{k}; {sec} has "
                                  f"{sorted(fields)}.")
@@ -83,11 +95,24 @@ def from_dict(d: dict, base: Config | None = None) -> Config:
 
 
 def load(path: str | Path, base: Config | None = None) -> Config:
+    """The Config a YAML file gives (over `base`); a file that is not YAML, or not of
+    sections of fields, is refused in one line naming the file and the line."""
     import yaml
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--config {str(path)!r} is not a file.")
-    d = yaml.safe_load(path.read_text())
+        raise FileNotFoundError(f"--config {str(path)!r} is not a file; give a run's saved "
+                                f"{YAML_NAME} (e.g. runs/default/{YAML_NAME}).")
+    try:
+        d = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--config {str(path)!r} is not UTF-8 text (byte {e.start}); give "
+                         f"a YAML file such as a run's saved {YAML_NAME}.") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        what = getattr(e, "problem", None) or type(e).__name__
+        raise ValueError(f"--config {str(path)!r} is not valid YAML: {what} at {where}; fix "
+                         f"that line (a run's saved {YAML_NAME} shows the layout).") from None
     if d is not None and not isinstance(d, dict):
         raise ValueError(f"--config {str(path)!r}: expected sections (model:, train:, ...).")
     return from_dict(d, base)

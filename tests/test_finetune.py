@@ -118,6 +118,21 @@ def test_config_yaml_round_trip_and_cli_overrides(tmp_path):
     (tmp_path / "bad.yaml").write_text("model:\n  attention: flash\n")
     with pytest.raises(ValueError, match=r"model.attention='flash'.*choose one of"):
         config_yaml.load(tmp_path / "bad.yaml")
+    # YAML 1.1 reads 1e-3 (no dot) as text: a float field takes it as the number.
+    (tmp_path / "lr.yaml").write_text("train:\n  lr: 1e-3\n  pipeline_stage_layers: [2, 2]\n")
+    got = config_yaml.load(tmp_path / "lr.yaml").train
+    assert got.lr == 1e-3 and got.pipeline_stage_layers == (2, 2)
+    for text, want in (("train:\n  lr: fast\n", r"train.lr='fast' in the config file must "
+                                                  r"be a number"),
+                       ("train:\n  steps: 2.5\n", r"train.steps=2.5 .* must be an integer"),
+                       ("train:\n  pipeline_stage_layers: [1, x]\n",
+                        r"train.pipeline_stage_layers='x' .* must be an integer"),
+                       ("model: 3\n", r"config section 'model' holds 3, not fields"),
+                       ("model:\n  d_model: [1\n", r"is not valid YAML: .* at line 3, column 1"),
+                       ("train:\n  lr: -1\n", r"train.lr=-1.0 must be a finite number > 0")):
+        (tmp_path / "bad.yaml").write_text(text)
+        with pytest.raises(ValueError, match=want):
+            parse_config(["--config", str(tmp_path / "bad.yaml")])
 
 
 def test_generate_cli_with_model_dir_and_draft(models):

@@ -54,17 +54,25 @@ def _box_text(text: str) -> str:
 
 
 def parse(cls, argv: list[str], command: str, **kw):
-    """`tyro.cli(cls)` over argv, a rejected command line raised as one UsageError line."""
+    """`tyro.cli(cls)` over argv, a rejected command line raised as one UsageError line;
+    then every config in it checked (`check()`: ranges and choices, one ValueError line
+    naming the flag; tyro would wrap a ValueError raised while it builds them in its box)."""
+    from gendist.config import deferred_checks
     prog = f"{PROG} {command}"
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
-            return tyro.cli(cls, args=argv, prog=prog, **kw)
+        with deferred_checks(), contextlib.redirect_stderr(err):
+            args = tyro.cli(cls, args=argv, prog=prog, **kw)
     except SystemExit as e:
         if e.code in (0, None):
             raise
         raise UsageError(f"{_box_text(err.getvalue())} (`{prog} --help` lists every flag)"
                          ) from None
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if dataclasses.is_dataclass(value) and hasattr(value, "check"):
+            value.check()
+    return args
 
 
 def base_config(argv: list[str], default_preset: str = "tiny") -> tuple[Config, str]:
@@ -85,8 +93,8 @@ def base_config(argv: list[str], default_preset: str = "tiny") -> tuple[Config, 
 
 def parse_with_config(cls, argv: list[str], command: str, about: str, **fields):
     """A `cls` whose `config` field is a whole Config: its defaults from `--preset NAME`
-    (or `--config FILE`), then every flag; the Config checked once parsed (tyro would wrap
-    our ValueErrors in its box). `fields`: defaults of cls's other fields."""
+    (or `--config FILE`), then every flag; the Config checked once parsed (`parse`).
+    `fields`: defaults of cls's other fields."""
     from gendist.config import deferred_checks
     argv = list(argv)
     with deferred_checks():
@@ -95,7 +103,6 @@ def parse_with_config(cls, argv: list[str], command: str, about: str, **fields):
                        f"--config FILE a saved one; here {what}. Every field below can be set.")
         args = parse(cls, argv, command, default=cls(config=base, **fields),
                      description=description)
-    args.config.check()
     return args
 
 

@@ -97,12 +97,73 @@ def test_sources_dirs_globs_records(corpus):
     # bytes: documents joined by a blank line; one file reads exactly as before
     tokens = load_tokens((str(corpus / "books"),), ByteTokenizer())
     assert bytes(tokens) == (TEXT[:30_000] + "\n\n" + TEXT[30_000:70_000]).encode()
-    with pytest.raises(KeyError, match=r"data.text_field='text' is not a field"):
+    with pytest.raises(ValueError, match=r"data.text_field='text' is not a field"):
         list(documents((str(corpus / "rec.jsonl"),)))
-    with pytest.raises(KeyError, match=r"data.text_field='text' is not a column"):
+    with pytest.raises(ValueError, match=r"data.text_field='text' is not a column"):
         list(documents((str(corpus / "more.parquet"),)))
     with pytest.raises(FileNotFoundError, match=r"glob .* matches no file"):
         expand((str(corpus / "*.nothing"),))
+
+
+def test_text_that_is_not_utf8_is_refused_with_its_line(tmp_path):
+    """Latin-1 bytes would reach a tokenizer as U+FFFD: refused, naming the first bad byte,
+    also past a 1 MiB piece boundary, in a .gz and in a .jsonl record."""
+    import gzip
+    good = "Ça va, à côté du château.\n" * 45_000  # > 1 MiB: several pieces
+    (tmp_path / "ok.txt").write_text(good)
+    assert bytes(load_tokens((str(tmp_path / "ok.txt"),), ByteTokenizer())) == good.encode()
+    (tmp_path / "latin.txt").write_bytes(good.encode() + "déjà vu\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin.txt is not UTF-8 text \(byte 0xe9 at line "
+                                         r"45001, column 2\).*iconv -f latin1 -t utf-8"):
+        load_tokens((str(tmp_path / "latin.txt"),), ByteTokenizer())
+    (tmp_path / "latin.txt.gz").write_bytes(gzip.compress("naïve\n".encode("latin-1")))
+    with pytest.raises(ValueError, match=r"latin.txt.gz is not UTF-8 text \(byte 0xef at "
+                                         r"line 1, column 3\).*zcat"):
+        list(documents((str(tmp_path / "latin.txt.gz"),)))
+    (tmp_path / "not.gz").write_bytes(b"plain text")
+    with pytest.raises(ValueError, match=r"not.gz is not a complete gzip file"):
+        list(documents((str(tmp_path / "not.gz"),)))
+    for line, want in ((b'{"text": "caf\xe9"}', r"rec.jsonl:2 is not UTF-8"),
+                       (b'{"text": 1', r"rec.jsonl:2 is not a JSON record"),
+                       (b'["text"]', r"rec.jsonl:2 holds a JSON list, not an object"),
+                       (b'{"text": 7}', r"data.text_field='text' of the record at .*rec.jsonl:2 "
+                                        r"is a int, not text")):
+        (tmp_path / "rec.jsonl").write_bytes(b'{"text": "ok"}\n' + line + b"\n")
+        with pytest.raises(ValueError, match=want):
+            list(documents((str(tmp_path / "rec.jsonl"),)))
+
+
+def test_empty_or_too_small_corpus_is_refused(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "short.txt").write_text("a few bytes")
+    with pytest.raises(ValueError, match=r"holds no text \(0 tokens\)"):
+        TextData.from_config(DataConfig(corpus=(str(tmp_path / "empty.txt"),)))
+    with pytest.raises(ValueError, match=r"holds 11 tokens, leaving 11 to train on and 0 for "
+                                         r"validation \(data.val_fraction=0.05\)"):
+        TextData.from_config(DataConfig(corpus=(str(tmp_path / "short.txt"),)))
+
+
+def test_prepare_refused_leaves_no_folder_and_keeps_an_old_one(tmp_path):
+    from gendist.data.tokenfiles import prepare
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "text.txt").write_text(TEXT[:20_000])
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ValueError, match="holds no text"):
+        prepare((str(tmp_path / "empty.txt"),), "bytes", tmp_path / "new" / "tok",
+                progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # not even new/
+    prepare((str(tmp_path / "text.txt"),), "bytes", tmp_path / "tok", progress=False)
+    (tmp_path / "tok" / "NOTES").write_text("mine")
+    old = {p.name: p.read_bytes() for p in (tmp_path / "tok").iterdir()}
+    with pytest.raises(ValueError, match="holds no text"):
+        prepare((str(tmp_path / "empty.txt"),), "bytes", tmp_path / "tok", progress=False)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "tok").iterdir()} == old
+    # A new prepare replaces the old one's files (shards, meta.json) and keeps the others.
+    meta = prepare((str(tmp_path / "text.txt"),), "bytes", tmp_path / "tok", progress=False,
+                   shard_tokens=5000)
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == sorted(
+        ["NOTES", "meta.json", *meta["train"], *meta["val"]])
+    assert len(meta["train"]) == 4 and not list(tmp_path.glob(".tok.prepare-*"))
 
 
 def test_arrow_and_saved_datasets(tmp_path):
@@ -186,6 +247,20 @@ def test_prepare_then_train_equals_training_on_text(prepared, corpus, bpe, tmp_p
         losses.append(run)
     assert losses[0] == losses[1] and losses[0][2] < losses[0][0]
     assert setup.traces["step"] == 1
+
+
+def test_vocabulary_follows_the_tokenizer_unless_the_user_set_it(prepared, bpe, tmp_path):
+    """Left alone, model.vocab_size rises to the tokenizer's 320 without a word; set on the
+    command line (vocab_given) and smaller, it is refused naming both."""
+    for data in (DataConfig(tokens=str(prepared)), DataConfig(tokenizer=bpe)):
+        cfg = replace(small_config(str(tmp_path)), data=data)
+        assert resolve_train(cfg)[0].model.vocab_size == 320
+        with pytest.raises(ValueError, match=r"--model.vocab-size 256 is smaller than the "
+                                             r"320-token vocabulary of .*--model.vocab-size 320 "
+                                             r"or more, or leave --model.vocab-size out"):
+            resolve_train(cfg, vocab_given=True)
+        bigger = replace(cfg, **{"model.vocab_size": 384})
+        assert resolve_train(bigger, vocab_given=True)[0].model.vocab_size == 384  # padded
 
 
 def test_token_ids_beyond_vocab_refused_before_any_step(prepared, tmp_path):

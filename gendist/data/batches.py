@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from gendist.config import DataConfig
-from gendist.data.corpus import load_tokens
+from gendist.data.corpus import check_split_sizes, load_tokens
 from gendist.data.tokenizer import ByteTokenizer, load_tokenizer
 from gendist.sharding import named_sharding
 
@@ -58,6 +58,8 @@ class TextData:
             return cls.from_token_files(cfg.tokens, cfg.seed)
         tokens = load_tokens(tuple(cfg.corpus), load_tokenizer(cfg.tokenizer), cfg.text_field)
         n_val = int(len(tokens) * cfg.val_fraction)
+        check_split_sizes(len(tokens) - n_val, n_val, f"data.corpus={list(cfg.corpus)}",
+                          cfg.val_fraction)
         return cls(tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:], cfg.seed,
                    cfg.tokenizer)
 
@@ -66,6 +68,8 @@ class TextData:
         """Memory-mapped shards from `python -m gendist prepare` (or nanoGPT's .bin files)."""
         from gendist.data.tokenfiles import open_token_dir, tokenizer_of
         train, val, meta = open_token_dir(path)
+        check_split_sizes(len(train), len(val), f"data.tokens={path!r}",
+                          meta.get("val_fraction"))
         return cls(train, val, seed, tokenizer_of(path, meta) if meta.get("tokenizer")
                    else "", meta.get("max_token_id"))
 

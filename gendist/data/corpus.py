@@ -1,7 +1,8 @@
 """Where text comes from: files, directories, globs, .jsonl, Parquet/Arrow, the bundled corpus.
 
-A corpus is a sequence of documents. A text file is one document (read in pieces of about
-1 MiB cut at line ends, so a file larger than memory streams); each record of a .jsonl,
+A corpus is a sequence of documents. A text file is one document (UTF-8, read in pieces of
+about 1 MiB cut at line ends, so a file larger than memory streams; another encoding is
+refused with the line of its first bad byte, not read as U+FFFD); each record of a .jsonl,
 Parquet or Arrow file (or a `datasets.save_to_disk` folder) is one document, its text in
 `data.text_field`. Parquet and Arrow go through the `datasets` library, from local files
 only. `token_chunks` turns the documents into token arrays with the tokenizer's separator
@@ -83,12 +84,45 @@ def _text_pieces(f) -> Iterator[bytes]:
         yield rest
 
 
+def _check_utf8(piece: bytes, path: Path, lines_before: int) -> None:
+    """Refuse a text file that is not UTF-8 (a tokenizer would read U+FFFD in its place),
+    naming the line and column of the first bad byte and how to convert the file."""
+    try:
+        piece.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = lines_before + piece.count(b"\n", 0, e.start) + 1
+        column = e.start - (piece.rfind(b"\n", 0, e.start) + 1) + 1
+        fix = (f"zcat {path} | iconv -f latin1 -t utf-8 > {path.with_suffix('')}.utf8.txt"
+               if path.suffix == ".gz" else
+               f"iconv -f latin1 -t utf-8 {path} > {path.with_suffix('')}.utf8{path.suffix}")
+        raise ValueError(
+            f"data.corpus: {path} is not UTF-8 text (byte 0x{piece[e.start]:02x} at line "
+            f"{line}, column {column}); convert it to UTF-8 and give the converted file, "
+            f"e.g. {fix} (latin1: the file's encoding).") from None
+
+
 def _records(path: Path, text_field: str) -> Iterator[str]:
     if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    yield _field(json.loads(line), text_field, f"{path}:{n}")
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                where = f"{path}:{n}"
+                try:
+                    rec = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"data.corpus: {where} is not UTF-8 (byte "
+                                     f"0x{raw[e.start]:02x} at column {e.start + 1}); convert "
+                                     "the file to UTF-8 (e.g. iconv -f latin1 -t utf-8).") from None
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"data.corpus: {where} is not a JSON record ({e.msg} at "
+                                     f"column {e.colno}); a .jsonl file holds one JSON object "
+                                     "a line, e.g. {\"text\": \"...\"}.") from None
+                if not isinstance(rec, dict):
+                    raise ValueError(f"data.corpus: {where} holds a JSON "
+                                     f"{type(rec).__name__}, not an object; a .jsonl file holds "
+                                     "one JSON object a line, e.g. {\"text\": \"...\"}.")
+                yield _field(rec, text_field, where)
         return
     try:
         import datasets
@@ -102,7 +136,7 @@ def _records(path: Path, text_field: str) -> Iterator[str]:
         ds = datasets.load_dataset(kind, data_files=[str(path)], split="train", streaming=True)
     columns = getattr(ds, "column_names", None)
     if columns is not None and text_field not in columns:
-        raise KeyError(f"data.text_field={text_field!r} is not a column of {path}; its "
+        raise ValueError(f"data.text_field={text_field!r} is not a column of {path}; its "
                        f"columns are {columns}. Set --data.text-field.")
     for rec in ds:
         yield _field(rec, text_field, str(path))
@@ -110,9 +144,16 @@ def _records(path: Path, text_field: str) -> Iterator[str]:
 
 def _field(rec: dict, text_field: str, where: str) -> str:
     if text_field not in rec:
-        raise KeyError(f"data.text_field={text_field!r} is not a field of the record at "
-                       f"{where}; its fields are {sorted(rec)}. Set --data.text-field.")
-    return rec[text_field]
+        raise ValueError(f"data.text_field={text_field!r} is not a field of the record at "
+                         f"{where}; its fields are {sorted(rec)}. Set --data.text-field.")
+    text = rec[text_field]
+    if text is None:  # a missing value in a table: an empty document
+        return ""
+    if not isinstance(text, str):
+        raise ValueError(f"data.text_field={text_field!r} of the record at {where} is a "
+                         f"{type(text).__name__}, not text; set --data.text-field to the "
+                         "field holding the text.")
+    return text
 
 
 def documents(paths: tuple[str, ...], text_field: str = "text"
@@ -131,9 +172,17 @@ def documents(paths: tuple[str, ...], text_field: str = "text"
                 yield text, True
             continue
         opener = gzip.open if path.suffix == ".gz" else open
+        lines = 0
         with opener(path, "rb") as f:
-            for piece in _text_pieces(f):
-                yield piece, False
+            try:
+                for piece in _text_pieces(f):
+                    _check_utf8(piece, path, lines)
+                    lines += piece.count(b"\n")
+                    yield piece, False
+            except (gzip.BadGzipFile, EOFError) as e:
+                raise ValueError(f"data.corpus: {path} is not a complete gzip file ({e}); "
+                                 "give it without the .gz suffix if it is plain text, or "
+                                 "download it again.") from None
         yield b"", True
 
 
@@ -176,6 +225,17 @@ def token_chunks(paths: tuple[str, ...], tokenizer, text_field: str = "text",
         if len(pending) >= batch:
             yield from flush()
     yield from flush()
+
+
+def check_split_sizes(n_train: int, n_val: int, what: str, val_fraction=None) -> None:
+    """Refuse a corpus with no text, or too little to leave tokens for both splits."""
+    if n_train + n_val == 0:
+        raise ValueError(f"{what} holds no text (0 tokens); give files with text in them, "
+                         "or leave data.corpus empty to train on the bundled corpus.")
+    if n_val == 0 or n_train == 0:
+        split = "" if val_fraction is None else f" (data.val_fraction={val_fraction})"
+        raise ValueError(f"{what} holds {n_train + n_val} tokens, leaving {n_train} to train "
+                         f"on and {n_val} for validation{split}; give more text.")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -11,13 +11,15 @@ shards and only the windows a process asks for are read from disk. A nanoGPT fol
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from gendist.data.corpus import token_chunks, token_dtype
+from gendist.data.corpus import check_split_sizes, expand, token_chunks, token_dtype
 from gendist.data.tokenizer import load_tokenizer
 
 META = "meta.json"
@@ -149,30 +151,62 @@ def _move_tail(train: _ShardWriter, val: _ShardWriter, n_val: int) -> None:
 def prepare(corpus: tuple[str, ...], tokenizer: str, out_dir: str | Path, *,
             text_field: str = "text", val_fraction: float = 0.05,
             shard_tokens: int = 1 << 28, progress: bool = True) -> dict:
-    """Tokenize a corpus into train/val token files in `out_dir`; returns the meta dict."""
+    """Tokenize a corpus into train/val token files in `out_dir`; returns the meta dict.
+
+    The files are written into a temporary folder beside `out_dir` and moved in when
+    complete (replacing a previous prepare's files there): a refused or failed prepare (no
+    text, a file that is not UTF-8) leaves `out_dir` as it was, and no folder it created.
+    """
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 1).")
+        raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 1); pass "
+                         "--data.val-fraction 0.05, say.")
     if shard_tokens <= 0:
-        raise ValueError(f"--shard-tokens={shard_tokens} must be positive.")
+        raise ValueError(f"--shard-tokens {shard_tokens}: give a positive number of tokens "
+                         f"per shard file (default {1 << 28}).")
     tok = load_tokenizer(tokenizer)
+    expand(tuple(corpus))  # every file, folder and glob exists before anything is written
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for old in list(out.glob("train_*.bin")) + list(out.glob("val_*.bin")) + [out / META]:
-        old.unlink(missing_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out_dir)!r} is a file; give a folder for the token "
+                         "files (a new one, or a previous prepare's).")
+    created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.prepare-", dir=out.parent))
+    try:
+        meta = _write_tokens(stage, tuple(corpus), tok, text_field, val_fraction,
+                             shard_tokens, progress)
+        _move_into(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        for d in created:  # deepest first; only the folders this call made
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+    return meta
+
+
+def _write_tokens(out: Path, corpus: tuple[str, ...], tok, text_field: str,
+                  val_fraction: float, shard_tokens: int, progress: bool) -> dict:
     dtype = token_dtype(tok.vocab_size)
     train = _ShardWriter(out, "train", dtype, shard_tokens)
     val = _ShardWriter(out, "val", dtype, shard_tokens)
-    bar = _bar(progress)
+    bar = _Bar(progress)
     max_id = -1
-    for chunk in token_chunks(tuple(corpus), tok, text_field):
-        if len(chunk):
-            max_id = max(max_id, int(np.max(chunk)))
-            train.write(chunk)
-            bar.update(len(chunk))
+    try:
+        for chunk in token_chunks(corpus, tok, text_field):
+            if len(chunk):
+                max_id = max(max_id, int(np.max(chunk)))
+                train.write(chunk)
+                bar.update(len(chunk))
+    except BaseException:
+        bar.close(leave=False)
+        train.close()
+        raise
     bar.close()
     total = sum(train.lengths)
     train.close()
     n_val = int(total * val_fraction)
+    check_split_sizes(total - n_val, n_val, f"data.corpus={list(corpus)}", val_fraction)
     _move_tail(train, val, n_val)
     val.close()
     tok_file = None
@@ -190,22 +224,47 @@ def prepare(corpus: tuple[str, ...], tokenizer: str, out_dir: str | Path, *,
     return meta
 
 
+def _move_into(stage: Path, out: Path) -> None:
+    """Make `out` hold the files of `stage` (then removed): a rename when `out` is new;
+    else a previous prepare's files there (shards, meta.json, its tokenizer) give way."""
+    if not out.exists():
+        stage.rename(out)
+        return
+    old = out / META
+    if old.is_file():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            prev = json.loads(old.read_text())
+            for name in [*prev["train"], *prev["val"], prev.get("tokenizer") or ""]:
+                if name and name != "bytes" and "/" not in name:
+                    (out / name).unlink(missing_ok=True)
+    for f in list(out.glob("train_*.bin")) + list(out.glob("val_*.bin")) + [old]:
+        f.unlink(missing_ok=True)
+    for f in sorted(stage.iterdir(), key=lambda f: f.name == META):  # meta.json last
+        f.replace(out / f.name)
+    stage.rmdir()
+
+
 def tokenizer_of(path: str | Path, meta: dict) -> str:
     """The data.tokenizer string for a token folder: its copied tokenizer, or bytes."""
     name = meta.get("tokenizer")
     return "bytes" if name in (None, "bytes") else str(Path(path) / name)
 
 
-def _bar(enabled: bool):
-    if enabled:
-        from tqdm.auto import tqdm
-        return tqdm(desc="prepare", unit=" tok", unit_scale=True, dynamic_ncols=True)
+class _Bar:
+    """prepare's progress bar, shown from the first tokens on (a refused corpus prints
+    none); closed without a trace on an error."""
 
-    class _Quiet:
-        def update(self, n):
-            return None
+    def __init__(self, enabled: bool):
+        self.enabled, self.bar = enabled, None
 
-        def close(self):
-            return None
+    def update(self, n: int) -> None:
+        if self.enabled and self.bar is None:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(desc="prepare", unit=" tok", unit_scale=True, dynamic_ncols=True)
+        if self.bar is not None:
+            self.bar.update(n)
 
-    return _Quiet()
+    def close(self, leave: bool = True) -> None:
+        if self.bar is not None:
+            self.bar.leave = leave
+            self.bar.close()

@@ -5,7 +5,8 @@ tokens), `encode_prompt` (what a model sees at the start of generation: BOS wher
 tokenizer adds one), `decode`, `vocab_size`, `eos_id` / `bos_id` (None where absent) and
 `separator` (the tokens placed between documents of a corpus: EOS, or a blank line for
 bytes). `load_tokenizer` takes the `data.tokenizer` string: `bytes`, a file, or a model
-directory holding `tokenizer.json` or `tokenizer.model`.
+directory holding `tokenizer.json`, `tokenizer.model` or (a byte-level model exported by
+gendist) `gendist_tokenizer.json`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from pathlib import Path
 import numpy as np
 
 HF_FILE, SP_FILE = "tokenizer.json", "tokenizer.model"
+# Written beside a byte-level model (`export`): says "bytes", since there is no vocabulary file.
+BYTES_FILE = "gendist_tokenizer.json"
+BYTES_MARKER = {"tokenizer": "bytes", "vocab_size": 256,
+                "about": "UTF-8 bytes as token ids 0-255 (gendist's byte-level tokenizer)"}
 # Token strings that mean end/begin of text in common vocabularies, tried in order when
 # no tokenizer_config.json / config.json names them.
 EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
@@ -61,7 +66,12 @@ class HFTokenizer:
         except ImportError as e:
             raise ImportError("data.tokenizer: a tokenizer.json needs the `tokenizers` "
                               "package: pip install 'gendist[data]'") from e
-        self.tok = Tokenizer.from_file(str(path))
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the Rust library raises plain Exceptions
+            raise ValueError(f"data.tokenizer={str(path)!r} is not a tokenizer.json the "
+                             f"`tokenizers` library reads ({' '.join(str(e).split())[:120]})"
+                             "; give the tokenizer.json saved with the model.") from None
         self.name, self.files = str(path), (Path(path),)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         named = _special_tokens_named_beside(Path(path))
@@ -106,7 +116,12 @@ class SentencePieceTokenizer:
         except ImportError as e:
             raise ImportError("data.tokenizer: a SentencePiece model needs the `sentencepiece` "
                               "package: pip install 'gendist[data]'") from e
-        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as e:
+            raise ValueError(f"data.tokenizer={str(path)!r} is not a SentencePiece model "
+                             f"({' '.join(str(e).split())[:120]}); give the tokenizer.model "
+                             "saved with the model.") from None
         self.name, self.files = str(path), (Path(path),)
         self.vocab_size = self.sp.get_piece_size()
         self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
@@ -155,11 +170,31 @@ def _special_tokens_named_beside(path: Path) -> dict:
 
 
 def find_tokenizer_file(directory: Path) -> Path | None:
-    """tokenizer.json (preferred) or tokenizer.model in a directory, or None."""
-    for name in (HF_FILE, SP_FILE):
+    """tokenizer.json (preferred), tokenizer.model or gendist_tokenizer.json (bytes) in a
+    directory, or None."""
+    for name in (HF_FILE, SP_FILE, BYTES_FILE):
         if (directory / name).is_file():
             return directory / name
     return None
+
+
+def write_bytes_marker(directory: Path) -> Path:
+    """gendist_tokenizer.json in `directory`: its model reads UTF-8 bytes."""
+    path = Path(directory) / BYTES_FILE
+    path.write_text(json.dumps(BYTES_MARKER, indent=1) + "\n")
+    return path
+
+
+def _read_bytes_marker(path: Path) -> ByteTokenizer:
+    try:
+        kind = json.loads(path.read_text()).get("tokenizer")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        kind = None
+    if kind != "bytes":
+        raise ValueError(f"data.tokenizer={str(path)!r} is not gendist's byte-level marker "
+                         f"({json.dumps(BYTES_MARKER)}); give bytes, or the model's "
+                         "tokenizer file.")
+    return ByteTokenizer()
 
 
 def load_tokenizer(spec: str = "bytes") -> Tokenizer:
@@ -171,9 +206,11 @@ def load_tokenizer(spec: str = "bytes") -> Tokenizer:
         found = find_tokenizer_file(path)
         if found is None:
             raise FileNotFoundError(
-                f"data.tokenizer={spec!r}: the directory holds neither {HF_FILE} nor "
-                f"{SP_FILE}; point at the tokenizer file, or use bytes.")
+                f"data.tokenizer={spec!r}: the directory holds no {HF_FILE}, {SP_FILE} or "
+                f"{BYTES_FILE}; point at the tokenizer file, or use bytes.")
         path = found
+    if path.name == BYTES_FILE and path.is_file():
+        return _read_bytes_marker(path)
     if not path.is_file():
         raise FileNotFoundError(f"data.tokenizer={spec!r} is not a file or directory; give "
                                 f"bytes, a {HF_FILE}, a SentencePiece .model, or a model dir.")

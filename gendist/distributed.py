@@ -350,14 +350,23 @@ def launch(command: list[str], nproc: int, devices_per_process: int | None = Non
     return 0 if failed is None else (128 - rc if rc < 0 else rc)
 
 
-# Gloo prints one line per pair of connected devices at start-up (C++, not maskable).
-_GLOO_CONNECTED = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# Gloo prints one line per pair of connected devices at start-up (C++, not maskable), from
+# several threads at once: two such lines can interleave piece by piece, as
+# "[Gloo] Rank 0 ... peer ranks is : [Gloo] Rank 0 ... peer ranks is : 1\n1\n", whose
+# second line ("1") is the tail of the first message.
+_GLOO = b"[Gloo] Rank "
+_GLOO_PIECE = re.compile(rb"\[Gloo\] Rank |\d+| is connected to | peer ranks\. ?|"
+                         rb"Expected number of connected peer ranks is ?: ?|\s+")
 
 
 def _pump(rank: int, proc: subprocess.Popen, out):
+    owed = 0  # lines still to come that finish interleaved Gloo messages
     for line in iter(proc.stdout.readline, b""):
-        if _GLOO_CONNECTED.match(line):
+        n = line.count(_GLOO)
+        if n or (owed and not _GLOO_PIECE.sub(b"", line)):
+            owed = max(owed + n - 1, 0)  # each message ends one line
             continue
+        owed = 0  # the tails come straight after their line (one flush of C++'s buffer)
         out.write(f"[{rank}] " + line.decode(errors="replace"))
         out.flush()
 

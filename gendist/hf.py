@@ -32,8 +32,11 @@ Loading goes one parameter at a time straight onto its sharding (`shardings`, e.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import jax
@@ -250,17 +253,41 @@ def load(model_dir: str | Path, base: ModelConfig | None = None,
     return cfg, load_params(model_dir, cfg, shardings)
 
 
-def save(model_dir: str | Path, cfg: ModelConfig, params: dict, *, dtype: str = "float32",
-         max_shard_bytes: int = 5 << 30, tokenizer=None) -> list[str]:
-    """Write params as a HF Llama directory (config.json, safetensors shards + index when
-    more than one, and the tokenizer's files if given). Returns the safetensors file names.
+def check_target(model_dir: str | Path, overwrite: bool = False, flag: str = "") -> None:
+    """Refuse to write a model directory over a file, or over a folder holding files unless
+    `overwrite` (`flag`: the option naming the folder, e.g. --out, for the message)."""
+    out = Path(model_dir)
+    name = f"{flag} {str(model_dir)!r}" if flag else repr(str(model_dir))
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{name} is a file; give a folder for the model (a new one).")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:4]) + (f", ... ({len(held)} entries)" if len(held) > 4 else "")
+        fix = ("pass --overwrite to replace the folder whole, or give a new --out" if flag
+               else "pass overwrite=True to replace it whole, or write to a new directory")
+        raise ValueError(f"{name} already holds {shown}; {fix}.")
 
-    `dtype`: float32 (bitwise round trip) or bfloat16 (half the bytes).
+
+def save(model_dir: str | Path, cfg: ModelConfig, params: dict, *, dtype: str = "float32",
+         max_shard_bytes: int = 5 << 30, tokenizer=None, overwrite: bool = False) -> list[str]:
+    """Write params as a HF Llama directory (config.json, safetensors shards + index when
+    more than one, and the tokenizer's files if given: gendist's byte-level tokenizer as
+    gendist_tokenizer.json). Returns the safetensors file names.
+
+    `dtype`: float32 (bitwise round trip) or bfloat16 (half the bytes). The directory is
+    written whole into a temporary folder beside it and then moved into place: a folder
+    holding files is refused (`check_target`) unless `overwrite`, which replaces it whole,
+    never leaving a mix of its old files and the new ones.
     """
     from safetensors.numpy import save_file
+
+    from gendist.data.tokenizer import write_bytes_marker
+    check_target(model_dir, overwrite)
     np_dtype = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}[dtype]
     out = Path(model_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    bos = getattr(tokenizer, "bos_id", None)
+    eos = getattr(tokenizer, "eos_id", None)
+    hf = hf_config_from_model(cfg, torch_dtype=dtype, bos_id=bos, eos_id=eos)
     params = jax.device_get(params)
     tensors: dict[str, np.ndarray] = {}
     for path, (pattern, _, to_hf) in weight_map(cfg).items():
@@ -278,24 +305,50 @@ def save(model_dir: str | Path, cfg: ModelConfig, params: dict, *, dtype: str = 
             size = 0
         shards[-1][name] = t
         size += t.nbytes
-    for old in list(out.glob("model*.safetensors")) + [out / INDEX]:
-        old.unlink(missing_ok=True)
     names = [SINGLE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards, strict=True):
-        save_file(shard, str(out / name), metadata={"format": "pt"})
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-                 "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s}}
-        (out / INDEX).write_text(json.dumps(index, indent=2))
-    bos = getattr(tokenizer, "bos_id", None)
-    eos = getattr(tokenizer, "eos_id", None)
-    hf = hf_config_from_model(cfg, torch_dtype=dtype, bos_id=bos, eos_id=eos)
-    (out / CONFIG).write_text(json.dumps(hf, indent=2))
-    for f in getattr(tokenizer, "files", ()):
-        if Path(f).resolve() != (out / Path(f).name).resolve():
-            (out / Path(f).name).write_bytes(Path(f).read_bytes())
+    created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        for name, shard in zip(names, shards, strict=True):
+            save_file(shard, str(stage / name), metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+                     "weight_map": {k: n for n, s in zip(names, shards, strict=True) for k in s}}
+            (stage / INDEX).write_text(json.dumps(index, indent=2))
+        (stage / CONFIG).write_text(json.dumps(hf, indent=2))
+        for f in getattr(tokenizer, "files", ()):
+            shutil.copyfile(f, stage / Path(f).name)
+        if getattr(tokenizer, "name", None) == "bytes":
+            write_bytes_marker(stage)
+        _replace_dir(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        for d in created:  # deepest first; only the folders this call made
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
     return names
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Put folder `new` at `out` (two renames on one file system; the old folder, if any,
+    is deleted only once the new one is in place)."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        new.rename(out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    old.rmdir()
+    out.rename(old)
+    try:
+        new.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old)
 
 
 def param_shardings(mesh, cfg: ModelConfig, zero_stage: int = 0) -> dict:

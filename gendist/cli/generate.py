@@ -64,13 +64,50 @@ def cmd_generate(argv: list[str]) -> int:
         print(f"weights: random (preset {args.preset}; {model_cfg.params_text()}); give "
               "--checkpoint DIR for a trained model", flush=True)
     else:
-        from gendist.training.serialize import load_params
+        from gendist.training.serialize import find_checkpoint_dir, load_params
+        find_checkpoint_dir(args.checkpoint)  # a missing folder named before anything else
+        tok = run_tokenizer(args.checkpoint)
         model_cfg, params, step = load_params(args.checkpoint)
+        check_tokenizer_fits(model_cfg, tok, f"the run's tokenizer ({tok.name})",
+                             f"--checkpoint {args.checkpoint}")
         print(f"checkpoint {Path(args.checkpoint)} step {step}; {model_cfg.params_text()}",
               flush=True)
-        params, tok = jax.device_get(params), run_tokenizer(args.checkpoint)
+        params = jax.device_get(params)
     print(g.prompt + sample(model_cfg, params, tok, g, [g.prompt])[0])
     return 0
+
+
+def check_tokenizer_fits(model_cfg, tok, tokenizer: str, model: str) -> None:
+    """Refuse a tokenizer with more tokens than the model embeds (`tokenizer`, `model`: how
+    the user named them). Bytes are exempt (a model may embed only the bytes its text
+    used); `check_prompt` checks the ids a prompt gives."""
+    if tok.name != "bytes" and tok.vocab_size > model_cfg.vocab_size:
+        raise ValueError(
+            f"{tokenizer} has {tok.vocab_size} tokens but the model of {model} embeds only "
+            f"{model_cfg.vocab_size} (its vocab_size): they were not trained together; give "
+            "the tokenizer the model was trained with.")
+
+
+def check_prompt(model_cfg, tok, g: GenerateConfig, prompts: list[str]) -> list:
+    """The prompts' token ids, refused before any decoding when a prompt is empty, holds an
+    id the model has no embedding for, or leaves no room for g.max_new_tokens."""
+    ids = [tok.encode_prompt(p) for p in prompts]
+    for p, t in zip(prompts, ids, strict=True):
+        if len(t) == 0:
+            raise ValueError("--generate.prompt is empty; give at least one character, e.g. "
+                             "--generate.prompt 'ROMEO:'.")
+        if int(max(t)) >= model_cfg.vocab_size:
+            raise ValueError(
+                f"--generate.prompt {p[:40]!r} holds token id {int(max(t))} but the model "
+                f"embeds only {model_cfg.vocab_size} (model.vocab_size); give a prompt of "
+                f"the characters it was trained on (ids below {model_cfg.vocab_size}).")
+        room = model_cfg.max_seq_len - len(t)
+        if g.max_new_tokens > room:
+            raise ValueError(
+                f"--generate.max-new-tokens {g.max_new_tokens} after the {len(t)}-token "
+                f"prompt exceeds model.max_seq_len={model_cfg.max_seq_len}; pass "
+                f"--generate.max-new-tokens {max(room, 0)} or less, or a shorter prompt.")
+    return ids
 
 
 def _generate_model_dir(args: GenerateArgs) -> int:
@@ -79,22 +116,43 @@ def _generate_model_dir(args: GenerateArgs) -> int:
     from gendist.data.tokenizer import find_tokenizer_file, load_tokenizer
     g, model_dir = args.generate, args.model_dir
     base = ModelConfig(dtype=args.dtype)
-    cfg, params = hf.load(model_dir, base)
+    cfg = _model_dir_config(model_dir, "--model-dir", base)
+    dcfg = _model_dir_config(args.draft_dir, "--draft-dir", base) if args.draft_dir else None
+    if dcfg is not None and dcfg.vocab_size != cfg.vocab_size:
+        raise ValueError(f"--draft-dir: the draft's vocabulary ({dcfg.vocab_size}) differs from "
+                         f"the target's ({cfg.vocab_size}); pair models sharing a tokenizer.")
     if not args.tokenizer and find_tokenizer_file(Path(model_dir)) is None:
-        raise FileNotFoundError(f"--model-dir {model_dir!r} has no tokenizer.json or "
-                                "tokenizer.model; pass --tokenizer FILE (or bytes).")
+        fix = ("--tokenizer bytes (a byte-level model) or --tokenizer FILE"
+               if cfg.vocab_size <= 256 else "--tokenizer FILE (the model's tokenizer.json "
+               "or tokenizer.model)")
+        raise FileNotFoundError(f"--model-dir {model_dir!r} has no tokenizer.json, "
+                                f"tokenizer.model or gendist_tokenizer.json; pass {fix}.")
     tok = load_tokenizer(args.tokenizer or model_dir)
+    check_tokenizer_fits(cfg, tok, f"--tokenizer {args.tokenizer}" if args.tokenizer else
+                         f"the tokenizer of --model-dir ({tok.name})", f"--model-dir {model_dir}")
+    check_prompt(cfg, tok, g, [g.prompt])
+    params = hf.load_params(model_dir, cfg)
     print(f"{model_dir}: {cfg.num_params / 1e6:.2f}M params, vocabulary {cfg.vocab_size}",
           file=sys.stderr)
-    if not args.draft_dir:
+    if dcfg is None:
         print(g.prompt + sample(cfg, params, tok, g, [g.prompt])[0])
         return 0
-    dcfg, dparams = hf.load(args.draft_dir, base)
+    dparams = hf.load_params(args.draft_dir, dcfg)
     text, stats = speculative_sample(cfg, params, dcfg, dparams, tok, g, g.prompt, args.gamma)
     print(g.prompt + text)
     print(f"speculative: {int(stats['accepted'])} of {int(stats['proposed'])} draft tokens "
           f"accepted in {int(stats['steps'])} target calls", file=sys.stderr)
     return 0
+
+
+def _model_dir_config(model_dir: str, flag: str, base):
+    """The ModelConfig of a Hugging Face directory's config.json (no weights read yet)."""
+    from gendist import hf
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"{flag} {model_dir!r} is not a directory; give a Hugging "
+                                "Face Llama directory (config.json + *.safetensors), e.g. "
+                                "one `python -m gendist export` wrote.")
+    return hf.model_config_from_hf(hf.read_config(model_dir), base)
 
 
 def sample(model_cfg, params, tok, g: GenerateConfig, prompts: list[str]) -> list[str]:
@@ -106,12 +164,11 @@ def sample(model_cfg, params, tok, g: GenerateConfig, prompts: list[str]) -> lis
     import jax.numpy as jnp
 
     from gendist.inference import decoder
-    from gendist.inference.generate import check_lengths, generate, pad_prompts
+    from gendist.inference.generate import generate, pad_prompts
     from gendist.inference.sampling import SamplingParams
     eos = g.eos_id if g.eos_id >= 0 or tok.eos_id is None else tok.eos_id
-    prompt_BT, len_B = pad_prompts([tok.encode_prompt(p) for p in prompts])
+    prompt_BT, len_B = pad_prompts(check_prompt(model_cfg, tok, g, prompts))
     B, T = prompt_BT.shape
-    check_lengths(model_cfg, T, g.max_new_tokens)
     plan = decoder.plan(model_cfg, params, B, T + g.max_new_tokens, g.path)
     print(plan.line, file=sys.stderr, flush=True)
     args = (plan, jnp.asarray(prompt_BT), jnp.asarray(len_B), jax.random.key(g.seed))
@@ -163,10 +220,13 @@ def speculative_sample(tcfg, tparams, dcfg, dparams, tok, g: GenerateConfig, pro
 
 
 def run_tokenizer(run_dir: str):
-    """The tokenizer a run trained with (its saved config.yaml), or bytes."""
+    """The tokenizer a run trained with (its saved config.yaml, beside checkpoints/), or bytes."""
     from gendist import config_yaml
     from gendist.data.tokenizer import load_tokenizer
-    saved = Path(run_dir) / config_yaml.YAML_NAME
+    run = Path(run_dir)
+    if run.name == "checkpoints" and not (run / "checkpoints").is_dir():
+        run = run.parent  # given the run's checkpoints/ folder
+    saved = run / config_yaml.YAML_NAME
     return load_tokenizer(config_yaml.load(saved).data.tokenizer if saved.is_file() else "bytes")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gendist.cli.args import parse
+from gendist.cli.args import UsageError, parse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,4 +23,8 @@ def cmd_launch(argv: list[str]) -> int:
     from gendist.distributed import launch
     split = argv.index("--") if "--" in argv else len(argv)
     a = parse(LaunchArgs, argv[:split], "launch", description=LaunchArgs.__doc__)
+    for flag, value in (("--nproc", a.nproc), ("--devices-per-process", a.devices_per_process),
+                        ("--gpus-per-process", a.gpus_per_process)):
+        if value is not None and not 1 <= value <= 4096:
+            raise UsageError(f"{flag} {value}: give a count from 1 to 4096 (e.g. {flag} 2)")
     return launch(argv[split + 1:], a.nproc, a.devices_per_process, a.gpus_per_process)

@@ -23,6 +23,7 @@ commands:
              a preset with random weights (a decode benchmark): --preset NAME
   prepare    tokenize a corpus into token files: --out DIR --data.corpus ... --data.tokenizer T
   export     write a checkpoint as a Hugging Face Llama directory: --checkpoint RUN --out DIR
+             (a new or empty folder; --overwrite replaces one whole)
   plan       predicted vs compiled per-device memory and communication (and the pipeline
              bubble) for a config: plan [--devices N] [--no-compile] [overrides]
   launch     run N local processes of one multi-process job:

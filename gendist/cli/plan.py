@@ -23,8 +23,9 @@ class PlanArgs:
 def cmd_plan(argv: list[str]) -> int:
     args = parse_with_config(PlanArgs, argv, "plan", "gendist plan: predicted vs compiled "
                              "memory and communication for a config.")
-    if args.devices < 0:
-        raise UsageError(f"--devices {args.devices}: give a number of devices, e.g. 8")
+    if not 0 <= args.devices <= 4096:
+        raise UsageError(f"--devices {args.devices}: give a number of simulated devices from 1 "
+                         "to 4096, e.g. 8 (0: the devices there are)")
     if args.devices:  # simulated CPU devices; must be set before the first backend call
         from gendist.distributed import host_device_flags
         os.environ["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""), args.devices)

@@ -68,13 +68,28 @@ class Checkpointer:
         earlier = [s for s in self.all_steps() if s < step]
         back = (f"move {self.directory / str(step)} out of {self.directory} to resume from "
                 f"step {max(earlier)}, or " if earlier else "")
-        detail = " ".join(str(e).split())[:300]
         return (f"checkpoint step {step} in {self.directory} cannot be read, it looks partial "
-                f"or damaged ({type(e).__name__}: {detail}); {back}start fresh with another "
-                "--train.out-dir.")
+                f"or damaged ({damage(e)}); {back}start fresh with another --train.out-dir.")
 
     def close(self):
         self.manager.close()
+
+
+def damage(e: BaseException) -> str:
+    """What a failed read says about a checkpoint, in a few words (orbax's and TensorStore's
+    own messages run to hundreds of characters)."""
+    import re
+    text = " ".join(str(e).split())
+    shapes = re.search(r"Requested shape: (\(.*?\)) is not compatible with the stored "
+                       r"shape: (\(.*?\))", text)
+    if shapes:
+        return (f"arrays stored with shape {shapes[2]} where its saved config gives "
+                f"{shapes[1]}")
+    if type(e).__name__ == "JSONDecodeError":
+        return "its metadata is not valid JSON"
+    if any(w in text for w in ("TensorStore", "reading array", "DATA_LOSS", "OCDBT", "zarr")):
+        return "its array files cannot be read"
+    return f"{type(e).__name__}: {text.split(' See full TensorStore')[0][:120]}"
 
 
 _quieted = False

@@ -7,46 +7,74 @@ from pathlib import Path
 import jax
 from jax.sharding import SingleDeviceSharding
 
-from gendist.config import ModelConfig
+from gendist.config import ModelConfig, deferred_checks
 from gendist.models import transformer
 from gendist.presets import config_from_dict
 from gendist.training import optim
-from gendist.training.checkpoint import Checkpointer, CheckpointError
+from gendist.training.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    _quiet_orbax_leftovers,
+    damage,
+)
 
 
-def find_checkpoint_dir(path: str | Path) -> Path:
-    """Accept a run's out_dir or its `checkpoints/` folder."""
+def find_checkpoint_dir(path: str | Path, flag: str = "--checkpoint") -> Path:
+    """Accept a run's out_dir or its `checkpoints/` folder (`flag`: the option that named
+    it, for the message)."""
     p = Path(path)
     if (p / "checkpoints").is_dir():
         p = p / "checkpoints"
     if not p.is_dir():
-        raise CheckpointError(f"--checkpoint {str(path)!r} is not a directory; pass a run's "
+        raise CheckpointError(f"{flag} {str(path)!r} is not a directory; pass a run's "
                               "out_dir (e.g. runs/default) or its checkpoints/ folder.")
     return p
 
 
-def load_params(path: str | Path, step: int | None = None) -> tuple[ModelConfig, dict, int]:
-    """(model config, params on the first local device, step) from a checkpoint."""
-    ckpt = Checkpointer(find_checkpoint_dir(path))
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointError(f"no checkpoint found in {ckpt.directory}; train first "
-                              "(python -m gendist train --train.out-dir DIR).")
-    meta = ckpt.manager.restore(step, args=_meta_args())["meta"]
-    cfg = config_from_dict(meta["config"])
-    dev = SingleDeviceSharding(jax.local_devices()[0])
-    opt = optim.make_optimizer(cfg.train)
+def load_params(path: str | Path, step: int | None = None, flag: str = "--checkpoint"
+                ) -> tuple[ModelConfig, dict, int]:
+    """(model config, params on the first local device, step) from a checkpoint. A missing
+    or damaged one raises CheckpointError in one line naming `flag` and the fix."""
+    ckpt = Checkpointer(find_checkpoint_dir(path, flag))
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"{flag} {str(path)!r}: no checkpoint found in "
+                                  f"{ckpt.directory}; train first (python -m gendist train "
+                                  "--train.out-dir DIR).")
+        _quiet_orbax_leftovers()  # a failed read's leftovers (asyncio, threads) stay quiet
+        try:
+            meta = ckpt.manager.restore(step, args=_meta_args())["meta"]
+            with deferred_checks():  # a run's saved training options need not pass today's checks
+                cfg = config_from_dict(meta["config"])
+            cfg.model.check()
+        except Exception as e:  # noqa: BLE001 - orbax raises many kinds; name the fix
+            raise CheckpointError(_damaged(ckpt, step, path, flag, e)) from e
+        dev = SingleDeviceSharding(jax.local_devices()[0])
+        opt = optim.make_optimizer(cfg.train)
 
-    def init():
-        params = transformer.init_params(cfg.model, 0)
-        return {"step": jax.numpy.zeros((), jax.numpy.int32), "params": params,
-                "opt_state": opt.init(params)}
+        def init():
+            params = transformer.init_params(cfg.model, 0)
+            return {"step": jax.numpy.zeros((), jax.numpy.int32), "params": params,
+                    "opt_state": opt.init(params)}
 
-    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev),
-                            jax.eval_shape(init))
-    state, _, step = ckpt.restore(abstract, step)
-    ckpt.close()
+        abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev),
+                                jax.eval_shape(init))
+        try:
+            state, _, step = ckpt.restore(abstract, step)
+        except CheckpointError as e:
+            raise CheckpointError(_damaged(ckpt, step, path, flag, e.__cause__ or e)) from e
+    finally:
+        ckpt.close()
     return cfg.model, state["params"], step
+
+
+def _damaged(ckpt: Checkpointer, step: int, path, flag: str, e: BaseException) -> str:
+    earlier = [s for s in ckpt.all_steps() if s < step]
+    back = (f"move {ckpt.directory / str(step)} out of {ckpt.directory} to use step "
+            f"{max(earlier)}, or " if earlier else "")
+    return (f"{flag} {str(path)!r}: checkpoint step {step} in {ckpt.directory} is damaged or "
+            f"partial ({damage(e)}); {back}train the run again into a new --train.out-dir.")
 
 
 def _meta_args():

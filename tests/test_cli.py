@@ -85,6 +85,7 @@ def done_run(tmp_path_factory):
     (root / "text.txt").write_text(CORPUS)
     (root / "afile").write_text("not a folder")
     (root / "short.txt").write_text("a few bytes\n")
+    (root / "medium.txt").write_text("twenty bytes of it.\n" * 10)
     (root / "rec.jsonl").write_text('{"body": "text under another name"}\n')
     (root / "bad.yaml").write_text("model:\n  d_model: [1\n  num_layers: 3\n")
     (root / "empty").mkdir()
@@ -218,6 +219,8 @@ BAD_INPUT = [
      ["holds no text (0 tokens)"]),
     ("a corpus too small to hold a validation split", ["train", "--data.corpus", "short.txt"],
      ["holds 12 tokens, leaving 12 to train on and 0 for validation", "give more text"]),
+    ("a corpus shorter than a window of validation", ["train", "--data.corpus", "medium.txt"],
+     ["train.seq_len=128 is longer than the val split (10 tokens)", "--train.seq-len 8"]),
     ("a .jsonl record without the text field", ["train", "--data.corpus", "rec.jsonl"],
      ["data.text_field='text' is not a field of the record at rec.jsonl:1", "--data.text-field"]),
     ("malformed YAML", ["train", "--config", "bad.yaml"],

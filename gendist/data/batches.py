@@ -89,6 +89,16 @@ class TextData:
                 f"--model.vocab-size {need} or more, or the tokenizer the model was trained "
                 "with.")
 
+    def check_windows(self, seq_len: int) -> None:
+        """Both splits must hold a window of seq_len + 1 tokens (checked before any work:
+        else the first batch, or the first validation, fails mid-run)."""
+        for split in ("train", "val"):
+            n = len(getattr(self, split))
+            if n <= seq_len + 1:
+                raise ValueError(
+                    f"train.seq_len={seq_len} is longer than the {split} split ({n} tokens); "
+                    f"pass --train.seq-len {max(n - 2, 1)} or less, or give more text.")
+
     def batch_indices(self, step: int, batch_size: int, seq_len: int, split: str) -> np.ndarray:
         """Start offsets of the windows of one global batch: a function of (seed, step)."""
         data = self.train if split == "train" else self.val

@@ -120,6 +120,8 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
     t = cfg.train
     data = TextData.from_config(cfg.data) if data is None else data
     check_vocab(cfg.model, data)
+    if hasattr(data, "check_windows"):  # TextData: a window fits each split
+        data.check_windows(t.seq_len)
     if mesh is None:  # a mesh axis of -1 is only known now
         mesh = make_mesh(cfg.mesh)
     if mesh.shape["pipeline"] > 1:

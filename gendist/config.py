@@ -231,6 +231,7 @@ class TrainConfig:
     eval_batches: int = 8  # batches per validation loss
     log_every: int = 10  # steps between console/JSONL/TensorBoard metrics
     checkpoint_every: int = 100  # steps between checkpoints (0 = only at the end)
+    checkpoint_every_minutes: float = 0.0  # also checkpoint every this many minutes (0 = off; process 0's clock decides for all)
     keep_checkpoints: int = 2  # checkpoints kept on disk
     out_dir: str = "runs/default"  # metrics, TensorBoard and checkpoints go here
     resume: bool = True  # resume from the latest checkpoint in out_dir/checkpoints

@@ -43,7 +43,8 @@ def pytest_unconfigure(config):
 _LONG = ("test_readme_commands_run_in_order", "test_persistent_backward_equals_one_block_per_tile",
          "test_per_sequence_acceptance_equals_running_alone", "test_killed_process_ends_the_other",
          "test_init_from_hf_on_zero3_mesh", "test_two_processes_equal_one_process",
-         "test_two_gpu_table_runs_tiny_on_cpu")
+         "test_two_gpu_table_runs_tiny_on_cpu", "test_sigterm_to_one_process_stops_the_job",
+         "test_sigterm_checkpoints_the_step_reached")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,12 +4,13 @@ Llama directory or another run (`--init-from`), then print a sample."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import tyro
 
-from gendist.cli.args import parse_with_config
+from gendist.cli.args import PROG, parse_with_config
 from gendist.config import Config
 
 
@@ -34,7 +35,11 @@ def cmd_train(argv: list[str]) -> int:
     distributed.maybe_initialize()  # a multi-process job (launch, SLURM, MPI): join it first
     console.route_logging()
     from gendist.training import loop
-    result = loop.run(cfg, init_params=init_params)
+    try:
+        result = loop.run(cfg, init_params=init_params)
+    except loop.Preempted as e:  # checkpointed on SIGINT/SIGTERM: exit 130/143 with one line
+        print(f"{PROG} train: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     if not args.no_sample and cfg.generate.max_new_tokens > 0:
         print_sample(cfg, result.state["params"], tok)
     return 0

@@ -51,6 +51,8 @@ def header(cfg: Config, mesh, start: int, end: int, out_dir: Path) -> list[str]:
            else f"steps 0 -> {end}")
     ckpt = (f"every {t.checkpoint_every} steps and at the end" if t.checkpoint_every
             else "at the end")
+    if t.checkpoint_every_minutes:
+        ckpt = f"every {t.checkpoint_every_minutes:g} min, " + ckpt
     lines = [
         f"model: {m.params_text()}; {m.num_layers} layers, d_model {m.d_model}{moe}; "
         f"{m.dtype}, attention {resolve_backend(m.attention)}",

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -14,11 +15,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from gendist import distributed
 from gendist.config import Config, ModelConfig, check_pipeline
 from gendist.data.batches import TextData, process_rows, shard_batch
-from gendist.distributed import Watchdog, is_runtime_error, lost_peer_message
-from gendist.output import console, report
-from gendist.output.rundir import check_resume, fresh_dir
+from gendist.output import console, report, rundir
 from gendist.sharding import make_mesh
 from gendist.training.checkpoint import Checkpointer
 from gendist.training.train import NonFiniteLoss, Setup, build, host_metrics, throughput
@@ -28,12 +28,15 @@ class MetricsWriter:
     """Metrics to a JSONL file and (optionally) TensorBoard; only process 0 writes."""
 
     def __init__(self, out_dir: Path, tensorboard: bool, wandb: str = "off",
-                 wandb_project: str = "gendist", cfg: Config | None = None):
+                 wandb_project: str = "gendist", cfg: Config | None = None, start: int = 0):
+        """Appends to out_dir/metrics.jsonl after dropping its records of steps after
+        `start` (a resumed run's rows written after its checkpoint, or a fresh run's)."""
         self.active = jax.process_index() == 0
         self.tb = self.wandb = None
         if not self.active:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
+        rundir.drop_records_after(out_dir / "metrics.jsonl", start)
         if wandb != "off":
             from gendist.output.wandb_logger import WandbLogger
             self.wandb = WandbLogger(out_dir, cfg, wandb, wandb_project)
@@ -69,9 +72,21 @@ class MetricsWriter:
 @dataclasses.dataclass
 class RunResult:
     state: dict
-    history: list[dict]  # one entry per step: {"step", "loss", ...}
-    val_loss: float | None
+    history: list[dict]  # per step: {"step" (from 0), "loss", ...}; a finished run: logged ones
+    val_loss: float | None  # the last validation loss
     setup: Setup
+
+
+class Preempted(KeyboardInterrupt):
+    """The run stopped on SIGINT or SIGTERM after checkpointing the step it reached (a
+    KeyboardInterrupt, so code that handles Ctrl-C handles it)."""
+
+    def __init__(self, signum: int, step: int, end: int, directory: Path):
+        self.signum, self.step, self.directory = signum, step, directory
+        self.exit_code = 128 + signum  # 130 for SIGINT, 143 for SIGTERM
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} at step {step} of {end}; checkpoint "
+            f"of step {step} saved in {directory}; run the same command again to resume.")
 
 
 def evaluate(setup: Setup, data: TextData, params) -> float:
@@ -105,8 +120,11 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
 
     Prints a header (model, mesh, batch per device, output paths), validation losses and a
     footer through `log` (default: `console.say`, process 0 only, above the progress bar).
-    Refuses, before any step, a data set with token ids >= model.vocab_size and an out_dir
-    whose checkpoint was written by another config (`gendist.output.rundir`).
+    Refuses, before any step, a data set with token ids >= model.vocab_size, an out_dir
+    whose checkpoint was written by another config or is past train.steps
+    (`gendist.output.rundir`); a refused run takes back the directories and files it made.
+    SIGINT or SIGTERM during training checkpoints the step reached, agreed by every
+    process, and raises `Preempted` (a second signal exits at once: `StopRequest`).
     `stop_after` ends the loop early at that step (after checkpointing it), as if the
     process had been killed there: used by the exact-resume test. `step_timeout` (or
     $GENDIST_STEP_TIMEOUT) seconds without a finished step, eval or checkpoint after the
@@ -115,6 +133,16 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
     a resumed run ignores it): a params dict, or a function of the params' shardings that
     returns one placed on them (e.g. `hf.load_params` onto a ZeRO-3 mesh).
     """
+    footprint = rundir.Footprint(Path(cfg.train.out_dir))
+    try:
+        return _run(cfg, mesh, data, stop_after, log, step_timeout, init_params, footprint)
+    except BaseException:
+        footprint.undo()  # only before the first step: after it, footprint.keep() was called
+        raise
+
+
+def _run(cfg: Config, mesh, data: TextData | None, stop_after: int | None, log,
+         step_timeout: float | None, init_params, footprint: rundir.Footprint) -> RunResult:
     t0 = time.perf_counter()
     log = console.say if log is None else log
     t = cfg.train
@@ -137,7 +165,7 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
     except BaseException:
         ckpt.close()
         raise
-    state = None
+    state, meta = None, {}
     if saved is not None:
         state, meta, _ = ckpt.restore(setup.abstract_state(), saved)
         log(f"resumed from {ckpt.directory} step {saved} (val_loss {meta.get('val_loss')})")
@@ -147,9 +175,9 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
     if jax.process_index() == 0:
         from gendist import config_yaml
         config_yaml.save(cfg, out / config_yaml.YAML_NAME)  # --config accepts it back
-    writer = MetricsWriter(out, t.tensorboard, t.wandb, t.wandb_project, cfg)
+    writer = MetricsWriter(out, t.tensorboard, t.wandb, t.wandb_project, cfg, start)
     rows = process_rows(setup.mesh, t.batch_size)
-    end = t.steps if stop_after is None else min(t.steps, stop_after)
+    end = max(start, t.steps if stop_after is None else min(t.steps, stop_after))
     history: list[dict] = []
     val_loss = None
     for line in report.header(cfg, setup.mesh, start, end, out):
@@ -157,7 +185,11 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
     if start >= end:
         log(f"WARNING: {out} is already at step {start} of train.steps={t.steps}: nothing to "
             f"train. Raise --train.steps to continue it, or start a new run with "
-            f"--train.out-dir {fresh_dir(t.out_dir)}.")
+            f"--train.out-dir {rundir.fresh_dir(t.out_dir)}.")
+        history = [{**r, "step": r["step"] - 1}  # as a trained step's entry: from 0
+                   for r in rundir.read_records(out / "metrics.jsonl")
+                   if "loss" in r and r["step"] <= start]
+        val_loss = meta.get("val_loss")
     bar = console.Progress(range(start, end), t.progress)
     pending = None  # (step, metrics) dispatched but not yet pulled to the host
     t_last, tokens_since = time.perf_counter(), 0
@@ -187,19 +219,28 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
 
     if step_timeout is None and os.environ.get(STEP_TIMEOUT_ENV):
         step_timeout = float(os.environ[STEP_TIMEOUT_ENV])
-    dog = Watchdog(step_timeout) if step_timeout else contextlib.nullcontext()
+    dog = distributed.Watchdog(step_timeout) if step_timeout else contextlib.nullcontext()
     beat = dog.beat if step_timeout else (lambda label: None)
+    agree = distributed.Agreement(start)
+    every_s = t.checkpoint_every_minutes * 60
+    stopped = 0  # the signal the run stopped on
     try:
-        with dog:
+        with dog, distributed.StopRequest() as stop:
+            stop.saved = _last_checkpoint(ckpt.latest_step(), ckpt.directory)
+            last_save = time.monotonic()
             for step_no in bar:
                 batch = shard_batch(data.global_batch(step_no, t.batch_size, t.seq_len,
                                                       "train", rows), setup.mesh, t.batch_size)
                 state, metrics = setup.step_fn(state, batch)
+                footprint.keep()  # a step ran: the run directory is no longer ours to undo
                 if pending is not None:
                     drain(pending)
                     beat(f"step {pending[0] + 1}")
                 pending = (step_no, metrics)
                 done = step_no + 1
+                signum, timed = agree.decide(
+                    done, stop.signum, bool(every_s) and time.monotonic() - last_save >= every_s)
+                stopping = signum and done < end
                 if done % t.eval_every == 0 or done == end:
                     drain(pending)
                     pending = None
@@ -208,30 +249,44 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
                     log(f"step {done}: val_loss "
                         f"{report.loss_text(val_loss, cfg.model.vocab_size)}")
                     beat(f"step {done} and its validation")
-                if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == end:
+                if ((t.checkpoint_every and done % t.checkpoint_every == 0) or done == end
+                        or timed or stopping):
                     if pending is not None:  # never checkpoint before seeing it was finite
                         drain(pending)
                         pending = None
                     ckpt.save(done, state, {"val_loss": val_loss, "config": _cfg_json(cfg)})
+                    last_save = time.monotonic()
+                    stop.saved = _last_checkpoint(done, ckpt.directory)
                     beat(f"checkpoint {done}")
+                if stopping:
+                    stopped = signum
+                    break
             if pending is not None:
                 drain(pending)
-            if val_loss is None:  # nothing left to train (resumed at the end): still report
+            if val_loss is None and not stopped:  # no validation loss saved: compute one
                 val_loss = evaluate(setup, data, state["params"])
             saved_step = ckpt.latest_step()
     except Exception as e:
-        if jax.process_count() > 1 and is_runtime_error(e):
-            print(lost_peer_message(e, ckpt.latest_step(), ckpt.directory), file=sys.stderr,
-                  flush=True)
+        if jax.process_count() > 1 and distributed.is_runtime_error(e):
+            print(distributed.lost_peer_message(e, ckpt.latest_step(), ckpt.directory),
+                  file=sys.stderr, flush=True)
         raise
     finally:
         bar.close()
         writer.close()
         ckpt.close()
+    if stopped:
+        raise Preempted(stopped, saved_step, t.steps, ckpt.directory)
     for line in report.footer(cfg, start, end, time.perf_counter() - t0, history, val_loss,
                               saved_step, out):
         log(line)
     return RunResult(state, history, val_loss, setup)
+
+
+def _last_checkpoint(step: int | None, directory: Path) -> str:
+    if step is None:
+        return "no checkpoint yet"
+    return f"the last complete checkpoint is step {step} in {directory}"
 
 
 def _saved_run(cfg: Config, ckpt: Checkpointer, out: Path) -> int | None:
@@ -240,7 +295,7 @@ def _saved_run(cfg: Config, ckpt: Checkpointer, out: Path) -> int | None:
     step = ckpt.latest_step()
     if step is None:
         return None
-    check_resume(cfg, ckpt.read_meta(step).get("config"), step, out)
+    rundir.check_resume(cfg, ckpt.read_meta(step).get("config"), step, out)
     return step
 
 

@@ -246,6 +246,10 @@ class TrainConfig:
     pipeline_stage_layers: tuple[int, ...] = ()  # layers (MoE: groups) per stage; () = even split
     debug_nan_step: int = -1  # testing: make this step's loss NaN to exercise `nonfinite`
     zero_stage: Literal[0, 1, 2, 3] = 0  # ZeRO stage over `data` (0 = replicated state)
+    matmul_precision: Literal["bf16", "fp8"] = "bf16"  # the blocks' projections in the model dtype, or as FP8 products (E4M3 forward, E5M2 gradients, per-tensor scales; Hopper/Ada GPUs, emulated on CPU)
+    fp8_recipe: Literal["delayed", "current"] = "delayed"  # FP8 scales from the amax history of earlier steps (Transformer Engine's delayed scaling) or from each tensor's own amax
+    fp8_history: int = 16  # FP8 delayed scaling: steps of amax history per tensor
+    fp8_margin: int = 0  # FP8 scales leave 2**margin of headroom above the amax
     tp_comm: Literal["xla", "collective"] = "xla"  # sequence-parallel comm: XLA's, or collective matmuls (ppermute rings under the matmuls)
     tensorboard: bool = True  # write TensorBoard event files
     wandb: Literal["off", "online", "offline"] = "off"  # Weights & Biases logging (extra [wandb])
@@ -459,6 +463,8 @@ RANGES: dict[str, dict[str, Range]] = {
         "pipedream_window": NON_NEGATIVE, "terapipe_slices": NON_NEGATIVE,
         "pipeline_stage_layers": Range(1, noun="a list of layer counts, each"),
         "debug_nan_step": Range(0, special=((-1, "off"),)),
+        "fp8_history": Range(1, 1024, noun="a number of steps"),
+        "fp8_margin": Range(0, 16, noun="a power of two of headroom"),
     },
     "generate": {
         "max_new_tokens": NON_NEGATIVE,

@@ -7,8 +7,9 @@ expert-parallel MoE layer - the model calls a method of an `Ops` object instead:
 
     enter(h)            Megatron f: the input of column-parallel matmuls
     leave(y)            Megatron g: the partial sums of row-parallel matmuls
-    column(h, ws)       f, then the column-parallel matmuls h @ w (q/k/v, MLP up/gate)
-    row(a, w, dims)     a row-parallel matmul (wo, MLP down), then g
+    column(h, ws, fp8)  f, then the column-parallel matmuls h @ w (q/k/v, MLP up/gate)
+    row(a, w, dims, fp8) a row-parallel matmul (wo, MLP down), then g
+                        (fp8: the products' scaling state, `models.fp8`; None = plain dots)
     constrain(x, names) a layout hint by logical axis names
     weights(p, axes)    one layer's weights as its matmuls use them (dtype, gather)
     embed(table, tok)   the token lookup
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from gendist.config import ModelConfig
+from gendist.models import fp8 as fp8_lib
 from gendist.models import moe as moe_lib
 from gendist.sharding import column_input, compute_layout, constrain, row_output
 
@@ -42,14 +44,19 @@ class Ops:
     def leave(self, y_BTD: jax.Array) -> jax.Array:
         return row_output(y_BTD)
 
-    def column(self, h_BTD: jax.Array, ws: tuple) -> tuple:
+    def column(self, h_BTD: jax.Array, ws: tuple, fp8: tuple | None = None) -> tuple:
         """Megatron f, then h @ w for each w [D, ...] (the column-parallel matmuls that share
-        one input). A form may fuse the two (`parallel.collective_matmul`)."""
+        one input). A form may fuse the two (`parallel.collective_matmul`). `fp8`: one
+        `fp8.Fp8Meta` a product (FP8 products), or None."""
         h_BTD = self.enter(h_BTD)
+        if fp8 is not None:
+            return tuple(fp8_lib.dot(h_BTD, w, m) for w, m in zip(ws, fp8, strict=True))
         return tuple(jnp.tensordot(h_BTD, w.astype(h_BTD.dtype), axes=1) for w in ws)
 
-    def row(self, a: jax.Array, w: jax.Array, dims: int) -> jax.Array:
+    def row(self, a: jax.Array, w: jax.Array, dims: int, fp8=None) -> jax.Array:
         """A row-parallel matmul (a's last `dims` axes against w's first), then Megatron g."""
+        if fp8 is not None:
+            return self.leave(fp8_lib.dot(a, w, fp8, dims))
         return self.leave(jnp.tensordot(a, w.astype(a.dtype), axes=dims))
 
     def constrain(self, x: jax.Array, names) -> jax.Array:

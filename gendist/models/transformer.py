@@ -87,15 +87,16 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     """
     moe = "moe_router" in p
     dt = x_BTD.dtype
+    fp8 = _Fp8Products(p.get("fp8"))  # FP8 products' scaling state (dense blocks), or none
     # Weights in their compute layout: under ZeRO-3 this is the layer's just-in-time gather.
-    p = ops.weights(p, _block_axes(cfg, moe), dt)
+    p = ops.weights({k: v for k, v in p.items() if k != "fp8"}, _block_axes(cfg, moe), dt)
     h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
     cos, sin = rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     o_BTNH, layer_state = _attention(p, h_BTD, pos_BT, cos, sin, sm_scale, cfg, ops, cache,
-                                     layer_state)
+                                     layer_state, fp8)
     o_BTNH = ops.constrain(o_BTNH, ("batch", "seq", "heads", "head_dim"))
-    attn_BTD = ops.row(o_BTNH, p["wo"], 2)  # the row-parallel matmul, then g
+    attn_BTD = ops.row(o_BTNH, p["wo"], 2, **fp8.take(1, one=True))  # row-parallel, then g
     x_BTD = ops.constrain(x_BTD + attn_BTD, ("batch", "act_seq", "embed"))
     h_BTD = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
     stats = None
@@ -104,25 +105,42 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
         stats = (aux.weighted_loss(cfg), aux.drop_fraction, aux.expert_load_E)
         y_BTD = ops.leave(y_BTD)  # g
     else:
-        outs = ops.column(h_BTD, mlp_inputs(p, cfg.mlp, cfg.fused_projections))
-        y_BTD = ops.row(mlp_hidden(outs, cfg.mlp), p["w_down"], 1)
+        ws = mlp_inputs(p, cfg.mlp, cfg.fused_projections)
+        outs = ops.column(h_BTD, ws, **fp8.take(len(ws)))
+        y_BTD = ops.row(mlp_hidden(outs, cfg.mlp), p["w_down"], 1, **fp8.take(1, one=True))
     x_BTD = x_BTD + y_BTD
     x_BTD = ops.constrain(x_BTD, ("batch", "act_seq", "embed"))
     return x_BTD, layer_state, stats
 
 
+class _Fp8Products:
+    """A block's FP8 products handed out in the order the block runs them (`fp8.products`):
+    `take(n)` gives ops.column/ops.row their keyword (nothing when FP8 is off)."""
+
+    def __init__(self, state):
+        self.state, self.next = state, 0
+
+    def take(self, n: int, one: bool = False) -> dict:
+        if self.state is None:
+            return {}
+        metas = tuple(self.state.product(self.next + i) for i in range(n))
+        self.next += n
+        return {"fp8": metas[0] if one else metas}
+
+
 def _attention(p, h_BTD, pos_BT, cos, sin, sm_scale, cfg: ModelConfig, ops: Ops, cache,
-               layer_state):
+               layer_state, fp8: _Fp8Products | None = None):
     """Self-attention of the normed input: q, k, v, RoPE, attention (through the cache when
     one is given). Returns (o [B, T, N, H], layer_state)."""
     dt = h_BTD.dtype
+    fp8 = fp8 or _Fp8Products(None)
     if cfg.fused_projections:  # one [D, N+2K, H] matmul: fewer, larger GEMMs
         w_DCH = jnp.concatenate([p["wq"], p["wk"], p["wv"]], axis=1).astype(dt)
-        (qkv_BTCH,) = ops.column(h_BTD, (w_DCH,))  # Megatron f, then the matmul
+        (qkv_BTCH,) = ops.column(h_BTD, (w_DCH,), **fp8.take(1))  # Megatron f, then the matmul
         n, k = p["wq"].shape[1], p["wk"].shape[1]  # local heads (per tensor shard)
         q_BTNH, k_BTKH, v_BTKH = jnp.split(qkv_BTCH, [n, n + k], axis=2)
     else:
-        q_BTNH, k_BTKH, v_BTKH = ops.column(h_BTD, (p["wq"], p["wk"], p["wv"]))
+        q_BTNH, k_BTKH, v_BTKH = ops.column(h_BTD, (p["wq"], p["wk"], p["wv"]), **fp8.take(3))
     q_BTNH = ops.constrain(q_BTNH, ("batch", "seq", "heads", "head_dim"))
     k_BTKH = ops.constrain(k_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
     v_BTKH = ops.constrain(v_BTKH, ("batch", "seq", "kv_heads", "head_dim"))

@@ -42,6 +42,8 @@ def validate_config(cfg: Config, mesh) -> None:
             "turn sequence parallelism off.")
     if t.tp_comm == "collective":
         _validate_collective(cfg, mesh)
+    if t.matmul_precision == "fp8":
+        _validate_fp8(cfg, mesh)
     if t.seq_len > m.max_seq_len:
         raise ValueError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len="
                          f"{m.max_seq_len}; raise model.max_seq_len or shorten train.seq_len.")
@@ -52,6 +54,23 @@ def validate_config(cfg: Config, mesh) -> None:
                 f"train.pipeline_schedule={t.pipeline_schedule}")
         raise ValueError(f"{what} needs pipeline stages, but mesh.pipeline=1; set "
                          "--mesh.pipeline to 2 or more.")
+
+
+def _validate_fp8(cfg: Config, mesh) -> None:
+    """FP8 products: the plain engine (data, tensor, sequence, ZeRO, accumulation), on
+    devices with FP8 tensor cores (compute capability 8.9+) or a CPU's emulation."""
+    what = "train.matmul_precision=fp8"
+    _refuse(mesh.shape["pipeline"] > 1, what, f"mesh.pipeline={mesh.shape['pipeline']}",
+            "the pipeline engines do not carry the FP8 scaling state; use mesh.pipeline=1 or "
+            "--train.matmul-precision bf16.")
+    _refuse(cfg.train.tp_comm == "collective", what, "train.tp_comm=collective",
+            "the collective matmuls run bf16 products; use --train.tp-comm xla.")
+    for d in mesh.devices.flat:
+        cc = getattr(d, "compute_capability", None)
+        if d.platform == "gpu" and cc is not None and tuple(map(int, str(cc).split("."))) < (8, 9):
+            raise ValueError(f"{what}: {d.device_kind} (compute capability {cc}) has no FP8 "
+                             "tensor cores (they start at 8.9: Ada, Hopper); use "
+                             "--train.matmul-precision bf16.")
 
 
 def _validate_collective(cfg: Config, mesh) -> None:

@@ -32,6 +32,7 @@ from gendist.parallel.mesh_ops import MeshOps
 from gendist.parallel.pipeline import model as stage_model
 from gendist.parallel.pipeline import schedules as sched_lib
 from gendist.parallel.pipeline import terapipe
+from gendist.training import fp8_scaling
 from gendist.training.checks import ASYNC_SCHEDULES, pipedream_window, pipeline_microbatches
 
 
@@ -92,13 +93,16 @@ def plain_engine(cfg: Config, mesh, rules) -> Callable:
         cfg, model=zero.model_for_stage(cfg.model, cfg.train.zero_stage))
     ops = MeshOps(mesh, rules)
 
-    def loss(params, batch):
-        return loss_and_metrics(run_cfg, compute_params(cfg, params, axes), batch, ops)
+    def loss(params, hist, batch):
+        compute = fp8_scaling.attach(cfg, compute_params(cfg, params, axes), hist)
+        return loss_and_metrics(run_cfg, compute, batch, ops)
 
-    value_and_grad = jax.value_and_grad(loss, has_aux=True)
+    value_and_grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
 
-    def engine(params, batch):
-        (value, metrics), grads = value_and_grad(params, batch)
+    def engine(params, batch):  # params: the params, or (params, FP8 histories)
+        params, hist = fp8_scaling.split(params)
+        (value, metrics), (grads, hist_grad) = value_and_grad(params, hist, batch)
+        grads, metrics = fp8_scaling.observed(grads, metrics, hist_grad)
         return value, metrics, grads
 
     return engine

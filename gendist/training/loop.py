@@ -203,6 +203,8 @@ def _run(cfg: Config, mesh, data: TextData | None, stop_after: int | None, log,
         history.append({"step": step_no, **m})
         if not m["finite"]:
             msg = f"step {step_no}: non-finite loss {m['loss']} / grad norm {m.get('grad_norm')}"
+            if t.matmul_precision == "fp8" and math.isfinite(m["loss"]):
+                msg += " (an FP8 product's amax overflowed)"
             if t.nonfinite == "stop":
                 raise NonFiniteLoss(msg + "; the step was not applied and no checkpoint was "
                                     "written. Lower train.lr or set --train.nonfinite skip.")

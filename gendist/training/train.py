@@ -23,7 +23,7 @@ from gendist.models import transformer
 from gendist.parallel import zero
 from gendist.parallel.mesh_ops import MeshOps
 from gendist.sharding import make_mesh, named_sharding, rules_for, use_mesh
-from gendist.training import optim
+from gendist.training import fp8_scaling, optim
 from gendist.training.checks import ASYNC_SCHEDULES, validate_config
 from gendist.training.gradients import (
     cross_entropy,
@@ -57,12 +57,15 @@ def accumulated(engine: Callable, accum: int, place: Callable) -> Callable:
 
         def body(carry, mb):
             loss, metrics, g = engine(params, mb)
-            return jax.tree.map(jnp.add, carry, (loss, metrics, place(g))), None
+            c_loss, c_metrics, c_g = carry
+            metrics = {k: fp8_scaling.combine(c_metrics[k], v, k) for k, v in metrics.items()}
+            return (c_loss + loss, metrics, jax.tree.map(jnp.add, c_g, place(g))), None
 
         shapes = jax.eval_shape(engine, params, jax.tree.map(lambda x: x[0], micro))
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         (loss, metrics, g), _ = jax.lax.scan(body, zeros, micro)
-        return jax.tree.map(lambda x: x / accum, (loss, metrics, g))
+        metrics = {k: v if k == fp8_scaling.OBSERVED else v / accum for k, v in metrics.items()}
+        return loss / accum, metrics, jax.tree.map(lambda x: x / accum, g)
 
     return grads_of
 
@@ -83,8 +86,12 @@ def make_train_step(cfg: Config, optimizer, engine: Callable, grad_sharding: dic
     grads_of = accumulated(engine, cfg.train.grad_accum, place)
 
     def step(state, batch):
+        fp8_ok, fp8 = True, state.get("fp8")
         if update is None:
-            loss, aux, grads = grads_of(state["params"], batch)
+            inputs = state["params"] if fp8 is None else (state["params"], fp8)
+            loss, aux, grads = grads_of(inputs, batch)
+            if fp8 is not None:  # the FP8 products' amaxes of this step roll into the history
+                fp8, fp8_ok = fp8_scaling.update(fp8, aux.pop(fp8_scaling.OBSERVED))
             gnorm = optax_global_norm(grads)
             updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
             params = jax.tree.map(lambda p, u: p + u, state["params"], updates)
@@ -94,12 +101,14 @@ def make_train_step(cfg: Config, optimizer, engine: Callable, grad_sharding: dic
             loss, gnorm, aux = jnp.mean(losses), jnp.float32(0), {}
         if cfg.train.debug_nan_step >= 0:  # fault injection for tests of the NaN guard
             loss = jnp.where(state["step"] == cfg.train.debug_nan_step, jnp.nan, loss)
-        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm) & fp8_ok
         # A non-finite step changes nothing: the state (and so every checkpoint) stays good.
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_state = {"step": state["step"] + 1,
                      "params": keep(params, state["params"]),
                      "opt_state": keep(opt_state, state["opt_state"])}
+        if fp8 is not None:
+            new_state["fp8"] = keep(fp8, state["fp8"])
         lr = optim.lr_schedule(cfg.train)(state["step"])
         metrics = {"loss": loss, "lr": lr, "finite": finite, **aux}
         if with_grads:
@@ -135,8 +144,10 @@ class Setup:
         p_sh = self.state_sharding["params"]
 
         def state(p):
-            return {"step": jnp.zeros((), jnp.int32), "params": p,
-                    "opt_state": self.optimizer.init(p)}
+            s = {"step": jnp.zeros((), jnp.int32), "params": p, "opt_state": self.optimizer.init(p)}
+            if fp8_scaling.enabled(self.cfg):
+                s["fp8"] = fp8_scaling.init(self.cfg)
+            return s
 
         with use_mesh(self.mesh):
             if params is None:
@@ -190,6 +201,8 @@ def build(cfg: Config, mesh=None, *, with_grads: bool = False) -> Setup:
     g_sh = zero.grad_shardings(mesh, axes, params_shape, stage, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     state_sh = {"step": replicated, "params": p_sh, "opt_state": o_sh}
+    if fp8_scaling.enabled(cfg):
+        state_sh["fp8"] = named_sharding(mesh, fp8_scaling.AXES, rules)
     batch_sh = named_sharding(mesh, ("batch", "seq"))
     asynchronous = mesh.shape["pipeline"] > 1 and cfg.train.pipeline_schedule in ASYNC_SCHEDULES
     if asynchronous:

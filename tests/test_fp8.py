@@ -1,0 +1,192 @@
+"""FP8 products (`models.fp8`) and their scaling state in training (`training.fp8_scaling`).
+
+The references round through numpy's float8 types (ml_dtypes), independently of the jax code:
+quantize (scale, clip, cast) -> product -> dequantize.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import assert_trees_close, mesh_of, run_steps_with_grads, small_config
+
+from gendist.data.batches import TextData
+from gendist.models import fp8
+from gendist.presets import replace
+from gendist.training import fp8_scaling
+
+E4M3_NP, E5M2_NP = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+
+
+def np_qdq(x, dtype, scale):
+    m = float(ml_dtypes.finfo(dtype).max)
+    return np.clip(x / scale, -m, m).astype(dtype).astype(np.float32) * scale
+
+
+def np_scale(amax, dtype, margin=0):
+    return amax / float(ml_dtypes.finfo(dtype).max) * 2.0 ** margin
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_product_and_gradients_equal_numpy_quantize_product_dequantize(recipe):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6, 16)).astype(np.float32) * 3
+    w = rng.normal(size=(16, 8)).astype(np.float32) * 0.05
+    ct = rng.normal(size=(6, 8)).astype(np.float32) * 1e-3
+    # A history whose maxima differ from the tensors' own amaxes, so the two recipes differ.
+    hist = np.zeros((3, 4), np.float32)
+    hist[:, 1:3] = [[5.0, 2.0], [0.3, 0.1], [2e-3, 1e-3]]
+    margin = 1
+    meta = fp8.Fp8Meta(jnp.asarray(hist), recipe, margin)
+
+    def f(x, w, h):
+        return jnp.sum(fp8.dot(x, w, fp8.Fp8Meta(h, recipe, margin)) * ct)
+
+    y = fp8.dot(jnp.asarray(x), jnp.asarray(w), meta)
+    (gx, gw, gh) = jax.grad(f, argnums=(0, 1, 2))(jnp.asarray(x), jnp.asarray(w),
+                                                  jnp.asarray(hist))
+    amax = lambda a: np.abs(a).max()  # noqa: E731
+    if recipe == "current":
+        sx, sw, sg = (np_scale(amax(a), d, margin) for a, d in
+                      ((x, E4M3_NP), (w, E4M3_NP), (ct, E5M2_NP)))
+    else:
+        sx, sw, sg = (np_scale(hist[i].max(), d, margin) for i, d in
+                      enumerate((E4M3_NP, E4M3_NP, E5M2_NP)))
+    xq, wq, gq = np_qdq(x, E4M3_NP, sx), np_qdq(w, E4M3_NP, sw), np_qdq(ct, E5M2_NP, sg)
+    np.testing.assert_allclose(y, xq @ wq, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(gx, gq @ wq.T, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(gw, xq.T @ gq, rtol=1e-6, atol=1e-9)
+    # The histories' cotangent: this product's amaxes in column 0, nothing else.
+    want_h = np.zeros_like(hist)
+    want_h[:, 0] = [amax(x), amax(w), amax(ct)]
+    np.testing.assert_array_equal(gh, want_h)
+    # Rounding really happened: the product differs from the exact one.
+    assert np.abs(np.asarray(y) - x @ w).max() > 1e-4
+
+
+def test_first_delayed_step_scales_by_the_current_amax():
+    x = jnp.linspace(-1000.0, 1000.0, 64).reshape(4, 16)  # past E4M3's 448 at scale 1
+    w = jnp.eye(16)
+    empty = fp8.Fp8Meta(jnp.zeros((3, 4)), "delayed", 0)
+    current = fp8.Fp8Meta(jnp.zeros((3, 4)), "current", 0)
+    np.testing.assert_array_equal(fp8.dot(x, w, empty), fp8.dot(x, w, current))
+    assert float(jnp.abs(fp8.dot(x, w, empty)).max()) == 1000.0  # not clipped to 448
+
+
+def test_roll_moves_history_one_step_older():
+    hist = jnp.arange(2 * 3 * 4, dtype=jnp.float32).reshape(2, 3, 4) + 1
+    obs = jnp.zeros_like(hist).at[..., 0].set(-7.0)
+    new = fp8.roll(hist, obs)
+    np.testing.assert_array_equal(new[..., 1:], hist[..., :-1])
+    np.testing.assert_array_equal(new[..., 0], -7.0)
+
+
+@functools.cache
+def _data():
+    return TextData.from_config(small_config().data)
+
+
+def _fp8_cfg(**kw):
+    return replace(small_config(), **{"train.matmul_precision": "fp8", "train.fp8_history": 4,
+                                      **kw})
+
+
+def _fp8_run(cfg, mesh, steps=2):
+    """Train `steps` steps on fixed batches: (losses, FP8 histories and gradients after each
+    step, final params, setup, state)."""
+    from gendist.data.batches import shard_batch
+    from gendist.training import train
+    setup = train.build(cfg, mesh, with_grads=True)
+    state = setup.init_state()
+    hists, losses, grads = [], [], []
+    for i in range(steps):
+        state, m = setup.step_fn(state, shard_batch(_data().global_batch(i, 8, 16), mesh))
+        hists.append(np.asarray(jax.device_get(state["fp8"])))
+        losses.append(float(m["loss"]))
+        grads.append(jax.device_get(m["grads"]))
+    assert setup.traces["step"] == 1, "the train step recompiled"
+    return losses, hists, grads, setup, state
+
+
+def test_training_rolls_the_history_each_step():
+    losses, hists, _, setup, _ = _fp8_run(_fp8_cfg(), mesh_of(1), steps=3)
+    L, P = 2, len(fp8.products(setup.cfg.model))
+    assert hists[0].shape == (L, P, 3, 4)
+    for h in hists:
+        assert (h[..., 0] > 0).all()  # every product's x, w and g observed every step
+    for before, after in zip(hists, hists[1:]):
+        np.testing.assert_array_equal(after[..., 1:], before[..., :-1])
+    # Weights change between steps, so their amaxes do: a history that is not rolled fails.
+    assert (hists[2][:, :, 1, 0] != hists[1][:, :, 1, 0]).any()
+    assert np.isfinite(losses).all()
+    # Accumulated microbatches observe the amax of the whole batch (their max, not a sum):
+    # the inputs' and weights' rows equal the one-batch run's at the first step.
+    _, acc_hists, _, _, _ = _fp8_run(_fp8_cfg(**{"train.grad_accum": 2}), mesh_of(1), steps=1)
+    np.testing.assert_allclose(acc_hists[0][:, :, :2], hists[0][:, :, :2], rtol=1e-6)
+
+
+def test_data_tensor_zero3_equals_one_device_with_fp8():
+    """data 2 x tensor 2 x (expert 2, a batch axis here) x ZeRO-3 with 2 accumulated
+    microbatches against one device: the same loss and the same amaxes, so the same scales
+    (rtol 1e-5), and the same gradients (rtol 1e-5) but where an FP8 rounding moved. A sharded
+    partial sum (or another CPU dot tiling) differs from one device's in the last fp32 bit;
+    an element within that bit of an E4M3 rounding midpoint rounds to its neighbour, one FP8
+    step (12.5% of that element), which moves a few gradient entries by < 0.1% of their
+    leaf's largest entry (measured: 1.7e-4). Adam's first steps would blow those up in the
+    params (an entry's update is ~lr whatever its gradient's size), so the params are not
+    compared."""
+    cfg = _fp8_cfg(**{"train.zero_stage": 3, "train.grad_accum": 2})
+    got = _fp8_run(cfg, mesh_of(8, data=2, tensor=2, expert=2))
+    want = _fp8_run(_fp8_cfg(**{"train.grad_accum": 2}), mesh_of(1))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for h, wh in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(h, wh, rtol=1e-5)  # the same scales
+    for g, wg in zip(got[2], want[2], strict=True):
+        assert_trees_close(g, wg, rtol=1e-5, atol=1e-7, leaf_atol=1e-3)
+    spec = got[3].state_sharding["params"]["blocks"]["wq"].spec
+    assert "tensor" in spec and "data" in str(spec)  # really sharded
+    # and FP8 changed the step: fp32 products give another loss
+    plain = run_steps_with_grads(small_config(**{"grad_accum": 2}), mesh_of(1), _data(), 1)
+    assert abs(plain[0][0] - want[0][0]) > 1e-6
+
+
+def test_checkpoint_restores_the_histories_bit_exactly(tmp_path):
+    from gendist.training.checkpoint import Checkpointer
+    _, hists, _, setup, state = _fp8_run(_fp8_cfg(), mesh_of(1), steps=2)
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(2, state, {"note": "fp8"})
+    restored, _, step = ck.restore(setup.abstract_state())
+    ck.close()
+    assert step == 2
+    np.testing.assert_array_equal(np.asarray(restored["fp8"]), hists[-1])
+    assert restored["fp8"].dtype == jnp.float32
+
+
+def test_overflowing_amax_skips_the_step():
+    hist = jnp.ones((2, 3, 4))
+    obs = jnp.zeros_like(hist).at[1, 2, 0].set(jnp.inf)
+    _, ok = fp8_scaling.update(hist, obs)
+    assert not bool(ok)
+    _, ok = fp8_scaling.update(hist, jnp.zeros_like(hist).at[..., 0].set(3.0))
+    assert bool(ok)
+
+
+def test_fp8_refused_where_it_cannot_run():
+    from gendist.training.checks import _validate_fp8
+    cfg = _fp8_cfg()
+    with pytest.raises(ValueError, match=r"train.matmul_precision=fp8 with mesh.pipeline=2"):
+        _validate_fp8(cfg, mesh_of(2, pipeline=2))
+
+    class Ampere:
+        platform, device_kind, compute_capability = "gpu", "NVIDIA A100", "8.0"
+
+    class Mesh:
+        shape = {"pipeline": 1}
+        devices = np.array([Ampere()])
+
+    with pytest.raises(ValueError, match=r"A100 \(compute capability 8.0\) has no FP8"):
+        _validate_fp8(cfg, Mesh())
+    Ampere.compute_capability = "9.0"
+    _validate_fp8(cfg, Mesh())  # Hopper: accepted

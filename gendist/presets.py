@@ -59,6 +59,17 @@ PRESETS: dict[str, Config] = {
         mesh=MeshConfig(pipeline=2),
         train=TrainConfig(batch_size=16, seq_len=2048, lr=1.5e-4, steps=2000,
                           pipeline_microbatches=16)),
+    # Llama-3.2-1B's shape (its config.json: 16 layers, width 2048, 32 query / 8 kv heads of
+    # 64, SwiGLU 8192, vocabulary 128256, tied embeddings, RoPE theta 500000 with llama3
+    # scaling (32, 1, 4, 8192), RMSNorm eps 1e-5): 1.24B parameters, random weights here
+    # (a decode benchmark's shape; real weights load through `gendist.hf`).
+    "llama3.2-1b": Config(
+        model=_model(d_model=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                     d_ff=8192, vocab_size=128256, max_seq_len=2048, dtype="bfloat16",
+                     attention="cudnn", rope_theta=500_000.0, rope_scaling="llama3",
+                     rope_scaling_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                     rope_original_max_len=8192, norm_eps=1e-5, scan_unroll=16),
+        train=TrainConfig(batch_size=8, seq_len=2048, lr=2e-4, steps=2000)),
     # 350m's shape with an MoE FFN in every 2nd block (8 experts, top-2, GShard): ~1.0B
     # parameters, 0.41B active per token; `plan`: 15.4 GiB of state + compute copy and ~38 GiB
     # of activations at batch 16 x 1024 (estimate), so it fits one H200 (the

@@ -556,8 +556,8 @@ def test_no_command_exits_2(capsys):
     assert main([]) == 2
     err = capsys.readouterr().err
     assert err.rstrip("\n").splitlines()[-1] == ("python -m gendist: error: give a command "
-                                                  "(train, generate, prepare, export, plan, "
-                                                  "launch)")
+                                                  "(train, generate, eval, prepare, export, "
+                                                  "plan, launch)")
 
 
 def test_header_and_footer_say_what_the_run_did(done_run):

@@ -150,6 +150,8 @@ def expectation(cmd: str) -> list[str]:
         "launch": ["[0] devices: 4 x cpu in 2 processes", f"[0] done: {steps} steps",
                    f"[0] saved: latest checkpoint step {steps} in {out_dir}"],
         "export": ["exported step 250 (0.89M params) to my-model/: model.safetensors"],
+        "gendist eval": ["perplexity: ", "nats/byte", "of the val split of the bundled corpus",
+                         "task alphabet: acc", "on 128 examples, 0-shot"],
         "generate": ["checkpoint runs/default step 250", "KING HENRY:"],
         "plan": ["predicted", "compiled", "all-gather over data"],
         "--help": ["--model.num-layers", "--preset NAME", "--no-sample"],
@@ -195,7 +197,7 @@ def test_readme_commands_run_in_order_in_one_directory_as_written(tmp_path):
     # The main job and every parallel form run; only installs, the tests and marked lines don't.
     assert ran[0] == "python3 -m gendist train", ran
     for key in ("generate --checkpoint", "--preset gpt2", "--mesh.pipeline 2",
-                "--model.moe-experts 8", "--help", "plan", "launch", "export"):
+                "--model.moe-experts 8", "--help", "plan", "launch", "export", "eval"):
         assert any(key in c for c in ran), f"no README line with {key!r} ran"
     for c in ran:  # shown with -s: what each line costs
         print(f"{peaks[c] / 2**30:5.2f} GiB peak {cpu[c]:6.1f} CPU-s  {c[:70]}")

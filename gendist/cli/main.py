@@ -21,6 +21,8 @@ commands:
   generate   sample from a checkpoint: --checkpoint DIR [--prompt TEXT] [--generate.top-k K ...],
              from a Hugging Face Llama directory: --model-dir DIR [--draft-dir DIR], or from
              a preset with random weights (a decode benchmark): --preset NAME
+  eval       perplexity (nats/byte, nats/token) and multiple-choice tasks of a checkpoint or
+             a Hugging Face directory: eval --checkpoint RUN [--data.corpus F] [--tasks F.jsonl]
   prepare    tokenize a corpus into token files: --out DIR --data.corpus ... --data.tokenizer T
   export     write a checkpoint as a Hugging Face Llama directory: --checkpoint RUN --out DIR
              (a new or empty folder; --overwrite replaces one whole)
@@ -44,7 +46,7 @@ def _command(name: str):
     return getattr(importlib.import_module(f"gendist.cli.{name}"), f"cmd_{name}")
 
 
-COMMANDS = ("train", "generate", "prepare", "export", "plan", "launch")
+COMMANDS = ("train", "generate", "eval", "prepare", "export", "plan", "launch")
 
 
 def _user_error_types():

@@ -306,3 +306,46 @@ def test_eval_of_a_run_prints_summary_lines_and_writes_the_report(run_dir, small
     assert main(["eval", "--checkpoint", ".", "--max-tokens", "300", "--seq-len", "32"]) == 0
     out = capsys.readouterr().out
     assert "over 299 tokens, 299 bytes of the val split of the bundled corpus" in out, out
+    # Token files: their validation split, the same numbers as that text.
+    from gendist.data.tokenfiles import prepare
+    prepare(("text.txt",), "bytes", "tok", val_fraction=0.25, progress=False)
+    assert main(["eval", "--checkpoint", ".", "--data.tokens", "tok", "--seq-len", "16",
+                 "--out", "tok.json"]) == 0
+    r = json.loads((run_dir / "tok.json").read_text())["perplexity"]
+    val = stream[len(stream) - len(stream) // 4:]
+    want = perplexity(make_scorer(SMALL, small_params, mesh_of(1)), val, ByteTokenizer(), 16)
+    assert r["text"] == "the val split of --data.tokens tok" and r["tokens"] == len(val) - 1
+    assert r["nats_per_byte"] == pytest.approx(want["nats_per_byte"], rel=1e-5)
+
+
+def test_eval_of_a_hugging_face_directory(model_dir, capsys, monkeypatch):
+    monkeypatch.chdir(model_dir)
+    assert main(["eval", "--model-dir", "llama", "--data.corpus", "text.txt", "--seq-len", "16",
+                 "--tasks", "alphabet", "--limit", "8", "--mesh.data", "4", "--mesh.tensor",
+                 "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("over 879 tokens, 879 bytes of --data.corpus text.txt"), out
+    assert out[1].startswith("task alphabet: acc ") and out[1].endswith("on 8 examples, 0-shot")
+
+
+def test_bytes_and_pairs_with_a_subword_tokenizer(tmp_path):
+    """A byte-level BPE: bytes are those of the decoded text (EOS counts none); a choice's
+    tokens are those of context + choice after the context's, the space moved onto it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from gendist.data.tokenizer import load_tokenizer
+    from gendist.evaluation.perplexity import count_bytes
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    text = "Answer: the château stands by the river; yes, the river. " * 50
+    bpe.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    ids = np.concatenate([tok.encode(text), [tok.eos_id], tok.encode("é")])
+    assert count_bytes(tok, ids) == len(text.encode()) + 2
+    ctx, cont = multiple_choice.encode_pair(tok, "Answer: the ", "river")
+    assert tok.decode(ctx) == "Answer: the" and tok.decode(cont) == " river"
+    assert ctx + cont == [int(i) for i in tok.encode("Answer: the river")]

@@ -200,6 +200,7 @@ class DataConfig:
     text_field: str = "text"  # the field holding the text in .jsonl/.parquet/.arrow records
     tokenizer: str = "bytes"  # bytes, a tokenizer.json, a SentencePiece .model, or a dir with one
     tokens: str = ""  # a directory of token files from `prepare` (instead of corpus/tokenizer)
+    preferences: str = ""  # train.objective=dpo: a JSONL file of {"prompt", "chosen", "rejected"} records
     val_fraction: float = 0.05  # last fraction of the corpus held out for validation
     seed: int = 0  # batches are a pure function of (seed, step)
 
@@ -250,6 +251,12 @@ class TrainConfig:
     fp8_recipe: Literal["delayed", "current"] = "delayed"  # FP8 scales from the amax history of earlier steps (Transformer Engine's delayed scaling) or from each tensor's own amax
     fp8_history: int = 16  # FP8 delayed scaling: steps of amax history per tensor
     fp8_margin: int = 0  # FP8 scales leave 2**margin of headroom above the amax
+    lora_rank: int = 0  # LoRA: rank r of the adapters on frozen base weights (0 = train every parameter)
+    lora_alpha: float = 16.0  # LoRA: the adapters' product is scaled by lora_alpha / lora_rank
+    lora_targets: str = "q,v"  # LoRA: comma list of the projections adapted, from q,k,v,o,gate,up,down
+    lora_base_dtype: Literal["float32", "bfloat16"] = "float32"  # LoRA: dtype the frozen base weights are stored in
+    objective: Literal["lm", "dpo"] = "lm"  # next-token cross-entropy, or DPO on data.preferences against the initial model
+    dpo_beta: float = 0.1  # DPO: beta, the strength of the KL penalty to the reference model
     tp_comm: Literal["xla", "collective"] = "xla"  # sequence-parallel comm: XLA's, or collective matmuls (ppermute rings under the matmuls)
     tensorboard: bool = True  # write TensorBoard event files
     wandb: Literal["off", "online", "offline"] = "off"  # Weights & Biases logging (extra [wandb])
@@ -269,6 +276,13 @@ class TrainConfig:
                 f"{self.pipeline_schedule}: chunks of layers per stage (>= 2) go with "
                 "'interleaved-1f1b' only; pass both --train.pipeline-schedule interleaved-1f1b "
                 "--train.pipeline-chunks 2, or neither")
+        if self.lora_rank:
+            bad = [t for t in self.lora_targets.split(",") if t not in LORA_TARGETS]
+            if bad or not self.lora_targets:
+                raise ValueError(
+                    f"train.lora_targets={self.lora_targets!r}: {bad or 'empty'} not "
+                    f"projections; pass --train.lora-targets with a comma list from "
+                    f"{','.join(LORA_TARGETS)} (e.g. q,v).")
         if self.tp_comm not in ("xla", "collective"):
             raise ValueError(f"train.tp_comm={self.tp_comm!r}: choose 'xla' (XLA's collectives) "
                              "or 'collective' (collective matmuls; needs mesh.sequence_parallel).")
@@ -386,6 +400,8 @@ def _check_moe(m: ModelConfig) -> None:
             "a token cannot pick more experts than exist; lower moe_top_k or add experts.")
 
 
+# The projections LoRA can adapt (train.lora_targets).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 INT32_MAX = 2**31 - 1  # sizes, steps and seeds become int32 arrays and shapes
 FLOAT32_MAX = 3.4028234663852886e38  # floats feed float32 math: larger ones turn into inf
 MAX_PARAMS = 10**13  # no machine holds the training state of a larger model
@@ -465,6 +481,8 @@ RANGES: dict[str, dict[str, Range]] = {
         "debug_nan_step": Range(0, special=((-1, "off"),)),
         "fp8_history": Range(1, 1024, noun="a number of steps"),
         "fp8_margin": Range(0, 16, noun="a power of two of headroom"),
+        "lora_rank": Range(0, 65536, noun="a rank", note="0 = off"),
+        "lora_alpha": POSITIVE_REAL, "dpo_beta": POSITIVE_REAL,
     },
     "generate": {
         "max_new_tokens": NON_NEGATIVE,

@@ -481,7 +481,7 @@ RANGES: dict[str, dict[str, Range]] = {
         "debug_nan_step": Range(0, special=((-1, "off"),)),
         "fp8_history": Range(1, 1024, noun="a number of steps"),
         "fp8_margin": Range(0, 16, noun="a power of two of headroom"),
-        "lora_rank": Range(0, 65536, noun="a rank", note="0 = off"),
+        "lora_rank": Range(0, noun="a rank", note="0 = off"),
         "lora_alpha": POSITIVE_REAL, "dpo_beta": POSITIVE_REAL,
     },
     "generate": {

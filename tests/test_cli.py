@@ -88,6 +88,9 @@ def done_run(tmp_path_factory):
     (root / "medium.txt").write_text("twenty bytes of it.\n" * 10)
     (root / "rec.jsonl").write_text('{"body": "text under another name"}\n')
     (root / "bad.yaml").write_text("model:\n  d_model: [1\n  num_layers: 3\n")
+    (root / "prefs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
+                                      '{"prompt": "a", "chosen": "b"}\n')
+    (root / "pairs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n' * 2)
     (root / "empty").mkdir()
     tok = bpe(root / "tok533.json", 533)
     for name, vocab, tokenizer in (("my-model", 512, tok), ("bare", 256, None)):
@@ -248,6 +251,26 @@ BAD_INPUT = [
                                           "0", "--", "true"],
      ["--devices-per-process 0"]),
     ("plan on a negative device count", ["plan", "--devices", "-2"], ["--devices -2"]),
+    ("LoRA targets that are not projections", ["train", "--train.lora-rank", "4",
+                                               "--train.lora-targets", "q,x"],
+     ["train.lora_targets='q,x'", "['x']", "--train.lora-targets", "q,k,v,o,gate,up,down"]),
+    ("a LoRA rank past the adapted matrices", ["train", "--train.lora-rank", "4096"],
+     ["train.lora_rank=4096", "--train.lora-rank 128 or less"]),
+    ("LoRA with PipeDream", ["train", "--train.lora-rank", "4", "--mesh.pipeline", "2",
+                             "--train.pipeline-schedule", "pipedream",
+                             "--model.no-tie-embeddings"],
+     ["train.lora_rank=4 with train.pipeline_schedule=pipedream", "synchronous schedule"]),
+    ("DPO without preference pairs", ["train", "--train.objective", "dpo"],
+     ["train.objective=dpo needs preference pairs", "--data.preferences FILE.jsonl"]),
+    ("a preference record without a field", ["train", "--train.objective", "dpo",
+                                              "--data.preferences", "prefs.jsonl"],
+     ["prefs.jsonl:2 has no field 'rejected'"]),
+    ("DPO on pipeline stages", ["train", "--train.objective", "dpo", "--data.preferences",
+                                "pairs.jsonl", "--mesh.pipeline", "2"],
+     ["train.objective=dpo with mesh.pipeline=2", "mesh.pipeline=1"]),
+    ("generate with adapters that are not there", ["generate", "--checkpoint", "runs/default",
+                                                   "--adapters", "nowhere"],
+     ["--adapters 'nowhere' holds no adapter_config.json", "adapters"]),
 ]
 
 
@@ -286,7 +309,7 @@ ZERO_MEANS_SOMETHING = {
     "model.moe_z_loss_weight", "data.seed", "train.min_lr_ratio", "train.warmup_steps",
     "train.weight_decay", "train.b1", "train.b2", "train.seed", "train.checkpoint_every",
     "train.checkpoint_every_minutes", "train.pipeline_microbatches", "train.pipedream_window",
-    "train.terapipe_slices", "train.debug_nan_step", "generate.max_new_tokens",
+    "train.terapipe_slices", "train.debug_nan_step", "train.lora_rank", "generate.max_new_tokens",
     "generate.temperature", "generate.top_k", "generate.seed", "generate.eos_id"}
 MINUS_ONE_MEANS_SOMETHING = {"mesh.data", "mesh.pipeline", "mesh.expert", "mesh.tensor",
                              "train.debug_nan_step", "generate.eos_id"}

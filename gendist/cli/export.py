@@ -19,6 +19,7 @@ class ExportArgs:
     out: str  # the model directory to write (new or empty; --overwrite replaces one whole)
     dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the saved weights
     tokenizer: str = ""  # a tokenizer file or "bytes" (default: the run's own)
+    adapters: str = ""  # LoRA adapters folder merged into the checkpoint's weights before writing (a LoRA run's own are merged already)
     overwrite: bool = False  # replace an existing --out folder whole (written beside it, then swapped in)
 
 
@@ -35,6 +36,9 @@ def cmd_export(argv: list[str]) -> int:
                          f"{a.checkpoint}); give --out a folder of its own, e.g. {a.out}-hf.")
     tok = load_tokenizer(a.tokenizer) if a.tokenizer else run_tokenizer(a.checkpoint)
     model_cfg, params, step = load_params(a.checkpoint)
+    if a.adapters:
+        from gendist.cli.generate import with_adapters
+        params = with_adapters(model_cfg, params, a.adapters)
     check_tokenizer_fits(model_cfg, tok, "--tokenizer" if a.tokenizer else
                          f"the run's tokenizer ({tok.name})", f"--checkpoint {a.checkpoint}")
     names = hf.save(a.out, model_cfg, params, dtype=a.dtype, tokenizer=tok,

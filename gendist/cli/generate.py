@@ -27,6 +27,7 @@ class GenerateArgs:
     dtype: Literal["float32", "bfloat16"] = "float32"  # with --model-dir: compute dtype
     tokenizer: str = ""  # with --model-dir: a tokenizer file or "bytes" (default: the directory's)
     preset: str = ""  # a preset's shape with random weights (no trained model needed)
+    adapters: str = ""  # LoRA adapters (a LoRA run's adapters/ folder) merged into the model before sampling
     generate: GenerateConfig = dataclasses.field(default_factory=GenerateConfig)
 
 
@@ -73,6 +74,8 @@ def cmd_generate(argv: list[str]) -> int:
         print(f"checkpoint {Path(args.checkpoint)} step {step}; {model_cfg.params_text()}",
               flush=True)
         params = jax.device_get(params)
+    if args.adapters:
+        params = with_adapters(model_cfg, params, args.adapters)
     print(g.prompt + sample(model_cfg, params, tok, g, [g.prompt])[0])
     return 0
 
@@ -132,6 +135,8 @@ def _generate_model_dir(args: GenerateArgs) -> int:
                          f"the tokenizer of --model-dir ({tok.name})", f"--model-dir {model_dir}")
     check_prompt(cfg, tok, g, [g.prompt])
     params = hf.load_params(model_dir, cfg)
+    if args.adapters:
+        params = with_adapters(cfg, params, args.adapters)
     print(f"{model_dir}: {cfg.num_params / 1e6:.2f}M params, vocabulary {cfg.vocab_size}",
           file=sys.stderr)
     if dcfg is None:
@@ -143,6 +148,17 @@ def _generate_model_dir(args: GenerateArgs) -> int:
     print(f"speculative: {int(stats['accepted'])} of {int(stats['proposed'])} draft tokens "
           f"accepted in {int(stats['steps'])} target calls", file=sys.stderr)
     return 0
+
+
+def with_adapters(model_cfg, params, adapters_dir: str, flag: str = "--adapters"):
+    """`params` with a saved LoRA adapter folder merged in (W + alpha/r A B), after checking
+    that the adapters fit this model's projections."""
+    from gendist.training import lora
+    t, adapters, _ = lora.load(adapters_dir, flag)
+    lora.check_fits(adapters, model_cfg, t, f"{flag} {adapters_dir}")
+    print(f"adapters: {adapters_dir} (rank {t.lora_rank}, alpha {t.lora_alpha}, "
+          f"targets {t.lora_targets}) merged", file=sys.stderr)
+    return lora.merge_into(params, adapters, t)
 
 
 def _model_dir_config(model_dir: str, flag: str, base):

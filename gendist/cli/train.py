@@ -41,7 +41,7 @@ def cmd_train(argv: list[str]) -> int:
         print(f"{PROG} train: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     if not args.no_sample and cfg.generate.max_new_tokens > 0:
-        print_sample(cfg, result.state["params"], tok)
+        print_sample(cfg, result.setup.model_params(result.state), tok)  # LoRA: merged
     return 0
 
 

@@ -44,6 +44,10 @@ def validate_config(cfg: Config, mesh) -> None:
         _validate_collective(cfg, mesh)
     if t.matmul_precision == "fp8":
         _validate_fp8(cfg, mesh)
+    if t.lora_rank:
+        _validate_lora(cfg, mesh)
+    if t.objective == "dpo":
+        _validate_dpo(cfg, mesh)
     if t.seq_len > m.max_seq_len:
         raise ValueError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len="
                          f"{m.max_seq_len}; raise model.max_seq_len or shorten train.seq_len.")
@@ -71,6 +75,42 @@ def _validate_fp8(cfg: Config, mesh) -> None:
             raise ValueError(f"{what}: {d.device_kind} (compute capability {cc}) has no FP8 "
                              "tensor cores (they start at 8.9: Ada, Hopper); use "
                              "--train.matmul-precision bf16.")
+
+
+def _validate_lora(cfg: Config, mesh) -> None:
+    """LoRA runs on the synchronous engines of a dense model, rank <= each adapted matrix's
+    smaller side."""
+    m, t = cfg.model, cfg.train
+    what = f"train.lora_rank={t.lora_rank}"
+    _refuse(t.pipeline_schedule in ASYNC_SCHEDULES and mesh.shape["pipeline"] > 1, what,
+            f"train.pipeline_schedule={t.pipeline_schedule}", "PipeDream updates each stage's "
+            "weights itself, not adapters; use a synchronous schedule (1f1b, gpipe).")
+    _refuse(t.matmul_precision == "fp8", what, "train.matmul_precision=fp8",
+            "the adapted projections run in the model dtype; use --train.matmul-precision bf16.")
+    _refuse(bool(m.moe_experts), what, f"model.moe_experts={m.moe_experts}",
+            "adapters go on dense models' projections here; use a dense model.")
+    sides = {"q": (m.d_model, m.num_heads * m.head_dim), "k": (m.d_model, m.num_kv_heads * m.head_dim),
+             "v": (m.d_model, m.num_kv_heads * m.head_dim), "o": (m.num_heads * m.head_dim, m.d_model),
+             "gate": (m.d_model, m.d_ff), "up": (m.d_model, m.d_ff), "down": (m.d_ff, m.d_model)}
+    most = min(min(sides[x]) for x in t.lora_targets.split(","))
+    if t.lora_rank > most:
+        raise ValueError(f"{what} is larger than the smaller side ({most}) of an adapted "
+                         f"projection (train.lora_targets={t.lora_targets}); pass "
+                         f"--train.lora-rank {most} or less.")
+
+
+def _validate_dpo(cfg: Config, mesh) -> None:
+    """DPO's loss pairs rows of a batch: the plain engine, a dense model."""
+    what = "train.objective=dpo"
+    _refuse(mesh.shape["pipeline"] > 1, what, f"mesh.pipeline={mesh.shape['pipeline']}",
+            "the pipeline engines compute the next-token loss per microbatch; use "
+            "mesh.pipeline=1 (data, tensor and ZeRO compose with DPO).")
+    _refuse(cfg.train.tp_comm == "collective", what, "train.tp_comm=collective",
+            "use --train.tp-comm xla.")
+    _refuse(bool(cfg.model.moe_experts), what, f"model.moe_experts={cfg.model.moe_experts}",
+            "the router's losses have no place in the preference loss; use a dense model.")
+    _refuse(cfg.train.matmul_precision == "fp8", what, "train.matmul_precision=fp8",
+            "use --train.matmul-precision bf16.")
 
 
 def _validate_collective(cfg: Config, mesh) -> None:

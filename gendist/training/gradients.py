@@ -32,7 +32,7 @@ from gendist.parallel.mesh_ops import MeshOps
 from gendist.parallel.pipeline import model as stage_model
 from gendist.parallel.pipeline import schedules as sched_lib
 from gendist.parallel.pipeline import terapipe
-from gendist.training import fp8_scaling
+from gendist.training import dpo, fp8_scaling
 from gendist.training.checks import ASYNC_SCHEDULES, pipedream_window, pipeline_microbatches
 
 
@@ -52,7 +52,10 @@ def moe_metrics(aux: dict) -> dict:
 def loss_and_metrics(cfg: Config, params, batch, ops: Ops = DEFAULT_OPS):
     """(training loss, metrics): the mean next-token cross-entropy plus, for MoE models,
     the weighted router losses; the metrics report the cross-entropy alone and the router
-    statistics. `ops` places the computation (`MeshOps` inside a jitted step)."""
+    statistics. `ops` places the computation (`MeshOps` inside a jitted step).
+    train.objective=dpo: the DPO loss and its reward metrics (`gendist.training.dpo`)."""
+    if cfg.train.objective == "dpo":
+        return dpo.loss_and_metrics(cfg, params, batch, ops)
     logits, aux = transformer.forward_with_aux(cfg.model, params, batch["inputs"], ops)
     ce = jnp.mean(ops.nll(logits, batch["targets"]))
     if not aux:

@@ -90,16 +90,33 @@ class Preempted(KeyboardInterrupt):
 
 
 def evaluate(setup: Setup, data: TextData, params) -> float:
+    """The mean validation loss over train.eval_batches batches; `params` as `eval_fn` takes
+    them (`setup.eval_params(state)`)."""
     t = setup.cfg.train
     losses = []
-    rows = process_rows(setup.mesh, t.batch_size)
+    rows_n = batch_rows(setup.cfg)
+    rows = process_rows(setup.mesh, rows_n)
     for i in range(t.eval_batches):
         batch = data.global_batch(i, t.batch_size, t.seq_len, "val", rows)
-        losses.append(setup.eval_fn(params, shard_batch(batch, setup.mesh, t.batch_size)))
+        losses.append(setup.eval_fn(params, shard_batch(batch, setup.mesh, rows_n)))
     return float(np.mean(jax.device_get(losses)))
 
 
 STEP_TIMEOUT_ENV = "GENDIST_STEP_TIMEOUT"
+ADAPTERS_DIR = "adapters"  # a LoRA run's adapters, saved alone at its end (lora.save)
+
+
+def batch_rows(cfg: Config) -> int:
+    """Rows of a global batch: train.batch_size sequences, or 2 per preference pair (DPO)."""
+    return cfg.train.batch_size * (2 if cfg.train.objective == "dpo" else 1)
+
+
+def load_data(cfg: Config):
+    """The run's data: text windows, or preference pairs for train.objective=dpo."""
+    if cfg.train.objective == "dpo":
+        from gendist.data.preferences import PreferenceData
+        return PreferenceData.from_config(cfg.data)
+    return TextData.from_config(cfg.data)
 
 
 def check_vocab(model: ModelConfig, data) -> None:
@@ -146,7 +163,7 @@ def _run(cfg: Config, mesh, data: TextData | None, stop_after: int | None, log,
     t0 = time.perf_counter()
     log = console.say if log is None else log
     t = cfg.train
-    data = TextData.from_config(cfg.data) if data is None else data
+    data = load_data(cfg) if data is None else data
     check_vocab(cfg.model, data)
     if hasattr(data, "check_windows"):  # TextData: a window fits each split
         data.check_windows(t.seq_len)
@@ -176,7 +193,8 @@ def _run(cfg: Config, mesh, data: TextData | None, stop_after: int | None, log,
         from gendist import config_yaml
         config_yaml.save(cfg, out / config_yaml.YAML_NAME)  # --config accepts it back
     writer = MetricsWriter(out, t.tensorboard, t.wandb, t.wandb_project, cfg, start)
-    rows = process_rows(setup.mesh, t.batch_size)
+    rows_n = batch_rows(cfg)
+    rows = process_rows(setup.mesh, rows_n)
     end = max(start, t.steps if stop_after is None else min(t.steps, stop_after))
     history: list[dict] = []
     val_loss = None
@@ -199,7 +217,7 @@ def _run(cfg: Config, mesh, data: TextData | None, stop_after: int | None, log,
         step_no, metrics = pending
         m = host_metrics(metrics)
         m["finite"] = bool(m["finite"])
-        tokens_since += t.batch_size * t.seq_len  # counted when done, not when dispatched
+        tokens_since += rows_n * t.seq_len  # counted when done, not when dispatched
         history.append({"step": step_no, **m})
         if not m["finite"]:
             msg = f"step {step_no}: non-finite loss {m['loss']} / grad norm {m.get('grad_norm')}"
@@ -232,7 +250,7 @@ def _run(cfg: Config, mesh, data: TextData | None, stop_after: int | None, log,
             last_save = time.monotonic()
             for step_no in bar:
                 batch = shard_batch(data.global_batch(step_no, t.batch_size, t.seq_len,
-                                                      "train", rows), setup.mesh, t.batch_size)
+                                                      "train", rows), setup.mesh, rows_n)
                 state, metrics = setup.step_fn(state, batch)
                 footprint.keep()  # a step ran: the run directory is no longer ours to undo
                 if pending is not None:
@@ -246,7 +264,7 @@ def _run(cfg: Config, mesh, data: TextData | None, stop_after: int | None, log,
                 if done % t.eval_every == 0 or done == end:
                     drain(pending)
                     pending = None
-                    val_loss = evaluate(setup, data, state["params"])
+                    val_loss = evaluate(setup, data, setup.eval_params(state))
                     writer.write(done, {"val_loss": val_loss})
                     log(f"step {done}: val_loss "
                         f"{report.loss_text(val_loss, cfg.model.vocab_size)}")
@@ -266,8 +284,16 @@ def _run(cfg: Config, mesh, data: TextData | None, stop_after: int | None, log,
             if pending is not None:
                 drain(pending)
             if val_loss is None and not stopped:  # no validation loss saved: compute one
-                val_loss = evaluate(setup, data, state["params"])
+                val_loss = evaluate(setup, data, setup.eval_params(state))
             saved_step = ckpt.latest_step()
+            if "base" in state and not stopped:  # LoRA: the adapters alone, beside the run
+                from gendist.training import lora
+                params = state["params"]
+                if jax.process_count() > 1:
+                    from jax.experimental import multihost_utils
+                    params = multihost_utils.process_allgather(params, tiled=True)
+                if jax.process_index() == 0:
+                    lora.save(out / ADAPTERS_DIR, cfg.model, cfg.train, params)
     except Exception as e:
         if jax.process_count() > 1 and distributed.is_runtime_error(e):
             print(distributed.lost_peer_message(e, ckpt.latest_step(), ckpt.directory),

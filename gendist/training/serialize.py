@@ -10,7 +10,7 @@ from jax.sharding import SingleDeviceSharding
 from gendist.config import ModelConfig, deferred_checks
 from gendist.models import transformer
 from gendist.presets import config_from_dict
-from gendist.training import optim
+from gendist.training import fp8_scaling, lora, optim
 from gendist.training.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -53,10 +53,19 @@ def load_params(path: str | Path, step: int | None = None, flag: str = "--checkp
         dev = SingleDeviceSharding(jax.local_devices()[0])
         opt = optim.make_optimizer(cfg.train)
 
-        def init():
+        def init():  # the train state's layout (train.Setup.init_state), for its shapes
             params = transformer.init_params(cfg.model, 0)
-            return {"step": jax.numpy.zeros((), jax.numpy.int32), "params": params,
-                    "opt_state": opt.init(params)}
+            if lora.enabled(cfg):
+                ad = lora.init(cfg.model, cfg.train, 0)
+                state = {"params": ad, "opt_state": opt.init(ad),
+                         "base": lora.base_params(params, cfg.train)}
+            else:
+                state = {"params": params, "opt_state": opt.init(params)}
+                if cfg.train.objective == "dpo":
+                    state["reference"] = params
+            if fp8_scaling.enabled(cfg):
+                state["fp8"] = fp8_scaling.init(cfg)
+            return {"step": jax.numpy.zeros((), jax.numpy.int32), **state}
 
         abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev),
                                 jax.eval_shape(init))
@@ -66,6 +75,8 @@ def load_params(path: str | Path, step: int | None = None, flag: str = "--checkp
             raise CheckpointError(_damaged(ckpt, step, path, flag, e.__cause__ or e)) from e
     finally:
         ckpt.close()
+    if lora.enabled(cfg):  # a LoRA run: its model is the base with the adapters merged
+        return cfg.model, lora.merge_into(state["base"], state["params"], cfg.train), step
     return cfg.model, state["params"], step
 
 

@@ -23,9 +23,10 @@ from gendist.models import transformer
 from gendist.parallel import zero
 from gendist.parallel.mesh_ops import MeshOps
 from gendist.sharding import make_mesh, named_sharding, rules_for, use_mesh
-from gendist.training import fp8_scaling, optim
+from gendist.training import dpo, fp8_scaling, lora, optim
 from gendist.training.checks import ASYNC_SCHEDULES, validate_config
 from gendist.training.gradients import (
+    compute_params,
     cross_entropy,
     engine_for,
     loss_and_metrics,
@@ -71,7 +72,8 @@ def accumulated(engine: Callable, accum: int, place: Callable) -> Callable:
 
 
 def make_train_step(cfg: Config, optimizer, engine: Callable, grad_sharding: dict | None = None,
-                    with_grads: bool = False, update: Callable | None = None):
+                    with_grads: bool = False, update: Callable | None = None,
+                    reference: Callable | None = None):
     """step(state, batch) -> (state, metrics).
 
     `engine(params, batch) -> (loss, metrics, grads)` is accumulated over train.grad_accum
@@ -80,6 +82,10 @@ def make_train_step(cfg: Config, optimizer, engine: Callable, grad_sharding: dic
     way a
     non-finite loss (or gradient) leaves the state as it was. `grad_sharding` places the
     gradients; `with_grads` adds them to the metrics (tests compare them across meshes).
+    LoRA (a state with `base`): `params` are the adapters and the engine gets
+    {"adapters", "base"} (`lora.wrap_engine`); the base passes through unchanged.
+    DPO: `reference(ref_params, batch)` gives the frozen reference's sequence log-probs,
+    computed once per batch (no gradient) and handed to the loss as batch["ref_logp"].
     """
     place = (lambda g: g) if grad_sharding is None else (
         lambda g: zero.constrain_tree(g, grad_sharding))
@@ -87,8 +93,13 @@ def make_train_step(cfg: Config, optimizer, engine: Callable, grad_sharding: dic
 
     def step(state, batch):
         fp8_ok, fp8 = True, state.get("fp8")
+        if reference is not None:
+            ref = jax.lax.stop_gradient(reference(dpo.reference_params(state), batch))
+            batch = {**batch, "ref_logp": ref}
         if update is None:
             inputs = state["params"] if fp8 is None else (state["params"], fp8)
+            if "base" in state:
+                inputs = {"adapters": state["params"], "base": state["base"]}
             loss, aux, grads = grads_of(inputs, batch)
             if fp8 is not None:  # the FP8 products' amaxes of this step roll into the history
                 fp8, fp8_ok = fp8_scaling.update(fp8, aux.pop(fp8_scaling.OBSERVED))
@@ -109,6 +120,9 @@ def make_train_step(cfg: Config, optimizer, engine: Callable, grad_sharding: dic
                      "opt_state": keep(opt_state, state["opt_state"])}
         if fp8 is not None:
             new_state["fp8"] = keep(fp8, state["fp8"])
+        for frozen in ("base", "reference"):  # LoRA's base, DPO's reference: never change
+            if frozen in state:
+                new_state[frozen] = state[frozen]
         lr = optim.lr_schedule(cfg.train)(state["step"])
         metrics = {"loss": loss, "lr": lr, "finite": finite, **aux}
         if with_grads:
@@ -136,15 +150,41 @@ class Setup:
     eval_fn: object
     traces: dict  # how many times each jitted function was traced (recompile guard)
     grad_sharding: dict | None = None  # where the gradients live (ZeRO-2/3: split on data)
+    model_sharding: dict | None = None  # where the model's full params live (LoRA: the base's)
+    merge_fn: object = None  # LoRA: jitted (base, adapters) -> merged params
+
+    def model_params(self, state: dict) -> dict:
+        """The model's params in a train state: the params, or LoRA's base with its adapters
+        merged (W + alpha/r A B, fp32)."""
+        if "base" not in state:
+            return state["params"]
+        return self.merge_fn(state["base"], state["params"])
+
+    def eval_params(self, state: dict):
+        """What `eval_fn` takes: the model's params, or (policy, reference) for DPO."""
+        if dpo.enabled(self.cfg):
+            return self.model_params(state), dpo.reference_params(state)
+        return self.model_params(state)
 
     def init_state(self, seed: int | None = None, params=None) -> dict:
         """A step-0 state: random params from `seed` (default train.seed), or `params`
         (fine-tuning: a params dict of host or device arrays, or a function of the params'
-        shardings returning arrays placed on them), with a fresh optimizer state."""
-        p_sh = self.state_sharding["params"]
+        shardings returning arrays placed on them), with a fresh optimizer state. LoRA: those
+        params become the frozen base and fresh adapters (train.seed) the trained params;
+        DPO without LoRA: they are also kept, frozen, as the reference."""
+        p_sh = self.model_sharding or self.state_sharding["params"]
+        cfg = self.cfg
 
         def state(p):
-            s = {"step": jnp.zeros((), jnp.int32), "params": p, "opt_state": self.optimizer.init(p)}
+            if lora.enabled(cfg):
+                ad = lora.init(cfg.model, cfg.train, cfg.train.seed)
+                s = {"step": jnp.zeros((), jnp.int32), "params": ad,
+                     "opt_state": self.optimizer.init(ad), "base": lora.base_params(p, cfg.train)}
+            else:
+                s = {"step": jnp.zeros((), jnp.int32), "params": p,
+                     "opt_state": self.optimizer.init(p)}
+                if dpo.enabled(cfg):
+                    s["reference"] = jax.tree.map(jnp.copy, p)
             if fp8_scaling.enabled(self.cfg):
                 s["fp8"] = fp8_scaling.init(self.cfg)
             return s
@@ -173,6 +213,8 @@ def _place(x, sharding):
 
 def metric_names(cfg: Config, asynchronous: bool) -> tuple[str, ...]:
     names = ("loss", "lr", "finite") + (() if asynchronous else ("grad_norm",))
+    if dpo.enabled(cfg):
+        return names + dpo.METRICS
     if cfg.model.num_moe_layers and not asynchronous and not cfg.train.terapipe_slices:
         names += ("ce_loss", "moe_aux_loss", "moe_drop_fraction", "moe_expert_load",
                   "moe_load_max_over_mean")
@@ -197,10 +239,22 @@ def build(cfg: Config, mesh=None, *, with_grads: bool = False) -> Setup:
     optimizer = optim.make_optimizer(cfg.train)
     axes = transformer.logical_axes(cfg.model)
     params_shape = transformer.param_shapes(cfg.model)
-    p_sh, o_sh = optim.state_shardings(mesh, axes, optimizer, params_shape, stage, rules)
-    g_sh = zero.grad_shardings(mesh, axes, params_shape, stage, rules)
+    model_sh = zero.param_shardings(mesh, axes, params_shape, stage, rules)
+    train_axes, train_shape = axes, params_shape  # what the optimizer trains
+    if lora.enabled(cfg):  # the adapters, placed by their logical axes like their layers
+        train_axes = lora.logical_axes(cfg.model, cfg.train)
+        train_shape = lora.shapes(cfg.model, cfg.train)
+    p_sh, o_sh = optim.state_shardings(mesh, train_axes, optimizer, train_shape, stage, rules)
+    g_sh = zero.grad_shardings(mesh, train_axes, train_shape, stage, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     state_sh = {"step": replicated, "params": p_sh, "opt_state": o_sh}
+    merge_fn = None
+    if lora.enabled(cfg):
+        state_sh["base"] = model_sh
+        s = lora.scale(cfg.train)
+        merge_fn = jax.jit(lambda b, a: lora.merged(b, a, s), out_shardings=model_sh)
+    elif dpo.enabled(cfg):
+        state_sh["reference"] = model_sh
     if fp8_scaling.enabled(cfg):
         state_sh["fp8"] = named_sharding(mesh, fp8_scaling.AXES, rules)
     batch_sh = named_sharding(mesh, ("batch", "seq"))
@@ -209,8 +263,12 @@ def build(cfg: Config, mesh=None, *, with_grads: bool = False) -> Setup:
         raw_step = make_train_step(cfg, optimizer, None, g_sh, with_grads=False,
                                    update=pipedream_update(cfg, mesh, rules, optimizer))
     else:
-        raw_step = make_train_step(cfg, optimizer, engine_for(cfg, mesh, rules), g_sh,
-                                   with_grads)
+        engine = engine_for(cfg, mesh, rules)
+        if lora.enabled(cfg):
+            engine = lora.wrap_engine(cfg, engine, lambda p: zero.constrain_tree(p, model_sh))
+        reference = reference_logp(cfg, mesh, rules) if dpo.enabled(cfg) else None
+        raw_step = make_train_step(cfg, optimizer, engine, g_sh, with_grads,
+                                   reference=reference)
     eval_ops = MeshOps(mesh, rules)
     traces = {"step": 0, "eval": 0}
 
@@ -222,6 +280,9 @@ def build(cfg: Config, mesh=None, *, with_grads: bool = False) -> Setup:
     def evaluate(params, batch):
         traces["eval"] += 1
         with use_mesh(mesh, rules):
+            if dpo.enabled(cfg):  # the DPO loss on held-out pairs against the reference
+                params, ref = params
+                batch = {**batch, "ref_logp": dpo.sequence_logp(cfg, ref, batch, eval_ops)}
             loss, metrics = loss_and_metrics(cfg, params, batch, eval_ops)
             return metrics.get("ce_loss", loss)  # validation: cross-entropy only
 
@@ -230,8 +291,19 @@ def build(cfg: Config, mesh=None, *, with_grads: bool = False) -> Setup:
         metrics_sh["grads"] = g_sh
     step_fn = jax.jit(step, in_shardings=(state_sh, batch_sh),
                       out_shardings=(state_sh, metrics_sh), donate_argnums=(0,))
-    eval_fn = jax.jit(evaluate, in_shardings=(p_sh, batch_sh), out_shardings=replicated)
-    return Setup(cfg, mesh, optimizer, state_sh, batch_sh, step_fn, eval_fn, traces, g_sh)
+    eval_sh = (model_sh, model_sh) if dpo.enabled(cfg) else model_sh
+    eval_fn = jax.jit(evaluate, in_shardings=(eval_sh, batch_sh), out_shardings=replicated)
+    return Setup(cfg, mesh, optimizer, state_sh, batch_sh, step_fn, eval_fn, traces, g_sh,
+                 model_sh if lora.enabled(cfg) else None, merge_fn)
+
+
+def reference_logp(cfg: Config, mesh, rules) -> Callable:
+    """DPO's reference: (frozen params, batch) -> [2B] sequence log-probs, laid out as the
+    model's compute copy (ZeRO: gathered) under the mesh's annotations."""
+    axes = transformer.logical_axes(cfg.model)
+    run_cfg = dataclasses.replace(cfg, model=zero.model_for_stage(cfg.model, cfg.train.zero_stage))
+    ops = MeshOps(mesh, rules)
+    return lambda ref, batch: dpo.sequence_logp(run_cfg, compute_params(cfg, ref, axes), batch, ops)
 
 
 def peak_flops_per_device() -> float | None:

@@ -23,6 +23,29 @@ def loss_text(loss: float, vocab_size: int) -> str:
     return f"{loss:.4f} nats/{unit} (uniform {math.log(vocab_size):.3f})"
 
 
+def val_text(cfg: Config, loss: float) -> str:
+    """A validation loss as the objective reads it: nats per byte/token, or DPO's loss."""
+    if cfg.train.objective == "dpo":
+        return f"{loss:.4f} DPO loss (log 2 = 0.693 at the reference)"
+    return loss_text(loss, cfg.model.vocab_size)
+
+
+def _tuning_text(cfg: Config) -> str | None:
+    """The LoRA / DPO line of the header, or None for plain training."""
+    t, m = cfg.train, cfg.model
+    parts = []
+    if t.lora_rank:
+        from gendist.training import lora
+        n = sum(math.prod(s.shape) for s in jax.tree.leaves(lora.shapes(m, t)))
+        parts.append(f"LoRA rank {t.lora_rank}, alpha {t.lora_alpha:g} on {t.lora_targets}: "
+                     f"{n / 1e6:.3g}M trainable ({100 * n / m.num_params:.2g}% of the model), "
+                     f"base frozen in {t.lora_base_dtype}")
+    if t.objective == "dpo":
+        parts.append(f"DPO, beta {t.dpo_beta:g}, on {cfg.data.preferences} against the "
+                     "initial model")
+    return "tuning: " + "; ".join(parts) if parts else None
+
+
 def _mesh_text(mesh) -> str:
     return " x ".join(f"{k} {v}" for k, v in mesh.shape.items())
 
@@ -31,7 +54,7 @@ def batch_per_device(cfg: Config, mesh) -> str:
     """Sequences each device processes per step (and per microbatch)."""
     t = cfg.train
     shards = mesh.shape["data"] * mesh.shape["expert"]
-    rows = t.batch_size // shards
+    rows = t.batch_size * (2 if t.objective == "dpo" else 1) // shards  # DPO: 2 a pair
     if mesh.shape["pipeline"] > 1:
         m = pipeline_microbatches(cfg, mesh)
         return f"{rows} sequences per data shard in {m} microbatches of {rows // m}"
@@ -58,13 +81,15 @@ def header(cfg: Config, mesh, start: int, end: int, out_dir: Path) -> list[str]:
         f"{m.dtype}, attention {resolve_backend(m.attention)}",
         f"devices: {jax.device_count()} x {dev.device_kind}{procs}; mesh {_mesh_text(mesh)}"
         f"{sched}; ZeRO stage {t.zero_stage}",
-        f"batch: {t.batch_size} x {t.seq_len} tokens per step, "
+        f"batch: {t.batch_size}{' preference pairs' if t.objective == 'dpo' else ''} x "
+        f"{t.seq_len} tokens per step, "
         f"{batch_per_device(cfg, mesh)}; {run}",
         f"checkpoints: {out_dir / 'checkpoints'} ({ckpt}, keep {t.keep_checkpoints})",
         f"metrics: {out_dir / 'metrics.jsonl'}"
         + (f"; TensorBoard: tensorboard --logdir {out_dir / 'tb'}" if t.tensorboard else ""),
     ]
-    return lines
+    tuning = _tuning_text(cfg)
+    return lines if tuning is None else [lines[0], tuning, *lines[1:]]
 
 
 def footer(cfg: Config, start: int, end: int, seconds: float, history: list[dict],
@@ -74,7 +99,7 @@ def footer(cfg: Config, start: int, end: int, seconds: float, history: list[dict
     tokens = steps * t.batch_size * t.seq_len
     speed = f", {tokens / max(seconds, 1e-9):,.0f} tokens/s" if steps else ""
     train_loss = f"train loss {history[-1]['loss']:.4f}, " if history else ""
-    val = (f"validation loss {loss_text(val_loss, cfg.model.vocab_size)}"
+    val = (f"validation loss {val_text(cfg, val_loss)}"
            if val_loss is not None else "no validation loss")
     where = (f"latest checkpoint step {saved_step} in {out_dir / 'checkpoints'}"
              if saved_step is not None else "no checkpoint")

@@ -266,8 +266,7 @@ def _run(cfg: Config, mesh, data: TextData | None, stop_after: int | None, log,
                     pending = None
                     val_loss = evaluate(setup, data, setup.eval_params(state))
                     writer.write(done, {"val_loss": val_loss})
-                    log(f"step {done}: val_loss "
-                        f"{report.loss_text(val_loss, cfg.model.vocab_size)}")
+                    log(f"step {done}: val_loss {report.val_text(cfg, val_loss)}")
                     beat(f"step {done} and its validation")
                 if ((t.checkpoint_every and done % t.checkpoint_every == 0) or done == end
                         or timed or stopping):

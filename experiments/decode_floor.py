@@ -90,6 +90,24 @@ def _floor(row: dict, tbps: float) -> None:
         row["share_of_floor"] = row["floor_ms"] / row["ms_per_step"]
 
 
+def _match(row: dict, done: list) -> None:
+    """Greedy tokens equal to the fast path's of the same preset and batch (same weights,
+    prompt and key): row["tokens_equal_fast"] = positions equal (of new tokens x batch) and
+    the first position that differs (-1: none), on the row that is not the fast path's."""
+    if "tokens" not in row:
+        return
+    for other in done:
+        if (other.get("preset"), other.get("batch")) != (row["preset"], row["batch"]) or "tokens" not in other:
+            continue
+        pair = (row, other) if other["variant"] == "fast" else (other, row) if row["variant"] == "fast" else None
+        if pair is None or pair[0] is pair[1]:
+            continue
+        a, b = np.asarray(pair[0]["tokens"]), np.asarray(pair[1]["tokens"])
+        differ = np.flatnonzero((a != b).any(axis=0))
+        pair[0]["tokens_equal_fast"] = dict(equal=int((a == b).sum()), of=int(a.size),
+                                           first_difference=int(differ[0]) if differ.size else -1)
+
+
 def case_plan(cfg, params, batch: int, variant: str, max_len: int) -> decoder.DecodePlan:
     """The decode plan of a variant (`params` already laid out for its path)."""
     kind, _, option = variant.partition("@")
@@ -119,7 +137,8 @@ def run_case(cfg, params, batch, variant, args, profile: bool):
                ms_per_step=wall / N * 1e3, tokens_per_s=batch * N / wall,
                tokens_out=int(np.asarray(count).sum()),
                kernels_per_step=profiling.loop_body_kinds(compiled.as_text()),
-               attention={"fast": plan.backend, "megakernel": "chain"}.get(plan.path, "xla"))
+               attention={"fast": plan.backend, "megakernel": "chain"}.get(plan.path, "xla"),
+               tokens=np.asarray(out).tolist())
     if profile:
         trace_dir = tempfile.mkdtemp(prefix="decode_floor_")
         with jax.profiler.trace(trace_dir) as session:
@@ -195,11 +214,12 @@ def main():
             first = False
             w, kv = step_bytes(cfg, params["fast"], batch, args.prompt, args.new_tokens)
             row.update(preset=name, weight_bytes=w, kv_bytes_mean=kv)
+            _match(row, res["cases"])
             _floor(row, res["read_only_TBps_before"])  # final figures use the best of two
         except Exception as e:  # one failing case must not lose the others
             row = dict(preset=name, batch=batch, variant=variant, error=repr(e)[:2000])
         res["cases"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if not k.startswith("profile_top")}),
+        print(json.dumps({k: v for k, v in row.items() if not k.startswith("profile_top") and k != "tokens"}),
               flush=True)
         path.write_text(json.dumps(res, indent=1))
     params.clear()

@@ -15,6 +15,7 @@ import pytest
 from helpers import experiment, lowered_for_sm90
 
 from pallas_kernels._mgpu import on_sm90
+from pallas_kernels.chain import attention as ca
 from pallas_kernels.chain import kernel as cm
 from pallas_kernels.chain import plan
 
@@ -115,19 +116,30 @@ def test_lowers_for_sm90_with_no_fence(preset, norm_eps):
         assert s not in text, s
 
 
-@pytest.mark.parametrize("preset,norm_eps", [("350m", None), ("1b", 1e-5)])
-def test_attention_lowers_for_sm90_with_no_fence(preset, norm_eps):
+# (D, F, query heads, kv heads, head_dim): the presets' multi-head attention, Llama-3.2-1B's
+# grouped-query attention (4 query heads a kv head), 8 a kv head at head_dim 128
+ATTENTION = {"350m": (1024, 2816, 16, 16, 64), "1b": (2048, 5632, 16, 16, 128),
+             "llama3.2-1b": (2048, 8192, 32, 8, 64), "gqa8-hd128": (1024, 2048, 8, 1, 128)}
+
+
+@pytest.mark.parametrize("shape,norm_eps", [("350m", None), ("1b", 1e-5), ("llama3.2-1b", 1e-5),
+                                            ("gqa8-hd128", 1e-5)])
+def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps):
     """With the attention phase: its RoPE, softmax and combine words and the transposed V
-    operand lower, still without a fence."""
-    D, N1, F = SHAPES[preset]
+    operand lower, still without a fence; with grouped-query attention each block rotates,
+    scores and combines its group's query heads (labels a head) and stores their outputs."""
+    D, F, NQ, K, hd = ATTENTION[shape]
+    N1 = D + 2 * K * hd
     S = jax.ShapeDtypeStruct
-    hd = D // 16
     args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
             S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16),
-            S((2, 2, 16, 320, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
+            S((2, 2, K, 320, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
     text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps), *args)
-    for s in ("ROPE_V", "SMAX_L", "SP_L", "CMB_E", "cvt.f32.bf16", "st.global.b16", "LAB_G"):
+    group = ca.group_of(NQ, K)
+    for s in ("ROPE_K", f"ROPE_Q{group - 1}", f"SMAX_L{group - 1}", f"SP_L{group - 1}", "CMB_E",
+              "LLH_0", "cvt.f32.bf16", "st.global.b16", "LAB_G"):
         assert s in text, s
+    assert f"ROPE_Q{group}:" not in text
     for s in ("fence.acq", "fence.proxy.async.global", "red.release"):
         assert s not in text, s
 
@@ -196,7 +208,7 @@ def test_bad_inputs_name_the_field():
     with pytest.raises(ValueError, match="stages=40"):
         cm.chain_mgpu(x0, wq, wo, wgu, wd, stages=40, blocks=132)
     kv, pos, rope = attention_inputs(1, 64, 128, 3, heads=1)
-    with pytest.raises(ValueError, match="3 D"):
+    with pytest.raises(ValueError, match="N1=256 equal to D \\+ 2 kv_heads head_dim"):
         cm.chain_mgpu(*inputs(64, 256, 128, 1), kv, pos, rope)
     with pytest.raises(ValueError, match="capacity=100"):
         cm.chain_mgpu(x0, wq, wo, wgu, wd, kv[:, :, :, :100], pos, rope)
@@ -221,18 +233,27 @@ def test_matches_the_reference_on_the_gpu(preset, layers, norms):
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
-def attention_inputs(L, D, capacity, pos, heads=16):
-    """(kv, pos, rope) as the benchmark builds them (random bf16 cache, the angles of pos)."""
-    return experiment("bench_chain_mgpu").attention_inputs(L, D, capacity, pos, heads)[0]
+def attention_inputs(L, D, capacity, pos, heads=16, kv_heads=None):
+    """(kv, pos, rope) as the benchmark builds them (random bf16 cache, the angles of pos);
+    kv_heads: the cache's heads (grouped-query attention), heads' head_dim."""
+    kv, pos_, rope = experiment("bench_chain_mgpu").attention_inputs(L, D, capacity, pos, heads)[0]
+    return (kv if kv_heads is None else kv[:, :, :kv_heads]), pos_, rope
+
+
+def gqa_inputs(D, hd, kv_heads, F, L, seed=0):
+    """The chain's weights for grouped-query attention: q|k|v [L, D + 2 kv_heads hd, D]."""
+    return inputs(D, D + 2 * kv_heads * hd, F, L, seed)
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
 @pytest.mark.parametrize("preset,layers,norms,pos", [("350m", 2, False, 70), ("350m", 1, False, 0),
-                                                     ("350m", 5, True, 255), ("1b", 3, True, 129)])
+                                                     ("350m", 5, True, 255), ("1b", 3, True, 129),
+                                                     ("llama3.2-1b", 3, True, 129), ("llama3.2-1b", 2, True, 0),
+                                                     ("gqa8-hd128", 3, True, 200)])
 def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos):
-    D, N1, F = SHAPES[preset]
-    x0, wq, wo, wgu, wd = inputs(D, N1, F, layers)
-    att = attention_inputs(layers, D, 320, pos)
+    D, F, NQ, K, hd = ATTENTION[preset]
+    x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, layers)
+    att = attention_inputs(layers, D, 320, pos, heads=NQ, kv_heads=K)
     g = gains(D, layers) if norms else None
     wq_f, wgu_f = cm.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
     got, got_kv = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5 if norms else None)
@@ -250,7 +271,8 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=()):
     bf16, writes one piece per tile, and the tile-group-0 readers write the dense residuals.
     Every word read must carry the tag its group expects (the layer that wrote it), and a
     word is only overwritten two layers later (two regions, `plan.tag`). att: (kv, pos, rope) as `chain_mgpu`
-    takes them: each head reads its q, k, v through `input_spec("att")`, attends in numpy
+    takes them: each attention block reads its query heads' q and their kv head's k, v
+    through `input_spec("att")` and `head_reads` into its stage slots, attends in numpy
     (`attend`) and writes the layer's "att" words, which o reads. Returns x_L (and kv_new)."""
     L, N1, D = wq.shape
     F = wd.shape[2]
@@ -310,12 +332,21 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=()):
             if p.name == "qkv" and att is not None:
                 kv, pos, rope = (np.asarray(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a) for a in att)
                 H, hd = kv.shape[2], kv.shape[4]
-                for h in range(H):
-                    q, k, v = (np.concatenate([read("att", l, 0, (r * D + h * hd) // 64 + j, l == 0)
-                                               for j in range(hd // 64)]) for r in range(3))
-                    o, kn, vn = attend(q, k, v, kv[l, 0, h], kv[l, 1, h], int(pos[0]), rope, bf16)
-                    new.append((l, h, kn, vn))
-                    write(plan.region(l, lay) + lay.offsets["att"] + h * hd, hd, o, l)
+                nc, NQ = hd // 64, D // hd
+                GB = ca.group_of(NQ, H)
+                for a in range(NQ // GB):  # attention block a: query heads a GB .. (a + 1) GB - 1
+                    j = a * GB // (NQ // H)  # their kv head
+                    words_ = cm.words(plan.input_spec("att", l, 0, prods, lay, F)[0])
+                    slot = {s: read("att", l, 0, c, l == 0)
+                            for r in plan.head_reads(D, a, hd, words_, H, GB) for c, s in r.expand()}
+                    assert sorted(slot) == list(range((GB + 2) * nc))
+                    stage = np.concatenate([slot[s] for s in range((GB + 2) * nc)])
+                    k, v = stage[GB * hd:(GB + 1) * hd], stage[(GB + 1) * hd:]
+                    for g in range(GB):
+                        o, kn, vn = attend(stage[g * hd:(g + 1) * hd], k, v, kv[l, 0, j], kv[l, 1, j],
+                                           int(pos[0]), rope, bf16)
+                        write(plan.region(l, lay) + lay.offsets["att"] + (a * GB + g) * hd, hd, o, l)
+                    new.append((l, j, kn, vn))
     x_L = np.concatenate([read("final", L - 1, 0, c, False) for c in range(D // 64)])
     if att is None:
         return x_L
@@ -381,6 +412,31 @@ def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits):
     want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
+
+
+@pytest.mark.parametrize("D,hd,kv_heads,blocks", [(512, 64, 2, 132), (512, 64, 8, 132), (512, 128, 1, 9),
+                                                   (768, 64, 4, 20)])
+def test_the_grouped_query_data_flow_computes_the_chain(D, hd, kv_heads, blocks):
+    """Grouped-query attention (D / hd query heads over kv_heads: groups of 4, 1 (multi-head),
+    4 at head_dim 128, 3): each attention block reads its query heads' q and their kv head's
+    k and v through the kernel's wiring and x_L and the new k, v are the reference's."""
+    F, L, pos = 256, 3, 70
+    x0, wq, wo, wgu, wd = gqa_inputs(D, hd, kv_heads, F, L)
+    att = attention_inputs(L, D, 128, pos, heads=D // hd, kv_heads=kv_heads)
+    g = gains(D, L)
+    wq_f, wgu_f = cm.fold_norms(wq, wgu, *g)
+    got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, att=att)
+    want, want_kv = cm.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
+    want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
+    assert got_kv.shape == (L, 2, kv_heads, hd)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+    assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
+
+
+def test_groups_fit_the_accumulator_columns():
+    """A block attends with the largest divisor of the group size that fits B's 8 rows."""
+    assert [ca.group_of(n, k) for n, k in ((32, 8), (32, 4), (15, 5), (32, 32), (32, 2), (24, 2), (22, 2))] == \
+        [4, 8, 3, 1, 8, 6, 1]
 
 
 @pytest.mark.skipif(ON_SM90, reason="the benchmark's CPU path (a GPU runs the benchmark itself)")

@@ -21,7 +21,8 @@ from pallas_kernels.chain import chain_mgpu
 
 MHA = ModelConfig(d_model=128, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=64,
                   d_ff=192, max_seq_len=64, dtype="bfloat16")  # what the megakernel takes
-GQA = dataclasses.replace(MHA, num_kv_heads=1)
+GQA = dataclasses.replace(MHA, num_kv_heads=1)  # the megakernel takes grouped-query attention
+WIDE = dataclasses.replace(MHA, head_dim=128)  # num_heads * head_dim != d_model: it does not
 MOE = dataclasses.replace(MHA, moe_experts=4, moe_top_k=2, moe_every=2)
 H200, A100 = "NVIDIA H200", "NVIDIA A100-SXM4-80GB"
 NO_GPU = "decode: reference — cpu (the fast path and the megakernel need a GPU)"
@@ -35,8 +36,10 @@ TABLE = [  # cfg, batch, platform, device kind, options -> path, line
     (MHA, 1, "gpu", H200, {}, "megakernel", "decode: megakernel (batch 1, NVIDIA H200)"),
     (MHA, 1, "gpu", "NVIDIA H100 80GB HBM3", {}, "megakernel",
      "decode: megakernel (batch 1, NVIDIA H100 80GB HBM3)"),
-    (GQA, 1, "gpu", H200, {}, "fast",
-     "decode: fast path — the megakernel needs num_kv_heads == num_heads (this has 1 for 2)"),
+    (GQA, 1, "gpu", H200, {}, "megakernel", "decode: megakernel (batch 1, NVIDIA H200)"),
+    (WIDE, 1, "gpu", H200, {}, "fast",
+     "decode: fast path — the megakernel needs num_heads * head_dim == d_model (this has 2 x 128 "
+     "for 128)"),
     (MOE, 1, "gpu", H200, {}, "reference",
      "decode: reference — an MoE model (the fast path and the megakernel are dense)"),
     (MHA, 4, "gpu", H200, {}, "fast",
@@ -55,7 +58,7 @@ TABLE = [  # cfg, batch, platform, device kind, options -> path, line
 
 
 @pytest.mark.parametrize("cfg,batch,platform,kind,kw,path,line", TABLE,
-                         ids=["mha-h200", "mha-h100", "gqa", "moe", "batch4", "a100", "paged",
+                         ids=["mha-h200", "mha-h100", "gqa", "wide", "moe", "batch4", "a100", "paged",
                               "verify5", "cpu", "cpu-gqa-batch4", "cpu-moe"])
 def test_auto_takes_the_fastest_path_that_runs(cfg, batch, platform, kind, kw, path, line):
     assert decoder.choose(cfg, batch, platform, kind, **kw) == (path, line)
@@ -70,8 +73,8 @@ def test_hopper_device_kinds():
 
 
 @pytest.mark.parametrize("cfg,batch,path,kw,message", [
-    (GQA, 1, "megakernel", {}, "generate.path='megakernel': the megakernel needs num_kv_heads "
-                               "== num_heads (this has 1 for 2); use generate.path='fast'"),
+    (WIDE, 1, "megakernel", {}, "generate.path='megakernel': the megakernel needs num_heads * "
+                                "head_dim == d_model (this has 2 x 128 for 128); use generate.path='fast'"),
     (MHA, 2, "megakernel", {}, "needs batch 1 (this is batch 2)"),
     (MHA, 1, "megakernel", dict(device=("cpu", "cpu")),
      "generate.path='megakernel': the megakernel's kernel needs a "
@@ -108,7 +111,10 @@ def test_a_hopper_plan_holds_the_kernel_and_its_weights():
     ref = decoder.plan(MHA, params, 1, 100, "megakernel", mk.chain_reference, device=("cpu", "cpu"))
     assert ref.kernel is mk.chain_reference and ref.line == (
         "decode: megakernel (batch 1, cpu, kernel chain_reference; generate.path='megakernel')")
-    fast = decoder.plan(GQA, transformer.init_params(GQA, 0), 1, 100, device=("gpu", H200))
+    gqa = decoder.plan(GQA, transformer.init_params(GQA, 0), 1, 100, device=("gpu", H200))
+    assert gqa.path == "megakernel" and gqa.params["chain"][0].shape == (2, 128 + 2 * 64, 128)
+    assert gqa.make_cache().kv.shape == (2, 2, 1, 128, 64)  # the kv heads only
+    fast = decoder.plan(WIDE, transformer.init_params(WIDE, 0), 1, 100, device=("gpu", H200))
     assert (fast.path, fast.backend) == ("fast", "pallas")  # the paged kernel on a GPU
 
 

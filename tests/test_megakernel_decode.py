@@ -10,25 +10,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_fixtures import LLAMA3, hf_llama_logits, llama_config, random_weights, write_llama
 
+from gendist import hf
 from gendist.config import ModelConfig
 from gendist.inference import decoder
 from gendist.inference import generate as G
 from gendist.inference import megakernel as mk
 from gendist.inference.sampling import SamplingParams
 from gendist.models import transformer
+from gendist.presets import preset
 from pallas_kernels._mgpu import on_sm90
 
 CFG = ModelConfig(d_model=128, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=64, d_ff=192,
                   max_seq_len=256, dtype="bfloat16")
+# grouped-query attention: 2 query heads a kv head (one attention block serves both)
+GQA = dataclasses.replace(CFG, d_model=256, num_heads=4, num_kv_heads=2)
 GREEDY = SamplingParams(temperature=0.0)
 ON_SM90 = jax.default_backend() == "gpu" and on_sm90()
 KERNEL = None if ON_SM90 else mk.chain_reference  # None: the plan's own, the Mosaic GPU kernel
 
 
-@pytest.fixture(scope="module")
-def params():
-    p = transformer.init_params(CFG, 1)
+def init(cfg):
+    p = transformer.init_params(cfg, 1)
     leaves, tree = jax.tree_util.tree_flatten_with_path(p)
     keys = jax.random.split(jax.random.key(7), len(leaves))
 
@@ -40,26 +44,44 @@ def params():
     return jax.tree.unflatten(tree, [perturb(path, x, k) for (path, x), k in zip(leaves, keys, strict=True)])
 
 
+@pytest.fixture(scope="module")
+def params():
+    return init(CFG)
+
+
+@pytest.fixture(scope="module")
+def gqa_params():
+    return init(GQA)
+
+
 def _generate(params, prompt, new, **kw):
     pb = jnp.asarray(prompt)[None]
     return G.generate_tokens(CFG, params, pb, jnp.array([prompt.size], jnp.int32), jax.random.key(0),
                              max_new_tokens=new, sp=GREEDY, **kw)
 
 
-def _plan(params, max_len, kernel=KERNEL):
-    return decoder.plan(CFG, params, 1, max_len, "megakernel", kernel)
+def _plan(params, max_len, kernel=KERNEL, cfg=CFG):
+    return decoder.plan(cfg, params, 1, max_len, "megakernel", kernel)
 
 
-@pytest.mark.parametrize("prompt_len", [5, 70])
-def test_chain_steps_give_the_models_logits(params, prompt_len):
+@pytest.mark.parametrize("prompt_len,gqa", [(5, False), (70, False), (70, True)])
+def test_chain_steps_give_the_models_logits(params, gqa_params, prompt_len, gqa):
     """Teacher-forced: the prompt, then 10 given tokens one step at a time through the chain;
     each step's logits within twice the model's own bf16 error of the model's fp32 forward
     (same bf16-rounded weights). Both round differently (the chain keeps the residual in
     fp32, the model in bf16; ~1% each here); a wiring fault is far larger (the two norms'
-    gains swapped: ~90%)."""
+    gains swapped: ~90%). Also with grouped-query attention (2 query heads a kv head)."""
+    cfg, params = (GQA, gqa_params) if gqa else (CFG, params)
+    got, model = _teacher_forced(cfg, params, prompt_len)
+    assert got.max() <= 2 * model.max(), (got, model)
+
+
+def _teacher_forced(cfg, params, prompt_len, kernel=KERNEL):
+    """The relative errors [10] of 10 teacher-forced steps' logits through the chain, and of
+    the model's own bf16 forward, against the model's fp32 forward (same bf16-rounded weights)."""
     rng = np.random.default_rng(prompt_len)
     tokens = jnp.asarray(rng.integers(0, 256, (1, prompt_len + 10)), jnp.int32)
-    plan = _plan(params, prompt_len + 10)
+    plan = _plan(params, prompt_len + 10, kernel, cfg=cfg)
     logits, cache = plan.prefill(tokens[:, :prompt_len], jnp.array([prompt_len], jnp.int32),
                                  plan.make_cache())
     assert isinstance(cache, mk.ChainCache)
@@ -68,12 +90,22 @@ def test_chain_steps_give_the_models_logits(params, prompt_len):
         step_logits, cache = plan.step(tokens[:, i], cache)
         got.append(step_logits[0])
     f32 = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32) if x.ndim > 1 else x  # noqa: E731
-    exact = transformer.forward(dataclasses.replace(CFG, dtype="float32"), jax.tree.map(f32, params), tokens)
-    model = transformer.forward(CFG, params, tokens)
+    exact = transformer.forward(dataclasses.replace(cfg, dtype="float32"), jax.tree.map(f32, params), tokens)
+    model = transformer.forward(cfg, params, tokens)
     as64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
     got, exact, model = as64(jnp.stack(got)), as64(exact[0, prompt_len:]), as64(model[0, prompt_len:])
     err = lambda a: np.linalg.norm(a - exact, axis=1) / np.linalg.norm(exact, axis=1)  # noqa: E731
-    assert err(got).max() <= 2 * err(model).max(), (err(got), err(model))
+    return err(got), err(model)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Mosaic GPU kernel at Llama-3.2-1B's widths: an sm90 GPU only")
+def test_llama_widths_step_through_the_kernel_on_the_gpu():
+    """Llama-3.2-1B's widths (32 query / 8 kv heads of 64, d_ff 8192, vocabulary 128256,
+    llama3 RoPE scaling), 2 of its 16 layers, random weights: teacher-forced steps through
+    the Mosaic GPU kernel give logits within twice the model's own bf16 error."""
+    cfg = dataclasses.replace(preset("llama3.2-1b").model, num_layers=2, attention="xla")
+    got, model = _teacher_forced(cfg, transformer.init_params(cfg, 1), 100, None)
+    assert got.max() <= 2 * model.max(), (got, model)
 
 
 def test_chain_decoding_runs_in_generate_tokens(params):
@@ -105,8 +137,9 @@ def test_chain_cache_holds_what_the_model_wrote(params):
 
 def test_unsupported_models_say_why():
     assert mk.supported(CFG, 2) == "batch 1 (this is batch 2)"
-    assert "num_kv_heads == num_heads (this has 1 for 2)" in mk.supported(
-        dataclasses.replace(CFG, num_kv_heads=1), 1)
+    assert mk.supported(GQA, 1) is None and mk.supported(dataclasses.replace(GQA, num_kv_heads=1), 1) is None
+    assert "num_heads * head_dim == d_model (this has 2 x 128 for 128)" in mk.supported(
+        dataclasses.replace(CFG, head_dim=128), 1)
     assert "head_dim a multiple of 64 (is 32)" in mk.supported(
         dataclasses.replace(CFG, head_dim=32, num_heads=4), 1)
     assert mk.supported(CFG, 1) is None
@@ -128,3 +161,39 @@ def test_rolled_back_chain_cache_decodes_as_a_fresh_one(params):
         want, fresh = plan.step(jnp.array([t], jnp.int32), fresh)
         got, used = plan.step(jnp.array([t], jnp.int32), used)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_grouped_query_llama_checkpoint_decodes_through_the_megakernel(tmp_path):
+    """A Llama checkpoint in the Hugging Face layout (2 query heads a kv head, head_dim 64,
+    llama3 RoPE scaling, tied embeddings), loaded by `gendist.hf`: its greedy tokens through
+    the megakernel (the kernel's XLA reference on a CPU, the kernel on an sm90 GPU) are the
+    reference path's, the first is the Hugging Face forward's (NumPy, float64) argmax, and
+    each step's logits are within twice the model's own bf16 error of that forward's."""
+    hf_cfg = llama_config(vocab=96, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=128,
+                          rope_scaling=LLAMA3)
+    weights = random_weights(hf_cfg, seed=3)
+    write_llama(tmp_path, hf_cfg, weights)
+    cfg, params = hf.load(tmp_path, ModelConfig(dtype="bfloat16"))
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.rope_llama3 is not None) == (4, 2, True)
+    assert mk.supported(cfg, 1) is None
+    prompt = np.arange(5, 29, dtype=np.int32) % 96
+    run = lambda **kw: G.generate_tokens(  # noqa: E731
+        cfg, params, jnp.asarray(prompt)[None], jnp.array([prompt.size], jnp.int32), jax.random.key(0),
+        max_new_tokens=8, sp=GREEDY, **kw)
+    want, _ = run(path="reference")
+    got, count = run(path="megakernel", kernel=KERNEL)
+    assert int(count[0]) == 8
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    ids = np.concatenate([prompt, np.asarray(got)[0]])[None]
+    exact = hf_llama_logits(hf_cfg, weights, ids)[0, prompt.size - 1:-1]
+    assert int(np.asarray(got)[0, 0]) == int(exact[0].argmax())
+    # the steps' logits against Hugging Face's, within twice the model's own bf16 error
+    plan = decoder.plan(cfg, params, 1, ids.shape[1], "megakernel", KERNEL)
+    logits, cache = plan.prefill(jnp.asarray(prompt)[None], jnp.array([prompt.size], jnp.int32), plan.make_cache())
+    steps = [logits[0]]
+    for t in ids[0, prompt.size:-1]:
+        step_logits, cache = plan.step(jnp.array([t], jnp.int32), cache)
+        steps.append(step_logits[0])
+    model = transformer.forward(cfg, params, jnp.asarray(ids))[0, prompt.size - 1:-1]
+    err = lambda a: np.linalg.norm(np.asarray(a, np.float64) - exact, axis=1) / np.linalg.norm(exact, axis=1)  # noqa: E731
+    assert err(jnp.stack(steps)).max() <= 2 * err(jnp.asarray(model, jnp.float32)).max()

@@ -1,7 +1,7 @@
 """The decode front door: which path decodes a model, and everything that path needs.
 
     p = plan(cfg, params, batch, max_len, path="auto")   # outside jit: weights laid out once
-    print(p.line)     # decode: fast path — the megakernel needs num_kv_heads == num_heads ...
+    print(p.line)     # decode: fast path — the megakernel needs batch 1 (this is batch 8)
     cache = p.make_cache()
     logits_BV, cache = p.prefill(prompt_BT, prompt_len_B, cache)
     logits_BV, cache = p.step(tokens_B, cache)

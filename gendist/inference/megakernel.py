@@ -40,15 +40,18 @@ def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: 
 
 def supported(cfg: ModelConfig, batch: int) -> str | None:
     """None if `cfg` at `batch` can decode through the chain kernel, else what the kernel
-    needs that it lacks ("batch 1 (this is batch 4); num_kv_heads == num_heads ...")."""
+    needs that it lacks ("batch 1 (this is batch 4); num_heads * head_dim == d_model ...").
+    Grouped-query attention is taken for any group size (num_kv_heads dividing num_heads);
+    q|k|v's rows, attention's output and o's columns must all be d_model wide."""
     D, hd = cfg.d_model, cfg.head_dim
     needs = [
         (batch != 1, f"batch 1 (this is batch {batch})"),
         (cfg.moe_experts > 0, "a dense model (this is MoE)"),
         (cfg.mlp != "swiglu", f"mlp='swiglu' (this is {cfg.mlp!r})"),
-        (cfg.num_kv_heads != cfg.num_heads, f"num_kv_heads == num_heads (this has "
-                                            f"{cfg.num_kv_heads} for {cfg.num_heads})"),
-        (cfg.num_heads * hd != D, "num_heads * head_dim == d_model"),
+        (cfg.num_heads % cfg.num_kv_heads, f"num_kv_heads dividing num_heads (this has "
+                                           f"{cfg.num_kv_heads} for {cfg.num_heads})"),
+        (cfg.num_heads * hd != D, f"num_heads * head_dim == d_model (this has {cfg.num_heads} x {hd} "
+                                  f"for {D})"),
         (hd % 64, f"head_dim a multiple of 64 (is {hd})"),
         (D % 128, f"d_model a multiple of 128 (is {D})"),
         (cfg.d_ff % 64, f"d_ff a multiple of 64 (is {cfg.d_ff})"),
@@ -60,7 +63,8 @@ def supported(cfg: ModelConfig, batch: int) -> str | None:
 def chain_params(cfg: ModelConfig, params: dict) -> dict:
     """The decode layout (`decode_layout.decode_params`, for the prompt) plus "chain": the
     matrices the kernel reads, stacked over layers, RMSNorm gains folded into q|k|v's and
-    gate|up's columns: (w_qkv [L, 3D, D], w_o [L, D, D], w_gu [L, 2F, D], w_down [L, D, F])."""
+    gate|up's columns: (w_qkv [L, D + 2 K hd, D] (rows q | k | v, K kv heads), w_o [L, D, D],
+    w_gu [L, 2F, D], w_down [L, D, F])."""
     if "chain" in params:
         return params
     why = supported(cfg, 1)
@@ -70,7 +74,8 @@ def chain_params(cfg: ModelConfig, params: dict) -> dict:
     blocks = dp["blocks"]
     D = cfg.d_model
     stack = lambda key, shape: jnp.stack([b[key].reshape(shape) for b in blocks])  # noqa: E731
-    w_qkv, w_gu = cm.fold_norms(stack("wqkv_CHD", (3 * D, D)), stack("w_gate_up_GD", (2 * cfg.d_ff, D)),
+    N1 = D + 2 * cfg.num_kv_heads * cfg.head_dim
+    w_qkv, w_gu = cm.fold_norms(stack("wqkv_CHD", (N1, D)), stack("w_gate_up_GD", (2 * cfg.d_ff, D)),
                                 jnp.stack([b["attn_norm"] for b in blocks]),
                                 jnp.stack([b["mlp_norm"] for b in blocks]))
     return {**dp, "chain": (w_qkv, stack("wo_DNH", (D, D)), w_gu, stack("w_down_DF", (D, cfg.d_ff)))}
@@ -79,8 +84,8 @@ def chain_params(cfg: ModelConfig, params: dict) -> dict:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ChainCache(KVCache):
-    """One sequence's keys and values as the chain kernel reads them: kv [L, 2, H, S, hd]
-    (zeroed: rows at and past the length must be finite), S a multiple of 64."""
+    """One sequence's keys and values as the chain kernel reads them: kv [L, 2, K, S, hd]
+    (K kv heads; zeroed: rows at and past the length must be finite), S a multiple of 64."""
 
     kv: jax.Array
     lengths: jax.Array  # [1] int32

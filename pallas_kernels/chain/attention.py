@@ -1,23 +1,31 @@
-"""The attention phase of `chain_mgpu`'s decode megakernel: one block a head, batch 1, between
-the q|k|v product and the output product (Hopper, sm90).
+"""The attention phase of `chain_mgpu`'s decode megakernel: one block a group of query heads
+sharing a kv head, batch 1, between the q|k|v product and the output product (Hopper, sm90).
 
-A block (`head_of`: the last `heads` blocks, which the rectangle splits load least) takes
-head h of layer l:
+With grouped-query attention (GQA, Ainslie et al. 2023, arXiv:2305.13245) query head i
+reads kv head i // (query heads / kv heads). A block takes `group_of` of those query heads
+(at most 8: one per column of the [64, 8] wgmma accumulator, i.e. one per row of the B
+operand), so each K and V tile of its kv head is read once for all of them: a step reads
+the cache once, not once a query head. Multi-head attention is the group of 1. A block
+(`head_of`: the last blocks, which the rectangle splits load least) takes query heads
+h g .. h g + g - 1 of layer l (g = the group):
 
-1. gathers its q, k and v (3 hd values: the sums of q|k|v's pieces, times x_l's RMSNorm
-   factor with norms) into fp32 shared memory (`words.gather`, out="f32");
-2. `rope_new`: rotates q and the new k (NeoX pairs (x[:hd/2], x[hd/2:]), fp32, rounded to
-   bf16 as the cache holds them), writes q into the window the tensor core reads, the new
-   k and v to the `kv_new` output [L, 2, H, hd] (the caller writes them into the cache at
-   `pos` after the kernel, one update for every layer), and sums q . k_new;
+1. gathers their q, their kv head's k and v ((g + 2) hd values: the sums of q|k|v's
+   pieces, times x_l's RMSNorm factor with norms) into fp32 shared memory (`words.gather`,
+   out="f32");
+2. `rope_new`: rotates the new k and each q (NeoX pairs (x[:hd/2], x[hd/2:]), fp32, rounded
+   to bf16 as the cache holds them), writes q of head j into row j of the window the tensor
+   core reads, the new k and v to the `kv_new` output [L, 2, H, hd] (the caller writes them
+   into the cache at `pos` after the kernel, one update for every layer), and sums each
+   q . k_new;
 3. scores of the cached positions [0, pos): the K tiles [64 positions, 64] stream through
-   the weight ring like any weight tile and wgmma takes them as A against q (B), so that
-   column 0 of the [64, 8] accumulator is 64 scores;
-4. `softmax_max` / `softmax_p`: the maximum over the scores and the new token's, then
-   p = 2^((s - m) scale log2 e) as bf16 into a second window (0 at positions >= pos);
+   the weight ring like any weight tile and wgmma takes them as A against the q rows (B),
+   so that column j of the [64, 8] accumulator is head j's 64 scores;
+4. `softmax`: each head's maximum over its scores and the new token's, then
+   p = 2^((s - m) scale log2 e) as bf16 into row j of a second window (0 at positions >= pos);
 5. P V: the V tiles, read transposed from the ring (A = V^T [64 dims, 64 positions])
-   against p (B); `combine` adds the new token's p v and divides by the sum;
-6. the head's output as LL words of the layer's "att" region: the output product's input.
+   against the p rows (B); `combine` adds each head's new-token p v and divides by its sum;
+6. the heads' outputs as LL words of the layer's "att" region (`words.ll_store_heads`):
+   the output product's input.
 
 The cache rows at and above pos are never trusted: their p is 0. The cache must hold finite
 values there (0 * NaN is NaN on the tensor core too): the caller allocates it zeroed. The
@@ -40,7 +48,7 @@ from pallas_kernels._mgpu import const_i32, lane, ptr32, ptr64
 from pallas_kernels.chain.words import X_TRANSFORMS, f32_hex
 
 LOG2E = math.log2(math.e)
-RED = 12  # fp32 words of the reduction scratch: 4 warps' q.k_new, their max, their sum
+RED = 12  # fp32 words of the reduction scratch a query head: 4 warps' q.k_new, their max, their sum
 
 
 def head_of(b, blocks: int):
@@ -60,58 +68,79 @@ def items(pos, head_dim: int):
     return 2 * tiles(pos) * (head_dim // 64)
 
 
-def _win_offset(reg: str, idx: str) -> str:
-    """PTX: reg = byte offset of element idx of a 64-wide chunk row in the bf16 window
-    (row 0 of 8-row group idx / 64: 1 KB a group, linear in the row)."""
-    return f"shr.u32 {reg}, {idx}, 6; shl.b32 {reg}, {reg}, 10; and.b32 wt, {idx}, 63; shl.b32 wt, wt, 1; add.u32 {reg}, {reg}, wt;"
+def group_of(num_heads: int, kv_heads: int) -> int:
+    """Query heads one block attends with: the largest divisor of the group size
+    num_heads / kv_heads that is at most 8 (the columns of a [64, 8] wgmma accumulator: each
+    query head is one column of B, so one K or V tile read serves them all)."""
+    G = num_heads // kv_heads
+    return max(g for g in range(1, min(G, 8) + 1) if G % g == 0)
+
+
+def _win_offset(reg: str, idx: str, row: int = 0) -> str:
+    """PTX: reg = byte offset of element idx of row `row` (< 8) of a 64-wide chunk in the bf16
+    window: 8-row group idx / 64 (1 KB a group), row * 128 bytes, its 16-byte units swizzled
+    (128-byte swizzle: unit ^= row; row 0 is linear)."""
+    swz = f" xor.b32 wt, wt, {16 * row}; add.u32 {reg}, {reg}, {128 * row};" if row else ""
+    return (f"shr.u32 {reg}, {idx}, 6; shl.b32 {reg}, {reg}, 10; and.b32 wt, {idx}, 63;"
+            f" shl.b32 wt, wt, 1;{swz} add.u32 {reg}, {reg}, wt;")
 
 
 _WARP_SUM = " ".join(f"shfl.sync.bfly.b32 r, x, {m}, 31, -1; add.f32 x, x, r;" for m in (16, 8, 4, 2, 1))
 _WARP_MAX = " ".join(f"shfl.sync.bfly.b32 r, x, {m}, 31, -1; max.f32 x, x, r;" for m in (16, 8, 4, 2, 1))
-# lane % 32 == 0 stores x at red[slot * 4 + warp]: operands named by the caller's PTX.
+# lane % 32 == 0 stores x at red[slot + warp] (slot: a word offset): operands named by the caller's PTX.
 _PER_WARP = ("and.b32 w, {lane}, 31; setp.eq.u32 z, w, 0; shr.u32 w, {lane}, 5; add.u32 w, w, {slot};"
              " shl.b32 w, w, 2; add.u32 w, w, {red}; @z st.shared.f32 [w], x;")
 
 
-def _rope_ptx(head_dim: int) -> str:
-    """Operands: $0 stage (fp32 q|k|v, shared), $1 window (shared), $2 k_new's global address,
-    $3 v_new's, $4 the angles (cos | sin, fp32 shared), $5 red (shared), $6 lane."""
+def _rope_ptx(head_dim: int, group: int = 1) -> str:
+    """Operands: $0 stage (fp32 q_0..q_{group-1} | k | v, shared), $1 window (shared), $2
+    k_new's global address, $3 v_new's, $4 the angles (cos | sin, fp32 shared), $5 red
+    (shared), $6 lane. The new k is rotated once; each query head g is rotated into row g
+    of the window and its q . k_new summed into red's head-g partials."""
     h2 = head_dim // 2
-    per_warp = _PER_WARP.format(lane="$6", slot=0, red="$5")
-    return (
+    kq = 4 * group * head_dim  # k's byte offset in the stage
+    ptx = (
         "{ .reg .pred p; .reg .pred z; .reg .f32 q1, q2, k1, k2, c, s, t, u, x, r; .reg .b16 a, b;"
         " .reg .u32 i, j, o, w, wt; .reg .u64 g;"
-        f" mov.f32 x, 0f00000000; setp.lt.u32 p, $6, {h2}; @!p bra ROPE_V;"
-        " shl.b32 o, $6, 2; add.u32 i, $0, o; ld.shared.f32 q1, [i]; ld.shared.f32 q2, [i+" + str(4 * h2) + "];"
-        f" ld.shared.f32 k1, [i+{4 * head_dim}]; ld.shared.f32 k2, [i+{4 * (head_dim + h2)}];"
+        f" setp.lt.u32 p, $6, {h2}; @!p bra ROPE_K;"
+        " shl.b32 o, $6, 2; add.u32 i, $0, o;"
+        f" ld.shared.f32 k1, [i+{kq}]; ld.shared.f32 k2, [i+{kq + 4 * h2}];"
         " add.u32 j, $4, o; ld.shared.f32 c, [j]; ld.shared.f32 s, [j+" + str(4 * h2) + "];"
-        # q rotated, to the window (elements lane and lane + hd/2)
-        " mul.f32 t, q2, s; neg.f32 t, t; fma.rn.f32 t, q1, c, t; cvt.rn.bf16.f32 a, t;"
-        " mul.f32 u, q1, s; fma.rn.f32 u, q2, c, u; cvt.rn.bf16.f32 b, u;"
-        f" {_win_offset('j', '$6')} add.u32 j, j, $1; st.shared.b16 [j], a;"
-        f" add.u32 i, $6, {h2}; {_win_offset('j', 'i')} add.u32 j, j, $1; st.shared.b16 [j], b;"
-        # the rotated q, as bf16, times the rotated new k, as bf16
-        " cvt.f32.bf16 q1, a; cvt.f32.bf16 q2, b;"
+        # the new k rotated, as bf16, to k_new
         " mul.f32 t, k2, s; neg.f32 t, t; fma.rn.f32 t, k1, c, t; cvt.rn.bf16.f32 a, t;"
         " mul.f32 u, k1, s; fma.rn.f32 u, k2, c, u; cvt.rn.bf16.f32 b, u;"
         " shl.b32 o, $6, 1; cvt.u64.u32 g, o; add.u64 g, g, $2; st.global.b16 [g], a;"
         f" st.global.b16 [g+{2 * h2}], b;"
-        " cvt.f32.bf16 k1, a; cvt.f32.bf16 k2, b;"
-        " mul.f32 x, q1, k1; fma.rn.f32 x, q2, k2, x;"
-        f" ROPE_V: {_WARP_SUM} {per_warp}"
+        " cvt.f32.bf16 k1, a; cvt.f32.bf16 k2, b; ROPE_K:")
+    for hq in range(group):  # query head hq: rotated to window row hq, times the new k
+        per_warp = _PER_WARP.format(lane="$6", slot=12 * hq, red="$5")
+        ptx += (
+            f" mov.f32 x, 0f00000000; @!p bra ROPE_Q{hq};"
+            f" ld.shared.f32 q1, [i+{4 * hq * head_dim}]; ld.shared.f32 q2, [i+{4 * (hq * head_dim + h2)}];"
+            " mul.f32 t, q2, s; neg.f32 t, t; fma.rn.f32 t, q1, c, t; cvt.rn.bf16.f32 a, t;"
+            " mul.f32 u, q1, s; fma.rn.f32 u, q2, c, u; cvt.rn.bf16.f32 b, u;"
+            f" {_win_offset('j', '$6', hq)} add.u32 j, j, $1; st.shared.b16 [j], a;"
+            f" add.u32 o, $6, {h2}; {_win_offset('j', 'o', hq)} add.u32 j, j, $1; st.shared.b16 [j], b;"
+            " cvt.f32.bf16 q1, a; cvt.f32.bf16 q2, b;"
+            " mul.f32 x, q1, k1; fma.rn.f32 x, q2, k2, x;"
+            f" ROPE_Q{hq}: {_WARP_SUM} {per_warp}")
+    vq = 4 * (group + 1) * head_dim  # v's byte offset in the stage
+    return ptx + (
         # v: rounded to bf16, to v_new and back into the stage
         f" setp.lt.u32 p, $6, {head_dim}; @!p bra ROPE_E;"
-        f" shl.b32 o, $6, 2; add.u32 i, $0, o; ld.shared.f32 t, [i+{8 * head_dim}]; cvt.rn.bf16.f32 a, t;"
+        f" shl.b32 o, $6, 2; add.u32 i, $0, o; ld.shared.f32 t, [i+{vq}]; cvt.rn.bf16.f32 a, t;"
         " shl.b32 o, $6, 1; cvt.u64.u32 g, o; add.u64 g, g, $3; st.global.b16 [g], a;"
-        f" cvt.f32.bf16 t, a; st.shared.f32 [i+{8 * head_dim}], t; ROPE_E: }}")
+        f" cvt.f32.bf16 t, a; st.shared.f32 [i+{vq}], t; ROPE_E: }}")
 
 
-def rope_new(stage_smem, win_smem, kv_new_ref, rope_smem, red_smem, k_word, v_word, head_dim: int):
-    """Step 2 of the module docstring. k_word / v_word: the element offsets of this head's
-    new k and v in kv_new_ref (traced); rope_smem: the angles, cos | sin (fp32, in shared
-    memory: loaded once a call, the same for every layer). Ends in a warpgroup barrier."""
+def rope_new(stage_smem, win_smem, kv_new_ref, rope_smem, red_smem, k_word, v_word, head_dim: int,
+             group: int = 1):
+    """Step 2 of the module docstring for `group` query heads sharing one kv head. k_word /
+    v_word: the element offsets of the kv head's new k and v in kv_new_ref (traced);
+    rope_smem: the angles, cos | sin (fp32, in shared memory: loaded once a call, the same
+    for every layer). Ends in a warpgroup barrier."""
     splat = plgpu.Layout.WG_SPLAT
-    ptx = _rope_ptx(head_dim)
+    ptx = _rope_ptx(head_dim, group)
 
     ref_types = (plgpu.RefType(), plgpu.RefType(X_TRANSFORMS)) + (plgpu.RefType(),) * 3
 
@@ -132,44 +161,53 @@ def rope_new(stage_smem, win_smem, kv_new_ref, rope_smem, red_smem, k_word, v_wo
        [jnp.asarray(k_word, jnp.int32), jnp.asarray(v_word, jnp.int32)])
 
 
-def _max_ptx() -> str:
-    """Operands: $0 scores (fp32 shared), $1 pos, $2 red, $3 lane."""
-    per_warp = _PER_WARP.format(lane="$3", slot=4, red="$2")
-    return ("{ .reg .pred p; .reg .pred z; .reg .f32 x, r, y; .reg .u32 i, a, w;"
-            " mov.f32 x, 0fFF800000; mov.u32 i, $3;"
-            " SMAX_L: setp.ge.u32 p, i, $1; @p bra SMAX_E; shl.b32 a, i, 2; add.u32 a, a, $0;"
-            " ld.shared.f32 y, [a]; max.f32 x, x, y; add.u32 i, i, 128; bra SMAX_L;"
-            f" SMAX_E: {_WARP_MAX} {per_warp} }}")
+def _max_ptx(group: int = 1, capacity: int = 0) -> str:
+    """Operands: $0 scores (fp32 shared, [group, capacity]), $1 pos, $2 red, $3 lane."""
+    ptx = "{ .reg .pred p; .reg .pred z; .reg .f32 x, r, y; .reg .u32 i, a, w;"
+    for hq in range(group):
+        per_warp = _PER_WARP.format(lane="$3", slot=12 * hq + 4, red="$2")
+        ptx += (f" mov.f32 x, 0fFF800000; mov.u32 i, $3;"
+                f" SMAX_L{hq}: setp.ge.u32 p, i, $1; @p bra SMAX_E{hq}; shl.b32 a, i, 2; add.u32 a, a, $0;"
+                f" ld.shared.f32 y, [a+{4 * hq * capacity}]; max.f32 x, x, y; add.u32 i, i, 128; bra SMAX_L{hq};"
+                f" SMAX_E{hq}: {_WARP_MAX} {per_warp}")
+    return ptx + " }"
 
 
-def _stats_ptx(red: str) -> str:
-    """PTX computing into s (q . k_new) and m (the maximum) from the partials at operand red."""
-    return (f"ld.shared.f32 s, [{red}]; " + " ".join(f"ld.shared.f32 y, [{red}+{4 * w}]; add.f32 s, s, y;"
-                                                  for w in (1, 2, 3))
-            + " mov.f32 m, s; " + " ".join(f"ld.shared.f32 y, [{red}+{16 + 4 * w}]; max.f32 m, m, y;"
+def _stats_ptx(red: str, hq: int = 0) -> str:
+    """PTX computing into s (q . k_new) and m (the maximum) of query head hq from the
+    partials at operand red (head hq's 12 words: 4 warps' q . k_new, max, sum)."""
+    o = 48 * hq
+    return (f"ld.shared.f32 s, [{red}+{o}]; " + " ".join(f"ld.shared.f32 y, [{red}+{o + 4 * w}]; add.f32 s, s, y;"
+                                                        for w in (1, 2, 3))
+            + " mov.f32 m, s; " + " ".join(f"ld.shared.f32 y, [{red}+{o + 16 + 4 * w}]; max.f32 m, m, y;"
                                           for w in range(4)))
 
 
-def _p_ptx(scale_log2: float) -> str:
+def _p_ptx(scale_log2: float, group: int = 1, capacity: int = 0) -> str:
     """Operands: $0 scores, $1 pos, $2 red, $3 lane, $4 the p window (shared), $5 positions
-    to write (tiles * 64)."""
-    per_warp = _PER_WARP.format(lane="$3", slot=8, red="$2")
+    to write (tiles * 64). Head hq's p goes to row hq of the window's 8-row groups."""
     k = f32_hex(scale_log2)
-    return ("{ .reg .pred p; .reg .pred q; .reg .pred z; .reg .f32 x, r, y, s, m, e; .reg .b16 hb;"
-            " .reg .u32 i, a, w, wt, j;" + _stats_ptx("$2") +
-            " mov.f32 x, 0f00000000; mov.u32 i, $3;"
-            " SP_L: setp.ge.u32 p, i, $5; @p bra SP_E; shl.b32 a, i, 2; add.u32 a, a, $0;"
-            f" ld.shared.f32 y, [a]; sub.f32 y, y, m; mul.f32 y, y, {k}; ex2.approx.f32 e, y;"
-            " setp.lt.u32 q, i, $1; @!q mov.f32 e, 0f00000000; add.f32 x, x, e; cvt.rn.bf16.f32 hb, e;"
-            f" {_win_offset('j', 'i')} add.u32 j, j, $4; st.shared.b16 [j], hb;"
-            f" add.u32 i, i, 128; bra SP_L; SP_E: {_WARP_SUM} {per_warp} }}")
+    ptx = ("{ .reg .pred p; .reg .pred q; .reg .pred z; .reg .f32 x, r, y, s, m, e; .reg .b16 hb;"
+           " .reg .u32 i, a, w, wt, j;")
+    for hq in range(group):
+        per_warp = _PER_WARP.format(lane="$3", slot=12 * hq + 8, red="$2")
+        ptx += (" " + _stats_ptx("$2", hq) + " mov.f32 x, 0f00000000; mov.u32 i, $3;"
+                f" SP_L{hq}: setp.ge.u32 p, i, $5; @p bra SP_E{hq}; shl.b32 a, i, 2; add.u32 a, a, $0;"
+                f" ld.shared.f32 y, [a+{4 * hq * capacity}]; sub.f32 y, y, m; mul.f32 y, y, {k};"
+                " ex2.approx.f32 e, y;"
+                " setp.lt.u32 q, i, $1; @!q mov.f32 e, 0f00000000; add.f32 x, x, e; cvt.rn.bf16.f32 hb, e;"
+                f" {_win_offset('j', 'i', hq)} add.u32 j, j, $4; st.shared.b16 [j], hb;"
+                f" add.u32 i, i, 128; bra SP_L{hq}; SP_E{hq}: {_WARP_SUM} {per_warp}")
+    return ptx + " }"
 
 
-def softmax(scores_smem, p_win, red_smem, pos, n_tiles, scale_log2: float):
-    """Step 4: the maximum (a warpgroup barrier), then p into p_win and the warps' sums of p
+def softmax(scores_smem, p_win, red_smem, pos, n_tiles, scale_log2: float, group: int = 1):
+    """Step 4 for `group` query heads (scores_smem [group, capacity / 64, 64]): the maxima
+    (a warpgroup barrier), then each head's p into its row of p_win and the warps' sums of p
     into red (another barrier). pos, n_tiles traced."""
     splat = plgpu.Layout.WG_SPLAT
-    max_ptx, p_ptx = _max_ptx(), _p_ptx(scale_log2)
+    capacity = scores_smem.shape[1] * scores_smem.shape[2]
+    max_ptx, p_ptx = _max_ptx(group, capacity), _p_ptx(scale_log2, group, capacity)
 
     ref_types = (plgpu.RefType(), plgpu.RefType(X_TRANSFORMS), plgpu.RefType())
 
@@ -186,25 +224,30 @@ def softmax(scores_smem, p_win, red_smem, pos, n_tiles, scale_log2: float):
     op((scores_smem, p_win, red_smem), [jnp.asarray(pos, jnp.int32), jnp.asarray(n_tiles, jnp.int32)])
 
 
-def _combine_ptx(scale_log2: float) -> str:
-    """Operands: $0 out (fp32 [64] shared: P V's column, overwritten by the output), $1 the
-    new v's 64 values (fp32 shared), $2 red, $3 lane."""
+def _combine_ptx(scale_log2: float, group: int = 1) -> str:
+    """Operands: $0 out (fp32 [group, 64] shared: each head's P V column, overwritten by its
+    output), $1 the new v's 64 values (fp32 shared), $2 red, $3 lane."""
     k = f32_hex(scale_log2)
-    return ("{ .reg .pred p; .reg .f32 s, m, y, l, e, a, v; .reg .u32 o, o2;"
-            " setp.ge.u32 p, $3, 64; @p bra CMB_E;" + _stats_ptx("$2") +
-            " ld.shared.f32 l, [$2+32]; ld.shared.f32 y, [$2+36]; add.f32 l, l, y;"
-            " ld.shared.f32 y, [$2+40]; add.f32 l, l, y; ld.shared.f32 y, [$2+44]; add.f32 l, l, y;"
-            f" sub.f32 y, s, m; mul.f32 y, y, {k}; ex2.approx.f32 e, y; add.f32 l, l, e;"
-            " shl.b32 o, $3, 2; add.u32 o, o, $0; ld.shared.f32 a, [o];"
-            " shl.b32 o2, $3, 2; add.u32 o2, o2, $1; ld.shared.f32 v, [o2];"
-            " fma.rn.f32 a, e, v, a; div.approx.f32 a, a, l; st.shared.f32 [o], a; CMB_E: }")
+    ptx = ("{ .reg .pred p; .reg .f32 s, m, y, l, e, a, v; .reg .u32 o, o2;"
+           " setp.ge.u32 p, $3, 64; @p bra CMB_E;"
+           " shl.b32 o2, $3, 2; add.u32 o2, o2, $1; ld.shared.f32 v, [o2]; shl.b32 o, $3, 2; add.u32 o, o, $0;")
+    for hq in range(group):
+        r = 48 * hq
+        ptx += (" " + _stats_ptx("$2", hq) +
+                f" ld.shared.f32 l, [$2+{r + 32}]; ld.shared.f32 y, [$2+{r + 36}]; add.f32 l, l, y;"
+                f" ld.shared.f32 y, [$2+{r + 40}]; add.f32 l, l, y; ld.shared.f32 y, [$2+{r + 44}]; add.f32 l, l, y;"
+                f" sub.f32 y, s, m; mul.f32 y, y, {k}; ex2.approx.f32 e, y; add.f32 l, l, e;"
+                f" ld.shared.f32 a, [o+{256 * hq}];"
+                f" fma.rn.f32 a, e, v, a; div.approx.f32 a, a, l; st.shared.f32 [o+{256 * hq}], a;")
+    return ptx + " CMB_E: }"
 
 
-def combine(out_smem, stage_smem, red_smem, v_offset, scale_log2: float):
-    """Step 5's end: out_smem[i] = (out_smem[i] + p_new v_new[v_offset + i]) / l for i < 64,
-    v_new the stage's fp32 words from v_offset (traced or static). Ends in a barrier."""
+def combine(out_smem, stage_smem, red_smem, v_offset, scale_log2: float, group: int = 1):
+    """Step 5's end for `group` heads: out_smem[g, i] = (out_smem[g, i] + p_new v_new[v_offset + i])
+    / l_g for i < 64, v_new the stage's fp32 words from v_offset (traced or static). Ends in
+    a barrier."""
     splat = plgpu.Layout.WG_SPLAT
-    ptx = _combine_ptx(scale_log2)
+    ptx = _combine_ptx(scale_log2, group)
 
     @plgpu.inline_mgpu(arg_types=((plgpu.RefType(),) * 3, [splat]))
     def op(_, refs, vals):

@@ -4,8 +4,9 @@ on the decode path through `gendist.inference.megakernel`).
 
 Per layer l, from the residual stream x_l [D] (fp32):
     a   = Wqkv_l n_l(x_l)                 [N1]
-    h_l = x_l + Wo_l att(a)                (with kv: multi-head attention of the new token,
-                                            `attention`; without: a[:D] goes straight on)
+    h_l = x_l + Wo_l att(a)                (with kv: multi-head or grouped-query attention of
+                                            the new token, `attention`; without: a[:D] goes
+                                            straight on)
     g   = Wgu_l m_l(h_l)                   [2F]
     x_{l+1} = h_l + Wd_l (silu(g[:F]) * g[F:])
 with every product's input rounded to bf16 (as the decode path's products read it) and fp32
@@ -94,10 +95,11 @@ TRACE_POINTS = ("qkv", "qkv_in", "qkv_out", "o", "o_in", "o_out", "gu", "gu_in",
                 "att_softmax", "att_out")
 
 
-def column0(acc_T8):
-    """Column 0 of a [64, 8] wgmma accumulator (the only column the B rows make): [64]."""
-    first_col = plgpu.broadcasted_iota(jnp.int32, (T, 8), 1, layout=WGMMA) == 0
-    return jnp.where(first_col, acc_T8, 0.0).sum(axis=1)
+def column(acc_T8, g: int = 0):
+    """Column g of a [64, 8] wgmma accumulator (B's row g: a product's input is row 0, a
+    query head's q or p row g of its group): [64]."""
+    col = plgpu.broadcasted_iota(jnp.int32, (T, 8), 1, layout=WGMMA) == g
+    return jnp.where(col, acc_T8, 0.0).sum(axis=1)
 
 
 def words(groups) -> int:
@@ -114,7 +116,8 @@ def _window_rows(kmax: int) -> int:
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                  norm_eps: float | None, attn=None, trace: bool = False):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
-    rope [hd] fp32 (cos | sin of pos's angles)): the attention phase (`attention`)."""
+    rope [hd] fp32 (cos | sin of pos's angles)): the attention phase (`attention`) of D / hd
+    query heads over H kv heads, `ca.group_of` query heads a block."""
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     lay = layout(prods, D, attn is not None)
@@ -127,6 +130,10 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         H, S, hd = kv.shape[2], kv.shape[3], kv.shape[4]
         nc = hd // T  # 64-wide chunks of a head
         scale_log2 = ca.LOG2E / math.sqrt(hd)
+        NQ = D // hd  # query heads
+        GB = ca.group_of(NQ, H)  # query heads a block attends with (one kv head's)
+        A = NQ // GB  # attention blocks
+        per_kv = (NQ // H) // GB  # attention blocks a kv head
 
     def counts(b, pos=None):  # items a layer, and where each phase starts, for block b (traced)
         n, before = 0, {}
@@ -136,7 +143,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             n = n + jnp.where(active, (t1 - t0) * (k1 - k0), 0)
             if p.name == "qkv" and attn is not None:
                 before["att"] = n
-                n = n + jnp.where(ca.head_of(b, NB) < H, ca.items(pos, hd), 0)
+                n = n + jnp.where(ca.head_of(b, NB) < A, ca.items(pos, hd), 0)
         return n, before
 
     def kernel(*refs):
@@ -147,14 +154,15 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         y_ref, kvn_ref = (refs[n_in], None) if attn is None else refs[n_in:n_in + 2]
         trace_ref = refs[n_in + n_out - 1] if trace else None
         (x_win, w_smem, acc_smem, out_smem, norm_smem, full, free,
-         p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar) = refs[n_in + n_out:]
+         p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar, heads_smem) = refs[n_in + n_out:]
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
         ll = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * REGIONS * lay.layer_words,)))
         w_refs = dict(qkv=wq_ref, o=wo_ref, gu=wgu_ref, down=wd_ref)
         pos = jnp.clip(pos_ref[0], 0, S - 1) if attn is not None else None  # as the reference
         n_tiles = ca.tiles(pos) if attn is not None else None
         per_layer, before = counts(b, pos)
-        h = ca.head_of(b, NB)  # the head this block attends to, if h < H
+        h = ca.head_of(b, NB)  # the attention block this is, if h < A: query heads h GB ..
+        j_kv = h // per_kv if attn is not None else None  # and their kv head
         n_pts = len(TRACE_POINTS)
 
         def tr(l, name):  # a trace point of this block (trace=True)
@@ -181,17 +189,17 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         def produce_att(l):  # head h's K tiles (position tile, chunk), then V's (chunk, tile)
             j0 = l * per_layer + before["att"]
 
-            @pl.when(h < H)
+            @pl.when(h < A)
             def _():
                 @pl.loop(0, n_tiles * nc)
                 def _(q):
                     t, c = q // nc, lax.rem(q, nc)
-                    issue(j0 + q, kv_ref.at[l, 0, h, pl.ds(t * T, T), pl.ds(c * KC, KC)])
+                    issue(j0 + q, kv_ref.at[l, 0, j_kv, pl.ds(t * T, T), pl.ds(c * KC, KC)])
 
                 @pl.loop(0, n_tiles * nc)
                 def _(q):
                     c, t = q // n_tiles, lax.rem(q, n_tiles)
-                    issue(j0 + n_tiles * nc + q, kv_ref.at[l, 1, h, pl.ds(t * T, T), pl.ds(c * KC, KC)])
+                    issue(j0 + n_tiles * nc + q, kv_ref.at[l, 1, j_kv, pl.ds(t * T, T), pl.ds(c * KC, KC)])
 
         def gather(l, p, k0, k1, gt):
             """The window's rows for chunks k0..k1-1 of product p's input: two chunks a pass,
@@ -208,9 +216,9 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                     **dense, **poll))
             plgpu.commit_smem()  # the window's rows, for the tensor core
 
-        def ring_dot(jt, nk, b_chunk, a_transposed=False):
-            """Column 0 of the sum over ring steps jt..jt+nk-1 (nk >= 1) of slot tile (A, or
-            its transpose) times b_chunk(kk) [8, 64] seen transposed (B): [64] fp32."""
+        def ring_dot(jt, nk, b_chunk, a_transposed=False, cols=1):
+            """Columns 0..cols-1 of the sum over ring steps jt..jt+nk-1 (nk >= 1) of slot tile
+            (A, or its transpose) times b_chunk(kk) [8, 64] seen transposed (B): [64] fp32 each."""
             def k_loop(acc):
                 @pl.loop(0, nk)
                 def _(kk):
@@ -226,11 +234,12 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 plgpu.barrier_arrive(free.at[lax.rem(jt + nk - 1, st)])
                 return acc[...]
 
-            return column0(pl.run_scoped(k_loop, plgpu.ACC((T, 8), jnp.float32)))
+            acc = pl.run_scoped(k_loop, plgpu.ACC((T, 8), jnp.float32))
+            return [column(acc, g) for g in range(cols)]
 
         def tile_piece(l, p, t, jt, nk, gk):
             """Tile t's sum over this block's nk chunks (ring steps jt..), as LL words."""
-            acc_smem[...] = ring_dot(jt, nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)])
+            acc_smem[...] = ring_dot(jt, nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)])[0]
             plgpu.commit_smem()
             ll_store(ll, acc_smem, piece_word(p, l, t, gk, lay), tag(l), then_barrier=True)
 
@@ -249,9 +258,9 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 tr(l, p.name + "_out")
 
         def scores(j0):
-            """The scores of the cached positions (K tiles from ring step j0), SCORE_GROUP
-            tiles a pass: their wgmmas issued back to back into one accumulator each, one
-            wait, then column 0 of each to sc_smem."""
+            """The scores of the cached positions (K tiles from ring step j0) for the block's
+            GB query heads (B's rows), SCORE_GROUP tiles a pass: their wgmmas issued back to
+            back into one accumulator each, one wait, then column g of each to sc_smem[g]."""
             G = min(SCORE_GROUP, S // T)
 
             @pl.loop(0, (n_tiles + G - 1) // G)
@@ -275,14 +284,16 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                         def _(t=t, acc=acc):
                             for c in range(nc):
                                 plgpu.barrier_arrive(free.at[lax.rem(j0 + t * nc + c, st)])
-                            sc_smem.at[t][...] = column0(acc[...])
+                            a = acc[...]
+                            for g in range(GB):
+                                sc_smem.at[g, t][...] = column(a, g)
 
                 pl.run_scoped(body, *[plgpu.ACC((T, 8), jnp.float32)] * G)
 
-        def attend(l):  # head h of layer l (attention.py's steps 1-6)
+        def attend(l):  # query heads h GB .. of layer l (attention.py's steps 1-6)
             j0 = l * per_layer + before["att"]
 
-            @pl.when(h < H)
+            @pl.when(h < A)
             def _():
                 tr(l, "att")
                 groups, _, norm = input_spec("att", l, 0, prods, lay, F, norm_eps is not None)
@@ -290,28 +301,30 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 if norm is not None:  # the first pass also polls x_l (the norm's partials)
                     dense = dict(norm_ref=norm_smem, norm=(norm_eps, D))
                     poll = dict(poll_norm=(norm[0], l == 0, norm[1], norm[2]))
-                for i, reads in enumerate(head_reads(D, h, hd, words(groups))):  # q, k, v to slots
+                for i, reads in enumerate(head_reads(D, h, hd, words(groups), H, GB)):  # q, k, v to slots
                     cw.gather(ll, init_ref, stage_smem, groups, reads, out="f32", use_init=False,
                                        **dense, **(poll if i == 0 else {}))
                 tr(l, "att_in")
-                row = (l * 2 * H + h) * hd  # this head's new k in kv_new [L, 2, H, hd]
-                ca.rope_new(stage_smem, x_win, kvn_ref, rope_smem, red_smem, row, row + H * hd, hd)
+                row = (l * 2 * H + j_kv) * hd  # the kv head's new k in kv_new [L, 2, H, hd]
+                ca.rope_new(stage_smem, x_win, kvn_ref, rope_smem, red_smem, row, row + H * hd, hd, GB)
                 plgpu.commit_smem()  # q in the window, for the tensor core
                 tr(l, "att_rope")
 
                 scores(j0)
                 plgpu.commit_smem()
                 tr(l, "att_scores")
-                ca.softmax(sc_smem, p_win, red_smem, pos, n_tiles, scale_log2)
+                ca.softmax(sc_smem, p_win, red_smem, pos, n_tiles, scale_log2, GB)
                 plgpu.commit_smem()  # p in its window, for the tensor core
                 tr(l, "att_softmax")
                 for c in range(nc):
-                    acc_smem[...] = ring_dot(j0 + n_tiles * (nc + c), n_tiles,
-                                             lambda kk: p_win.at[pl.ds(8 * kk, 8)], a_transposed=True)
+                    outs = ring_dot(j0 + n_tiles * (nc + c), n_tiles, lambda kk: p_win.at[pl.ds(8 * kk, 8)],
+                                    a_transposed=True, cols=GB)
+                    for g, o in enumerate(outs):
+                        heads_smem.at[g][...] = o
                     plgpu.commit_smem()
-                    ca.combine(acc_smem, stage_smem, red_smem, 2 * hd + c * T, scale_log2)
-                    ll_store(ll, acc_smem, region(l, lay) + lay.offsets["att"] + h * hd + c * T, tag(l),
-                             then_barrier=True)
+                    ca.combine(heads_smem, stage_smem, red_smem, (GB + 1) * hd + c * T, scale_log2, GB)
+                    cw.ll_store_heads(ll, heads_smem, region(l, lay) + lay.offsets["att"] + h * GB * hd + c * T,
+                                      tag(l), GB, hd)
                 tr(l, "att_out")
 
         def every_phase(step, step_att):  # every layer's phases, in order
@@ -337,7 +350,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             if trace:  # every point of this block zero, so that points never reached read 0
                 zero_words(trace_ref, b * L * n_pts * 2, L * n_pts * 2)
             if attn is not None:
-                @pl.when(h < H)
+                @pl.when(h < A)
                 def _():  # the angles, once (every layer rotates by the same ones)
                     plgpu.copy_gmem_to_smem(rope_ref, rope_smem, rope_bar.at[0])
                     plgpu.barrier_wait(rope_bar.at[0])
@@ -353,15 +366,16 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 plgpu.copy_smem_to_gmem(out_smem, y_ref.at[pl.ds(b * T, T)])
                 plgpu.wait_smem_to_gmem(0)
 
-    att_scratch = (None,) * 6
+    att_scratch = (None,) * 7
     if attn is not None:
         att_scratch = (
             tiled_smem((8 * (S // T), KC), jnp.bfloat16),  # p, as the tensor core reads it
-            plgpu.SMEM((S // T, T), jnp.float32),  # the scores
-            plgpu.SMEM((3 * hd,), jnp.float32),  # the head's q, k, v
-            plgpu.SMEM((ca.RED,), jnp.float32),  # the warps' partial sums
+            plgpu.SMEM((GB, S // T, T), jnp.float32),  # the scores, a query head each
+            plgpu.SMEM(((GB + 2) * hd,), jnp.float32),  # the query heads' q, the k, the v
+            plgpu.SMEM((GB * ca.RED,), jnp.float32),  # the warps' partial sums
             plgpu.SMEM((hd,), jnp.float32),  # the angles (cos | sin)
             plgpu.Barrier(num_barriers=1),  # the angles landed
+            plgpu.SMEM((GB, T), jnp.float32),  # a chunk of each query head's output
         )
     scratch = (
         tiled_smem((_window_rows(kmax), KC), jnp.bfloat16),  # the input window
@@ -413,9 +427,11 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
     if kv.ndim != 5 or kv.shape[0] != L or kv.shape[1] != 2:
         raise ValueError(f"chain_mgpu: kv {kv.shape}: want [L={L}, 2, heads, capacity, head_dim].")
     H, S, hd = kv.shape[2:]
-    if H * hd != D or N1 != 3 * D:
-        raise ValueError(f"chain_mgpu: heads {H} x head_dim {hd} must be D={D} and N1={N1} "
-                         "must be 3 D (q|k|v of multi-head attention).")
+    if D % hd or (D // hd) % H or N1 != D + 2 * H * hd:
+        raise ValueError(f"chain_mgpu: kv heads {H} x head_dim {hd}: want D={D} a multiple of "
+                         f"head_dim (D / head_dim query heads), kv heads dividing the query heads "
+                         f"and N1={N1} equal to D + 2 kv_heads head_dim (q|k|v of grouped-query "
+                         "attention; 3 D for multi-head).")
     if hd % T or S % T:
         raise ValueError(f"chain_mgpu: head_dim={hd} and capacity={S} must be multiples of {T}.")
     if jnp.dtype(kv.dtype) != jnp.bfloat16:
@@ -434,11 +450,12 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`fold_norms`); None: no norms.
 
-    With kv [L, 2, H, S, hd] (bf16 K and V caches, finite), pos [1] int32 (the new token's
-    position: the cache rows below it are read) and rope [hd] fp32 (cos | sin of its angles,
-    `gendist.models.layers.rope_angles`), each layer attends (`attention`) and the
-    result is (x_L, kv_new [L, 2, H, hd] bf16: the new token's rotated k and its v, for the
-    caller to write at row pos).
+    With kv [L, 2, H, S, hd] (bf16 K and V caches of H kv heads, finite), pos [1] int32 (the
+    new token's position: the cache rows below it are read) and rope [hd] fp32 (cos | sin of
+    its angles, `gendist.models.layers.rope_angles`), each layer attends (`attention`: D / hd
+    query heads, query head i reading kv head i // (D / hd / H); w_qkv's rows are q | k | v,
+    N1 = D + 2 H hd) and the result is (x_L, kv_new [L, 2, H, hd] bf16: the new token's
+    rotated k and its v, for the caller to write at row pos).
 
     trace=True adds a last output [blocks, L, len(TRACE_POINTS), 2] int32: each block's
     {globaltimer ns (low 32 bits), SM clock} at `TRACE_POINTS` of every layer (0 where the
@@ -452,20 +469,22 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
         attn = (kv, pos.astype(jnp.int32), rope.astype(jnp.float32))
     prods = products(D, N1, F, NB, attention=attn is not None, splits=splits)
     kmax = max(p.kmax() for p in prods)
-    need = smem_need(kmax, stages) + (0 if attn is None else attention_smem(S, hd))
+    group = 1 if attn is None else ca.group_of(D // hd, H)
+    need = smem_need(kmax, stages) + (0 if attn is None else attention_smem(S, hd, group))
     if need > SMEM_LIMIT - 2048:
         raise ValueError(f"chain_mgpu: stages={stages} needs {need} bytes of shared memory; use fewer.")
     if norm_eps is not None and D % 128:
         raise ValueError(f"chain_mgpu: norms need D={D} to be a multiple of 128.")
-    if attn is not None and (kmax < hd // T or H > NB):
+    if attn is not None and (kmax < hd // T or D // hd // group > NB):
         raise ValueError(f"chain_mgpu: head_dim={hd} needs a window of {hd // T} chunks (has "
-                         f"{kmax}) and heads={H} at most blocks={NB}.")
+                         f"{kmax}) and {D // hd // group} attention blocks at most blocks={NB}.")
     return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace)
 
 
-def attention_smem(S: int, hd: int) -> int:
-    return smem_bytes(((8 * (S // T), KC), jnp.bfloat16), ((S // T, T), jnp.float32),
-                      ((3 * hd,), jnp.float32), ((ca.RED,), jnp.float32), ((hd,), jnp.float32))
+def attention_smem(S: int, hd: int, group: int = 1) -> int:
+    return smem_bytes(((8 * (S // T), KC), jnp.bfloat16), ((group, S // T, T), jnp.float32),
+                      (((group + 2) * hd,), jnp.float32), ((group * ca.RED,), jnp.float32),
+                      ((hd,), jnp.float32), ((group, T), jnp.float32))
 
 
 def fold_norms(w_qkv, w_gu, g_attn_LD, g_mlp_LD):
@@ -478,8 +497,8 @@ def reference(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, n
               eps: float = 1e-5):
     """The same chain in XLA: each product's input rounded to bf16, fp32 sums. norms:
     (g_attn [L, D], g_mlp [L, D]) for RMSNorms before q|k|v and gate|up (unfolded). With kv,
-    pos, rope (`chain_mgpu`'s), each layer attends as `decode_attention_reference` does and
-    the result is (x_L, kv_new [L, 2, H, hd])."""
+    pos, rope (`chain_mgpu`'s), each layer attends as `decode_attention_reference` does (D / hd
+    query heads over the cache's H kv heads) and the result is (x_L, kv_new [L, 2, H, hd])."""
     D, F = w_o.shape[1], w_down.shape[2]
 
     def mv(w, v):
@@ -488,13 +507,13 @@ def reference(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, n
     def rms(v, g_D):
         return v * lax.rsqrt(jnp.mean(v * v) + eps) * g_D
 
-    def attend(l, a):  # a: q|k|v [3 D] fp32 -> (o [D], k_new [H, hd], v_new [H, hd])
+    def attend(l, a):  # a: q|k|v [D + 2 H hd] fp32 -> (o [D], k_new [H, hd], v_new [H, hd])
         H, hd = kv.shape[2], kv.shape[4]
         half = hd // 2
         cos, sin = rope[None, :half], rope[None, half:]
         o, k, v = decode_attention_reference(
-            a.reshape(1, 3 * H, hd), kv[l, 0][:, None], kv[l, 1][:, None], pos.astype(jnp.int32),
-            cos, sin, num_heads=H)
+            a.reshape(1, D // hd + 2 * H, hd), kv[l, 0][:, None], kv[l, 1][:, None], pos.astype(jnp.int32),
+            cos, sin, num_heads=D // hd)
         p = jnp.clip(pos[0], 0, kv.shape[3] - 1)
         return o.reshape(D), k[:, 0, p], v[:, 0, p]
 

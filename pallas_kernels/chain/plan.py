@@ -170,17 +170,29 @@ def product_reads(p: Product, k0, k1, words: int) -> list[Reads]:
     return rounds(Reads((k0, k0 + 1), (0, 1), k1, cdiv(p.kmax(), 2)), words)
 
 
-def head_reads(D: int, h: int, hd: int, words: int) -> list[Reads]:
-    """Head h's q, k and v (chunks h hd / 64 + r D / 64 + j, r = 0, 1, 2, j < hd / 64) into
-    stage slots r hd / 64 + j."""
-    nc, first, step = hd // T, h * hd // T, D // T
-    if nc == 1:  # q | k in the first pass, v in the second (k + step is past the limit)
-        return rounds(Reads((first, first + step), (0, 1), first + 2 * step + 1, 2, 2 * step, 2), words)
-    if nc == 2:  # q, k, v: a pass each
-        return rounds(Reads((first, first + 1), (0, 1), first + 2 * step + 2, 3, step, 2), words)
-    return [r for k in range(3) for r in rounds(
-        Reads((first + k * step, first + k * step + 1), (k * nc, k * nc + 1), first + k * step + nc,
-              cdiv(nc, 2)), words)]
+def head_reads(D: int, h: int, hd: int, words: int, kv_heads: int | None = None,
+               group: int = 1) -> list[Reads]:
+    """Attention block h's q, k and v from q|k|v (D / hd query heads, then kv_heads k heads,
+    then kv_heads v heads, hd / 64 chunks each; kv_heads None: as many as query heads): the
+    `group` query heads h group .. (h + 1) group - 1 into stage slots g nc + j (nc = hd / 64,
+    j < nc), their kv head's k into slots group nc + j and its v into (group + 1) nc + j."""
+    nc, step = hd // T, D // T
+    N = D // hd
+    K = N if kv_heads is None else kv_heads
+    first = h * group * nc
+    if K == N:  # multi-head: q, k and v of head h are step chunks apart
+        if nc == 1:  # q | k in the first pass, v in the second (k + step is past the limit)
+            return rounds(Reads((first, first + step), (0, 1), first + 2 * step + 1, 2, 2 * step, 2), words)
+        if nc == 2:  # q, k, v: a pass each
+            return rounds(Reads((first, first + 1), (0, 1), first + 2 * step + 2, 3, step, 2), words)
+        return [r for k in range(3) for r in rounds(
+            Reads((first + k * step, first + k * step + 1), (k * nc, k * nc + 1), first + k * step + nc,
+                  cdiv(nc, 2)), words)]
+    # grouped: the group's q chunks two a pass, then k (low lanes) and v (high lanes) a pass a chunk
+    j = h * group // (N // K)  # the kv head
+    nq, k0, v0 = group * nc, step + j * nc, step + (K + j) * nc
+    return (rounds(Reads((first, first + 1), (0, 1), first + nq, cdiv(nq, 2)), words)
+            + rounds(Reads((k0, v0), (nq, nq + nc), v0 + nc, nc, 1, 1), words))
 
 
 @dataclasses.dataclass(frozen=True)

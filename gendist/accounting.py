@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gendist.models import fp8 as fp8_lib
 from gendist.models import transformer
 from gendist.parallel.pipeline import pipedream, terapipe
 from gendist.parallel.pipeline import schedules as sched_lib
@@ -231,6 +232,9 @@ def predict(setup, backend: str | None = None) -> dict:
         sum(copy) - blocks + 2 * blocks // L if stage == 3 else 0)
     copy = [b // c * cc if len(r[1].shape) >= 2 else b for b, r in zip(copy, rows, strict=True)]
     mem["activations (estimate)"] = _activation_bytes(cfg, tp, sp, tokens, c, stage)
+    if "fp8" in state:  # FP8 products' amax histories, replicated but for the layers axis
+        mem["FP8 scaling state"] = _shard_bytes(state["fp8"], state["fp8"].sharding)
+        mem["arguments (state + batch)"] += mem["FP8 scaling state"]
     comm: dict[tuple[str, str], float] = {}
 
     def add(kind, axis, nbytes):
@@ -390,5 +394,19 @@ def plan_report(cfg, compile_step: bool = True) -> str:
     for kind, axes in sorted(set(pred["comm"]) | set(comp["comm"])):
         p, c = pred["comm"].get((kind, axes)), comp["comm"].get((kind, axes))
         lines.append(f"  {kind + ' over ' + axes:32s} {_mb(p):>14s} {_mb(c):>14s}")
-    return "\n".join(lines + bubble_lines(cfg, setup.mesh))
+    return "\n".join(lines + fp8_lines(cfg) + bubble_lines(cfg, setup.mesh))
+
+
+DENSE_PEAKS = {"bf16": 989e12, "fp8": 1979e12}  # H100/H200 SXM, dense (NVIDIA datasheet)
+
+
+def fp8_lines(cfg) -> list[str]:
+    """FP8's share of the step's FLOPs and the speedup it allows at Hopper's peaks."""
+    if cfg.train.matmul_precision != "fp8":
+        return []
+    m, T = cfg.model, cfg.train.seq_len
+    share = fp8_lib.product_flops_per_token(m) / m.flops_per_token(T)
+    bound = fp8_lib.ideal_speedup(m, T, DENSE_PEAKS["bf16"], DENSE_PEAKS["fp8"])
+    return [f"FP8 products: {share:.1%} of the step's FLOPs; at Hopper's dense peaks (bf16 "
+            f"989, FP8 1979 TFLOP/s) the step is at most {bound:.2f}x the bf16 step"]
 

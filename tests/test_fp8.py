@@ -190,3 +190,19 @@ def test_fp8_refused_where_it_cannot_run():
         _validate_fp8(cfg, Mesh())
     Ampere.compute_capability = "9.0"
     _validate_fp8(cfg, Mesh())  # Hopper: accepted
+
+
+def test_plan_counts_the_fp8_flops_and_state():
+    from gendist import accounting
+    from gendist.training import train
+    cfg = _fp8_cfg()
+    m = cfg.model  # D 32, 4 query / 2 kv heads of 8, SwiGLU 64, 2 layers
+    per_layer = 32 * (4 + 2 * 2) * 8 + 4 * 8 * 32 + 32 * 64 * 3
+    assert fp8.product_flops_per_token(m) == 6 * per_layer * 2
+    share = fp8.product_flops_per_token(m) / m.flops_per_token(16)
+    bound = fp8.ideal_speedup(m, 16, 1.0, 2.0)
+    np.testing.assert_allclose(bound, 1 / (share / 2 + 1 - share))
+    setup = train.build(cfg, mesh_of(2, data=2))
+    mem = accounting.predict(setup)["memory"]
+    assert mem["FP8 scaling state"] == 2 * len(fp8.products(m)) * 3 * 4 * 4  # replicated
+    assert any(f"{share:.1%}" in line for line in accounting.fp8_lines(cfg))

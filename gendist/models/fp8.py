@@ -80,8 +80,14 @@ def dequantize(q, dtype, scale):
 
 
 def qdq(x, fp8_dtype, scale):
-    """x rounded through `fp8_dtype` at `scale`, in x's dtype."""
-    return dequantize(quantize(x, fp8_dtype, scale), x.dtype, scale)
+    """x rounded through `fp8_dtype` at `scale`, in x's dtype.
+
+    The optimization barrier keeps the FP8 value in the program: XLA on GPUs (with its
+    default excess precision) otherwise folds convert(convert(x, f8), bf16) into one
+    convert, which drops the rounding and leaves the GEMM in bf16. Through the barrier the
+    dot's operand is still convert(f8) * scale, the pattern its FP8 GEMM rewrite takes."""
+    q = jax.lax.optimization_barrier(quantize(x, fp8_dtype, scale))
+    return dequantize(q, x.dtype, scale)
 
 
 def amax(x):
@@ -170,3 +176,20 @@ def products(cfg) -> tuple[str, ...]:
 def init_history(cfg, layers: int, length: int) -> jax.Array:
     """Empty histories [L, P, 3, H] (zeros: the first step scales by the current amax)."""
     return jnp.zeros((layers, len(products(cfg)), 3, length), jnp.float32)
+
+
+def product_flops_per_token(cfg) -> float:
+    """Training FLOPs per token of the products that run in FP8 (the dense blocks'
+    projections, forward + backward: 6 per weight), out of `cfg.flops_per_token`."""
+    D, H = cfg.d_model, cfg.head_dim
+    per_layer = D * (cfg.num_heads + 2 * cfg.num_kv_heads) * H + cfg.num_heads * H * D
+    per_layer += D * cfg.d_ff * (3 if cfg.mlp == "swiglu" else 2)
+    return 6.0 * per_layer * (cfg.num_layers - cfg.num_moe_layers)
+
+
+def ideal_speedup(cfg, seq_len: int, peak_bf16: float, peak_fp8: float) -> float:
+    """The step's speedup if every FLOP ran at its peak (FP8 products at the FP8 peak, the
+    rest at bf16's): Amdahl's bound for what FP8 can give this model."""
+    total = cfg.flops_per_token(seq_len)
+    f8 = product_flops_per_token(cfg)
+    return (total / peak_bf16) / (f8 / peak_fp8 + (total - f8) / peak_bf16)

@@ -13,6 +13,7 @@
 #                   steps: megakernel and fast path vs the floor;
 #                   where a megakernel layer's time goes (trace)
 #   train           the 1b training step, cuDNN's attention and ours alternated    benchmarks/training.md
+#   fp8             FP8 against bf16 training: step speed, FP8 GEMMs, 1000-step loss benchmarks/training.md
 #   serving         continuous batching vs static batching on one request trace    benchmarks/serving.md
 #   speculative     speculative decoding, 1b target, over the fast path            benchmarks/speculative.md
 #   pipeline        1F1B in phases on two GPUs against one GPU                     benchmarks/pipeline.md
@@ -79,6 +80,8 @@ collectives)
     "$PY" experiments/collectives_bandwidth.py --out "$OUT" ;;
 two_gpu)
     "$PY" experiments/two_gpu_table.py --out "$OUT" ;;
+fp8)
+    "$PY" experiments/fp8_training.py --out "$OUT" ;;
 *)
     echo "unknown topic '$TOPIC' (see the head of experiments/run_gpu.sh)" >&2; exit 2 ;;
 esac

@@ -206,3 +206,23 @@ def test_plan_counts_the_fp8_flops_and_state():
     mem = accounting.predict(setup)["memory"]
     assert mem["FP8 scaling state"] == 2 * len(fp8.products(m)) * 3 * 4 * 4  # replicated
     assert any(f"{share:.1%}" in line for line in accounting.fp8_lines(cfg))
+
+
+def test_benchmark_counts_fp8_gemms_in_a_compiled_module():
+    """The GPU benchmark's GEMM census, on lines shaped like XLA:GPU's compiled HLO."""
+    from helpers import experiment
+    count = experiment("fp8_training").gemm_counts
+    hlo = "\n".join([
+        "%fused_computation (param_0: f32[]) -> f8e4m3fn[64,32] {",
+        "}",
+        "%gemm_fusion_dot.1_computation (parameter_0: f8e5m2[64,16], parameter_1: f8e4m3fn[16,32]) -> bf16[64,32] {",
+        "}",
+        "%gemm_fusion_dot.2_computation (parameter_0: bf16[64,16], parameter_1: bf16[16,32]) -> bf16[64,32] {",
+        "}",
+        "ENTRY %main (x: bf16[64,32]) -> bf16[64,32] {",
+        "  %a.1 = f8e4m3fn[64,32]{1,0} fusion(%x), kind=kLoop, calls=%fused_computation",
+        "  %b = bf16[32,32]{1,0} parameter(1)",
+        '  %custom-call.1 = (bf16[64,32]{1,0}, s8[4]{0}) custom-call(%a.1, %a.1, %s, %s), custom_call_target="__cublas$lt$matmul$f8"',
+        '  %custom-call.2 = (bf16[64,32]{1,0}, s8[4]{0}) custom-call(%x, %b), custom_call_target="__cublas$lt$matmul"',
+        "}"])
+    assert count(hlo) == {"f8": 2, "other": 2}

@@ -1,5 +1,6 @@
 """LoRA (Hu et al. 2021) on the one train-step builder: a LoRA step on data 2 x tensor 2 x
-ZeRO-3 and on a 2-stage pipeline equals one device (fp32, rtol 1e-5); the frozen base is
+ZeRO-3 x accumulation 2, on data 4 x ZeRO-2 and on a 2-stage pipeline equals one device (fp32,
+rtol 1e-5); the frozen base is
 bit-identical after training; the optimizer state holds adapters only (its leaves and the
 compiled step's argument bytes); the first SGD step moves W_eff by exactly the relation the
 scale alpha/r gives (and, at full rank with matched alpha and orthogonal A, by full
@@ -57,6 +58,7 @@ def batches(data, mesh):
     ("data2-tensor2-zero3-accum2", {"train.zero_stage": 3, "train.grad_accum": 2},
      dict(n=4, data=2, tensor=2)),
     ("pipeline2", {}, dict(n=2, data=1, pipeline=2)),
+    ("data4-zero2", {"train.zero_stage": 2}, dict(n=4, data=4)),
 ])
 def test_lora_step_matches_one_device(data, one_device_run, name, kw, mesh):
     cfg, ref, _ = one_device_run

@@ -312,9 +312,12 @@ def _activation_bytes(cfg, tp, sp, tokens, c, stage) -> int:
 def compiled_figures(setup) -> dict:
     """The same figures read from XLA: output shardings, memory_analysis and the HLO."""
     import jax
-    batch = {k: jax.ShapeDtypeStruct((setup.cfg.train.batch_size, setup.cfg.train.seq_len),
-                                     np.int32, sharding=setup.batch_sharding)
-             for k in ("inputs", "targets")}
+    t = setup.cfg.train
+    dpo = t.objective == "dpo"  # 2 rows a preference pair, and the response mask
+    rows = t.batch_size * (2 if dpo else 1)
+    batch = {k: jax.ShapeDtypeStruct((rows, t.seq_len), np.float32 if k == "mask" else np.int32,
+                                     sharding=setup.batch_sharding)
+             for k in ("inputs", "targets", *(("mask",) if dpo else ()))}
     state = setup.abstract_state()
     compiled = setup.step_fn.lower(state, batch).compile()
     out_state = compiled.output_shardings[0]
@@ -325,6 +328,9 @@ def compiled_figures(setup) -> dict:
             jax.tree.leaves(state[key]), jax.tree.leaves(out_state[key]), strict=True))
 
     mem = {"params": nbytes("params"), "optimizer state": nbytes("opt_state"),
+           **{name: nbytes(key) for key, name in (("base", "frozen base (LoRA)"),
+                                                  ("reference", "DPO reference"))
+              if key in state},
            "arguments (state + batch)": ma.argument_size_in_bytes,
            "temp (XLA)": ma.temp_size_in_bytes}
     colls = parse_collectives(compiled.as_text(), setup.mesh)
@@ -377,6 +383,8 @@ def plan_report(cfg, compile_step: bool = True) -> str:
     setup = train.build(cfg)
     if setup.mesh.shape["pipeline"] > 1:  # the model below covers the non-pipelined step
         pred = {"memory": {}, "comm": {}, "assumes": "no prediction for pipelined steps yet"}
+    elif cfg.train.lora_rank or cfg.train.objective == "dpo":
+        pred = {"memory": {}, "comm": {}, "assumes": "no prediction for LoRA or DPO steps yet"}
     else:
         pred = predict(setup)
     comp = compiled_figures(setup) if compile_step else {"memory": {}, "comm": {}}

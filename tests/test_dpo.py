@@ -1,7 +1,8 @@
 """DPO (Rafailov et al. 2023) on the one train-step builder: the loss and its gradient equal
 a NumPy reference on fixed log-probs; the batch masks prompt tokens; training on a
 constructed preference set (full parameters on data 2 x ZeRO-1, and LoRA) raises the
-chosen-over-rejected margin while the reference stays bit-identical; a bad preference file
+chosen-over-rejected margin while the reference stays bit-identical (LoRA's: the base, stored
+in bf16); a bad preference file
 is one line naming its line and field."""
 
 import json
@@ -75,7 +76,8 @@ def test_margin_grows_and_reference_is_unchanged(tmp_path, kind):
         "data.preferences": str(preference_file(tmp_path / "prefs.jsonl"))})
     if kind == "lora":
         cfg = replace(cfg, **{"train.lora_rank": 4, "train.lora_alpha": 16.0,
-                              "train.lora_targets": "q,v,o,up,down", "train.lr": 1e-2})
+                              "train.lora_targets": "q,v,o,up,down", "train.lr": 1e-2,
+                              "train.lora_base_dtype": "bfloat16"})
         mesh = mesh_of(1)
     else:
         cfg = replace(cfg, **{"train.zero_stage": 1})
@@ -84,6 +86,9 @@ def test_margin_grows_and_reference_is_unchanged(tmp_path, kind):
     setup = train.build(cfg, mesh)
     state = setup.init_state()
     ref0 = jax.device_get(dpo.reference_params(state))
+    if kind == "lora":  # the base (LoRA's reference) stored in bf16: matrices, not vectors
+        assert ref0["blocks"]["wq"].dtype == jnp.bfloat16
+        assert ref0["final_norm"].dtype == jnp.float32
     margins, losses = [], []
     for i in range(12):
         batch = shard_batch(data.global_batch(i, 4, 12), mesh)

@@ -69,7 +69,8 @@ def one_mode(args) -> dict:
         losses.append(m["loss"])
     jax.block_until_ready(m)
     dt = (time.perf_counter() - t0) / args.steps
-    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    def nbytes(tree):
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     trainable = sum(x.size for x in jax.tree.leaves(state["params"]))
     n_model = cfg.model.num_params
     stats = jax.devices()[0].memory_stats() or {}
@@ -136,7 +137,8 @@ def main():
             "tokens_per_s": lo["tokens_per_s"] / full["tokens_per_s"],
             "peak_bytes": (lo["peak_bytes_in_use"] / full["peak_bytes_in_use"]
                            if full["peak_bytes_in_use"] else None),
-            "optimizer_state_bytes": lo["bytes"]["optimizer state"] / full["bytes"]["optimizer state"],
+            "optimizer_state_bytes": (lo["bytes"]["optimizer state"]
+                                      / full["bytes"]["optimizer state"]),
         }
     print(f"\n{'mode':6} {'trainable':>12} {'tokens/s':>10} {'peak GiB':>9} {'opt state GiB':>14} "
           f"{'12 B/trained GiB':>17}")

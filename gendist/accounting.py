@@ -384,7 +384,8 @@ def plan_report(cfg, compile_step: bool = True) -> str:
     if setup.mesh.shape["pipeline"] > 1:  # the model below covers the non-pipelined step
         pred = {"memory": {}, "comm": {}, "assumes": "no prediction for pipelined steps yet"}
     elif cfg.train.lora_rank or cfg.train.objective == "dpo":
-        pred = {"memory": {}, "comm": {}, "assumes": "no prediction for LoRA or DPO steps yet"}
+        pred = {"memory": {}, "comm": {},
+                "assumes": "no prediction for LoRA or DPO steps yet"}
     else:
         pred = predict(setup)
     comp = compiled_figures(setup) if compile_step else {"memory": {}, "comm": {}}

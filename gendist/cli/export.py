@@ -19,7 +19,7 @@ class ExportArgs:
     out: str  # the model directory to write (new or empty; --overwrite replaces one whole)
     dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the saved weights
     tokenizer: str = ""  # a tokenizer file or "bytes" (default: the run's own)
-    adapters: str = ""  # LoRA adapters folder merged into the checkpoint's weights before writing (a LoRA run's own are merged already)
+    adapters: str = ""  # LoRA adapters folder merged into the weights (a LoRA run's own: always)
     overwrite: bool = False  # replace an existing --out folder whole (written beside it, then swapped in)
 
 

@@ -27,7 +27,7 @@ class GenerateArgs:
     dtype: Literal["float32", "bfloat16"] = "float32"  # with --model-dir: compute dtype
     tokenizer: str = ""  # with --model-dir: a tokenizer file or "bytes" (default: the directory's)
     preset: str = ""  # a preset's shape with random weights (no trained model needed)
-    adapters: str = ""  # LoRA adapters (a LoRA run's adapters/ folder) merged into the model before sampling
+    adapters: str = ""  # LoRA adapters (a LoRA run's adapters/ folder) merged into the model
     generate: GenerateConfig = dataclasses.field(default_factory=GenerateConfig)
 
 

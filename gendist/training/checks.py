@@ -89,8 +89,8 @@ def _validate_lora(cfg: Config, mesh) -> None:
             "the adapted projections run in the model dtype; use --train.matmul-precision bf16.")
     _refuse(bool(m.moe_experts), what, f"model.moe_experts={m.moe_experts}",
             "adapters go on dense models' projections here; use a dense model.")
-    sides = {"q": (m.d_model, m.num_heads * m.head_dim), "k": (m.d_model, m.num_kv_heads * m.head_dim),
-             "v": (m.d_model, m.num_kv_heads * m.head_dim), "o": (m.num_heads * m.head_dim, m.d_model),
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    sides = {"q": (m.d_model, q), "k": (m.d_model, kv), "v": (m.d_model, kv), "o": (q, m.d_model),
              "gate": (m.d_model, m.d_ff), "up": (m.d_model, m.d_ff), "down": (m.d_ff, m.d_model)}
     most = min(min(sides[x]) for x in t.lora_targets.split(","))
     if t.lora_rank > most:

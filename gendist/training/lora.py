@@ -2,7 +2,7 @@
 
 A projection W [in, out] (with its leading `layers` axis) is used as
 
-    W_eff = W + (alpha / r) · A · B,    A [in, r] random (Gaussian, as in the paper), B [r, out] = 0
+    W_eff = W + (alpha / r) · A · B,    A [in, r] random (Gaussian, as in the paper), B [r, out] 0
 
 so the model starts exactly at the base. Only A and B train: the train state holds them as
 its `params` (so the optimizer, ZeRO placement, clipping and accumulation see adapters

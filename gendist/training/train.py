@@ -301,9 +301,11 @@ def reference_logp(cfg: Config, mesh, rules) -> Callable:
     """DPO's reference: (frozen params, batch) -> [2B] sequence log-probs, laid out as the
     model's compute copy (ZeRO: gathered) under the mesh's annotations."""
     axes = transformer.logical_axes(cfg.model)
-    run_cfg = dataclasses.replace(cfg, model=zero.model_for_stage(cfg.model, cfg.train.zero_stage))
+    run_cfg = dataclasses.replace(
+        cfg, model=zero.model_for_stage(cfg.model, cfg.train.zero_stage))
     ops = MeshOps(mesh, rules)
-    return lambda ref, batch: dpo.sequence_logp(run_cfg, compute_params(cfg, ref, axes), batch, ops)
+    return lambda ref, batch: dpo.sequence_logp(run_cfg, compute_params(cfg, ref, axes), batch,
+                                                ops)
 
 
 def peak_flops_per_device() -> float | None:

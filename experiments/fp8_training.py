@@ -60,7 +60,7 @@ def gemm_counts(hlo: str) -> dict:
     return out
 
 
-def bench_shape(name, base, overrides, rounds: int, steps: int) -> dict:
+def bench_shape(name, base, overrides, rounds: int, steps: int, out: Path | None = None) -> dict:
     res = {"shape": name, "preset": base, "overrides": overrides, "rounds": []}
     runs = {}
     for prec in ("bf16", "fp8"):
@@ -77,7 +77,11 @@ def bench_shape(name, base, overrides, rounds: int, steps: int) -> dict:
         t0 = time.perf_counter()
         compiled = setup.step_fn.lower(state, batches[0]).compile()
         res[f"compile_s_{prec}"] = time.perf_counter() - t0
-        res[f"gemms_{prec}"] = gemm_counts(compiled.as_text())
+        hlo = compiled.as_text()
+        res[f"gemms_{prec}"] = gemm_counts(hlo)
+        if prec == "fp8" and out is not None:  # the evidence: GEMM calls and float8 lines
+            keep = [ln for ln in hlo.splitlines() if "__cublas" in ln or "f8e" in ln]
+            (out / f"fp8_gemm_lines_{name}.txt").write_text("\n".join(keep[:2000]))
         mem = compiled.memory_analysis()
         res[f"temp_GiB_{prec}"] = getattr(mem, "temp_size_in_bytes", 0) / 2**30 if mem else None
         for i in range(2):  # warm up
@@ -109,11 +113,14 @@ def bench_shape(name, base, overrides, rounds: int, steps: int) -> dict:
 
 
 def quality(base: str, overrides: dict, out: Path) -> dict:
+    import tempfile
+
     from gendist import run
+    runs = Path(tempfile.mkdtemp(prefix="fp8_quality_"))  # checkpoints stay out of --out
     curves = {}
     for prec in ("bf16", "fp8"):
         cfg = replace(preset(base), **{**overrides, "train.matmul_precision": prec,
-                                       "train.out_dir": str(out / f"fp8_quality_{prec}"),
+                                       "train.out_dir": str(runs / f"fp8_quality_{prec}"),
                                        "train.resume": False, "train.progress": False,
                                        "train.tensorboard": False, "train.checkpoint_every": 0})
         t0 = time.perf_counter()
@@ -163,10 +170,12 @@ def main():
     if not args.skip_speed:
         for name, base, ov in (TINY if args.tiny else SHAPES):
             try:
-                res["speed"].append(bench_shape(name, base, ov, args.rounds, args.steps))
+                res["speed"].append(bench_shape(name, base, ov, args.rounds, args.steps, out))
             except Exception as e:  # noqa: BLE001 - report and go on to the next shape
                 res["speed"].append({"shape": name, "error": f"{type(e).__name__}: {str(e)[:600]}"})
                 print(res["speed"][-1], flush=True)
+            tag = dev.device_kind.replace(" ", "_").lower()  # kept if the quality run is cut
+            (out / f"fp8_training_{tag}.json").write_text(json.dumps(res, indent=1))
     qbase, qov = ("tiny", {"train.batch_size": 8, "train.seq_len": 64}) if args.tiny else (
         "350m", {"train.batch_size": 8, "train.seq_len": 512})
     qov = {**qov, "train.steps": args.quality_steps, "train.warmup_steps": 50,

@@ -309,12 +309,16 @@ ZERO_MEANS_SOMETHING = {
     "model.moe_z_loss_weight", "data.seed", "train.min_lr_ratio", "train.warmup_steps",
     "train.weight_decay", "train.b1", "train.b2", "train.seed", "train.checkpoint_every",
     "train.checkpoint_every_minutes", "train.pipeline_microbatches", "train.pipedream_window",
-    "train.terapipe_slices", "train.debug_nan_step", "train.lora_rank", "generate.max_new_tokens",
+    "train.terapipe_slices", "train.debug_nan_step", "train.lora_rank", "train.fp8_margin",
+    "generate.max_new_tokens",
     "generate.temperature", "generate.top_k", "generate.seed", "generate.eos_id"}
 MINUS_ONE_MEANS_SOMETHING = {"mesh.data", "mesh.pipeline", "mesh.expert", "mesh.tensor",
                              "train.debug_nan_step", "generate.eos_id"}
 AT_MOST_ONE = {"data.val_fraction": False, "train.min_lr_ratio": True, "train.b1": False,
                "train.b2": False, "generate.top_p": True}  # field: 1 itself allowed
+# Integers with a cap of their own (FP8: an amax history of at most 1024 steps, as Transformer
+# Engine's amax_history_len is a short window; a margin of 2**16 already wastes E4M3's range).
+INT_CAPS = {"train.fp8_history": 1024, "train.fp8_margin": 16}
 
 
 def numeric_fields() -> list[tuple[str, type]]:
@@ -334,7 +338,8 @@ def bad_values(field: str, kind: type) -> list:
     low = -1 if field in MINUS_ONE_MEANS_SOMETHING else 0 if field in ZERO_MEANS_SOMETHING \
         else 1 if kind is int else None
     if kind is int:
-        return [low - 1, low - 10**6, 2**31, 10**30]
+        return [low - 1, low - 10**6, 2**31, 10**30] + (
+            [INT_CAPS[field] + 1] if field in INT_CAPS else [])
     out = [-1.0, float("nan"), float("inf"), float("-inf"), 1e39]
     if low is None:
         out.append(0.0)
@@ -352,7 +357,9 @@ def good_values(field: str, kind: type) -> list:
     if field in AT_MOST_ONE:
         return [kind(v) for v in low] + [1.0 if AT_MOST_ONE[field] else 0.999]
     if kind is int:  # a model's sizes are bounded together (its parameter count) as well
-        return [kind(v) for v in low] + ([] if field.startswith("model.") else [2**31 - 1])
+        top = [INT_CAPS[field]] if field in INT_CAPS else [] if field.startswith("model.") \
+            else [2**31 - 1]
+        return [kind(v) for v in low] + top
     return [kind(v) for v in low] + [1e30]
 
 
@@ -410,7 +417,8 @@ def _field_and_bad_value(draw):
     low = -1 if field in MINUS_ONE_MEANS_SOMETHING else 0 if field in ZERO_MEANS_SOMETHING \
         else 1 if kind is int else None
     if kind is int:
-        v = draw(st.integers(max_value=low - 1) | st.integers(min_value=2**31))
+        v = draw(st.integers(max_value=low - 1)
+                 | st.integers(min_value=INT_CAPS.get(field, 2**31 - 1) + 1))
     else:
         cap = AT_MOST_ONE.get(field)
         below = st.floats(max_value=0.0, exclude_max=low is not None)

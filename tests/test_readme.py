@@ -160,6 +160,8 @@ def expectation(cmd: str) -> list[str]:
         "--mesh.pipeline 2": ["mesh data 4 x pipeline 2", "schedule 1f1b", *trained],
         "--model.moe-experts 8": ["2.95M params (1.18M active per token)", "8 experts top-2",
                                   "expert 2", *trained],
+        "--train.lora-rank": ["tuning: LoRA rank 8, alpha 16 on q,k,v,o", "devices: 8 x cpu",
+                              *trained],
         "gendist train": ["model: 0.89M params", "devices: 1 x cpu", *trained, "sample:\nROMEO:"],
     }
     for key, want in table.items():

@@ -252,7 +252,7 @@ def test_experiments_are_indexed_and_benchmark_pages_name_real_commands():
         text = page.read_text()
         for script in re.findall(r"experiments/(\w+\.(?:py|sh))", text):
             assert (root / "experiments" / script).is_file(), f"{page.name}: {script}"
-        for topic in re.findall(r"run_gpu\.sh ([a-z_]+)", text):
+        for topic in re.findall(r"run_gpu\.sh ([a-z0-9_]+)", text):
             assert topic in topics, f"{page.name}: run_gpu.sh has no topic {topic!r}"
         for name in re.findall(r"\b([\w.-]+\.(?:json|png))\b", text):
             assert (root / "benchmarks" / name).is_file() or "*" in name, \

@@ -1,11 +1,12 @@
 """FP8 matrix products with per-tensor scaling (Micikevicius et al. 2022, arXiv:2209.05433).
 
-A product x @ w runs as quantize -> dequantize -> dot: both operands are scaled into float8
-E4M3 (3 mantissa bits, max 448), the gradient flowing back into the product into E5M2 (2
-mantissa bits, max 57344: the wider range that gradients need). XLA on Hopper turns a dot
-whose operands are `convert(f8) * scale` into one cuBLASLt FP8 GEMM with the scales folded in
-(the "native XLA FP8" pattern that flax's `fp8_ops` also emits); on a CPU the same program is
-the exact emulation: the products of the rounded values in bf16/fp32.
+A product x @ w runs as quantize -> dot -> scale: both operands are scaled into float8 E4M3
+(3 mantissa bits, max 448), the gradient flowing back into the product into E5M2 (2 mantissa
+bits, max 57344: the wider range that gradients need), and each of the three GEMMs (forward,
+dx, dw) is a dot_general of two float8 tensors whose result is multiplied by the two scales.
+That is the form XLA's GEMM rewriter turns into one cuBLASLt FP8 GEMM on Hopper/Ada (its
+"native FP8" pattern; flax's `fp8_ops` also hands float8 operands to the dot); on a CPU it is
+the exact emulation, the products of the rounded values computed wider.
 
 Each product keeps an amax history `hist_3H` (rows: input x, weight w, gradient g; column 0
 the newest step). Two recipes choose the scale:
@@ -43,7 +44,7 @@ class Fp8Products:
     recipe: str = dataclasses.field(default="delayed", metadata=dict(static=True))
     margin: int = dataclasses.field(default=0, metadata=dict(static=True))
 
-    def product(self, i: int) -> "Fp8Meta":
+    def product(self, i: int) -> Fp8Meta:
         return Fp8Meta(self.hist[i], self.recipe, self.margin)
 
 
@@ -75,21 +76,6 @@ def quantize(x, fp8_dtype, scale):
     return jnp.clip(y, -m, m).astype(fp8_dtype)
 
 
-def dequantize(q, dtype, scale):
-    return q.astype(dtype) * scale.astype(dtype)
-
-
-def qdq(x, fp8_dtype, scale):
-    """x rounded through `fp8_dtype` at `scale`, in x's dtype.
-
-    The optimization barrier keeps the FP8 value in the program: XLA on GPUs (with its
-    default excess precision) otherwise folds convert(convert(x, f8), bf16) into one
-    convert, which drops the rounding and leaves the GEMM in bf16. Through the barrier the
-    dot's operand is still convert(f8) * scale, the pattern its FP8 GEMM rewrite takes."""
-    q = jax.lax.optimization_barrier(quantize(x, fp8_dtype, scale))
-    return dequantize(q, x.dtype, scale)
-
-
 def amax(x):
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
@@ -101,60 +87,65 @@ def _scale(hist_H, current_amax, fp8_dtype, recipe: str, margin: int):
     return scale_for(jnp.where(past > 0, past, current_amax), fp8_dtype, margin)
 
 
-def _observed(hist_H, a):
-    """The cotangent a history receives: the new amax in column 0, zeros elsewhere."""
-    return jnp.zeros_like(hist_H).at[0].set(a.astype(hist_H.dtype))
+def scaled_dot(a_q, b_q, contract: tuple, scale, dtype):
+    """dot_general of two float8 tensors (no batch axes), accumulated by the GEMM and
+    written in `dtype`, times the product of their scales: the form XLA on Hopper/Ada lowers
+    to one cuBLASLt FP8 GEMM with the scale folded into its epilogue (float8 operands straight
+    into the dot; a dequantize in between would leave a bf16 GEMM). On a CPU the same product
+    of the rounded values, computed wider."""
+    y = jax.lax.dot_general(a_q, b_q, (contract, ((), ())), preferred_element_type=dtype)
+    return y * scale.astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def in_qdq(x, hist_H, fp8_dtype, recipe: str, margin: int):
-    """Forward: x through `fp8_dtype`. Backward: the gradient passes straight through (the
-    rounding's straight-through estimator) and hist_H's cotangent carries amax(x)."""
-    return qdq(x, fp8_dtype, _scale(hist_H, amax(x), fp8_dtype, recipe, margin))
+def _contractions(x_ndim: int, w_ndim: int, dims: int):
+    """The three products of y = x . w over x's last / w's first `dims` axes, as dot_general
+    contracting axes: forward, dx = g . w (over w's output axes), dw = x . g (over x's
+    leading axes)."""
+    lead, out = x_ndim - dims, w_ndim - dims
+    fwd = (tuple(range(lead, x_ndim)), tuple(range(dims)))
+    dx = (tuple(range(lead, lead + out)), tuple(range(dims, w_ndim)))
+    dw = (tuple(range(lead)), tuple(range(lead)))
+    return fwd, dx, dw
 
 
-def _in_fwd(x, hist_H, fp8_dtype, recipe, margin):
-    a = amax(x)
-    return qdq(x, fp8_dtype, _scale(hist_H, a, fp8_dtype, recipe, margin)), (a, hist_H)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _dot(x, w, hist_3H, dims: int, recipe: str, margin: int):
+    return _dot_fwd(x, w, hist_3H, dims, recipe, margin)[0]
 
 
-def _in_bwd(fp8_dtype, recipe, margin, res, g):
-    a, hist_H = res
-    return g, _observed(hist_H, a)
+def _dot_fwd(x, w, hist_3H, dims, recipe, margin):
+    ax, aw = amax(x), amax(w)
+    sx = _scale(hist_3H[0], ax, E4M3, recipe, margin)
+    sw = _scale(hist_3H[1], aw, E4M3, recipe, margin)
+    xq, wq = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
+    fwd, _, _ = _contractions(x.ndim, w.ndim, dims)
+    y = scaled_dot(xq, wq, fwd, sx * sw, x.dtype)
+    # The float8 operands are what the backward pass keeps (half the bytes of bf16 ones).
+    return y, (xq, wq, sx, sw, ax, aw, hist_3H)
 
 
-in_qdq.defvjp(_in_fwd, _in_bwd)
+def _dot_bwd(dims, recipe, margin, res, g):
+    xq, wq, sx, sw, ax, aw, hist_3H = res
+    ag = amax(g)
+    sg = _scale(hist_3H[2], ag, E5M2, recipe, margin)
+    gq = quantize(g, E5M2, sg)
+    _, c_dx, c_dw = _contractions(xq.ndim, wq.ndim, dims)
+    dx = scaled_dot(gq, wq, c_dx, sg * sw, g.dtype)
+    dw = scaled_dot(xq, gq, c_dw, sx * sg, g.dtype)
+    observed = jnp.zeros_like(hist_3H).at[:, 0].set(jnp.stack([ax, aw, ag]))
+    return dx, dw, observed
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def out_qdq(y, hist_H, fp8_dtype, recipe: str, margin: int):
-    """Forward: y unchanged. Backward: y's gradient through `fp8_dtype` (E5M2), and hist_H's
-    cotangent carries the gradient's amax."""
-    return y
-
-
-def _out_fwd(y, hist_H, fp8_dtype, recipe, margin):
-    return y, hist_H
-
-
-def _out_bwd(fp8_dtype, recipe, margin, hist_H, g):
-    a = amax(g)
-    return qdq(g, fp8_dtype, _scale(hist_H, a, fp8_dtype, recipe, margin)), _observed(hist_H, a)
-
-
-out_qdq.defvjp(_out_fwd, _out_bwd)
+_dot.defvjp(_dot_fwd, _dot_bwd)
 
 
 def dot(x, w, meta: Fp8Meta, dims: int = 1):
     """x's last `dims` axes against w's first, as an FP8 product: x and w in E4M3, the
-    gradient of the result in E5M2, each at its per-tensor scale. Same shapes and dtype as
+    gradient of the result in E5M2, each at its per-tensor scale; the three GEMMs (forward,
+    dx, dw) take float8 operands. The history's cotangent carries the amaxes of x, w and the
+    gradient in column 0 (zeros elsewhere). Same shapes and dtype as
     `jnp.tensordot(x, w.astype(x.dtype), dims)`."""
-    h = meta.hist_3H
-    w = w.astype(x.dtype)
-    xq = in_qdq(x, h[0], E4M3, meta.recipe, meta.margin)
-    wq = in_qdq(w, h[1], E4M3, meta.recipe, meta.margin)
-    y = jnp.tensordot(xq, wq, axes=dims)
-    return out_qdq(y, h[2], E5M2, meta.recipe, meta.margin)
+    return _dot(x, w.astype(x.dtype), meta.hist_3H, dims, meta.recipe, meta.margin)
 
 
 def roll(hist, observed):

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from gendist.data.batches import shard_batch
+from gendist.data.batches import random_batches
 from gendist.presets import preset, replace
 from gendist.timing import median_seconds
 from gendist.training import train
@@ -52,12 +51,7 @@ def build_bench(name: str, overrides: dict):
     cfg = replace(preset(name), **overrides)
     setup = train.build(cfg)
     state = setup.init_state()
-    t = cfg.train
-    rng = np.random.default_rng(0)
-    batches = []
-    for _ in range(2):
-        tok = rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), np.int32)
-        batches.append(shard_batch({"inputs": tok[:, :-1], "targets": tok[:, 1:]}, setup.mesh))
+    batches = random_batches(cfg, setup.mesh)
     return cfg, setup, state, batches
 
 

@@ -24,9 +24,8 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
-from gendist.data.batches import shard_batch
+from gendist.data.batches import random_batches
 from gendist.presets import preset, replace
 from gendist.training import train
 
@@ -67,13 +66,7 @@ def bench_shape(name, base, overrides, rounds: int, steps: int, out: Path | None
         cfg = replace(preset(base), **{**overrides, "train.matmul_precision": prec})
         setup = train.build(cfg)
         state = setup.init_state()
-        t = cfg.train
-        rng = np.random.default_rng(0)
-        batches = []
-        for _ in range(2):
-            tok = rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), np.int32)
-            batches.append(shard_batch({"inputs": tok[:, :-1], "targets": tok[:, 1:]},
-                                       setup.mesh))
+        batches = random_batches(cfg, setup.mesh)
         t0 = time.perf_counter()
         compiled = setup.step_fn.lower(state, batches[0]).compile()
         res[f"compile_s_{prec}"] = time.perf_counter() - t0

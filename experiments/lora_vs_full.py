@@ -29,9 +29,8 @@ TARGETS = "q,k,v,o,gate,up,down"
 
 def one_mode(args) -> dict:
     import jax
-    import numpy as np
 
-    from gendist.data.batches import shard_batch
+    from gendist.data.batches import random_batches
     from gendist.presets import preset, replace
     from gendist.training import lora, train
 
@@ -50,11 +49,7 @@ def one_mode(args) -> dict:
     setup = train.build(cfg)
     state = setup.init_state()
     t = cfg.train
-    rng = np.random.default_rng(0)
-    batches = []
-    for _ in range(2):
-        tok = rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), np.int32)
-        batches.append(shard_batch({"inputs": tok[:, :-1], "targets": tok[:, 1:]}, setup.mesh))
+    batches = random_batches(cfg, setup.mesh)
     t0 = time.perf_counter()
     step = setup.step_fn.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0

@@ -32,7 +32,6 @@ Loading goes one parameter at a time straight onto its sharding (`shardings`, e.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import shutil
@@ -43,6 +42,7 @@ import jax
 import numpy as np
 
 from gendist.config import ModelConfig
+from gendist.data import staging
 from gendist.models import transformer
 from gendist.parallel import zero
 
@@ -307,10 +307,7 @@ def save(model_dir: str | Path, cfg: ModelConfig, params: dict, *, dtype: str = 
         size += t.nbytes
     names = [SINGLE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
-    try:
+    with staging.staged(out, "export") as stage:
         for name, shard in zip(names, shards, strict=True):
             save_file(shard, str(stage / name), metadata={"format": "pt"})
         if len(shards) > 1:
@@ -323,12 +320,6 @@ def save(model_dir: str | Path, cfg: ModelConfig, params: dict, *, dtype: str = 
         if getattr(tokenizer, "name", None) == "bytes":
             write_bytes_marker(stage)
         _replace_dir(stage, out)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        for d in created:  # deepest first; only the folders this call made
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        raise
     return names
 
 

@@ -196,7 +196,8 @@ def model_dir(tmp_path_factory):
 GOOD = '{"context": "abc", "choices": ["d", "e"], "gold": 0}\n'
 # (name, task file text, what the one line must name besides the file)
 BAD_TASKS = [
-    ("not JSON", GOOD + '{"context": "abc", "choices": ["d"], gold: 0}\n', ["line 2", "not JSON"]),
+    ("not JSON", GOOD + '{"context": "abc", "choices": ["d"], gold: 0}\n',
+     ["line 2", "not a JSON record"]),
     ("not an object", GOOD + '["abc", ["d"], 0]\n', ["line 2", "not an object"]),
     ("missing field", GOOD * 2 + '{"context": "abc", "gold": 0}\n', ["line 3", "'choices'",
                                                                    "missing"]),

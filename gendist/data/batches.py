@@ -148,6 +148,17 @@ def shard_batch(batch: dict[str, np.ndarray], mesh, global_batch_size: int | Non
     return out
 
 
+def random_batches(cfg, mesh, n: int = 2, seed: int = 0) -> list[dict]:
+    """`n` batches of uniform random tokens shaped as `cfg.train` asks, on the mesh: what a
+    timing of the train step feeds it (the step's speed does not depend on the text)."""
+    rng = np.random.default_rng(seed)
+    t, out = cfg.train, []
+    for _ in range(n):
+        tok = rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), np.int32)
+        out.append(shard_batch({"inputs": tok[:, :-1], "targets": tok[:, 1:]}, mesh))
+    return out
+
+
 def process_rows(mesh, global_batch_size: int) -> slice | np.ndarray:
     """The rows of the global batch that this process's devices hold, in the order
     `jax.make_array_from_process_local_data` expects them (its shards by ascending start).

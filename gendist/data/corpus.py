@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import glob
 import gzip
-import json
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
+
+from gendist.data import jsonl
 
 BUNDLED = "shakespeare.txt.gz"
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".gz")
@@ -103,26 +104,9 @@ def _check_utf8(piece: bytes, path: Path, lines_before: int) -> None:
 
 def _records(path: Path, text_field: str) -> Iterator[str]:
     if path.suffix == ".jsonl":
-        with open(path, "rb") as f:
-            for n, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                where = f"{path}:{n}"
-                try:
-                    rec = json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"data.corpus: {where} is not UTF-8 (byte "
-                                     f"0x{raw[e.start]:02x} at column {e.start + 1}); convert "
-                                     "the file to UTF-8 (e.g. iconv -f latin1 -t utf-8).") from None
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"data.corpus: {where} is not a JSON record ({e.msg} at "
-                                     f"column {e.colno}); a .jsonl file holds one JSON object "
-                                     "a line, e.g. {\"text\": \"...\"}.") from None
-                if not isinstance(rec, dict):
-                    raise ValueError(f"data.corpus: {where} holds a JSON "
-                                     f"{type(rec).__name__}, not an object; a .jsonl file holds "
-                                     "one JSON object a line, e.g. {\"text\": \"...\"}.")
-                yield _field(rec, text_field, where)
+        for _, where, rec in jsonl.objects(path, lambda n: f"data.corpus: {path}:{n}",
+                                           '{"text": "..."}'):
+            yield _field(rec, text_field, where.removeprefix("data.corpus: "))
         return
     try:
         import datasets

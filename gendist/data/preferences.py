@@ -17,13 +17,13 @@ one) is held out.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from gendist.config import DataConfig
+from gendist.data import jsonl
 from gendist.data.tokenizer import load_tokenizer
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -37,35 +37,20 @@ def read_pairs(path: str | Path) -> list[tuple[str, str, str]]:
         raise FileNotFoundError(f"data.preferences={str(path)!r} is not a file; give a JSONL "
                                 "file of {\"prompt\", \"chosen\", \"rejected\"} records.")
     out = []
-    with open(p, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = f"data.preferences: {p}:{n}"
-            try:
-                rec = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where} is not UTF-8 (byte 0x{raw[e.start]:02x} at column "
-                                 f"{e.start + 1}); convert the file to UTF-8.") from None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where} is not a JSON record ({e.msg} at column "
-                                 f"{e.colno}); each line holds one object with "
-                                 "\"prompt\", \"chosen\" and \"rejected\".") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{where} holds a JSON {type(rec).__name__}, not an object "
-                                 "with \"prompt\", \"chosen\" and \"rejected\".")
-            for k in FIELDS:
-                if k not in rec:
-                    raise ValueError(f"{where} has no field {k!r} (its fields: {sorted(rec)}); "
-                                     "each record needs \"prompt\", \"chosen\" and \"rejected\".")
-                if not isinstance(rec[k], str):
-                    raise ValueError(f"{where}: field {k!r} is a {type(rec[k]).__name__}, not "
-                                     "text.")
-            for k in ("chosen", "rejected"):
-                if not rec[k]:
-                    raise ValueError(f"{where}: field {k!r} is empty; a response needs at "
-                                     "least one token.")
-            out.append(tuple(rec[k] for k in FIELDS))
+    for _, where, rec in jsonl.objects(p, lambda n: f"data.preferences: {p}:{n}",
+                                       '{"prompt": "...", "chosen": "...", "rejected": "..."}'):
+        for k in FIELDS:
+            if k not in rec:
+                raise ValueError(f"{where} has no field {k!r} (its fields: {sorted(rec)}); "
+                                 "each record needs \"prompt\", \"chosen\" and \"rejected\".")
+            if not isinstance(rec[k], str):
+                raise ValueError(f"{where}: field {k!r} is a {type(rec[k]).__name__}, not "
+                                 "text.")
+        for k in ("chosen", "rejected"):
+            if not rec[k]:
+                raise ValueError(f"{where}: field {k!r} is empty; a response needs at "
+                                 "least one token.")
+        out.append(tuple(rec[k] for k in FIELDS))
     if len(out) < 2:
         raise ValueError(f"data.preferences={str(path)!r} holds {len(out)} pair(s); give at "
                          "least 2 (one is held out for validation).")

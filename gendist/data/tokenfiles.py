@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from gendist.data import staging
 from gendist.data.corpus import check_split_sizes, expand, token_chunks, token_dtype
 from gendist.data.tokenizer import load_tokenizer
 
@@ -169,19 +169,10 @@ def prepare(corpus: tuple[str, ...], tokenizer: str, out_dir: str | Path, *,
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out_dir)!r} is a file; give a folder for the token "
                          "files (a new one, or a previous prepare's).")
-    created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.prepare-", dir=out.parent))
-    try:
+    with staging.staged(out, "prepare") as stage:
         meta = _write_tokens(stage, tuple(corpus), tok, text_field, val_fraction,
                              shard_tokens, progress)
         _move_into(stage, out)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        for d in created:  # deepest first; only the folders this call made
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        raise
     return meta
 
 

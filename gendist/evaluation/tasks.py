@@ -14,11 +14,12 @@ delimiter ("\\n\\n", lm-evaluation-harness's default); which k is a function of 
 from __future__ import annotations
 
 import dataclasses
-import json
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
+
+from gendist.data import jsonl
 
 FIELDS = ("context", "choices", "gold")
 DEFAULT_TEMPLATE = "{context}{choice}"
@@ -57,33 +58,23 @@ def resolve(spec: str) -> tuple[str, Path]:
         'JSONL file of {"context": ..., "choices": [...], "gold": index} lines.')
 
 
+SHAPE = '{"context": "...", "choices": ["...", "..."], "gold": 0}'
+
+
 def read_task(spec: str) -> Task:
     """Every example of a task file, each line checked (one TaskError line naming the file,
     the line and the field)."""
     name, path = resolve(spec)
-    examples = []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            if raw.strip():
-                examples.append(_example(raw, n, f"--tasks {path}: line {n}"))
+    examples = [_example(rec, n, where) for n, where, rec in
+                jsonl.objects(path, lambda n: f"--tasks {path}: line {n}", SHAPE, TaskError)]
     if not examples:
         raise TaskError(f"--tasks {path} holds no examples; give one JSON object a line: "
                         '{"context": "...", "choices": ["...", "..."], "gold": 0}.')
     return Task(name, str(path), tuple(examples))
 
 
-def _example(raw: bytes, n: int, where: str) -> Example:
-    shape = '{"context": "...", "choices": ["...", "..."], "gold": 0}'
-    try:
-        rec = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise TaskError(f"{where} is not UTF-8 (byte 0x{raw[e.start]:02x} at column "
-                        f"{e.start + 1}); convert the file to UTF-8.") from None
-    except json.JSONDecodeError as e:
-        raise TaskError(f"{where} is not JSON ({e.msg} at column {e.colno}); each line holds "
-                        f"one object: {shape}.") from None
-    if not isinstance(rec, dict):
-        raise TaskError(f"{where} holds a JSON {type(rec).__name__}, not an object: {shape}.")
+def _example(rec: dict, n: int, where: str) -> Example:
+    shape = SHAPE
     for field in FIELDS:
         if field not in rec:
             raise TaskError(f"{where}: field {field!r} is missing (the line has "

@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE))
 
 from pipeline_speed import run_child  # noqa: E402 - the one subprocess runner
 
-from gendist.distributed import host_device_flags  # noqa: E402
+from gendist.launcher import host_device_flags  # noqa: E402
 
 # Bus bandwidth (bytes/s) measured on two H200s over NVLink (benchmarks/collectives.md).
 NVLINK_BUS = {"all-reduce": 246e9, "all-gather": 237e9, "reduce-scatter": 205e9,

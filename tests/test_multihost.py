@@ -22,7 +22,7 @@ import pytest
 from helpers import assert_trees_close as trees_close
 from helpers import mesh_of, small_config
 
-from gendist import distributed
+from gendist import distributed, launcher
 from gendist.data.batches import rows_of_shards
 from gendist.data.tokenfiles import prepare
 from gendist.training import loop, train
@@ -136,10 +136,10 @@ def test_two_process_checkpoint_continues_on_one_process_other_mesh(two_process,
 
 def start_pair(out, worker_args, env):
     """Two processes started by hand (not `launch`, which would stop the survivor itself)."""
-    coord = f"127.0.0.1:{distributed.free_port()}"
+    coord = f"127.0.0.1:{launcher.free_port()}"
     procs = []
     for rank in (0, 1):
-        e = distributed.child_env(rank, 2, coord, 4, None)
+        e = launcher.child_env(rank, 2, coord, 4, None)
         e.update(env, GENDIST_HEARTBEAT_TIMEOUT=str(HEARTBEAT), GENDIST_SHUTDOWN_TIMEOUT="10")
         procs.append(subprocess.Popen([sys.executable, WORKER, str(out), *worker_args], env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -201,8 +201,8 @@ def test_killed_coordinator_ends_the_other(tmp_path):
 def test_unreachable_coordinator_fails_within_init_timeout(rank):
     """Alone in a 2-process job: initialisation fails after GENDIST_INIT_TIMEOUT, naming
     the coordinator and the fix."""
-    coord = f"127.0.0.1:{distributed.free_port()}"
-    env = distributed.child_env(rank, 2, coord, 1, None)
+    coord = f"127.0.0.1:{launcher.free_port()}"
+    env = launcher.child_env(rank, 2, coord, 1, None)
     env.update(GENDIST_INIT_TIMEOUT="3")
     code = "from gendist import distributed; distributed.maybe_initialize()"
     t = time.monotonic()
@@ -278,6 +278,6 @@ def test_config_and_detection():
     assert distributed.detect({"OMPI_COMM_WORLD_SIZE": "2"}) == "ompi"
     assert distributed.detect({"GENDIST_PROCESS_ID": "0"}) == "gendist"
     assert distributed.detect({}) is None
-    env = distributed.child_env(1, 2, "h:1", None, 4, base={})
+    env = launcher.child_env(1, 2, "h:1", None, 4, base={})
     assert env["GENDIST_LOCAL_DEVICE_IDS"] == "4,5,6,7" and "XLA_FLAGS" not in env
     assert not distributed.maybe_initialize(environ={})  # a plain single-process run

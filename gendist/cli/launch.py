@@ -20,7 +20,7 @@ class LaunchArgs:
 
 
 def cmd_launch(argv: list[str]) -> int:
-    from gendist.distributed import launch
+    from gendist.launcher import launch
     split = argv.index("--") if "--" in argv else len(argv)
     a = parse(LaunchArgs, argv[:split], "launch", description=LaunchArgs.__doc__)
     for flag, value in (("--nproc", a.nproc), ("--devices-per-process", a.devices_per_process),

@@ -27,7 +27,7 @@ def cmd_plan(argv: list[str]) -> int:
         raise UsageError(f"--devices {args.devices}: give a number of simulated devices from 1 "
                          "to 4096, e.g. 8 (0: the devices there are)")
     if args.devices:  # simulated CPU devices; must be set before the first backend call
-        from gendist.distributed import host_device_flags
+        from gendist.launcher import host_device_flags
         os.environ["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""), args.devices)
     from gendist.accounting import plan_report
     print(plan_report(args.config, compile_step=not args.no_compile))

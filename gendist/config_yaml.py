@@ -57,7 +57,7 @@ def _coerce(section: str, f: dataclasses.Field, value, hint):
         try:
             return float(value)
         except ValueError:
-            pass
+            raise ValueError(f"{name}={value!r} in the config file must be a number.") from None
     if hint is float:
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise ValueError(f"{name}={value!r} in the config file must be a number.")

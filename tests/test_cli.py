@@ -88,6 +88,7 @@ def done_run(tmp_path_factory):
     (root / "medium.txt").write_text("twenty bytes of it.\n" * 10)
     (root / "rec.jsonl").write_text('{"body": "text under another name"}\n')
     (root / "bad.yaml").write_text("model:\n  d_model: [1\n  num_layers: 3\n")
+    (root / "lr_text.yaml").write_text("train:\n  lr: fast\n")
     (root / "prefs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
                                       '{"prompt": "a", "chosen": "b"}\n')
     (root / "pairs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n' * 2)
@@ -226,6 +227,8 @@ BAD_INPUT = [
      ["train.seq_len=128 is longer than the val split (10 tokens)", "--train.seq-len 8"]),
     ("a .jsonl record without the text field", ["train", "--data.corpus", "rec.jsonl"],
      ["data.text_field='text' is not a field of the record at rec.jsonl:1", "--data.text-field"]),
+    ("a float field given text in YAML", ["train", "--config", "lr_text.yaml"],
+     ["train.lr='fast' in the config file must be a number"]),
     ("malformed YAML", ["train", "--config", "bad.yaml"],
      ["--config 'bad.yaml' is not valid YAML", "at line 3, column"]),
     ("YAML that is not sections", ["train", "--config", "afile"],
@@ -576,7 +579,7 @@ def test_export_that_fails_midway_leaves_the_old_folder(done_run, tmp_path, monk
 def test_launch_drops_gloo_lines_even_interleaved():
     """Gloo's threads print "connected" lines whose pieces interleave; their tails ("1")
     came out as a stray "[0] 1" line. Everything else passes through, prefixed."""
-    from gendist.distributed import _pump
+    from gendist.launcher import _pump
     gloo = (b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer "
             b"ranks is : ")
 

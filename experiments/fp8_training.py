@@ -105,30 +105,36 @@ def bench_shape(name, base, overrides, rounds: int, steps: int, out: Path | None
     return res
 
 
-def quality(base: str, overrides: dict, out: Path) -> dict:
+def quality(base: str, overrides: dict) -> dict:
     import tempfile
 
     from gendist import run
-    runs = Path(tempfile.mkdtemp(prefix="fp8_quality_"))  # checkpoints stay out of --out
+
     curves = {}
-    for prec in ("bf16", "fp8"):
-        cfg = replace(preset(base), **{**overrides, "train.matmul_precision": prec,
-                                       "train.out_dir": str(runs / f"fp8_quality_{prec}"),
-                                       "train.resume": False, "train.progress": False,
-                                       "train.tensorboard": False, "train.checkpoint_every": 0})
-        t0 = time.perf_counter()
-        result = run(cfg)
-        records = [json.loads(line) for line in
-                   (Path(cfg.train.out_dir) / "metrics.jsonl").read_text().splitlines()]
-        vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-        curves[prec] = {"steps_val_loss": vals, "seconds": time.perf_counter() - t0,
-                        "final_val_loss": vals[-1][1] if vals else None,
-                        "skipped_steps": sum(1 for h in result.history
-                                             if h.get("finite") is False)}
-        print(json.dumps({"quality": prec, **curves[prec]}), flush=True)
+    with tempfile.TemporaryDirectory(prefix="fp8_quality_") as tmp:  # the runs' checkpoints
+        for prec in ("bf16", "fp8"):
+            curves[prec] = _quality_run(run, base, overrides, prec, Path(tmp))
     a, b = curves["bf16"]["final_val_loss"], curves["fp8"]["final_val_loss"]
     return {"preset": base, "overrides": overrides, "curves": curves,
             "fp8_over_bf16_final_val_loss": b / a}
+
+
+def _quality_run(run, base: str, overrides: dict, prec: str, runs: Path) -> dict:
+    """One training run of the quality comparison: its validation curve and skipped steps."""
+    cfg = replace(preset(base), **{**overrides, "train.matmul_precision": prec,
+                                   "train.out_dir": str(runs / f"fp8_quality_{prec}"),
+                                   "train.resume": False, "train.progress": False,
+                                   "train.tensorboard": False, "train.checkpoint_every": 0})
+    t0 = time.perf_counter()
+    result = run(cfg)
+    records = [json.loads(line) for line in
+               (Path(cfg.train.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    vals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    curve = {"steps_val_loss": vals, "seconds": time.perf_counter() - t0,
+             "final_val_loss": vals[-1][1] if vals else None,
+             "skipped_steps": sum(1 for h in result.history if h.get("finite") is False)}
+    print(json.dumps({"quality": prec, **curve}), flush=True)
+    return curve
 
 
 def plot(q: dict, path: Path) -> None:
@@ -159,6 +165,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = jax.devices()[0]
+    tag = dev.device_kind.replace(" ", "_").lower()
     res = {"device": dev.device_kind, "jax": jax.__version__, "peaks": PEAK, "speed": []}
     if not args.skip_speed:
         for name, base, ov in (TINY if args.tiny else SHAPES):
@@ -167,15 +174,14 @@ def main():
             except Exception as e:  # noqa: BLE001 - report and go on to the next shape
                 res["speed"].append({"shape": name, "error": f"{type(e).__name__}: {str(e)[:600]}"})
                 print(res["speed"][-1], flush=True)
-            tag = dev.device_kind.replace(" ", "_").lower()  # kept if the quality run is cut
+            # written after each shape: kept if the quality runs are cut
             (out / f"fp8_training_{tag}.json").write_text(json.dumps(res, indent=1))
     qbase, qov = ("tiny", {"train.batch_size": 8, "train.seq_len": 64}) if args.tiny else (
         "350m", {"train.batch_size": 8, "train.seq_len": 512})
     qov = {**qov, "train.steps": args.quality_steps, "train.warmup_steps": 50,
            "train.eval_every": max(args.quality_steps // 10, 1), "train.eval_batches": 4,
            "train.log_every": max(args.quality_steps // 10, 1)}
-    res["quality"] = quality(qbase, qov, out)
-    tag = dev.device_kind.replace(" ", "_").lower()
+    res["quality"] = quality(qbase, qov)
     plot(res["quality"], out / f"fp8_loss_{tag}.png")
     (out / f"fp8_training_{tag}.json").write_text(json.dumps(res, indent=1))
     for s in res["speed"]:

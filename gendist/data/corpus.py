@@ -104,9 +104,9 @@ def _check_utf8(piece: bytes, path: Path, lines_before: int) -> None:
 
 def _records(path: Path, text_field: str) -> Iterator[str]:
     if path.suffix == ".jsonl":
-        for _, where, rec in jsonl.objects(path, lambda n: f"data.corpus: {path}:{n}",
-                                           '{"text": "..."}'):
-            yield _field(rec, text_field, where.removeprefix("data.corpus: "))
+        for n, _, rec in jsonl.objects(path, lambda n: f"data.corpus: {path}:{n}",
+                                       '{"text": "..."}'):
+            yield _field(rec, text_field, f"{path}:{n}")
         return
     try:
         import datasets

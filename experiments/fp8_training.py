@@ -1,7 +1,8 @@
 """Does FP8 training pay on a Hopper GPU, and does it keep the loss?
 
-Speed: for each shape, the bf16 train step and the FP8 one (`train.matmul_precision=fp8`)
-built in one process and timed in alternating rounds; tokens/s, MFU against the dense bf16
+Speed: for each shape, the bf16 train step and the FP8 ones (`train.matmul_precision=fp8`;
+`fp8`: delayed scaling, `fp8_current`: current scaling) built in one process and timed in
+alternating rounds; tokens/s, MFU against the dense bf16
 peak (989 TFLOP/s) and the dense FP8 peak (1,979 TFLOP/s; H100/H200 SXM datasheet), and the
 compiled step's GEMMs by operand type (cuBLASLt custom calls whose operands are f8 against
 the others): the FP8 products must compile to FP8 GEMMs, not bf16 dots with casts around them.
@@ -59,11 +60,17 @@ def gemm_counts(hlo: str) -> dict:
     return out
 
 
-def bench_shape(name, base, overrides, rounds: int, steps: int, out: Path | None = None) -> dict:
+VARIANTS = {"bf16": {"train.matmul_precision": "bf16"},
+            "fp8": {"train.matmul_precision": "fp8", "train.fp8_recipe": "delayed"},
+            "fp8_current": {"train.matmul_precision": "fp8", "train.fp8_recipe": "current"}}
+
+
+def bench_shape(name, base, overrides, rounds: int, steps: int, out: Path | None = None,
+                variants=("bf16", "fp8")) -> dict:
     res = {"shape": name, "preset": base, "overrides": overrides, "rounds": []}
     runs = {}
-    for prec in ("bf16", "fp8"):
-        cfg = replace(preset(base), **{**overrides, "train.matmul_precision": prec})
+    for prec in variants:
+        cfg = replace(preset(base), **{**overrides, **VARIANTS[prec]})
         setup = train.build(cfg)
         state = setup.init_state()
         batches = random_batches(cfg, setup.mesh)
@@ -86,7 +93,7 @@ def bench_shape(name, base, overrides, rounds: int, steps: int, out: Path | None
     flops = runs["bf16"][0].model.flops_per_token(runs["bf16"][0].train.seq_len) * tokens
     for r in range(rounds):
         row = {"round": r + 1}
-        for prec in ("bf16", "fp8"):
+        for prec in variants:
             cfg, compiled, state, batches = runs[prec]
             t0 = time.perf_counter()
             for i in range(steps):
@@ -98,7 +105,8 @@ def bench_shape(name, base, overrides, rounds: int, steps: int, out: Path | None
                          "mfu_bf16_peak": flops / dt / PEAK["bf16"],
                          "mfu_fp8_peak": flops / dt / PEAK["fp8"], "loss": float(m["loss"]),
                          "finite": bool(m["finite"])}
-        row["fp8_over_bf16"] = row["fp8"]["tokens_per_s"] / row["bf16"]["tokens_per_s"]
+        for prec in variants[1:]:
+            row[f"{prec}_over_bf16"] = row[prec]["tokens_per_s"] / row["bf16"]["tokens_per_s"]
         res["rounds"].append(row)
         print(json.dumps({"shape": name, **row}), flush=True)
     del runs
@@ -160,8 +168,12 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--quality-steps", type=int, default=1000)
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=["bf16", "fp8", "fp8_current"],
+                    choices=list(VARIANTS), help="steps timed (bf16 first: the ratios' base)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
     args = ap.parse_args()
+    if args.variants[0] != "bf16":
+        ap.error("--variants starts with bf16 (the ratios' base)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = jax.devices()[0]
@@ -170,7 +182,8 @@ def main():
     if not args.skip_speed:
         for name, base, ov in (TINY if args.tiny else SHAPES):
             try:
-                res["speed"].append(bench_shape(name, base, ov, args.rounds, args.steps, out))
+                res["speed"].append(bench_shape(name, base, ov, args.rounds, args.steps, out,
+                                                args.variants))
             except Exception as e:  # noqa: BLE001 - report and go on to the next shape
                 res["speed"].append({"shape": name, "error": f"{type(e).__name__}: {str(e)[:600]}"})
                 print(res["speed"][-1], flush=True)
@@ -186,9 +199,10 @@ def main():
     (out / f"fp8_training_{tag}.json").write_text(json.dumps(res, indent=1))
     for s in res["speed"]:
         if "rounds" in s:
-            ratios = [r["fp8_over_bf16"] for r in s["rounds"]]
-            print(f"{s['shape']}: FP8/bf16 tokens/s {min(ratios):.3f}-{max(ratios):.3f}; "
-                  f"GEMMs bf16 step {s['gemms_bf16']}, FP8 step {s['gemms_fp8']}")
+            for prec in args.variants[1:]:
+                ratios = [r[f"{prec}_over_bf16"] for r in s["rounds"]]
+                print(f"{s['shape']}: {prec}/bf16 tokens/s {min(ratios):.3f}-{max(ratios):.3f}; "
+                      f"GEMMs bf16 step {s['gemms_bf16']}, {prec} step {s[f'gemms_{prec}']}")
     print(f"quality: FP8/bf16 final validation loss "
           f"{res['quality']['fp8_over_bf16_final_val_loss']:.4f}")
 

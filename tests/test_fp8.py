@@ -66,14 +66,51 @@ def test_product_and_gradients_equal_numpy_quantize_product_dequantize(recipe):
     assert np.abs(np.asarray(y) - x @ w).max() > 1e-4
 
 
-def test_first_delayed_step_scales_by_the_current_amax():
-    x = jnp.linspace(-1000.0, 1000.0, 64).reshape(4, 16)  # past E4M3's 448 at scale 1
+def test_first_delayed_step_scales_by_one():
+    """An empty history scales by 1 (Transformer Engine's initial scale): values past E4M3's
+    448 clip there on a fresh run's first step, where the current recipe keeps them."""
+    x = jnp.linspace(-1000.0, 1000.0, 64).reshape(4, 16)
     w = jnp.eye(16)
     empty = fp8.Fp8Meta(jnp.zeros((3, 4)), "delayed", 0)
     current = fp8.Fp8Meta(jnp.zeros((3, 4)), "current", 0)
-    np.testing.assert_array_equal(fp8.dot(x, w, empty), fp8.dot(x, w, current))
-    # Not clipped to 448: 1000 to within the f32 rounding of the two scales' product.
-    np.testing.assert_allclose(float(jnp.abs(fp8.dot(x, w, empty)).max()), 1000.0, rtol=1e-6)
+    want = np_qdq(np.asarray(x), E4M3_NP, 1.0) @ np_qdq(np.eye(16, dtype=np.float32), E4M3_NP, 1.0)
+    np.testing.assert_array_equal(fp8.dot(x, w, empty), want)
+    assert float(jnp.abs(fp8.dot(x, w, empty)).max()) == 448.0
+    # Not clipped with the current amax: 1000 to within the f32 rounding of the scales' product.
+    np.testing.assert_allclose(float(jnp.abs(fp8.dot(x, w, current)).max()), 1000.0, rtol=1e-6)
+
+
+def _depends_on(jaxpr, target, sources) -> bool:
+    """Whether variable `target` of `jaxpr` is computed from any of `sources`."""
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    todo, seen = [target], set()
+    while todo:
+        v = todo.pop()
+        if v in sources:
+            return True
+        if v in seen or v not in producers:
+            continue
+        seen.add(v)
+        todo += [u for u in producers[v].invars if not hasattr(u, "val")]  # not literals
+    return False
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_delayed_quantize_does_not_wait_for_the_tensors_amax(recipe):
+    """Delayed scaling divides x by a scale made from the history alone, so XLA can compute
+    x's amax in the same pass that quantizes it; the current recipe's scale is x's amax."""
+    meta = fp8.Fp8Meta(jnp.ones((3, 4)), recipe, 0)
+    jaxpr = jax.make_jaxpr(lambda x, w: fp8.dot(x, w, meta))(jnp.ones((4, 8)),
+                                                            jnp.ones((8, 2))).jaxpr
+    inner = [e for e in jaxpr.eqns if e.primitive.name.startswith("custom_vjp")][0]
+    body = inner.params["call_jaxpr"].jaxpr
+    x_w = set(body.invars[:2])
+    amaxes = {v for e in body.eqns if e.primitive.name == "reduce_max" for v in e.outvars
+              if _depends_on(body, v, x_w)}
+    divs = [e for e in body.eqns if e.primitive.name == "div" and e.outvars[0].aval.shape]
+    assert len(amaxes) == 2 and len(divs) == 2  # x's and w's amax; their quantizes
+    waits = [_depends_on(body, e.invars[1], amaxes) for e in divs]
+    assert any(waits) == (recipe == "current"), waits
 
 
 def test_roll_moves_history_one_step_older():

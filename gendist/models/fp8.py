@@ -12,9 +12,12 @@ Each product keeps an amax history `hist_3H` (rows: input x, weight w, gradient 
 the newest step). Two recipes choose the scale:
 
     delayed   Transformer Engine's recipe: scale = max(history) / fp8_max * 2**margin, the
-              history holding earlier steps only (quantizing does not wait for a reduction);
-              the first step, with an empty history, uses the current amax
-    current   scale = amax(this tensor) / fp8_max * 2**margin
+              history holding earlier steps only, so quantizing does not wait for this
+              tensor's amax: XLA reads the tensor once for both (one multi-output fusion).
+              An empty history (a fresh run's first step) scales by 1, as Transformer
+              Engine's scales start; that step's amaxes fill the history
+    current   scale = amax(this tensor) / fp8_max * 2**margin: a reduction over the tensor
+              before it is quantized, a second read of it
 
 Either way every product observes its three amaxes. They leave the step as the cotangent of
 `hist_3H` (the only way a backward pass can hand out a value, as in flax's fp8 meta), shaped
@@ -83,8 +86,7 @@ def amax(x):
 def _scale(hist_H, current_amax, fp8_dtype, recipe: str, margin: int):
     if recipe == "current":
         return scale_for(current_amax, fp8_dtype, margin)
-    past = jnp.max(hist_H)
-    return scale_for(jnp.where(past > 0, past, current_amax), fp8_dtype, margin)
+    return scale_for(jnp.max(hist_H), fp8_dtype, margin)  # 1 while the history is empty
 
 
 def scaled_dot(a_q, b_q, contract: tuple, scale, dtype):

@@ -15,7 +15,7 @@
 #   train           the 1b training step, cuDNN's attention and ours alternated    benchmarks/training.md
 #   fp8             FP8 against bf16 training: step speed, FP8 GEMMs, 1000-step loss benchmarks/training.md
 #   serving         continuous batching vs static batching on one request trace    benchmarks/serving.md
-#   speculative     speculative decoding, 1b target, over the fast path            benchmarks/speculative.md
+#   speculative     speculative decoding, 1b target, batch 1, over the megakernel  benchmarks/speculative.md
 #   pipeline        1F1B in phases on two GPUs against one GPU                     benchmarks/pipeline.md
 #   collectives     NCCL collectives' bus bandwidth over all GPUs                  benchmarks/collectives.md
 #   two_gpu         every parallel form on two GPUs beside one GPU                 -
@@ -71,8 +71,8 @@ serving)
         --out "$OUT" ;;
 speculative)
     "$PY" experiments/speculative_speedup.py --target 1b --steps 1100 --seq-len 256 --batch-size 32 \
-        --draft-width 1024 --draft-layers 2 --draft-round-steps 300 --draft-rounds 5 --gammas 4 \
-        --adaptive --batches 1 8 --temperatures 0 1 --prompts-b1 2 --new-tokens 128 --tag _1b --out "$OUT" ;;
+        --draft-width 1024 --draft-layers 2 --draft-round-steps 300 --draft-rounds 5 --gammas 4 6 \
+        --batches 1 --temperatures 0 1 --prompts-b1 2 --new-tokens 128 --tag _1b --out "$OUT" ;;
 pipeline)
     "$PY" experiments/pipeline_speed.py --variants one_gpu pp2_1f1b-phased_m16 \
         pp2_1f1b-phased_m16_b96_savemm pp2_1f1b-phased_m16_b128_savemm --out "$OUT" ;;

@@ -32,12 +32,14 @@ from gendist.training import train
 
 PEAK = {"bf16": 989e12, "fp8": 1979e12}  # dense, H100/H200 SXM datasheet
 
-# (name, preset, overrides): the 1b preset, and Llama-3-8B's layer shape (width 4096, 32/8
-# heads of 128, SwiGLU 14336) in 4 layers, where the products are most of the step.
+# (name, preset, overrides): the 1b preset, Llama-3-8B's layer shape (width 4096, 32/8
+# heads of 128, SwiGLU 14336) in 4 layers, where the products are most of the step, and the
+# 350m-moe preset (every 2nd block's MLP 8 experts, top-2: the experts' products batched).
 SHAPES = [
     ("1b", "1b", {"train.batch_size": 8, "train.seq_len": 2048}),
     ("8b-layers-4", "8b", {"model.num_layers": 4, "model.remat": "none", "model.scan_unroll": 4,
                            "mesh.pipeline": 1, "train.batch_size": 8, "train.seq_len": 2048}),
+    ("350m-moe", "350m-moe", {"train.batch_size": 16, "train.seq_len": 1024}),
 ]
 TINY = [("tiny", "tiny", {"train.batch_size": 8, "train.seq_len": 64})]
 

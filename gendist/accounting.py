@@ -233,7 +233,8 @@ def predict(setup, backend: str | None = None) -> dict:
     copy = [b // c * cc if len(r[1].shape) >= 2 else b for b, r in zip(copy, rows, strict=True)]
     mem["activations (estimate)"] = _activation_bytes(cfg, tp, sp, tokens, c, stage)
     if "fp8" in state:  # FP8 products' amax histories, replicated but for the layers axis
-        mem["FP8 scaling state"] = _shard_bytes(state["fp8"], state["fp8"].sharding)
+        mem["FP8 scaling state"] = sum(_shard_bytes(h, h.sharding)
+                                       for h in jax.tree.leaves(state["fp8"]))
         mem["arguments (state + batch)"] += mem["FP8 scaling state"]
     comm: dict[tuple[str, str], float] = {}
 

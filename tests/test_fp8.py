@@ -141,7 +141,7 @@ def _fp8_run(cfg, mesh, steps=2):
     hists, losses, grads = [], [], []
     for i in range(steps):
         state, m = setup.step_fn(state, shard_batch(_data().global_batch(i, 8, 16), mesh))
-        hists.append(np.asarray(jax.device_get(state["fp8"])))
+        hists.append(jax.tree.map(np.asarray, jax.device_get(state["fp8"])))
         losses.append(float(m["loss"]))
         grads.append(jax.device_get(m["grads"]))
     assert setup.traces["step"] == 1, "the train step recompiled"
@@ -151,6 +151,7 @@ def _fp8_run(cfg, mesh, steps=2):
 def test_training_rolls_the_history_each_step():
     losses, hists, _, setup, _ = _fp8_run(_fp8_cfg(), mesh_of(1), steps=3)
     L, P = 2, len(fp8.products(setup.cfg.model))
+    hists = [h["blocks"] for h in hists]
     assert hists[0].shape == (L, P, 3, 4)
     for h in hists:
         assert (h[..., 0] > 0).all()  # every product's x, w and g observed every step
@@ -159,10 +160,13 @@ def test_training_rolls_the_history_each_step():
     # Weights change between steps, so their amaxes do: a history that is not rolled fails.
     assert (hists[2][:, :, 1, 0] != hists[1][:, :, 1, 0]).any()
     assert np.isfinite(losses).all()
-    # Accumulated microbatches observe the amax of the whole batch (their max, not a sum):
-    # the inputs' and weights' rows equal the one-batch run's at the first step.
-    _, acc_hists, _, _, _ = _fp8_run(_fp8_cfg(**{"train.grad_accum": 2}), mesh_of(1), steps=1)
-    np.testing.assert_allclose(acc_hists[0][:, :, :2], hists[0][:, :, :2], rtol=1e-6)
+    # Accumulated microbatches observe the amax of the whole batch (their max, not a sum),
+    # and their gradients per the batch's mean loss (a microbatch's own mean is 2x its
+    # share): every row equals the one-batch run's, after two steps (the second quantizes
+    # with the first's history).
+    _, acc_hists, _, _, _ = _fp8_run(_fp8_cfg(**{"train.grad_accum": 2}), mesh_of(1), steps=2)
+    for h, wh in zip(acc_hists, hists, strict=False):
+        np.testing.assert_allclose(h["blocks"], wh, rtol=1e-5)
 
 
 def test_data_tensor_zero3_equals_one_device_with_fp8():
@@ -180,7 +184,7 @@ def test_data_tensor_zero3_equals_one_device_with_fp8():
     want = _fp8_run(_fp8_cfg(**{"train.grad_accum": 2}), mesh_of(1))
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for h, wh in zip(got[1], want[1], strict=True):
-        np.testing.assert_allclose(h, wh, rtol=1e-5)  # the same scales
+        assert_trees_close(h, wh, rtol=1e-5)  # the same scales
     for g, wg in zip(got[2], want[2], strict=True):
         assert_trees_close(g, wg, rtol=1e-5, atol=1e-7, leaf_atol=1e-3)
     spec = got[3].state_sharding["params"]["blocks"]["wq"].spec
@@ -198,8 +202,8 @@ def test_checkpoint_restores_the_histories_bit_exactly(tmp_path):
     restored, _, step = ck.restore(setup.abstract_state())
     ck.close()
     assert step == 2
-    np.testing.assert_array_equal(np.asarray(restored["fp8"]), hists[-1])
-    assert restored["fp8"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(restored["fp8"]["blocks"]), hists[-1]["blocks"])
+    assert restored["fp8"]["blocks"].dtype == jnp.float32
 
 
 def test_overflowing_amax_skips_the_step():
@@ -214,14 +218,18 @@ def test_overflowing_amax_skips_the_step():
 def test_fp8_refused_where_it_cannot_run():
     from gendist.training.checks import _validate_fp8
     cfg = _fp8_cfg()
-    with pytest.raises(ValueError, match=r"train.matmul_precision=fp8 with mesh.pipeline=2"):
-        _validate_fp8(cfg, mesh_of(2, pipeline=2))
+    _validate_fp8(cfg, mesh_of(2, pipeline=2))  # delayed scaling on a 1F1B pipeline: runs
+    for kw, msg in [({"train.fp8_recipe": "current"}, "train.fp8_recipe=current"),
+                    ({"train.pipeline_schedule": "pipedream"}, "pipeline_schedule=pipedream"),
+                    ({"train.terapipe_slices": 2}, "terapipe_slices=2")]:
+        with pytest.raises(ValueError, match=rf"train.matmul_precision=fp8 with .*{msg}"):
+            _validate_fp8(_fp8_cfg(**kw), mesh_of(2, pipeline=2))
 
     class Ampere:
         platform, device_kind, compute_capability = "gpu", "NVIDIA A100", "8.0"
 
     class Mesh:
-        shape = {"pipeline": 1}
+        shape = {"data": 1, "pipeline": 1, "expert": 1, "tensor": 1}
         devices = np.array([Ampere()])
 
     with pytest.raises(ValueError, match=r"A100 \(compute capability 8.0\) has no FP8"):
@@ -293,3 +301,84 @@ def test_every_fp8_gemm_takes_float8_operands():
     assert not [d for d in dots if ("f8" in d[0]) != ("f8" in d[1])]  # no mixed operands
     assert not [d for d in f8 if d[0].endswith("f8E5M2>") and d[1].endswith("f8E5M2>")]
     assert len(dots) == len(ref) and not [d for d in ref if "f8" in d[0] + d[1]]
+
+
+MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_every": 2,
+       "model.num_layers": 4, "model.moe_capacity_factor": 4.0}
+
+
+@pytest.mark.parametrize("mesh_kw, extra, ref", [
+    (dict(pipeline=2, tensor=2, data=2), {"train.pipeline_schedule": "1f1b"}, {}),
+    (dict(pipeline=2), {"train.pipeline_schedule": "gpipe", "model.num_layers": 3,
+                        "train.pipeline_stage_layers": (1, 2), "train.grad_accum": 2},
+     {"model.num_layers": 3}),
+    # MoE groups (FP8 dense blocks): routed per microbatch, so against accumulation
+    (dict(pipeline=2), {"train.pipeline_schedule": "1f1b", **MOE}, {**MOE, "train.grad_accum": 2}),
+], ids=["1f1b-data2-tensor2", "gpipe-uneven-accum2", "1f1b-moe"])
+def test_pipeline_with_fp8_equals_one_device(mesh_kw, extra, ref):
+    """A pipeline carries the histories with its layers: each stage observes its own
+    layers' amaxes (its shards' max over data and tensor, the microbatches' max), and
+    quantizes the summed loss's gradients at the history's scale times the batch's tokens,
+    so the step equals one device's on the whole batch (no microbatches, no accumulation;
+    an MoE model's against accumulation, which routes the same groups): the same losses, histories (rtol 1e-5) and gradients (as in the data x tensor x ZeRO-3
+    test). The 1F1B case runs the branch-free executor, the uneven GPipe split the schedule
+    table."""
+    kw = {**extra, "train.pipeline_microbatches": 2}
+    got = _fp8_run(_fp8_cfg(**kw), mesh_of(int(np.prod(list(mesh_kw.values()))), **mesh_kw))
+    want = _fp8_run(_fp8_cfg(**ref), mesh_of(1))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for h, wh in zip(got[1], want[1], strict=True):
+        assert set(h) == set(wh) and all((a[..., 0] > 0).all() for a in wh.values())
+        assert_trees_close(h, wh, rtol=1e-5)
+    for g, wg in zip(got[2], want[2], strict=True):
+        assert_trees_close(g, wg, rtol=1e-5, atol=1e-7, leaf_atol=1e-3)
+    sh = got[3].state_sharding  # the histories are split like the layers they belong to
+    assert sh["fp8"]["blocks"].spec[0] == sh["params"]["blocks"]["wq"].spec[0]
+
+
+def test_batched_product_equals_one_product_per_expert():
+    """The experts' product [E, C, D] . [E, D, F] batched over E equals E products of one
+    expert each at the same scales (delayed scaling: the history's), forward and both
+    gradients; the amaxes it observes are the max over the experts."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(3, 5, 8)).astype(np.float32))
+    w = jnp.asarray(rng.normal(size=(3, 8, 4)).astype(np.float32) * 0.1)
+    ct = jnp.asarray(rng.normal(size=(3, 5, 4)).astype(np.float32) * 1e-3)
+    hist = jnp.zeros((3, 4)).at[:, 1].set(jnp.asarray([4.0, 0.4, 4e-3]))
+
+    def f(x, w, h):
+        return jnp.sum(fp8.dot(x, w, fp8.Fp8Meta(h, "delayed", 0), dims=1, batch=1) * ct)
+
+    def per_expert(x, w, h):
+        return sum(jnp.sum(fp8.dot(x[e], w[e], fp8.Fp8Meta(h, "delayed", 0)) * ct[e])
+                   for e in range(3))
+
+    got = jax.grad(f, argnums=(0, 1, 2))(x, w, hist)
+    want = jax.grad(per_expert, argnums=(0, 1))(x, w, hist)
+    np.testing.assert_allclose(f(x, w, hist), per_expert(x, w, hist), rtol=1e-6)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-9)
+    amax = lambda a: float(jnp.abs(a).max())  # noqa: E731
+    np.testing.assert_array_equal(got[2][:, 0], [amax(x), amax(w), amax(ct)])
+
+
+def test_moe_experts_run_fp8_products_sharded_like_one_device():
+    """An MoE model's blocks (the dense ones and the MoE ones: attention and the experts,
+    batched over E) are all FP8 products, with a history per layer stack; on data 2 x
+    expert 2 x tensor 2 (the experts split over `expert`, their width over `tensor`) the
+    step equals one device's accumulating the same four routing groups: the same losses,
+    histories (each device observes its shards' amaxes; the max comes out) and gradients."""
+    cfg = _fp8_cfg(**MOE)
+    m = cfg.model
+    dots = _lowered_dots(cfg)
+    f8 = [d for d in dots if "f8" in d[0] and "f8" in d[1]]
+    assert len(f8) == 3 * (len(fp8.products(m)) + len(fp8.products(m, moe=True))), len(f8)
+    got = _fp8_run(cfg, mesh_of(8, data=2, expert=2, tensor=2))
+    want = _fp8_run(_fp8_cfg(**MOE, **{"train.grad_accum": 4}), mesh_of(1))
+    assert set(want[1][0]) == {"blocks", "moe_blocks"}
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for h, wh in zip(got[1], want[1], strict=True):
+        assert all((a[..., 0] > 0).all() for a in wh.values())
+        assert_trees_close(h, wh, rtol=1e-5)
+    for g, wg in zip(got[2], want[2], strict=True):
+        assert_trees_close(g, wg, rtol=1e-5, atol=1e-7, leaf_atol=1e-3)

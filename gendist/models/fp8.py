@@ -8,7 +8,9 @@ That is the form XLA's GEMM rewriter turns into one cuBLASLt FP8 GEMM on Hopper/
 "native FP8" pattern; flax's `fp8_ops` also hands float8 operands to the dot); on a CPU it is
 the exact emulation, the products of the rounded values computed wider.
 
-Each product keeps an amax history `hist_3H` (rows: input x, weight w, gradient g; column 0
+A product may share leading batch axes between its operands (an MoE layer's experts,
+[E, C, D] . [E, D, F]: one scale per tensor, all experts). Each product keeps an amax history
+`hist_3H` (rows: input x, weight w, gradient g; column 0
 the newest step). Two recipes choose the scale:
 
     delayed   Transformer Engine's recipe: scale = max(history) / fp8_max * 2**margin, the
@@ -36,6 +38,23 @@ import jax.numpy as jnp
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 RECIPES = ("delayed", "current")
+STATE_KEY = "fp8"  # where a stack of dense blocks holds its products' histories
+HISTORY_AXES = ("layers", None, None, None)  # the histories' logical axes [L, P, x|w|g, H]
+
+
+def is_history(path) -> bool:
+    """Whether a pytree key path leads into the FP8 histories (their gradients are observed
+    amaxes: they combine by max, not by sum)."""
+    return any(getattr(k, "key", None) == STATE_KEY for k in path)
+
+
+def accumulate(acc, tree):
+    """acc + tree leaf by leaf, in acc's dtype, but max where the leaf is an FP8 history's
+    observed amaxes (over microbatches the amax of the whole batch is their max)."""
+    def one(path, a, b):
+        b = b.astype(a.dtype)
+        return jnp.maximum(a, b) if is_history(path) else a + b
+    return jax.tree_util.tree_map_with_path(one, acc, tree)
 
 
 @jax.tree_util.register_dataclass
@@ -89,51 +108,55 @@ def _scale(hist_H, current_amax, fp8_dtype, recipe: str, margin: int):
     return scale_for(jnp.max(hist_H), fp8_dtype, margin)  # 1 while the history is empty
 
 
-def scaled_dot(a_q, b_q, contract: tuple, scale, dtype):
-    """dot_general of two float8 tensors (no batch axes), accumulated by the GEMM and
-    written in `dtype`, times the product of their scales: the form XLA on Hopper/Ada lowers
-    to one cuBLASLt FP8 GEMM with the scale folded into its epilogue (float8 operands straight
-    into the dot; a dequantize in between would leave a bf16 GEMM). On a CPU the same product
-    of the rounded values, computed wider."""
-    y = jax.lax.dot_general(a_q, b_q, (contract, ((), ())), preferred_element_type=dtype)
+def scaled_dot(a_q, b_q, contract: tuple, scale, dtype, batch: int = 0):
+    """dot_general of two float8 tensors (their first `batch` axes shared batch axes),
+    accumulated by the GEMM and written in `dtype`, times the product of their scales: the
+    form XLA on Hopper/Ada lowers to one FP8 GEMM (cuBLASLt's, or a Triton GEMM fusion) with
+    the scale folded into its epilogue (float8 operands straight into the dot; a dequantize
+    in between would leave a bf16 GEMM). On a CPU the same product of the rounded values,
+    computed wider."""
+    b = tuple(range(batch))
+    y = jax.lax.dot_general(a_q, b_q, (contract, (b, b)), preferred_element_type=dtype)
     return y * scale.astype(dtype)
 
 
-def _contractions(x_ndim: int, w_ndim: int, dims: int):
-    """The three products of y = x . w over x's last / w's first `dims` axes, as dot_general
-    contracting axes: forward, dx = g . w (over w's output axes), dw = x . g (over x's
-    leading axes)."""
-    lead, out = x_ndim - dims, w_ndim - dims
-    fwd = (tuple(range(lead, x_ndim)), tuple(range(dims)))
-    dx = (tuple(range(lead, lead + out)), tuple(range(dims, w_ndim)))
-    dw = (tuple(range(lead)), tuple(range(lead)))
+def _contractions(x_ndim: int, w_ndim: int, dims: int, batch: int = 0):
+    """The three products of y = x . w over x's last / w's first `dims` axes after `batch`
+    shared leading axes, as dot_general contracting axes: forward, dx = g . w (over w's
+    output axes), dw = x . g (over x's leading axes). dot_general puts the batch axes first,
+    then the left operand's free axes, then the right's: y, dx and dw come out in x's, x's
+    and w's layouts."""
+    lead, out = x_ndim - dims, w_ndim - dims  # g has lead + out - batch axes
+    fwd = (tuple(range(lead, x_ndim)), tuple(range(batch, batch + dims)))
+    dx = (tuple(range(lead, lead + out - batch)), tuple(range(batch + dims, w_ndim)))
+    dw = (tuple(range(batch, lead)), tuple(range(batch, lead)))
     return fwd, dx, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _dot(x, w, hist_3H, dims: int, recipe: str, margin: int):
-    return _dot_fwd(x, w, hist_3H, dims, recipe, margin)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _dot(x, w, hist_3H, dims: int, recipe: str, margin: int, batch: int):
+    return _dot_fwd(x, w, hist_3H, dims, recipe, margin, batch)[0]
 
 
-def _dot_fwd(x, w, hist_3H, dims, recipe, margin):
+def _dot_fwd(x, w, hist_3H, dims, recipe, margin, batch):
     ax, aw = amax(x), amax(w)
     sx = _scale(hist_3H[0], ax, E4M3, recipe, margin)
     sw = _scale(hist_3H[1], aw, E4M3, recipe, margin)
     xq, wq = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
-    fwd, _, _ = _contractions(x.ndim, w.ndim, dims)
-    y = scaled_dot(xq, wq, fwd, sx * sw, x.dtype)
+    fwd, _, _ = _contractions(x.ndim, w.ndim, dims, batch)
+    y = scaled_dot(xq, wq, fwd, sx * sw, x.dtype, batch)
     # The float8 operands are what the backward pass keeps (half the bytes of bf16 ones).
     return y, (xq, wq, sx, sw, ax, aw, hist_3H)
 
 
-def _dot_bwd(dims, recipe, margin, res, g):
+def _dot_bwd(dims, recipe, margin, batch, res, g):
     xq, wq, sx, sw, ax, aw, hist_3H = res
     ag = amax(g)
     sg = _scale(hist_3H[2], ag, E5M2, recipe, margin)
     gq = quantize(g, E5M2, sg)
-    _, c_dx, c_dw = _contractions(xq.ndim, wq.ndim, dims)
-    dx = scaled_dot(gq, wq, c_dx, sg * sw, g.dtype)
-    dw = scaled_dot(xq, gq, c_dw, sx * sg, g.dtype)
+    _, c_dx, c_dw = _contractions(xq.ndim, wq.ndim, dims, batch)
+    dx = scaled_dot(gq, wq, c_dx, sg * sw, g.dtype, batch)
+    dw = scaled_dot(xq, gq, c_dw, sx * sg, g.dtype, batch)
     observed = jnp.zeros_like(hist_3H).at[:, 0].set(jnp.stack([ax, aw, ag]))
     return dx, dw, observed
 
@@ -141,13 +164,39 @@ def _dot_bwd(dims, recipe, margin, res, g):
 _dot.defvjp(_dot_fwd, _dot_bwd)
 
 
-def dot(x, w, meta: Fp8Meta, dims: int = 1):
-    """x's last `dims` axes against w's first, as an FP8 product: x and w in E4M3, the
+def dot(x, w, meta: Fp8Meta, dims: int = 1, batch: int = 0):
+    """x's last `dims` axes against w's first after `batch` shared leading axes (an MoE
+    layer's experts: x [E, C, D] . w [E, D, F]), as an FP8 product: x and w in E4M3, the
     gradient of the result in E5M2, each at its per-tensor scale; the three GEMMs (forward,
     dx, dw) take float8 operands. The history's cotangent carries the amaxes of x, w and the
     gradient in column 0 (zeros elsewhere). Same shapes and dtype as
-    `jnp.tensordot(x, w.astype(x.dtype), dims)`."""
-    return _dot(x, w.astype(x.dtype), meta.hist_3H, dims, meta.recipe, meta.margin)
+    `jnp.tensordot(x, w.astype(x.dtype), dims)` (batch 0) or the batched einsum."""
+    x, w, hist = _same_varying_axes(x, w.astype(x.dtype), meta.hist_3H)
+    return _dot(x, w, hist, dims, meta.recipe, meta.margin, batch)
+
+
+def _varying_axes(x) -> frozenset:
+    """The manual axes `x` varies over (its type's `manual_axis_type.varying`; `vma` in
+    jax < 0.12); empty outside a checked `shard_map`."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    return frozenset(mat.varying if mat is not None else getattr(t, "vma", ()))
+
+
+def _same_varying_axes(*xs):
+    """The operands varying over the same manual axes, as jax makes them for its own
+    dot_general inside a `shard_map` that types values varying or invariant (elsewhere a
+    no-op): each cast's transpose sums its operand's cotangent where it was invariant (a
+    weight's gradient over the batch shards). A history that should be maxed there, not
+    summed, arrives varying already (`parallel.expert.moe_ffn_sharded`)."""
+    vmas = [_varying_axes(x) for x in xs]
+    union = frozenset().union(*vmas)
+    if not union:
+        return xs
+    cast = (functools.partial(jax.lax.pcast, to="varying") if hasattr(jax.lax, "pcast")
+            else jax.lax.pvary)
+    return tuple(x if v == union else cast(x, tuple(sorted(union - v)))
+                 for x, v in zip(xs, vmas, strict=True))
 
 
 def roll(hist, observed):
@@ -156,9 +205,13 @@ def roll(hist, observed):
     return jnp.roll(hist, 1, axis=-1).at[..., 0].set(observed[..., 0])
 
 
-def products(cfg) -> tuple[str, ...]:
-    """The FP8 products of one dense block, in the order the block runs them."""
+def products(cfg, moe: bool = False) -> tuple[str, ...]:
+    """The FP8 products of one dense block (`moe`: one MoE block, its experts' products
+    batched over the experts), in the order the block runs them."""
     attn = ("qkv",) if cfg.fused_projections else ("q", "k", "v")
+    if moe:
+        up = ("expert_gate", "expert_up") if cfg.mlp == "swiglu" else ("expert_up",)
+        return attn + ("o",) + up + ("expert_down",)
     if cfg.mlp != "swiglu":
         mlp = ("up",)
     else:
@@ -166,18 +219,21 @@ def products(cfg) -> tuple[str, ...]:
     return attn + ("o",) + mlp + ("down",)
 
 
-def init_history(cfg, layers: int, length: int) -> jax.Array:
-    """Empty histories [L, P, 3, H] (zeros: the first step scales by the current amax)."""
-    return jnp.zeros((layers, len(products(cfg)), 3, length), jnp.float32)
+def init_history(cfg, layers: int, length: int, moe: bool = False) -> jax.Array:
+    """Empty histories [L, P, 3, H] (zeros: a fresh run's first step scales by 1)."""
+    return jnp.zeros((layers, len(products(cfg, moe)), 3, length), jnp.float32)
 
 
 def product_flops_per_token(cfg) -> float:
-    """Training FLOPs per token of the products that run in FP8 (the dense blocks'
-    projections, forward + backward: 6 per weight), out of `cfg.flops_per_token`."""
+    """Training FLOPs per token of the products that run in FP8 (every block's attention
+    projections, the dense MLPs and the experts a token is routed to; forward + backward: 6
+    per weight), out of `cfg.flops_per_token`."""
     D, H = cfg.d_model, cfg.head_dim
-    per_layer = D * (cfg.num_heads + 2 * cfg.num_kv_heads) * H + cfg.num_heads * H * D
-    per_layer += D * cfg.d_ff * (3 if cfg.mlp == "swiglu" else 2)
-    return 6.0 * per_layer * (cfg.num_layers - cfg.num_moe_layers)
+    attn = D * (cfg.num_heads + 2 * cfg.num_kv_heads) * H + cfg.num_heads * H * D
+    mats = 3 if cfg.mlp == "swiglu" else 2
+    dense = attn + D * cfg.d_ff * mats
+    moe = attn + cfg.moe_top_k * D * cfg.moe_expert_d_ff * mats if cfg.num_moe_layers else 0
+    return 6.0 * (dense * (cfg.num_layers - cfg.num_moe_layers) + moe * cfg.num_moe_layers)
 
 
 def ideal_speedup(cfg, seq_len: int, peak_bf16: float, peak_fp8: float) -> float:

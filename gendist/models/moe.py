@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from gendist.config import ModelConfig
+from gendist.models import fp8 as fp8_lib
 from gendist.models.params import block_specs
 
 ROUTER_DTYPE = jnp.float32  # router logits and softmax in fp32 for stable routing
@@ -131,17 +132,26 @@ def combine(y_ECD: jax.Array, r: Routing) -> jax.Array:
     return jnp.einsum("KG,KGD->GD", r.gate_KG, y_KGD).astype(y_ECD.dtype)
 
 
-def expert_ffn(params: dict[str, jax.Array], x_ECD: jax.Array, activation: str) -> jax.Array:
+def expert_ffn(params: dict[str, jax.Array], x_ECD: jax.Array, activation: str,
+               fp8: tuple | None = None) -> jax.Array:
     """Each expert's FFN on its own buffer; leading E of params matches x's E. Weights
-    are cast to the activation dtype (mixed precision, like the dense MLP)."""
+    are cast to the activation dtype (mixed precision, like the dense MLP). `fp8`: the
+    products' `fp8.Fp8Meta`s in `fp8.products(cfg, moe=True)` order after the attention's
+    ([gate,] up, down): FP8 products batched over the experts, one scale per tensor."""
     dt = x_ECD.dtype
-    up_ECF = jnp.einsum("ECD,EDF->ECF", x_ECD, params["w_up"].astype(dt))
+    if fp8 is None:
+        mm = lambda x, w, _: jnp.einsum("ECD,EDF->ECF", x, w.astype(dt))  # noqa: E731
+        metas = (None,) * 3
+    else:
+        mm = lambda x, w, m: fp8_lib.dot(x, w, m, dims=1, batch=1)  # noqa: E731
+        metas = fp8 if activation == "swiglu" else (None, *fp8)
+    up_ECF = mm(x_ECD, params["w_up"], metas[1])
     if activation == "swiglu":
-        gate_ECF = jnp.einsum("ECD,EDF->ECF", x_ECD, params["w_gate"].astype(dt))
+        gate_ECF = mm(x_ECD, params["w_gate"], metas[0])
         h_ECF = jax.nn.silu(gate_ECF) * up_ECF
     else:
         h_ECF = jax.nn.gelu(up_ECF)
-    return jnp.einsum("ECF,EFD->ECD", h_ECF, params["w_down"].astype(dt))
+    return mm(h_ECF, params["w_down"], metas[2])
 
 
 def split_groups(x_BTD: jax.Array, num_groups: int) -> jax.Array:
@@ -153,23 +163,23 @@ def split_groups(x_BTD: jax.Array, num_groups: int) -> jax.Array:
     return x_BTD.reshape(num_groups, (B // num_groups) * T, D)
 
 
-def moe_group(params, x_GD: jax.Array, cfg: ModelConfig, capacity: int):
-    """Route, run all experts and combine for one group on one device."""
-    r = route_group(params["router"], x_GD, cfg, capacity)
-    buf_ECD = dispatch(x_GD, r, cfg.moe_experts, capacity)
-    y_GD = combine(expert_ffn(params, buf_ECD, cfg.mlp), r)
-    return y_GD, r
-
-
 def moe_ffn(params: dict[str, jax.Array], x_BTD: jax.Array, cfg: ModelConfig, *,
-            num_groups: int = 1) -> tuple[jax.Array, MoEAux]:
+            num_groups: int = 1, fp8: tuple | None = None) -> tuple[jax.Array, MoEAux]:
     """Single-device MoE FFN. Tokens are routed in `num_groups` contiguous batch groups,
     each with its own capacity, exactly as `moe_ffn_sharded` routes one group per device
-    of the batch axes; pass that shard count here to reproduce it."""
+    of the batch axes; pass that shard count here to reproduce it. The experts run once
+    on every group's slots ([E, groups x C, D]), as the sharded form runs its local
+    experts on the slots of every source device. `fp8`: see `expert_ffn`."""
     B, T, D = x_BTD.shape
     x_NGD = split_groups(x_BTD, num_groups)
+    N, E = x_NGD.shape[0], cfg.moe_experts
     capacity = cfg.moe_capacity(x_NGD.shape[1])
-    y_NGD, r = jax.vmap(lambda x: moe_group(params, x, cfg, capacity))(x_NGD)
+    r = jax.vmap(lambda x: route_group(params["router"], x, cfg, capacity))(x_NGD)
+    buf_NECD = jax.vmap(lambda x, r: dispatch(x, r, E, capacity))(x_NGD, r)
+    x_EMD = buf_NECD.transpose(1, 0, 2, 3).reshape(E, N * capacity, D)
+    y_EMD = expert_ffn(params, x_EMD, cfg.mlp, fp8)
+    y_NECD = y_EMD.reshape(E, N, capacity, D).transpose(1, 0, 2, 3)
+    y_NGD = jax.vmap(combine)(y_NECD, r)
     aux = group_aux(r, cfg, B, T)
     aux = aux._replace(load_balance_loss=jnp.mean(aux.load_balance_loss),
                        z_loss=jnp.mean(aux.z_loss), drop_fraction=jnp.mean(aux.drop_fraction),

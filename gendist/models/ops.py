@@ -15,7 +15,7 @@ expert-parallel MoE layer - the model calls a method of an `Ops` object instead:
     embed(table, tok)   the token lookup
     logits(h, w_DV)     the output layer, fp32
     nll(logits, tgt)    per-token negative log-likelihood
-    moe(p, h)           the MoE FFN of one block
+    moe(p, h, fp8)      the MoE FFN of one block (fp8: its experts' products' state)
 
 `Ops` here is the annotated SPMD form: under `sharding.use_mesh` the constraints place the
 arrays by the one logical-axis table and XLA inserts the collectives; outside a mesh they
@@ -81,8 +81,8 @@ class Ops:
         logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
         return -jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
 
-    def moe(self, p_moe: dict, h_BTD: jax.Array, cfg: ModelConfig):
-        return moe_lib.moe_ffn(p_moe, h_BTD, cfg)
+    def moe(self, p_moe: dict, h_BTD: jax.Array, cfg: ModelConfig, fp8: tuple | None = None):
+        return moe_lib.moe_ffn(p_moe, h_BTD, cfg, fp8=fp8)
 
     def __hash__(self):
         return hash(type(self))

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from gendist.config import ModelConfig
+from gendist.models import fp8 as fp8_lib
 from gendist.models import moe as moe_lib
 from gendist.models import params as P
 from gendist.models.attention import attention
@@ -87,9 +88,10 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     """
     moe = "moe_router" in p
     dt = x_BTD.dtype
-    fp8 = _Fp8Products(p.get("fp8"))  # FP8 products' scaling state (dense blocks), or none
+    fp8 = _Fp8Products(p.get(fp8_lib.STATE_KEY))  # FP8 products' scaling state, or none
     # Weights in their compute layout: under ZeRO-3 this is the layer's just-in-time gather.
-    p = ops.weights({k: v for k, v in p.items() if k != "fp8"}, _block_axes(cfg, moe), dt)
+    p = ops.weights({k: v for k, v in p.items() if k != fp8_lib.STATE_KEY},
+                    _block_axes(cfg, moe), dt)
     h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps)
     cos, sin = rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -101,7 +103,9 @@ def block(p: dict, x_BTD, pos_BT, cfg: ModelConfig, ops: Ops = DEFAULT_OPS, *, c
     h_BTD = rms_norm(x_BTD, p["mlp_norm"], cfg.norm_eps)
     stats = None
     if moe:
-        y_BTD, aux = ops.moe(moe_lib.layer_weights(p), ops.enter(h_BTD), cfg)  # f
+        n = len(fp8_lib.products(cfg, moe=True)) - fp8.next  # the experts' products
+        y_BTD, aux = ops.moe(moe_lib.layer_weights(p), ops.enter(h_BTD), cfg,
+                             **fp8.take(n))  # f
         stats = (aux.weighted_loss(cfg), aux.drop_fraction, aux.expert_load_E)
         y_BTD = ops.leave(y_BTD)  # g
     else:

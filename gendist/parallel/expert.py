@@ -13,6 +13,7 @@ column/row split), so each expert's output is a partial sum completed by a psum 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from gendist.models.moe import (
     moe_logical_axes,
     route_group,
 )
-from gendist.parallel.compat import shard_map
+from gendist.parallel.compat import shard_map, to_varying
 from gendist.sharding import BATCH_AXES, DEFAULT_RULES, logical_to_spec
 
 
@@ -65,7 +66,8 @@ def _check(cfg: ModelConfig, mesh: Mesh, x_BTD, expert_axis: str, data_axes: tup
 
 
 def moe_local(p: dict, x_bTD: jax.Array, cfg: ModelConfig, *, expert_axis: str,
-              data_axes: tuple[str, ...], tensor_axis: str | None, mean_aux: bool = True):
+              data_axes: tuple[str, ...], tensor_axis: str | None, mean_aux: bool = True,
+              fp8: tuple | None = None):
     """The per-device body (inside a shard_map where these axes are manual): route this
     device's tokens as one group, all-to-all to the experts' owners, run the local experts,
     all-to-all back, combine. Expert weights are this device's [E/ep, ...] slice.
@@ -73,6 +75,8 @@ def moe_local(p: dict, x_bTD: jax.Array, cfg: ModelConfig, *, expert_axis: str,
     `tensor_axis`: the experts' hidden F is split over it and the partial outputs are
     summed here (None: leave them to the caller, e.g. Megatron's g after the block).
     `mean_aux`: average the router losses/metrics over `data_axes` (False: this group's).
+    `fp8`: the experts' FP8 products' state (`expert_ffn`); the amaxes they observe are
+    this device's shards' (the caller takes their max over the devices).
     """
     b_loc, T, D = x_bTD.shape
     ep = jax.lax.axis_size(expert_axis)
@@ -87,7 +91,7 @@ def moe_local(p: dict, x_bTD: jax.Array, cfg: ModelConfig, *, expert_axis: str,
     buf_SLCD = jax.lax.all_to_all(buf_ECD.reshape(ep, E_loc, capacity, D), expert_axis,
                                   split_axis=0, concat_axis=0)
     x_LMD = buf_SLCD.transpose(1, 0, 2, 3).reshape(E_loc, ep * capacity, D)
-    y_LMD = expert_ffn(p, x_LMD, cfg.mlp)
+    y_LMD = expert_ffn(p, x_LMD, cfg.mlp, fp8)
     if tensor_axis is not None:
         y_LMD = jax.lax.psum(y_LMD, tensor_axis)  # F was split over tensor: sum partials
     y_SLCD = y_LMD.reshape(E_loc, ep, capacity, D).transpose(1, 0, 2, 3)
@@ -107,18 +111,55 @@ def moe_local(p: dict, x_bTD: jax.Array, cfg: ModelConfig, *, expert_axis: str,
 def moe_ffn_sharded(params: dict[str, jax.Array], x_BTD: jax.Array, cfg: ModelConfig,
                     mesh: Mesh, *, expert_axis: str = "expert",
                     data_axes: Sequence[str] = BATCH_AXES,
-                    tensor_axis: str | None = "tensor") -> tuple[jax.Array, MoEAux]:
+                    tensor_axis: str | None = "tensor",
+                    fp8: tuple | None = None) -> tuple[jax.Array, MoEAux]:
     """Expert-parallel MoE FFN; equals `moe_ffn(params, x, cfg, num_groups=shards)` where
     shards is the product of the `data_axes` sizes (one routing group per batch shard).
+    `fp8`: the experts' FP8 products' state (`expert_ffn`); the amaxes observed come out as
+    the max over the devices, as one device would see them.
 
     Mesh axes not named here (e.g. `pipeline`) see replicated tokens and weights.
     """
     data_axes = tuple(data_axes)
     _check(cfg, mesh, x_BTD, expert_axis, data_axes, tensor_axis)
-    local = functools.partial(moe_local, cfg=cfg, expert_axis=expert_axis, data_axes=data_axes,
-                              tensor_axis=tensor_axis)
+    # The axes the experts' operands vary over: the histories' cotangent is reduced there.
+    varying = data_axes + (() if tensor_axis is None else (tensor_axis,))
+
+    hists = () if fp8 is None else tuple(m.hist_3H for m in fp8)
+
+    def local(p, x, hists):
+        metas = None
+        if fp8 is not None:  # the histories, replicated: their cotangent's max, not sum
+            metas = tuple(dataclasses.replace(m, hist_3H=_max_over(to_varying(h, varying),
+                                                                    varying))
+                          for m, h in zip(fp8, hists, strict=True))
+        return moe_local(p, x, cfg, expert_axis=expert_axis, data_axes=data_axes,
+                         tensor_axis=tensor_axis, fp8=metas)
+
     batch = P(data_axes)
     aux_specs = MoEAux(P(), P(), P(), P(), batch, batch)
-    fn = shard_map(local, mesh=mesh, in_specs=(_param_specs(cfg, expert_axis, tensor_axis),
-                                               batch), out_specs=(batch, aux_specs))
-    return fn({k: params[k] for k in moe_logical_axes(cfg)}, x_BTD)
+    fn = shard_map(local, mesh=mesh,
+                   in_specs=(_param_specs(cfg, expert_axis, tensor_axis), batch, P()),
+                   out_specs=(batch, aux_specs))
+    return fn({k: params[k] for k in moe_logical_axes(cfg)}, x_BTD, hists)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _max_over(h, axes: tuple[str, ...]):
+    """Identity whose transpose takes the max over `axes` of a varying cotangent, divided by
+    the devices there: the psum that follows (the transpose of making a replicated value
+    varying) gives back the max. For FP8 histories, whose cotangent is observed amaxes.
+    Exact for device counts that are powers of two; otherwise within an ulp."""
+    return h
+
+
+def _max_over_fwd(h, axes):
+    return h, None
+
+
+def _max_over_bwd(axes, _, ct):
+    n = math.prod(jax.lax.axis_size(a) for a in axes)
+    return (to_varying(jax.lax.pmax(ct, axes) / n, axes),)
+
+
+_max_over.defvjp(_max_over_fwd, _max_over_bwd)

@@ -81,14 +81,16 @@ class ManualOps(Ops):
     def _ring(self) -> bool:
         return self.collective and self.sequence_parallel and self.tensor is not None
 
-    def column(self, h_BTD, ws):
+    def column(self, h_BTD, ws, fp8=None):
         if not self._ring():
-            return super().column(h_BTD, ws)
+            return super().column(h_BTD, ws, fp8)
+        assert fp8 is None, "collective matmuls run bf16 products (checks refuse FP8 here)"
         return cm.all_gather_matmul(h_BTD, ws, self.tensor, jax.lax.axis_size(self.tensor))
 
-    def row(self, a, w, dims):
+    def row(self, a, w, dims, fp8=None):
         if not self._ring():
-            return super().row(a, w, dims)
+            return super().row(a, w, dims, fp8)
+        assert fp8 is None, "collective matmuls run bf16 products (checks refuse FP8 here)"
         return cm.matmul_reduce_scatter(a, w, dims, self.tensor, jax.lax.axis_size(self.tensor))
 
     def constrain(self, x, names):
@@ -123,9 +125,9 @@ class ManualOps(Ops):
         return tp.local_vocab_nll(logits_BTV.astype(jnp.float32), targets_BT, self.tensor,
                                   psum=tp.g_op)
 
-    def moe(self, p_moe, h_BTD, cfg: ModelConfig):
+    def moe(self, p_moe, h_BTD, cfg: ModelConfig, fp8=None):
         return moe_local(p_moe, h_BTD, cfg, expert_axis=self.expert,
-                         data_axes=self.batch_axes, tensor_axis=None, mean_aux=False)
+                         data_axes=self.batch_axes, tensor_axis=None, mean_aux=False, fp8=fp8)
 
 
 def block_specs(cfg: ModelConfig, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> dict:

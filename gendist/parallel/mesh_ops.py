@@ -41,9 +41,9 @@ class MeshOps(Ops):
     def nll(self, logits_BTV, targets_BT):
         return vocab_parallel_nll(logits_BTV, targets_BT, self.mesh, self.rules)
 
-    def moe(self, p_moe, h_BTD, cfg: ModelConfig):
+    def moe(self, p_moe, h_BTD, cfg: ModelConfig, fp8=None):
         if math.prod(self.mesh.shape[a] for a in BATCH_AXES) == 1:
-            return moe_lib.moe_ffn(p_moe, h_BTD, cfg)
+            return moe_lib.moe_ffn(p_moe, h_BTD, cfg, fp8=fp8)
         tensor = mesh_axes_of("mlp", self.rules)
         tensor = tensor[0] if tensor and self.mesh.shape[tensor[0]] > 1 else None
-        return moe_ffn_sharded(p_moe, h_BTD, cfg, self.mesh, tensor_axis=tensor)
+        return moe_ffn_sharded(p_moe, h_BTD, cfg, self.mesh, tensor_axis=tensor, fp8=fp8)

@@ -8,6 +8,8 @@ derivations it checks and that `train.build` uses.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from gendist.config import Config, check_pipeline
@@ -61,12 +63,26 @@ def validate_config(cfg: Config, mesh) -> None:
 
 
 def _validate_fp8(cfg: Config, mesh) -> None:
-    """FP8 products: the plain engine (data, tensor, sequence, ZeRO, accumulation), on
-    devices with FP8 tensor cores (compute capability 8.9+) or a CPU's emulation."""
+    """FP8 products: the plain engine (data, tensor, sequence, ZeRO, accumulation) and the
+    synchronous pipeline schedules (delayed scaling), on devices with FP8 tensor cores
+    (compute capability 8.9+) or a CPU's emulation."""
     what = "train.matmul_precision=fp8"
-    _refuse(mesh.shape["pipeline"] > 1, what, f"mesh.pipeline={mesh.shape['pipeline']}",
-            "the pipeline engines do not carry the FP8 scaling state; use mesh.pipeline=1 or "
-            "--train.matmul-precision bf16.")
+    t = cfg.train
+    if mesh.shape["pipeline"] > 1:
+        _refuse(bool(t.terapipe_slices), what, f"train.terapipe_slices={t.terapipe_slices}",
+                "TeraPipe's engine does not carry the FP8 scaling state; use a synchronous "
+                "schedule (--train.terapipe-slices 0) or --train.matmul-precision bf16.")
+        _refuse(t.pipeline_schedule in ASYNC_SCHEDULES, what,
+                f"train.pipeline_schedule={t.pipeline_schedule}", "PipeDream's stages update "
+                "their own weights without the FP8 scaling state; use 1f1b or gpipe.")
+        _refuse(t.fp8_recipe == "current", what, "train.fp8_recipe=current and mesh.pipeline="
+                f"{mesh.shape['pipeline']}", "a stage sees only its shard of a tensor, so its "
+                "own amax would give each device another scale; use --train.fp8-recipe delayed.")
+    shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    _refuse(t.fp8_recipe == "current" and bool(cfg.model.moe_experts) and shards > 1, what,
+            f"train.fp8_recipe=current, model.moe_experts={cfg.model.moe_experts} and "
+            f"{shards} batch shards", "the experts run per device, and a device's own amax "
+            "would give each its own scale; use --train.fp8-recipe delayed.")
     _refuse(cfg.train.tp_comm == "collective", what, "train.tp_comm=collective",
             "the collective matmuls run bf16 products; use --train.tp-comm xla.")
     for d in mesh.devices.flat:

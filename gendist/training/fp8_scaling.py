@@ -1,8 +1,10 @@
 """The FP8 products' scaling state in training (`train.matmul_precision='fp8'`).
 
-The state is one amax history per product tensor, `state["fp8"]` [L, P, 3, H] (layers,
-the block's products in `models.fp8.products` order, rows x / w / g, H steps), beside the
-params and outside the optimizer: master weights and the Adam moments stay fp32 and never
+The state is one amax history per product tensor, `state["fp8"]` = {"blocks": [L, P, 3, H]}
+(the dense blocks: layers, the block's products in `models.fp8.products` order, rows
+x / w / g, H steps; an MoE model also "moe_blocks", its MoE blocks' attention and experts'
+products), keyed like the layer stacks they belong to, beside the params and outside the
+optimizer: master weights and the Adam moments stay fp32 and never
 see it. Each step the engine differentiates the loss with respect to the params and the
 histories together; the histories' cotangent is the amaxes the step observed (column 0),
 which `update` rolls in. Over gradient accumulation the observations combine by max, not
@@ -18,25 +20,41 @@ import jax.numpy as jnp
 from gendist.config import Config
 from gendist.models import fp8 as fp8_lib
 
-AXES = ("layers", None, None, None)
 OBSERVED = "fp8_amax"  # the metrics key that carries the observed amaxes out of an engine
+STACKS = ("blocks", "moe_blocks")  # the layer stacks, as in the params
 
 
 def enabled(cfg: Config) -> bool:
     return cfg.train.matmul_precision == "fp8"
 
 
-def init(cfg: Config) -> jax.Array:
-    return fp8_lib.init_history(cfg.model, cfg.model.num_layers - cfg.model.num_moe_layers,
-                                cfg.train.fp8_history)
+def init(cfg: Config) -> dict:
+    """Empty histories, one array per layer stack of the model."""
+    m, H = cfg.model, cfg.train.fp8_history
+    hist = {"blocks": fp8_lib.init_history(m, m.num_layers - m.num_moe_layers, H)}
+    if m.num_moe_layers:
+        hist["moe_blocks"] = fp8_lib.init_history(m, m.num_moe_layers, H, moe=True)
+    return hist
+
+
+def axes(cfg: Config) -> dict:
+    """The histories' logical axes (their layers axis is the params' `layers`)."""
+    return {k: fp8_lib.HISTORY_AXES for k in init_shapes(cfg)}
+
+
+def init_shapes(cfg: Config) -> dict:
+    return jax.eval_shape(lambda: init(cfg))
 
 
 def attach(cfg: Config, params: dict, hist) -> dict:
-    """`params` with the dense blocks' histories where `transformer.block` finds them."""
+    """`params` with each layer stack's histories where `transformer.block` finds them."""
     if hist is None:
         return params
-    state = fp8_lib.Fp8Products(hist, cfg.train.fp8_recipe, cfg.train.fp8_margin)
-    return {**params, "blocks": {**params["blocks"], "fp8": state}}
+    out = dict(params)
+    for k, h in hist.items():
+        state = fp8_lib.Fp8Products(h, cfg.train.fp8_recipe, cfg.train.fp8_margin)
+        out[k] = {**params[k], fp8_lib.STATE_KEY: state}
+    return out
 
 
 def split(params_and_hist):
@@ -53,12 +71,61 @@ def observed(grads, metrics: dict, hist_grad) -> tuple:
     return grads, {**metrics, OBSERVED: hist_grad}
 
 
+def to_engine(hist, factor: int, margin: int):
+    """The histories as an engine that differentiates `factor` x the batch-mean loss sees
+    them: the gradients' row times `factor` (an empty row: the amax whose scale is
+    `factor`, what scale 1 is to the mean loss). A pipeline differentiates the loss summed
+    over its tokens; gradient accumulation each microbatch's own mean, `accum` x its share
+    of the batch's. With `from_engine` on the way back, one history means the same whatever
+    the engine, the split into microbatches or the mesh, so a checkpoint moves between them."""
+    if hist is None or factor == 1:
+        return hist
+    n = jnp.float32(factor)
+    unit = n * fp8_lib.fp8_max(fp8_lib.E5M2) / 2.0 ** margin
+
+    def one(h):
+        g = h[..., 2, :]
+        return h.at[..., 2, :].set(jnp.where(jnp.max(g, axis=-1, keepdims=True) > 0, g * n,
+                                             unit))
+    return jax.tree.map(one, hist)
+
+
+def from_engine(obs, factor: int):
+    """Observed amaxes of an engine that differentiates `factor` x the mean loss, per the
+    mean loss (the inverse of `to_engine`)."""
+    if factor == 1:
+        return obs
+    return jax.tree.map(lambda o: o.at[..., 2, :].divide(jnp.float32(factor)), obs)
+
+
+def attach_stacked(params: dict, hist) -> dict:
+    """`params` with each layer stack's histories as a plain array beside its weights, where
+    the pipeline engines slice them with the layers (`parallel.pipeline.model.stage_fns`
+    makes each unit's products' state); their gradient there is the observed amaxes."""
+    if hist is None:
+        return params
+    return {**params, **{k: {**params[k], fp8_lib.STATE_KEY: h} for k, h in hist.items()}}
+
+
+def pop_observed(grads: dict, metrics: dict) -> tuple:
+    """(grads without the histories' entries, metrics with the observed amaxes) from a
+    pipeline engine's gradients (`attach_stacked`)."""
+    obs, out = {}, dict(grads)
+    for k in STACKS:
+        if fp8_lib.STATE_KEY in grads.get(k, {}):
+            out[k] = dict(grads[k])
+            obs[k] = out[k].pop(fp8_lib.STATE_KEY)
+    return (out, {**metrics, OBSERVED: obs}) if obs else (grads, metrics)
+
+
 def combine(a, b, key: str):
     """How two microbatches' metric `key` add up: max for the observed amaxes, else sum."""
-    return jnp.maximum(a, b) if key == OBSERVED else a + b
+    return jax.tree.map(jnp.maximum, a, b) if key == OBSERVED else a + b
 
 
 def update(hist, obs):
     """The next histories, and whether every observed amax is finite (an overflow in a
     product skips the step like a non-finite loss)."""
-    return fp8_lib.roll(hist, obs), jnp.all(jnp.isfinite(obs[..., 0]))
+    new = jax.tree.map(fp8_lib.roll, hist, obs)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(o[..., 0])) for o in jax.tree.leaves(obs)]))
+    return new, finite

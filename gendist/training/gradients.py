@@ -130,21 +130,32 @@ def manual_engine(cfg: Config, mesh, rules) -> Callable:
 
 
 def _with_ce(loss, metrics):
-    return {"ce_loss": loss - metrics["moe_aux_loss"], **metrics} if metrics else metrics
+    if "moe_aux_loss" not in metrics:
+        return metrics
+    return {"ce_loss": loss - metrics["moe_aux_loss"], **metrics}
 
 
 def pipeline_engine(cfg: Config, mesh, rules) -> Callable:
     """A synchronous schedule table on the pipeline executor."""
+    fp8 = (cfg.train.fp8_recipe, cfg.train.fp8_margin) if fp8_scaling.enabled(cfg) else None
     st = stage_model.stage_setup(cfg.model, mesh, rules, zero3=cfg.train.zero_stage == 3,
                                  stage_layer_counts=cfg.train.pipeline_stage_layers or None,
-                                 num_chunks=cfg.train.pipeline_chunks)
+                                 num_chunks=cfg.train.pipeline_chunks, fp8=fp8)
     sched = sched_lib.make(cfg.train.pipeline_schedule, mesh.shape["pipeline"],
                            pipeline_microbatches(cfg, mesh), cfg.train.pipeline_chunks)
     axes = transformer.logical_axes(cfg.model)
 
-    def engine(params, batch):
+    def engine(params, batch):  # params: the params, or (params, FP8 histories)
+        params, hist = fp8_scaling.split(params)
         compute = _cast_layers(cfg, compute_params(cfg, params, axes))
+        tokens = batch["targets"].size  # the pipeline differentiates the summed loss
+        hist = fp8_scaling.to_engine(hist, tokens, cfg.train.fp8_margin)
+        compute = fp8_scaling.attach_stacked(compute, hist)
         loss, metrics, grads = stage_model.loss_and_grads(st, compute, batch, sched)
+        grads, metrics = fp8_scaling.pop_observed(grads, metrics)
+        if hist is not None:
+            metrics[fp8_scaling.OBSERVED] = fp8_scaling.from_engine(
+                metrics[fp8_scaling.OBSERVED], tokens)
         return loss, _with_ce(loss, metrics), grads
 
     return engine

@@ -47,13 +47,18 @@ def optax_global_norm(tree):
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def accumulated(engine: Callable, accum: int, place: Callable) -> Callable:
+def accumulated(engine: Callable, accum: int, place: Callable, fp8_margin: int = 0
+                ) -> Callable:
     """engine over `accum` microbatches of the batch, averaged (gradient accumulation);
-    `place` puts each microbatch's gradients where they live (ZeRO-2/3: split on data)."""
+    `place` puts each microbatch's gradients where they live (ZeRO-2/3: split on data).
+    FP8 histories (params = (params, histories)) go in and come out per the batch's mean
+    loss (`fp8_scaling.to_engine`: a microbatch's mean loss is `accum` x its share)."""
     def grads_of(params, batch):
         if accum == 1:
             loss, metrics, g = engine(params, batch)
             return loss, metrics, place(g)
+        if isinstance(params, tuple):
+            params = (params[0], fp8_scaling.to_engine(params[1], accum, fp8_margin))
         micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
 
         def body(carry, mb):
@@ -65,7 +70,8 @@ def accumulated(engine: Callable, accum: int, place: Callable) -> Callable:
         shapes = jax.eval_shape(engine, params, jax.tree.map(lambda x: x[0], micro))
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         (loss, metrics, g), _ = jax.lax.scan(body, zeros, micro)
-        metrics = {k: v if k == fp8_scaling.OBSERVED else v / accum for k, v in metrics.items()}
+        metrics = {k: fp8_scaling.from_engine(v, accum) if k == fp8_scaling.OBSERVED
+                   else v / accum for k, v in metrics.items()}
         return loss / accum, metrics, jax.tree.map(lambda x: x / accum, g)
 
     return grads_of
@@ -89,7 +95,7 @@ def make_train_step(cfg: Config, optimizer, engine: Callable, grad_sharding: dic
     """
     place = (lambda g: g) if grad_sharding is None else (
         lambda g: zero.constrain_tree(g, grad_sharding))
-    grads_of = accumulated(engine, cfg.train.grad_accum, place)
+    grads_of = accumulated(engine, cfg.train.grad_accum, place, cfg.train.fp8_margin)
 
     def step(state, batch):
         fp8_ok, fp8 = True, state.get("fp8")
@@ -256,7 +262,8 @@ def build(cfg: Config, mesh=None, *, with_grads: bool = False) -> Setup:
     elif dpo.enabled(cfg):
         state_sh["reference"] = model_sh
     if fp8_scaling.enabled(cfg):
-        state_sh["fp8"] = named_sharding(mesh, fp8_scaling.AXES, rules)
+        state_sh["fp8"] = {k: named_sharding(mesh, a, rules)
+                           for k, a in fp8_scaling.axes(cfg).items()}
     batch_sh = named_sharding(mesh, ("batch", "seq"))
     asynchronous = mesh.shape["pipeline"] > 1 and cfg.train.pipeline_schedule in ASYNC_SCHEDULES
     if asynchronous:

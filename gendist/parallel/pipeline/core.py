@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from gendist.models import fp8 as fp8_lib
 from gendist.parallel.compat import shard_map_manual
 from gendist.parallel.pipeline import plan as schedule_plan
 from gendist.parallel.pipeline import schedules as sched_lib
@@ -146,7 +147,7 @@ def spec_axes(spec: P) -> set[str]:
     return out
 
 
-def finish(acc, params, specs, reduce_axes: Sequence[str]):
+def finish(acc, params, specs, reduce_axes: Sequence[str], amax_axes: Sequence[str] = ()):
     """(mean loss, grads, metric sums, token count) from a stage's accumulators.
 
     `acc = (grads, loss_sum, count, metrics)` with grads shaped like `params`. Each value
@@ -154,17 +155,24 @@ def finish(acc, params, specs, reduce_axes: Sequence[str]):
     a batch shard saw its own tokens; a ZeRO-3 shard or an expert's weights were already
     reduced by the transpose of their all-gather / all-to-all), then divided by the token
     count (in at least fp32). Metrics are summed everywhere; the engine normalises them.
+    The FP8 histories' entries (`models.fp8.is_history`) are observed amaxes of this
+    device's shards: their max over `reduce_axes` and `amax_axes` (a tensor-parallel
+    shard saw part of a weight) that they are not split over, not divided.
     """
     grads, loss, count, metrics = acc
     everywhere = tuple(reduce_axes)
     loss, count, metrics = jax.lax.psum((loss, count, metrics), everywhere)
 
-    def reduce(g, like, spec):
+    def reduce(path, g, like, spec):
+        if fp8_lib.is_history(path):
+            axes = tuple(dict.fromkeys(a for a in (*everywhere, *amax_axes)
+                                       if a not in spec_axes(spec)))
+            return jax.lax.pmax(g, axes) if axes else g
         axes = tuple(a for a in everywhere if a not in spec_axes(spec))
         g = jax.lax.psum(g, axes) if axes else g
         return (g / count).astype(jnp.promote_types(like.dtype, jnp.float32))
 
-    grads = jax.tree.map(reduce, grads, params, specs)
+    grads = jax.tree_util.tree_map_with_path(reduce, grads, params, specs)
     return loss / count, grads, metrics, count
 
 

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gendist.models import fp8 as fp8_lib
 from gendist.parallel.pipeline import core
 from gendist.parallel.pipeline import schedules as sched_lib
 
@@ -317,7 +318,7 @@ def accumulate(acc, out: Out, scale=None):
     grads, loss, count, metrics = acc
     if out.grads is not None:
         new = tuple(None if d is None else d if scale is None else scale(d) for d in out.grads)
-        grads = tuple(a if d is None else jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, d)
+        grads = tuple(a if d is None else fp8_lib.accumulate(a, d)
                       for a, d in zip(grads, new, strict=True))
     if out.loss is not None:
         loss = loss + out.loss

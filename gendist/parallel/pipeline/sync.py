@@ -142,15 +142,15 @@ def run_sync(w, tokens_BT, targets_BT, *, mesh: Mesh, sched: sched_lib.Schedule,
     batch_spec = P(tuple(batch_axes) if batch_axes else None)
     body = functools.partial(_sync_body, sched=sched, fns=fns, specs=specs,
                              reduce_axes=(core.PIPELINE, *batch_axes),
-                             bubble_value=bubble_value, uneven=uneven,
-                             recompute=recompute and not sched.split)
+                             amax_axes=tuple(manual_axes), bubble_value=bubble_value,
+                             uneven=uneven, recompute=recompute and not sched.split)
     fn = core.manual(body, mesh, in_specs=(specs, batch_spec, batch_spec),
                      out_specs=(P(), specs, P(), P()), axes=manual_axes)
     return fn(tuple(w), tokens_BT, targets_BT)
 
 
-def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, bubble_value,
-               uneven, recompute):
+def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, amax_axes,
+               bubble_value, uneven, recompute):
     """The per-device program: accumulate gradients over the schedule, then reduce.
 
     The accumulators and the slot buffers stay out of the executor's branches (a branch
@@ -176,7 +176,7 @@ def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, 
             acc = uniform.run_uniform(w, tokens_M, targets_M, sched=sched, fns=fns, plan=uplan,
                                       bufs=bufs, act_shape=x_spec.shape,
                                       act_dtype=x_spec.dtype, fill_value=bubble_value)
-            return core.finish(acc, w, specs, reduce_axes)
+            return core.finish(acc, w, specs, reduce_axes, amax_axes)
         tables = {st: saved_computations(fns, uplan, st, sched.split)
                   for st in {k[2] for k in keys}}
         comps = {k: tables[k[2]][k[:2]] for k in keys}
@@ -222,7 +222,7 @@ def _sync_body(w, tokens, targets, *, sched, fns: StageFns, specs, reduce_axes, 
                             (accumulators(w, fns.metrics), bufs), act_shape=x_spec.shape,
                             act_dtype=x_spec.dtype, fill_value=bubble_value, columns=columns,
                             read=read, write=write)
-    return core.finish(acc, w, specs, reduce_axes)
+    return core.finish(acc, w, specs, reduce_axes, amax_axes)
 
 
 def _or0(value):

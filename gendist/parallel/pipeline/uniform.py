@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gendist.models import fp8 as fp8_lib
 from gendist.parallel.pipeline import core
 from gendist.parallel.pipeline import plan as schedule_plan
 from gendist.parallel.pipeline import schedules as sched_lib
@@ -81,8 +82,7 @@ def run_uniform(w, tokens_M, targets_M, *, sched: sched_lib.Schedule, fns: Stage
     def masked(on, tree):
         return jax.tree.map(lambda v: jnp.where(on, v, jnp.zeros_like(v)), tree)
 
-    def add(acc, tree):
-        return jax.tree.map(lambda x, y: x + y.astype(x.dtype), acc, tree)
+    add = fp8_lib.accumulate  # sums; the FP8 histories' observed amaxes by max
 
     def receive(carry, row):
         acc, bufs, act_buf, cot_buf, recv_act, recv_cot = carry
@@ -135,11 +135,11 @@ def run_uniform(w, tokens_M, targets_M, *, sched: sched_lib.Schedule, fns: Stage
                 jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False), u, 0,
                 keepdims=False) for buf in bufs["units"]]
             d_p, d_x = rebuild(pu, res)((g, one))
-            acc_u = jax.tree.map(
-                lambda a, d: jax.lax.dynamic_update_index_in_dim(
-                    a, jax.lax.dynamic_index_in_dim(a, u, 0, keepdims=False)
-                    + jnp.where(on, d, jnp.zeros_like(d)).astype(a.dtype), u, 0),
-                acc_u, d_p)
+            at_u = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, u, 0, keepdims=False),
+                                acc_u)
+            at_u = add(at_u, masked(on, d_p))
+            acc_u = jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, u, 0),
+                                 acc_u, at_u)
             return (d_x, acc_u), None
 
         (d_x, acc_units), _ = jax.lax.scan(unit, (g, fns.units(g_l)), (units_w, jnp.arange(n)),

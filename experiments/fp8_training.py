@@ -39,7 +39,7 @@ SHAPES = [
     ("1b", "1b", {"train.batch_size": 8, "train.seq_len": 2048}),
     ("8b-layers-4", "8b", {"model.num_layers": 4, "model.remat": "none", "model.scan_unroll": 4,
                            "mesh.pipeline": 1, "train.batch_size": 8, "train.seq_len": 2048}),
-    ("350m-moe", "350m-moe", {"train.batch_size": 16, "train.seq_len": 1024}),
+    ("350m-moe", "350m-moe", {"train.batch_size": 8, "train.seq_len": 1024}),
 ]
 TINY = [("tiny", "tiny", {"train.batch_size": 8, "train.seq_len": 64})]
 
@@ -170,6 +170,9 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--quality-steps", type=int, default=1000)
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--shapes", nargs="+", default=[n for n, _, _ in SHAPES],
+                    choices=[n for n, _, _ in SHAPES], help="shapes timed (GPU sizes)")
     ap.add_argument("--variants", nargs="+", default=["bf16", "fp8", "fp8_current"],
                     choices=list(VARIANTS), help="steps timed (bf16 first: the ratios' base)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
@@ -182,7 +185,8 @@ def main():
     tag = dev.device_kind.replace(" ", "_").lower()
     res = {"device": dev.device_kind, "jax": jax.__version__, "peaks": PEAK, "speed": []}
     if not args.skip_speed:
-        for name, base, ov in (TINY if args.tiny else SHAPES):
+        for name, base, ov in (TINY if args.tiny else
+                               [x for x in SHAPES if x[0] in args.shapes]):
             try:
                 res["speed"].append(bench_shape(name, base, ov, args.rounds, args.steps, out,
                                                 args.variants))
@@ -191,6 +195,8 @@ def main():
                 print(res["speed"][-1], flush=True)
             # written after each shape: kept if the quality runs are cut
             (out / f"fp8_training_{tag}.json").write_text(json.dumps(res, indent=1))
+    if args.skip_quality:
+        return report(res, args.variants)
     qbase, qov = ("tiny", {"train.batch_size": 8, "train.seq_len": 64}) if args.tiny else (
         "350m", {"train.batch_size": 8, "train.seq_len": 512})
     qov = {**qov, "train.steps": args.quality_steps, "train.warmup_steps": 50,
@@ -199,14 +205,19 @@ def main():
     res["quality"] = quality(qbase, qov)
     plot(res["quality"], out / f"fp8_loss_{tag}.png")
     (out / f"fp8_training_{tag}.json").write_text(json.dumps(res, indent=1))
+    report(res, args.variants)
+
+
+def report(res: dict, variants) -> None:
     for s in res["speed"]:
         if "rounds" in s:
-            for prec in args.variants[1:]:
+            for prec in variants[1:]:
                 ratios = [r[f"{prec}_over_bf16"] for r in s["rounds"]]
                 print(f"{s['shape']}: {prec}/bf16 tokens/s {min(ratios):.3f}-{max(ratios):.3f}; "
                       f"GEMMs bf16 step {s['gemms_bf16']}, {prec} step {s[f'gemms_{prec}']}")
-    print(f"quality: FP8/bf16 final validation loss "
-          f"{res['quality']['fp8_over_bf16_final_val_loss']:.4f}")
+    if "quality" in res:
+        print(f"quality: FP8/bf16 final validation loss "
+              f"{res['quality']['fp8_over_bf16_final_val_loss']:.4f}")
 
 
 if __name__ == "__main__":

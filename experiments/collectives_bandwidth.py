@@ -1,6 +1,6 @@
 """Collective bandwidth over all devices: all-reduce, all-gather, reduce-scatter, all-to-all
 and a ring permute, timed inside one jitted `shard_map` each, set against the ring model in
-`gendist.accounting.wire_bytes` (the bytes each device sends).
+`gendist.collectives.wire_bytes` (the bytes each device sends).
 
     python experiments/collectives_bandwidth.py --out $OUT     # on a machine with >= 2 GPUs
 
@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gendist.accounting import wire_bytes
+from gendist.collectives import wire_bytes
 from gendist.parallel.compat import shard_map
 from gendist.timing import median_seconds
 

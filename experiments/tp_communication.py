@@ -24,7 +24,7 @@ if "jax" not in sys.modules:
 
 import jax  # noqa: E402
 
-from gendist import accounting
+from gendist import accounting, collectives
 from gendist.config import Config, MeshConfig, ModelConfig, TrainConfig  # noqa: E402
 from gendist.sharding import make_mesh  # noqa: E402
 from gendist.training import train  # noqa: E402
@@ -52,9 +52,9 @@ def measure(tensor: int, sp: bool) -> dict:
            "compiled": tensor_bytes(comp["comm"]),
            "predicted": tensor_bytes(accounting.predict(setup)["comm"]),
            "ideal": tensor_bytes(accounting.predict(setup, "gpu")["comm"])}
-    row["wire_compiled"] = sum(accounting.wire_bytes(c.kind, c.payload * c.count, tensor)
+    row["wire_compiled"] = sum(collectives.wire_bytes(c.kind, c.payload * c.count, tensor)
                                for c in comp["collectives"] if c.axes == "tensor")
-    row["wire_ideal"] = sum(accounting.wire_bytes(k, v, tensor) for k, v in row["ideal"].items())
+    row["wire_ideal"] = sum(collectives.wire_bytes(k, v, tensor) for k, v in row["ideal"].items())
     return row
 
 

@@ -67,7 +67,7 @@ CHILD = """
 import json, sys
 sys.path.insert(0, {here!r})
 import bench_train
-from gendist import accounting
+from gendist import accounting, collectives
 from gendist.training import train
 from gendist.presets import preset, replace
 sets = bench_train.parse_overrides({sets!r})
@@ -75,7 +75,7 @@ setup = train.build(replace(preset({preset!r}), **sets))
 pred = accounting.predict(setup)
 n = {{a: setup.mesh.shape[a] for a in setup.mesh.axis_names}}
 comm = [dict(kind=k, axes=a, payload=b,
-             wire=accounting.wire_bytes(k, b, max(n[x] for x in a.split("+"))))
+             wire=collectives.wire_bytes(k, b, max(n[x] for x in a.split("+"))))
         for (k, a), b in sorted(pred["comm"].items())]
 print("RESULT " + json.dumps({{"predicted": dict(comm=comm, assumes=pred["assumes"],
       memory_GiB={{k: v / 2**30 for k, v in pred["memory"].items()}})}}), flush=True)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from helpers import experiment, mesh_of, small_config
 
-from gendist import accounting
+from gendist import accounting, collectives
 from gendist.presets import replace
 from gendist.training import train
 
@@ -28,16 +28,16 @@ ENTRY %main (a: f32[4,8]) -> f32[4,8] {
 def test_hlo_reader_groups_axes_bytes_and_trip_counts():
     mesh = mesh_of(8, data=2, tensor=4)
     got = {(c.kind, c.axes): (c.payload, c.count, c.backward)
-           for c in accounting.parse_collectives(HLO, mesh)}
+           for c in collectives.parse_collectives(HLO, mesh)}
     assert got[("all-reduce", "tensor")] == (4 * 8 * 4, 3, False)  # groups of 4 neighbours
     assert got[("all-gather", "data")] == (8 * 8 * 4, 3, True)  # transposed iota: strided
     assert got[("reduce-scatter", "data")] == (2 * 8 * 2 * 2, 1, False)  # input = out x 2
     assert got[("all-reduce", "data+tensor")] == (4 + 16 * 4, 1, False)
     assert got[("collective-permute", "data")] == (16, 1, False)
-    table = accounting.comm_table(accounting.parse_collectives(HLO, mesh))
+    table = collectives.comm_table(collectives.parse_collectives(HLO, mesh))
     assert table[("all-reduce", "tensor")] == 3 * 128
-    assert accounting.wire_bytes("all-reduce", 100, 4) == 150
-    assert accounting.wire_bytes("all-gather", 100, 4) == 75
+    assert collectives.wire_bytes("all-reduce", 100, 4) == 150
+    assert collectives.wire_bytes("all-gather", 100, 4) == 75
 
 
 CONFIGS = [  # (data, tensor, zero stage, sequence parallel, dtype)
@@ -112,5 +112,5 @@ def test_collectives_benchmark_times_the_op_it_names():
         fn = jax.jit(shard_map(op, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check=False))
         np.testing.assert_allclose(np.asarray(fn(xs)), expect[name], err_msg=name)
         assert kind == ("collective-permute" if name == "permute" else name)
-    assert accounting.wire_bytes("all-reduce", 800, n) == 2 * 800 * (n - 1) / n
-    assert accounting.wire_bytes("collective-permute", 800, n) == 800
+    assert collectives.wire_bytes("all-reduce", 800, n) == 2 * 800 * (n - 1) / n
+    assert collectives.wire_bytes("collective-permute", 800, n) == 800

@@ -17,7 +17,7 @@ import pytest
 from helpers import assert_trees_close, mesh_of
 from test_tensor_parallel import _block_case, _value_and_grads, tp_config
 
-from gendist.accounting import parse_collectives
+from gendist.collectives import parse_collectives
 from gendist.data.batches import TextData, shard_batch
 from gendist.models import transformer
 from gendist.parallel import manual

@@ -21,7 +21,7 @@ import pytest
 from helpers import mesh_of, run_steps_with_grads, small_config
 from jax.sharding import NamedSharding
 
-from gendist.accounting import parse_collectives
+from gendist.collectives import parse_collectives
 from gendist.config import ModelConfig
 from gendist.data.batches import TextData
 from gendist.models import transformer

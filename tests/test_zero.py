@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import mesh_of, run_steps_with_grads, small_config
 
-from gendist.accounting import parse_collectives
+from gendist.collectives import parse_collectives
 from gendist.data.batches import TextData
 from gendist.models import transformer
 from gendist.parallel import zero

@@ -139,19 +139,20 @@ def expert_ffn(params: dict[str, jax.Array], x_ECD: jax.Array, activation: str,
     products' `fp8.Fp8Meta`s in `fp8.products(cfg, moe=True)` order after the attention's
     ([gate,] up, down): FP8 products batched over the experts, one scale per tensor."""
     dt = x_ECD.dtype
-    if fp8 is None:
-        mm = lambda x, w, _: jnp.einsum("ECD,EDF->ECF", x, w.astype(dt))  # noqa: E731
-        metas = (None,) * 3
-    else:
-        mm = lambda x, w, m: fp8_lib.dot(x, w, m, dims=1, batch=1)  # noqa: E731
-        metas = fp8 if activation == "swiglu" else (None, *fp8)
-    up_ECF = mm(x_ECD, params["w_up"], metas[1])
+    names = ("w_gate", "w_up", "w_down") if activation == "swiglu" else ("w_up", "w_down")
+    metas = dict(zip(names, fp8, strict=True)) if fp8 is not None else {}
+
+    def mm(x_ECK, name):  # [E, C, K] . [E, K, N]
+        if fp8 is None:
+            return jnp.einsum("ECK,EKN->ECN", x_ECK, params[name].astype(dt))
+        return fp8_lib.dot(x_ECK, params[name], metas[name], dims=1, batch=1)
+
+    up_ECF = mm(x_ECD, "w_up")
     if activation == "swiglu":
-        gate_ECF = mm(x_ECD, params["w_gate"], metas[0])
-        h_ECF = jax.nn.silu(gate_ECF) * up_ECF
+        h_ECF = jax.nn.silu(mm(x_ECD, "w_gate")) * up_ECF
     else:
         h_ECF = jax.nn.gelu(up_ECF)
-    return mm(h_ECF, params["w_down"], metas[2])
+    return mm(h_ECF, "w_down")
 
 
 def split_groups(x_BTD: jax.Array, num_groups: int) -> jax.Array:

@@ -28,22 +28,23 @@ def enabled(cfg: Config) -> bool:
     return cfg.train.matmul_precision == "fp8"
 
 
+def stacks(cfg: Config) -> dict[str, int]:
+    """The model's layer stacks and their layers: the dense blocks, and the MoE blocks of
+    an MoE model."""
+    m = cfg.model
+    out = {"blocks": m.num_layers - m.num_moe_layers}
+    return {**out, "moe_blocks": m.num_moe_layers} if m.num_moe_layers else out
+
+
 def init(cfg: Config) -> dict:
     """Empty histories, one array per layer stack of the model."""
-    m, H = cfg.model, cfg.train.fp8_history
-    hist = {"blocks": fp8_lib.init_history(m, m.num_layers - m.num_moe_layers, H)}
-    if m.num_moe_layers:
-        hist["moe_blocks"] = fp8_lib.init_history(m, m.num_moe_layers, H, moe=True)
-    return hist
+    return {k: fp8_lib.init_history(cfg.model, n, cfg.train.fp8_history, moe=k == "moe_blocks")
+            for k, n in stacks(cfg).items()}
 
 
 def axes(cfg: Config) -> dict:
     """The histories' logical axes (their layers axis is the params' `layers`)."""
-    return {k: fp8_lib.HISTORY_AXES for k in init_shapes(cfg)}
-
-
-def init_shapes(cfg: Config) -> dict:
-    return jax.eval_shape(lambda: init(cfg))
+    return {k: fp8_lib.HISTORY_AXES for k in stacks(cfg)}
 
 
 def attach(cfg: Config, params: dict, hist) -> dict:
@@ -98,23 +99,14 @@ def from_engine(obs, factor: int):
     return jax.tree.map(lambda o: o.at[..., 2, :].divide(jnp.float32(factor)), obs)
 
 
-def attach_stacked(params: dict, hist) -> dict:
-    """`params` with each layer stack's histories as a plain array beside its weights, where
-    the pipeline engines slice them with the layers (`parallel.pipeline.model.stage_fns`
-    makes each unit's products' state); their gradient there is the observed amaxes."""
-    if hist is None:
-        return params
-    return {**params, **{k: {**params[k], fp8_lib.STATE_KEY: h} for k, h in hist.items()}}
-
-
 def pop_observed(grads: dict, metrics: dict) -> tuple:
-    """(grads without the histories' entries, metrics with the observed amaxes) from a
-    pipeline engine's gradients (`attach_stacked`)."""
+    """(grads without the products' state, metrics with the observed amaxes) from a
+    pipeline engine's gradients, which carry the state where `attach` put it."""
     obs, out = {}, dict(grads)
     for k in STACKS:
         if fp8_lib.STATE_KEY in grads.get(k, {}):
             out[k] = dict(grads[k])
-            obs[k] = out[k].pop(fp8_lib.STATE_KEY)
+            obs[k] = out[k].pop(fp8_lib.STATE_KEY).hist
     return (out, {**metrics, OBSERVED: obs}) if obs else (grads, metrics)
 
 

@@ -150,7 +150,7 @@ def pipeline_engine(cfg: Config, mesh, rules) -> Callable:
         compute = _cast_layers(cfg, compute_params(cfg, params, axes))
         tokens = batch["targets"].size  # the pipeline differentiates the summed loss
         hist = fp8_scaling.to_engine(hist, tokens, cfg.train.fp8_margin)
-        compute = fp8_scaling.attach_stacked(compute, hist)
+        compute = fp8_scaling.attach(cfg, compute, hist)
         loss, metrics, grads = stage_model.loss_and_grads(st, compute, batch, sched)
         grads, metrics = fp8_scaling.pop_observed(grads, metrics)
         if hist is not None:

@@ -51,19 +51,23 @@ def model_grads(cfg: ModelConfig, grads: tuple[dict, dict, dict]) -> dict:
     return out
 
 
-def stage_specs(cfg: ModelConfig, mesh: Mesh, rules: Rules, zero3: bool, fp8: bool = False):
+def stage_specs(cfg: ModelConfig, mesh: Mesh, rules: Rules, zero3: bool,
+                fp8: tuple[str, int] | None = None):
     """PartitionSpecs of the stage weights in a body manual over every axis: the table's
-    (layers on `pipeline`), and ZeRO-3's extra split of the layers over `data`. `fp8`: the
-    layer stacks carry their FP8 histories (`fp8_lib.STATE_KEY`), split with the layers."""
+    (layers on `pipeline`), and ZeRO-3's extra split of the layers over `data`. `fp8 =
+    (recipe, margin)`: the layer stacks carry their FP8 products' state
+    (`fp8_lib.STATE_KEY`, as `fp8_scaling.attach` puts it), its histories split with the
+    layers."""
     axes = stage_weights(cfg, transformer.logical_axes(cfg))
     shapes = stage_weights(cfg, transformer.param_shapes(cfg))
     is_axes = lambda a: isinstance(a, tuple)
     plain = lambda names, s: logical_to_spec(names, rules, mesh)
     layer = (lambda names, s: zero.zero_spec(names, s.shape, mesh, rules)) if zero3 else plain
     layers = jax.tree.map(layer, axes[1], shapes[1], is_leaf=is_axes)
-    if fp8:  # each layer stack's histories
+    if fp8 is not None:  # each layer stack's products' state
+        spec = logical_to_spec(fp8_lib.HISTORY_AXES, rules, mesh)
         for stack in layers.values():
-            stack[fp8_lib.STATE_KEY] = logical_to_spec(fp8_lib.HISTORY_AXES, rules, mesh)
+            stack[fp8_lib.STATE_KEY] = fp8_lib.Fp8Products(spec, *fp8)
     return (jax.tree.map(plain, axes[0], shapes[0], is_leaf=is_axes), layers,
             jax.tree.map(plain, axes[2], shapes[2], is_leaf=is_axes))
 
@@ -100,25 +104,16 @@ def moe_zeros(cfg: ModelConfig):
     return (jnp.float32(0), jnp.float32(0), jnp.zeros((cfg.moe_experts,), jnp.float32))
 
 
-def stage_fns(cfg: ModelConfig, ops: ManualOps, seq_len: int, counts: tuple[int, ...],
-              fp8: tuple[str, int] | None = None) -> StageFns:
+def stage_fns(cfg: ModelConfig, ops: ManualOps, seq_len: int, counts: tuple[int, ...]
+              ) -> StageFns:
     """The model's embed / unit / head-loss for a stage body (a unit is a layer, or an MoE
-    group: `transformer.unit_params`). `fp8 = (recipe, margin)`: the blocks' FP8
-    histories ride in the layer stacks as plain arrays and become each unit's products'
-    state here.
+    group: `transformer.unit_params`).
 
     A stage's MoE router losses join the objective scaled by its microbatch's tokens (the
     executor divides everything by the token count, so they come out averaged over routing
     groups and microbatches, as a plain step averages them); the metrics are such sums too.
     """
-    def with_fp8(blocks):
-        if fp8 is None or fp8_lib.STATE_KEY not in blocks:
-            return blocks
-        state = fp8_lib.Fp8Products(blocks[fp8_lib.STATE_KEY], *fp8)
-        return {**blocks, fp8_lib.STATE_KEY: state}
-
     def unit(pu, x_BTD):
-        pu = (with_fp8(pu[0]), with_fp8(pu[1])) if isinstance(pu, tuple) else with_fp8(pu)
         b = x_BTD.shape[0]
         pos_BT = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (b, seq_len))
         y_BTD, stats = transformer.apply_unit(pu, x_BTD, pos_BT, cfg, ops)
@@ -186,8 +181,8 @@ def stage_setup(cfg: ModelConfig, mesh: Mesh, rules: Rules, *, zero3: bool = Fal
     """Stage specs and ops of `cfg` on `mesh` under `rules` (the run's table; the layers go
     onto the pipeline stages whatever it says). `num_chunks` > 1: each stage holds that
     many chunks of layers, for an interleaved schedule. `fp8 = (recipe, margin)`: the
-    blocks' projections are FP8 products whose histories come in each layer stack's
-    `fp8_lib.STATE_KEY` entry; their gradient there is the observed amaxes."""
+    blocks' projections are FP8 products whose state comes in each layer stack's
+    `fp8_lib.STATE_KEY` entry; its gradient there is the observed amaxes."""
     rules = rules.with_overrides(**PIPELINE_STAGES)
     counts = core.chunk_layer_split(transformer.layer_units(cfg), mesh.shape[core.PIPELINE],
                                     num_chunks, stage_layer_counts)
@@ -195,7 +190,7 @@ def stage_setup(cfg: ModelConfig, mesh: Mesh, rules: Rules, *, zero3: bool = Fal
         raise ValueError(f"stage_layer_counts={counts} with train.zero_stage=3: an uneven "
                          "split pads the layer stack, which ZeRO-3's per-layer shards cannot "
                          "follow; use an even split or zero_stage <= 2")
-    return StageSetup(cfg, mesh, counts, stage_specs(cfg, mesh, rules, zero3, fp8 is not None),
+    return StageSetup(cfg, mesh, counts, stage_specs(cfg, mesh, rules, zero3, fp8),
                       manual_ops(cfg, mesh, rules, zero3),
                       tuple(a for a in BATCH_AXES if mesh.shape[a] > 1), fp8)
 
@@ -219,7 +214,7 @@ def loss_and_grads(st: StageSetup, params: dict, batch: dict, sched, *,
     sizes = unit_sizes(cfg, w[1])
     p = st.mesh.shape[core.PIPELINE]
     w = (w[0], pad_layers(w[1], st.counts, sizes, p), w[2])
-    fns = stage_fns(cfg, st.ops, tokens.shape[1], st.counts, st.fp8)
+    fns = stage_fns(cfg, st.ops, tokens.shape[1], st.counts)
     loss, (g_e, g_l, g_h), sums, count = run_sync(
         w, tokens, targets, mesh=st.mesh, sched=sched, fns=fns, specs=st.specs,
         manual_axes=st.manual_axes, batch_axes=st.batch_axes, bubble_value=bubble_value,

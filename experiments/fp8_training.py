@@ -1,11 +1,14 @@
 """Does FP8 training pay on a Hopper GPU, and does it keep the loss?
 
 Speed: for each shape, the bf16 train step and the FP8 ones (`train.matmul_precision=fp8`;
-`fp8`: delayed scaling, `fp8_current`: current scaling) built in one process and timed in
-alternating rounds; tokens/s, MFU against the dense bf16
+`fp8`: delayed scaling, as a run on one GPU gets it; `fp8_current`: current scaling;
+`fp8_xla_transpose`: XLA's transposes of the float8 GEMM operands instead of the Pallas
+kernel; `fp8_fused`: q|k|v and gate|up as one product each) built in one process and timed
+in alternating rounds; tokens/s, MFU against the dense bf16
 peak (989 TFLOP/s) and the dense FP8 peak (1,979 TFLOP/s; H100/H200 SXM datasheet), and the
 compiled step's GEMMs by operand type (cuBLASLt custom calls whose operands are f8 against
-the others): the FP8 products must compile to FP8 GEMMs, not bf16 dots with casts around them.
+the others): the FP8 products must compile to FP8 GEMMs, not bf16 dots with casts around them;
+and the transposes of float8 tensors XLA added to the step.
 
 Quality: the same model trained twice from one initialisation on one data order (the bundled
 corpus), bf16 and FP8; validation losses, the last ones' ratio and both curves in one plot.
@@ -44,6 +47,16 @@ SHAPES = [
 TINY = [("tiny", "tiny", {"train.batch_size": 8, "train.seq_len": 64})]
 
 
+def f8_transposes(hlo: str) -> int:
+    """Fusions of a compiled module whose root is a transpose to a float8 type (XLA's own
+    transposes of FP8 GEMM operands; the Pallas kernel's are custom calls)."""
+    comps = re.findall(r"^(%[\w.\-]+) \([^)]*\) -> (\S+) \{\n(.*?)\n\}", hlo, flags=re.M | re.S)
+    roots = {name for name, ret, body in comps if re.match(r"f8e[45]m[23]", ret)
+             and re.search(r"ROOT [^\n]*= \S+ transpose\(", body)}
+    return sum(1 for m in re.finditer(r"^\s*(?:ROOT )?%\S+ = \S+ fusion\(.*calls=(%[\w.\-]+)", hlo,
+                                      flags=re.M) if m.group(1) in roots)
+
+
 def gemm_counts(hlo: str) -> dict:
     """The GEMMs of a compiled module by operand type, f8 (FP8 GEMMs) or not: cuBLAS custom
     calls (their operands' types looked up by name) and Triton GEMM fusions (their
@@ -64,7 +77,10 @@ def gemm_counts(hlo: str) -> dict:
 
 VARIANTS = {"bf16": {"train.matmul_precision": "bf16"},
             "fp8": {"train.matmul_precision": "fp8", "train.fp8_recipe": "delayed"},
-            "fp8_current": {"train.matmul_precision": "fp8", "train.fp8_recipe": "current"}}
+            "fp8_current": {"train.matmul_precision": "fp8", "train.fp8_recipe": "current"},
+            "fp8_xla_transpose": {"train.matmul_precision": "fp8", "train.fp8_transpose": "xla"},
+            "fp8_fused": {"train.matmul_precision": "fp8", "model.fused_projections": True}}
+WARMUP = 4  # steps run before timing
 
 
 def bench_shape(name, base, overrides, rounds: int, steps: int, out: Path | None = None,
@@ -81,12 +97,13 @@ def bench_shape(name, base, overrides, rounds: int, steps: int, out: Path | None
         res[f"compile_s_{prec}"] = time.perf_counter() - t0
         hlo = compiled.as_text()
         res[f"gemms_{prec}"] = gemm_counts(hlo)
+        res[f"f8_transposes_{prec}"] = f8_transposes(hlo)
         if prec == "fp8" and out is not None:  # the evidence: GEMM calls and float8 lines
             keep = [ln for ln in hlo.splitlines() if "__cublas" in ln or "f8e" in ln]
             (out / f"fp8_gemm_lines_{name}.txt").write_text("\n".join(keep[:2000]))
         mem = compiled.memory_analysis()
         res[f"temp_GiB_{prec}"] = getattr(mem, "temp_size_in_bytes", 0) / 2**30 if mem else None
-        for i in range(2):  # warm up
+        for i in range(WARMUP):
             state, m = compiled(state, batches[i % 2])
         jax.block_until_ready(m)
         runs[prec] = [cfg, compiled, state, batches]
@@ -167,13 +184,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU check of the code)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--quality-steps", type=int, default=1000)
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--shapes", nargs="+", default=[n for n, _, _ in SHAPES],
                     choices=[n for n, _, _ in SHAPES], help="shapes timed (GPU sizes)")
-    ap.add_argument("--variants", nargs="+", default=["bf16", "fp8", "fp8_current"],
+    ap.add_argument("--variants", nargs="+",
+                    default=["bf16", "fp8", "fp8_xla_transpose", "fp8_fused"],
                     choices=list(VARIANTS), help="steps timed (bf16 first: the ratios' base)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
     args = ap.parse_args()
@@ -214,7 +232,8 @@ def report(res: dict, variants) -> None:
             for prec in variants[1:]:
                 ratios = [r[f"{prec}_over_bf16"] for r in s["rounds"]]
                 print(f"{s['shape']}: {prec}/bf16 tokens/s {min(ratios):.3f}-{max(ratios):.3f}; "
-                      f"GEMMs bf16 step {s['gemms_bf16']}, {prec} step {s[f'gemms_{prec}']}")
+                      f"GEMMs bf16 step {s['gemms_bf16']}, {prec} step {s[f'gemms_{prec}']}, "
+                      f"float8 transposes by XLA {s[f'f8_transposes_{prec}']}")
     if "quality" in res:
         print(f"quality: FP8/bf16 final validation loss "
               f"{res['quality']['fp8_over_bf16_final_val_loss']:.4f}")

@@ -5,7 +5,8 @@
 #   bash experiments/run_gpu.sh TOPIC [OUT]        # OUT: where the JSON/PNG go (default /tmp/gendist_TOPIC)
 #
 # TOPIC             what runs                                                      page
-#   tests           the GPU tests of the Mosaic GPU kernels and the decode kernels  -
+#   tests           the GPU tests of the Mosaic GPU kernels, the decode kernels and  -
+#                   the float8 transpose
 #   attention       FlashAttention fwd / fwd+bwd: ours, cuDNN, tokamax               benchmarks/attention.md
 #   attention_step  our attention's kernels alone and after matmuls; energy a call  benchmarks/attention.md
 #   paged           paged decode attention against the read-only bandwidth         benchmarks/paged_decode.md
@@ -14,6 +15,7 @@
 #                   where a megakernel layer's time goes (trace)
 #   train           the 1b training step, cuDNN's attention and ours alternated    benchmarks/training.md
 #   fp8             FP8 against bf16 training: step speed, FP8 GEMMs, 1000-step loss benchmarks/training.md
+#                   (and the float8 transpose kernel against XLA's transpose)
 #   serving         continuous batching vs static batching on one request trace    benchmarks/serving.md
 #   speculative     speculative decoding, 1b target, batch 1, over the megakernel  benchmarks/speculative.md
 #   pipeline        1F1B in phases on two GPUs against one GPU                     benchmarks/pipeline.md
@@ -45,7 +47,8 @@ tests)
         tests/test_flash_attention.py tests/test_paged_attention.py tests/test_mgpu_lowering.py \
         -k "mosaic or Mosaic or linearly or lower"
     JAX_PLATFORMS=cuda "$PY" -m pytest -q -rA -p no:cacheprovider \
-        tests/test_decode_kernels.py tests/test_megakernel_decode.py ;;
+        tests/test_decode_kernels.py tests/test_megakernel_decode.py
+    JAX_PLATFORMS=cuda "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_fp8.py -k kernel ;;
 attention)
     # compiled first, the order turned each round, best of 4 rounds; ours_no_ds: the backward
     # without dS in global memory (the form at 16k, where dS would exceed its 4 GiB cap)
@@ -81,7 +84,8 @@ collectives)
 two_gpu)
     "$PY" experiments/two_gpu_table.py --out "$OUT" ;;
 fp8)
-    "$PY" experiments/fp8_training.py --out "$OUT" ;;
+    "$PY" experiments/fp8_transpose.py --out "$OUT"
+    "$PY" experiments/fp8_training.py --shapes 1b 8b-layers-4 --out "$OUT" ;;
 *)
     echo "unknown topic '$TOPIC' (see the head of experiments/run_gpu.sh)" >&2; exit 2 ;;
 esac

@@ -251,6 +251,7 @@ class TrainConfig:
     fp8_recipe: Literal["delayed", "current"] = "delayed"  # FP8 scales from the amax history of earlier steps (Transformer Engine's delayed scaling) or from each tensor's own amax
     fp8_history: int = 16  # FP8 delayed scaling: steps of amax history per tensor
     fp8_margin: int = 0  # FP8 scales leave 2**margin of headroom above the amax
+    fp8_transpose: Literal["auto", "xla", "pallas"] = "auto"  # the FP8 GEMMs' float8 operand transposes: the tiled Pallas kernel (auto: on one GPU) or XLA's
     lora_rank: int = 0  # LoRA: rank r of the adapters on frozen base weights (0 = train every parameter)
     lora_alpha: float = 16.0  # LoRA: the adapters' product is scaled by lora_alpha / lora_rank
     lora_targets: str = "q,v"  # LoRA: comma list of the projections adapted, from q,k,v,o,gate,up,down

@@ -4,6 +4,7 @@ The references round through numpy's float8 types (ml_dtypes), independently of 
 quantize (scale, clip, cast) -> product -> dequantize.
 """
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from gendist.data.batches import TextData
 from gendist.models import fp8
 from gendist.presets import replace
 from gendist.training import fp8_scaling
+from pallas_kernels import transpose as transpose_kernel
 
 E4M3_NP, E5M2_NP = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
@@ -274,17 +276,47 @@ def test_benchmark_counts_fp8_gemms_in_a_compiled_module():
     assert count(hlo) == {"f8": 2, "other": 2}
 
 
-def _lowered_dots(cfg):
-    """(operand types of every dot_general) in the train step as jax lowers it."""
-    import re
+def test_benchmark_counts_float8_transposes_in_a_compiled_module():
+    """The census of XLA's float8 transposes, on lines shaped like XLA:GPU's compiled HLO:
+    a fusion whose root transposes to float8 counts, a bf16 transpose and a quantize do not."""
+    from helpers import experiment
+    count = experiment("fp8_training").f8_transposes
+    hlo = "\n".join([
+        "%fused_computation.1 (param_0.1: f8e4m3fn[64,32]) -> f8e4m3fn[32,64] {",
+        "  %param_0.1 = f8e4m3fn[64,32]{1,0} parameter(0)",
+        "  ROOT %transpose.4 = f8e4m3fn[32,64]{1,0} transpose(%param_0.1), dimensions={1,0}",
+        "}",
+        "%wrapped_transpose_computation.2 (param_0.2: bf16[64,32]) -> bf16[32,64] {",
+        "  %param_0.2 = bf16[64,32]{1,0} parameter(0)",
+        "  ROOT %transpose.5 = bf16[32,64]{1,0} transpose(%param_0.2), dimensions={1,0}",
+        "}",
+        "%fused_convert (param_0.3: bf16[64,32]) -> f8e5m2[64,32] {",
+        "  %param_0.3 = bf16[64,32]{1,0} parameter(0)",
+        "  ROOT %convert.1 = f8e5m2[64,32]{1,0} convert(%param_0.3)",
+        "}",
+        "ENTRY %main (x: bf16[64,32]) -> f8e4m3fn[32,64] {",
+        "  %q = f8e5m2[64,32]{1,0} fusion(%x), kind=kLoop, calls=%fused_convert",
+        "  %t = bf16[32,64]{1,0} fusion(%x), kind=kLoop, calls=%wrapped_transpose_computation.2",
+        "  %fusion.7 = f8e4m3fn[32,64]{1,0} fusion(%y), kind=kInput, calls=%fused_computation.1",
+        "  ROOT %fusion.8 = f8e4m3fn[32,64]{1,0} fusion(%z), kind=kInput, calls=%fused_computation.1",
+        "}"])
+    assert count(hlo) == 2
 
+
+def _lowered_text(cfg) -> str:
+    """The train step as jax lowers it (StableHLO text), on one device."""
     from gendist.data.batches import shard_batch
     from gendist.training import train
     mesh = mesh_of(1)
     setup = train.build(cfg, mesh)
-    text = setup.step_fn.lower(setup.init_state(),
+    return setup.step_fn.lower(setup.init_state(),
                                shard_batch(_data().global_batch(0, 8, 16), mesh)).as_text()
-    return re.findall(r"stablehlo\.dot_general.*?: \((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
+
+
+def _lowered_dots(cfg):
+    """(operand types of every dot_general) in the train step as jax lowers it."""
+    return re.findall(r"stablehlo\.dot_general.*?: \((tensor<[^>]*>), (tensor<[^>]*>)\)",
+                      _lowered_text(cfg))
 
 
 def test_every_fp8_gemm_takes_float8_operands():
@@ -301,6 +333,66 @@ def test_every_fp8_gemm_takes_float8_operands():
     assert not [d for d in dots if ("f8" in d[0]) != ("f8" in d[1])]  # no mixed operands
     assert not [d for d in f8 if d[0].endswith("f8E5M2>") and d[1].endswith("f8E5M2>")]
     assert len(dots) == len(ref) and not [d for d in ref if "f8" in d[0] + d[1]]
+
+
+def test_fp8_gemms_contract_both_operands_on_their_minor_axis():
+    """Each dense product's three GEMMs are [M, K] . [N, K] with K minor in both operands
+    (the "TN" layout cuBLASLt's FP8 GEMMs take), so the only transposes are the ones the
+    product makes itself (`_transpose`: the Pallas kernel on one GPU)."""
+    text = _lowered_text(_fp8_cfg())
+    f8 = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln and "f8E" in ln]
+    assert f8
+    for ln in f8:
+        assert "batching_dims" not in ln and "contracting_dims = [1] x [1]" in ln, ln
+        assert re.search(r": \(tensor<\d+x\d+xf8E\w+>, tensor<\d+x\d+xf8E\w+>\)", ln), ln
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_transpose_kernel_equals_numpy_transpose(dtype):
+    x = jax.random.normal(jax.random.key(0), (192, 96)).astype(dtype)
+    assert transpose_kernel.block_for(x.shape, (64, 64)) == (64, 32)  # 64 shrunk to divide 96
+    y = transpose_kernel.transpose(x, block=(64, 64), interpret=True)
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint8), np.asarray(x).view(np.uint8).T)
+    with pytest.raises(ValueError, match="no tile"):
+        transpose_kernel.transpose(x[:100], interpret=True)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a GPU")
+@pytest.mark.parametrize("shape", [(16384, 4096), (2048, 5632), (1024, 96)])
+def test_transpose_kernel_compiles_and_equals_xla_on_the_gpu(shape):
+    x = jax.random.normal(jax.random.key(0), shape).astype(jnp.float8_e4m3fn)
+    y = transpose_kernel.transpose(x)
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint8), np.asarray(x).view(np.uint8).T)
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_pallas_transposes_give_the_same_products(dims):
+    """The product with its float8 operands transposed by the kernel equals XLA's
+    transposes bit for bit: value, dx, dw and the observed amaxes."""
+    xs, ws = ((4, 16, 32), (32, 2, 16)) if dims == 1 else ((4, 16, 2, 16), (2, 16, 32))
+    x = jax.random.normal(jax.random.key(0), xs, jnp.bfloat16)
+    w = 0.1 * jax.random.normal(jax.random.key(1), ws, jnp.float32)
+    h = jnp.abs(jax.random.normal(jax.random.key(2), (3, 4)))
+
+    def run(how):
+        f = lambda x, w, h: jnp.sum(fp8.dot(x, w, fp8.Fp8Meta(h, "delayed", 0, how), dims)  # noqa: E731
+                                    .astype(jnp.float32) ** 2)
+        return jax.value_and_grad(f, argnums=(0, 1, 2))(x, w, h)
+
+    for a, b in zip(jax.tree.leaves(run("xla")), jax.tree.leaves(run("pallas")), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_auto_transposes_through_the_kernel_on_one_gpu_only(monkeypatch):
+    cfg = _fp8_cfg()
+    one = replace(cfg, **{"mesh.data": 1})
+    assert fp8_scaling.transposes(one) == "xla"  # a CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert fp8_scaling.transposes(one) == "pallas"
+    assert fp8_scaling.transposes(replace(cfg, **{"mesh.data": -1})) == (
+        "pallas" if jax.device_count() == 1 else "xla")
+    assert fp8_scaling.transposes(replace(one, **{"train.fp8_transpose": "xla"})) == "xla"
 
 
 MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_every": 2,

@@ -8,6 +8,13 @@ That is the form XLA's GEMM rewriter turns into one cuBLASLt FP8 GEMM on Hopper/
 "native FP8" pattern; flax's `fp8_ops` also hands float8 operands to the dot); on a CPU it is
 the exact emulation, the products of the rounded values computed wider.
 
+Those GEMMs take both operands with the contracted axis minor, so each is written as
+[M, K] . [N, K] of float8 matrices: the forward transposes the quantized weight, the
+backward keeps the quantized input transposed and transposes the quantized gradient for dw.
+`Fp8Meta.transpose` says who moves them: "xla" (`x.T`, which XLA compiles to its own
+transpose kernels, slow for one-byte elements) or "pallas" (`pallas_kernels.transpose`, on
+one GPU: 3.4-5.3% of the step, `benchmarks/training.md`). Both give the same bits.
+
 A product may share leading batch axes between its operands (an MoE layer's experts,
 [E, C, D] . [E, D, F]: one scale per tensor, all experts). Each product keeps an amax history
 `hist_3H` (rows: input x, weight w, gradient g; column 0
@@ -31,9 +38,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import transpose as transpose_kernel
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -65,9 +75,10 @@ class Fp8Products:
     hist: jax.Array
     recipe: str = dataclasses.field(default="delayed", metadata=dict(static=True))
     margin: int = dataclasses.field(default=0, metadata=dict(static=True))
+    transpose: str = dataclasses.field(default="xla", metadata=dict(static=True))
 
     def product(self, i: int) -> Fp8Meta:
-        return Fp8Meta(self.hist[i], self.recipe, self.margin)
+        return Fp8Meta(self.hist[i], self.recipe, self.margin, self.transpose)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +88,7 @@ class Fp8Meta:
     hist_3H: jax.Array
     recipe: str
     margin: int
+    transpose: str = "xla"  # the GEMM operands' float8 transposes: "xla" or "pallas" (kernel)
 
 
 def fp8_max(dtype) -> float:
@@ -133,32 +145,63 @@ def _contractions(x_ndim: int, w_ndim: int, dims: int, batch: int = 0):
     return fwd, dx, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _dot(x, w, hist_3H, dims: int, recipe: str, margin: int, batch: int):
-    return _dot_fwd(x, w, hist_3H, dims, recipe, margin, batch)[0]
+def _transpose(x_MN, how: str):
+    """The transpose of a float8 matrix that a GEMM takes with its contracted axis minor:
+    `how` = "pallas" through the tiled kernel (`pallas_kernels.transpose`; XLA's own
+    transposes of one-byte elements run far below bandwidth), "xla" as `x.T`."""
+    if how == "pallas" and transpose_kernel.block_for(x_MN.shape) is not None:
+        return transpose_kernel.transpose(x_MN)
+    return x_MN.T
 
 
-def _dot_fwd(x, w, hist_3H, dims, recipe, margin, batch):
+def _nt(a_MK, b_NK, scale, dtype):
+    """a [M, K] . b [N, K]^T, both operands with the contracted axis minor: the layout
+    cuBLASLt's FP8 GEMMs take, so XLA adds no transpose of its own."""
+    return scaled_dot(a_MK, b_NK, ((1,), (1,)), scale, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _dot(x, w, hist_3H, dims: int, recipe: str, margin: int, batch: int, how: str):
+    return _dot_fwd(x, w, hist_3H, dims, recipe, margin, batch, how)[0]
+
+
+def _dot_fwd(x, w, hist_3H, dims, recipe, margin, batch, how):
     ax, aw = amax(x), amax(w)
     sx = _scale(hist_3H[0], ax, E4M3, recipe, margin)
     sw = _scale(hist_3H[1], aw, E4M3, recipe, margin)
     xq, wq = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
-    fwd, _, _ = _contractions(x.ndim, w.ndim, dims, batch)
-    y = scaled_dot(xq, wq, fwd, sx * sw, x.dtype, batch)
-    # The float8 operands are what the backward pass keeps (half the bytes of bf16 ones).
-    return y, (xq, wq, sx, sw, ax, aw, hist_3H)
+    if batch:  # an MoE layer's experts: batched dot_generals, XLA lays their operands out
+        fwd, _, _ = _contractions(x.ndim, w.ndim, dims, batch)
+        y = scaled_dot(xq, wq, fwd, sx * sw, x.dtype, batch)
+        return y, (xq, wq, sx, sw, ax, aw, hist_3H)
+    # As matrices x [M, K] . w [K, N], each GEMM's operands transposed here to K-minor.
+    lead, out = x.shape[:x.ndim - dims], w.shape[dims:]
+    K = math.prod(w.shape[:dims])
+    xq_MK, wq_KN = xq.reshape(-1, K), wq.reshape(K, -1)
+    y = _nt(xq_MK, _transpose(wq_KN, how), sx * sw, x.dtype).reshape(*lead, *out)
+    # The float8 operands are what the backward pass keeps (half the bytes of bf16 ones):
+    # x as dw's GEMM takes it, w as it is (dx's GEMM contracts its minor axes).
+    return y, (_transpose(xq_MK, how), wq, sx, sw, ax, aw, hist_3H)
 
 
-def _dot_bwd(dims, recipe, margin, batch, res, g):
+def _dot_bwd(dims, recipe, margin, batch, how, res, g):
     xq, wq, sx, sw, ax, aw, hist_3H = res
     ag = amax(g)
     sg = _scale(hist_3H[2], ag, E5M2, recipe, margin)
     gq = quantize(g, E5M2, sg)
-    _, c_dx, c_dw = _contractions(xq.ndim, wq.ndim, dims, batch)
-    dx = scaled_dot(gq, wq, c_dx, sg * sw, g.dtype, batch)
-    dw = scaled_dot(xq, gq, c_dw, sx * sg, g.dtype, batch)
     observed = jnp.zeros_like(hist_3H).at[:, 0].set(jnp.stack([ax, aw, ag]))
-    return dx, dw, observed
+    if batch:
+        _, c_dx, c_dw = _contractions(xq.ndim, wq.ndim, dims, batch)
+        dx = scaled_dot(gq, wq, c_dx, sg * sw, g.dtype, batch)
+        dw = scaled_dot(xq, gq, c_dw, sx * sg, g.dtype, batch)
+        return dx, dw, observed
+    xqT_KM, w_in = xq, wq.shape[:dims]
+    K, N = math.prod(w_in), math.prod(wq.shape[dims:])
+    gq_MN = gq.reshape(-1, N)
+    dx = _nt(gq_MN, wq.reshape(K, N), sg * sw, g.dtype)  # [M, K]
+    dw = _nt(xqT_KM, _transpose(gq_MN, how), sx * sg, g.dtype)  # [K, N]
+    lead = g.shape[:g.ndim - (wq.ndim - dims)]
+    return dx.reshape(*lead, *w_in), dw.reshape(wq.shape), observed
 
 
 _dot.defvjp(_dot_fwd, _dot_bwd)
@@ -172,7 +215,7 @@ def dot(x, w, meta: Fp8Meta, dims: int = 1, batch: int = 0):
     gradient in column 0 (zeros elsewhere). Same shapes and dtype as
     `jnp.tensordot(x, w.astype(x.dtype), dims)` (batch 0) or the batched einsum."""
     x, w, hist = _same_varying_axes(x, w.astype(x.dtype), meta.hist_3H)
-    return _dot(x, w, hist, dims, meta.recipe, meta.margin, batch)
+    return _dot(x, w, hist, dims, meta.recipe, meta.margin, batch, meta.transpose)
 
 
 def _varying_axes(x) -> frozenset:

@@ -31,7 +31,7 @@ MAY_CHANGE = {
     "train": {"steps", "out_dir", "resume", "eval_every", "eval_batches", "log_every",
               "checkpoint_every", "checkpoint_every_minutes", "keep_checkpoints", "tensorboard",
               "progress", "nonfinite", "debug_nan_step", "zero_stage", "grad_accum",
-              "pipeline_schedule", "pipeline_microbatches", "tp_comm"},
+              "pipeline_schedule", "pipeline_microbatches", "tp_comm", "fp8_transpose"},
 }
 
 

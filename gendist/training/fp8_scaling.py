@@ -14,6 +14,8 @@ logical axis (the one table in `gendist.sharding`); the rest is replicated.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -26,6 +28,21 @@ STACKS = ("blocks", "moe_blocks")  # the layer stacks, as in the params
 
 def enabled(cfg: Config) -> bool:
     return cfg.train.matmul_precision == "fp8"
+
+
+def transposes(cfg: Config) -> str:
+    """How the FP8 GEMMs' float8 operands are transposed (`train.fp8_transpose`): "auto"
+    is the Pallas kernel on a one-device GPU mesh (2-3% of the step, more than XLA's
+    transposes of one-byte elements: `benchmarks/training.md`) and XLA's elsewhere. The
+    kernel is a custom call that jit's partitioner cannot split, so sharded steps keep
+    XLA's."""
+    how = cfg.train.fp8_transpose
+    if how != "auto":
+        return how
+    sizes = [s for s in cfg.mesh.sizes().values() if s != -1]
+    free = jax.device_count() // math.prod(sizes) if -1 in cfg.mesh.sizes().values() else 1
+    one_device = math.prod(sizes) * free == 1
+    return "pallas" if jax.default_backend() == "gpu" and one_device else "xla"
 
 
 def stacks(cfg: Config) -> dict[str, int]:
@@ -53,7 +70,8 @@ def attach(cfg: Config, params: dict, hist) -> dict:
         return params
     out = dict(params)
     for k, h in hist.items():
-        state = fp8_lib.Fp8Products(h, cfg.train.fp8_recipe, cfg.train.fp8_margin)
+        state = fp8_lib.Fp8Products(h, cfg.train.fp8_recipe, cfg.train.fp8_margin,
+                                    transposes(cfg))
         out[k] = {**params[k], fp8_lib.STATE_KEY: state}
     return out
 

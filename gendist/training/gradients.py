@@ -137,7 +137,8 @@ def _with_ce(loss, metrics):
 
 def pipeline_engine(cfg: Config, mesh, rules) -> Callable:
     """A synchronous schedule table on the pipeline executor."""
-    fp8 = (cfg.train.fp8_recipe, cfg.train.fp8_margin) if fp8_scaling.enabled(cfg) else None
+    fp8 = ((cfg.train.fp8_recipe, cfg.train.fp8_margin, fp8_scaling.transposes(cfg))
+           if fp8_scaling.enabled(cfg) else None)
     st = stage_model.stage_setup(cfg.model, mesh, rules, zero3=cfg.train.zero_stage == 3,
                                  stage_layer_counts=cfg.train.pipeline_stage_layers or None,
                                  num_chunks=cfg.train.pipeline_chunks, fp8=fp8)

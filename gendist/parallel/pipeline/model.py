@@ -52,10 +52,10 @@ def model_grads(cfg: ModelConfig, grads: tuple[dict, dict, dict]) -> dict:
 
 
 def stage_specs(cfg: ModelConfig, mesh: Mesh, rules: Rules, zero3: bool,
-                fp8: tuple[str, int] | None = None):
+                fp8: tuple[str, int, str] | None = None):
     """PartitionSpecs of the stage weights in a body manual over every axis: the table's
     (layers on `pipeline`), and ZeRO-3's extra split of the layers over `data`. `fp8 =
-    (recipe, margin)`: the layer stacks carry their FP8 products' state
+    (recipe, margin, transpose)`: the layer stacks carry their FP8 products' state
     (`fp8_lib.STATE_KEY`, as `fp8_scaling.attach` puts it), its histories split with the
     layers."""
     axes = stage_weights(cfg, transformer.logical_axes(cfg))
@@ -163,7 +163,7 @@ class StageSetup:
     specs: tuple  # stage-weight PartitionSpecs (manual over every axis)
     ops: ManualOps
     batch_axes: tuple[str, ...]  # the batch axes of this mesh (size > 1)
-    fp8: tuple[str, int] | None = None  # FP8 products' (recipe, margin); None: plain dots
+    fp8: tuple[str, int, str] | None = None  # FP8 (recipe, margin, transpose); None: plain
 
     @property
     def manual_axes(self) -> tuple[str, ...]:
@@ -177,12 +177,12 @@ class StageSetup:
 
 def stage_setup(cfg: ModelConfig, mesh: Mesh, rules: Rules, *, zero3: bool = False,
                 stage_layer_counts=None, num_chunks: int = 1,
-                fp8: tuple[str, int] | None = None) -> StageSetup:
+                fp8: tuple[str, int, str] | None = None) -> StageSetup:
     """Stage specs and ops of `cfg` on `mesh` under `rules` (the run's table; the layers go
     onto the pipeline stages whatever it says). `num_chunks` > 1: each stage holds that
-    many chunks of layers, for an interleaved schedule. `fp8 = (recipe, margin)`: the
-    blocks' projections are FP8 products whose state comes in each layer stack's
-    `fp8_lib.STATE_KEY` entry; its gradient there is the observed amaxes."""
+    many chunks of layers, for an interleaved schedule. `fp8 = (recipe, margin,
+    transpose)`: the blocks' projections are FP8 products whose state comes in each layer
+    stack's `fp8_lib.STATE_KEY` entry; its gradient there is the observed amaxes."""
     rules = rules.with_overrides(**PIPELINE_STAGES)
     counts = core.chunk_layer_split(transformer.layer_units(cfg), mesh.shape[core.PIPELINE],
                                     num_chunks, stage_layer_counts)

@@ -18,7 +18,9 @@ same without the fused kernels: XLA's RMSNorm and RoPE, the paged kernel), `fast
 (fast with the fused attention kernel tiled as `LayerKVCache.tiling` says), `fast_xla` (the same with jnp attention over all
 max_len slots), `reference` (stacked weights, one stacked cache, the layer scan unrolled:
 the baseline the fast path is measured against), `chain` (batch 1: each step one persistent kernel over
-every layer, the "megakernel" path; sm90 only; chain@<stages>: its ring slots). Each row also carries the kernels one loop iteration
+every layer, the "megakernel" path; sm90 only; chain@<stages>: its ring slots); a `+head`
+suffix (`chain+head`, `fast+head`) runs the final norm and the output layer as one kernel
+(`pallas_kernels.head`) instead of XLA's. Each row also carries the kernels one loop iteration
 launches, by kind, read from the compiled HLO, and with `--profile` the device time per
 kind of the first case of each preset. Writes `decode_floor_<device>.json` after every case.
 """
@@ -110,15 +112,18 @@ def _match(row: dict, done: list) -> None:
 
 def case_plan(cfg, params, batch: int, variant: str, max_len: int) -> decoder.DecodePlan:
     """The decode plan of a variant (`params` already laid out for its path)."""
+    variant, _, extra = variant.partition("+")
+    head = "kernel" if extra == "head" else "xla"
     kind, _, option = variant.partition("@")
     if kind == "reference":
         return decoder.plan(dataclasses.replace(cfg, scan_unroll=cfg.num_layers), params, batch,
                             max_len, "reference")
     if kind == "chain":  # one persistent kernel a step (chain@STAGES: ring slots)
-        return decoder.plan(cfg, params, batch, max_len, "megakernel", stages=int(option or 16))
+        return decoder.plan(cfg, params, batch, max_len, "megakernel", stages=int(option or 16),
+                            head=head)
     return decoder.plan(cfg, params, batch, max_len, "fast",
                         backend="xla" if kind == "fast_xla" else None,
-                        fused=kind != "fast_unfused", tiling=option)
+                        fused=kind != "fast_unfused", tiling=option, head=head)
 
 
 def run_case(cfg, params, batch, variant, args, profile: bool):
@@ -188,8 +193,10 @@ def main():
         p, b, v = spec.split(":")
         cases.append((p, int(b), v))
     for _, _, v in cases:
-        if v not in VARIANTS and not v.startswith(("fast@", "chain@")):
-            raise SystemExit(f"variant {v!r}: choose one of {VARIANTS}, fast@<tiling> or chain@<stages>")
+        base, _, extra = v.partition("+")
+        if (base not in VARIANTS and not base.startswith(("fast@", "chain@"))) or extra not in ("", "head"):
+            raise SystemExit(f"variant {v!r}: choose one of {VARIANTS}, fast@<tiling> or "
+                             "chain@<stages>, optionally with +head")
     current, params = None, {}
     for name, batch, variant in cases:
         if time.perf_counter() - t_start > args.budget_s:
@@ -209,7 +216,8 @@ def main():
             cfg = preset(name).model
             if variant.startswith("chain") and "chain" not in params:
                 params["chain"] = decoder.layout(cfg, params["fast"], "megakernel")
-            p = params[variant.split("@")[0] if variant.startswith(("reference", "chain")) else "fast"]
+            base = variant.split("+")[0].split("@")[0]
+            p = params[base if base in ("reference", "chain") else "fast"]
             row = run_case(cfg, p, batch, variant, args, profile=args.profile_all or (args.profile and first))
             first = False
             w, kv = step_bytes(cfg, params["fast"], batch, args.prompt, args.new_tokens)

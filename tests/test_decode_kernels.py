@@ -15,6 +15,7 @@ from gendist.inference.cache import ContiguousKVCache
 from gendist.inference.layer_cache import LayerKVCache
 from gendist.inference.sampling import SamplingParams
 from gendist.models import layers, transformer
+from pallas_kernels import head as head_kernel
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.rms_norm import rms_norm
 
@@ -99,6 +100,39 @@ def test_rms_norm_kernel_matches_layers(dtype):
         rms_norm(x[..., :48], g[:48], eps=1e-6)
 
 
+@pytest.mark.parametrize("rows,tied", [(1, True), (5, False)])
+def test_head_kernel_matches_the_output_layer(rows, tied):
+    """The final norm and the logits in one kernel against XLA's (`decode_block.head_logits`):
+    equal but for the normed row's rounding to bf16, where the two sums of squares differ in
+    their last bits and move an entry across a rounding boundary (one bf16 step, 0.4%, of
+    that entry; the logits move ~0.1% of their largest). Same greedy token."""
+    from gendist.inference import decode_block
+    V, D = 1008, 512  # a vocabulary of 63 tiles of 16 rows; 2 column chunks of 256
+    cfg = ModelConfig(d_model=D, num_layers=1, num_heads=4, num_kv_heads=4, head_dim=128,
+                      d_ff=256, vocab_size=V, tie_embeddings=tied, dtype="bfloat16")
+    ks = jax.random.split(jax.random.key(rows), 3)
+    table = (0.05 * jax.random.normal(ks[0], (V, D))).astype(jnp.bfloat16)
+    params = {"final_norm": 1 + 0.1 * jax.random.normal(ks[1], (D,)),
+              "embed" if tied else "head_VD": table}
+    if not tied:
+        params["embed"] = jnp.zeros((V, D), jnp.bfloat16)
+    x = (2 * jax.random.normal(ks[2], (1, rows, D))).astype(jnp.bfloat16)
+    want = np.asarray(decode_block.head_logits(params, x, cfg))
+    got = np.asarray(decode_block.head_logits(params, x, cfg, kernel=True))
+    assert got.shape == (1, rows, V) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=4e-3 * np.abs(want).max())
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_head_kernel_says_what_it_takes():
+    assert head_kernel.supports(1, 128256, 2048) and head_kernel.supports(16, 256, 64)
+    assert not head_kernel.supports(17, 256, 64)  # 17 rows: XLA's output layer
+    assert not head_kernel.supports(1, 1000, 64)  # no tile of 16 or more divides 1000
+    with pytest.raises(ValueError, match="1-16 rows"):
+        head_kernel.head_logits(jnp.zeros((17, 64)), jnp.ones((64,)), jnp.zeros((256, 64)),
+                                eps=1e-5)
+
+
 @pytest.mark.parametrize("heads,tiling", [((4, 2), ""), ((2, 2), "bk16_sp2_w2")],
                          ids=["gqa", "mha-split"])
 def test_fused_decode_greedy_equals_reference(heads, tiling):
@@ -127,3 +161,23 @@ def test_fused_decode_greedy_equals_reference(heads, tiling):
         decoder.plan(cfg, params, 3, 8, "fast", backend="pallas", tiling="split2").make_cache()
     out, _ = run(cache)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_fast_path_with_the_head_kernel_decodes_the_reference_tokens():
+    """plan(..., head="kernel"): each decode step's output layer is the kernel (in the step's
+    program) and greedy tokens are the reference path's; a head that is neither is refused."""
+    cfg = ModelConfig(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                      d_ff=128, max_seq_len=64)
+    params = jax.tree.map(lambda x: x * 4 if x.ndim > 1 else x,
+                          transformer.init_params(cfg, 1))  # peaky logits
+    pb, lb = G.pad_prompts([np.array([1, 2, 3, 4, 5]), np.array([7, 8])])
+    greedy = SamplingParams(temperature=0.0)
+    args = (jnp.asarray(pb), jnp.asarray(lb), jax.random.key(0))
+    ref, _ = G.generate_tokens(cfg, params, *args, max_new_tokens=6, sp=greedy, path="reference")
+    plan = decoder.plan(cfg, params, 2, pb.shape[1] + 6, "fast", head="kernel")
+    cache = plan.make_cache()
+    assert "head_logits" in str(jax.make_jaxpr(plan.step)(jnp.zeros((2,), jnp.int32), cache))
+    out, _ = G.generate(plan, *args, max_new_tokens=6, sp=greedy, cache=cache)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    with pytest.raises(ValueError, match="head='pallas'"):
+        decoder.plan(cfg, params, 2, 8, "fast", head="pallas")

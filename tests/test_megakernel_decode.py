@@ -60,8 +60,8 @@ def _generate(params, prompt, new, **kw):
                              max_new_tokens=new, sp=GREEDY, **kw)
 
 
-def _plan(params, max_len, kernel=KERNEL, cfg=CFG):
-    return decoder.plan(cfg, params, 1, max_len, "megakernel", kernel)
+def _plan(params, max_len, kernel=KERNEL, cfg=CFG, head="xla"):
+    return decoder.plan(cfg, params, 1, max_len, "megakernel", kernel, head=head)
 
 
 @pytest.mark.parametrize("prompt_len,gqa", [(5, False), (70, False), (70, True)])
@@ -76,12 +76,18 @@ def test_chain_steps_give_the_models_logits(params, gqa_params, prompt_len, gqa)
     assert got.max() <= 2 * model.max(), (got, model)
 
 
-def _teacher_forced(cfg, params, prompt_len, kernel=KERNEL):
+def test_chain_steps_with_the_head_kernel_give_the_models_logits(params):
+    """The same with the final norm and the output layer in their kernel (`head="kernel"`)."""
+    got, model = _teacher_forced(CFG, params, 5, head="kernel")
+    assert got.max() <= 2 * model.max(), (got, model)
+
+
+def _teacher_forced(cfg, params, prompt_len, kernel=KERNEL, head="xla"):
     """The relative errors [10] of 10 teacher-forced steps' logits through the chain, and of
     the model's own bf16 forward, against the model's fp32 forward (same bf16-rounded weights)."""
     rng = np.random.default_rng(prompt_len)
     tokens = jnp.asarray(rng.integers(0, 256, (1, prompt_len + 10)), jnp.int32)
-    plan = _plan(params, prompt_len + 10, kernel, cfg=cfg)
+    plan = _plan(params, prompt_len + 10, kernel, cfg=cfg, head=head)
     logits, cache = plan.prefill(tokens[:, :prompt_len], jnp.array([prompt_len], jnp.int32),
                                  plan.make_cache())
     assert isinstance(cache, mk.ChainCache)
@@ -99,12 +105,14 @@ def _teacher_forced(cfg, params, prompt_len, kernel=KERNEL):
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Mosaic GPU kernel at Llama-3.2-1B's widths: an sm90 GPU only")
-def test_llama_widths_step_through_the_kernel_on_the_gpu():
+@pytest.mark.parametrize("head", ["xla", "kernel"])
+def test_llama_widths_step_through_the_kernel_on_the_gpu(head):
     """Llama-3.2-1B's widths (32 query / 8 kv heads of 64, d_ff 8192, vocabulary 128256,
     llama3 RoPE scaling), 2 of its 16 layers, random weights: teacher-forced steps through
-    the Mosaic GPU kernel give logits within twice the model's own bf16 error."""
+    the Mosaic GPU kernel give logits within twice the model's own bf16 error (with XLA's
+    output layer, and with the head kernel)."""
     cfg = dataclasses.replace(preset("llama3.2-1b").model, num_layers=2, attention="xla")
-    got, model = _teacher_forced(cfg, transformer.init_params(cfg, 1), 100, None)
+    got, model = _teacher_forced(cfg, transformer.init_params(cfg, 1), 100, None, head)
     assert got.max() <= 2 * model.max(), (got, model)
 
 

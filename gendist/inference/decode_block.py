@@ -30,6 +30,7 @@ from gendist.config import ModelConfig
 from gendist.models import layers
 from gendist.models.attention import attention
 from gendist.models.params import DTYPES
+from pallas_kernels import head as head_kernel
 from pallas_kernels import rms_norm as norm_kernel
 
 
@@ -38,12 +39,18 @@ def embed(params: dict, tokens_BT, cfg: ModelConfig):
     return jnp.take(params["embed"], tokens_BT, axis=0).astype(DTYPES[cfg.dtype])
 
 
-def head_logits(params: dict, x_BTD, cfg: ModelConfig):
+def head_logits(params: dict, x_BTD, cfg: ModelConfig, kernel: bool = False):
     """fp32 logits [B, T, V]: the final RMSNorm, then the output layer (the token table when
-    tied, else `head_VD`)."""
+    tied, else `head_VD`). `kernel`: both in one Pallas kernel (`pallas_kernels.head`) where
+    it takes the rows and the table (up to 16 rows), else XLA's."""
+    B, T, D = x_BTD.shape
+    table_VD = params["embed"] if cfg.tie_embeddings else params["head_VD"]
+    if kernel and head_kernel.supports(B * T, *table_VD.shape):
+        logits = head_kernel.head_logits(x_BTD.reshape(B * T, D), params["final_norm"],
+                                         table_VD.astype(x_BTD.dtype), eps=cfg.norm_eps)
+        return logits.reshape(B, T, -1)
     h_BTD = layers.rms_norm(x_BTD, params["final_norm"], cfg.norm_eps)
-    w_DV = params["embed"].T if cfg.tie_embeddings else params["head_VD"].T
-    return jnp.einsum("BTD,DV->BTV", h_BTD, w_DV.astype(h_BTD.dtype),
+    return jnp.einsum("BTD,VD->BTV", h_BTD, table_VD.astype(h_BTD.dtype),
                       preferred_element_type=jnp.float32)
 
 
@@ -130,9 +137,11 @@ def run_layers(blocks, x_BTD, pos_BT, cfg: ModelConfig, cache=None):
     return x_BTD, None if cache is None else cache.with_layer_states(new_states)
 
 
-def forward(cfg: ModelConfig, params: dict, tokens_BT, pos_BT=None, cache=None):
+def forward(cfg: ModelConfig, params: dict, tokens_BT, pos_BT=None, cache=None,
+            head: bool = False):
     """fp32 logits [B, T, V] of a model in the decode layout (and the cache when one is
-    given: reserved by `prepare`, written at `pos_BT`; its lengths are the caller's)."""
+    given: reserved by `prepare`, written at `pos_BT`; its lengths are the caller's).
+    `head`: the output layer through its kernel (`head_logits`)."""
     B, T = tokens_BT.shape
     if pos_BT is None:
         pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -140,5 +149,5 @@ def forward(cfg: ModelConfig, params: dict, tokens_BT, pos_BT=None, cache=None):
         cache = cache.prepare(pos_BT)
     x_BTD, cache = run_layers(params["blocks"], embed(params, tokens_BT, cfg), pos_BT, cfg,
                               cache)
-    logits_BTV = head_logits(params, x_BTD, cfg)
+    logits_BTV = head_logits(params, x_BTD, cfg, kernel=head)
     return logits_BTV if cache is None else (logits_BTV, cache)

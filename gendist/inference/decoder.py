@@ -157,6 +157,7 @@ class DecodePlan:
     fused: bool = dataclasses.field(default=True, metadata=dict(static=True))
     tiling: str = dataclasses.field(default="", metadata=dict(static=True))
     stages: int = dataclasses.field(default=16, metadata=dict(static=True))  # the kernel's ring
+    head: str = dataclasses.field(default="xla", metadata=dict(static=True))  # output layer
 
     def make_cache(self, batch: int | None = None, max_len: int | None = None) -> KVCache:
         """An empty cache of this path for `batch` sequences of up to `max_len` tokens (the
@@ -195,11 +196,12 @@ class DecodePlan:
             logits_BTV, cache = transformer.forward(self.cfg, self.params, tokens_BT, pos_BT, cache)
         elif self.path == "megakernel" and tokens_BT.shape[1] == 1:
             logits_BV, cache = megakernel.step(self.cfg, self.params, tokens_BT[:, 0],
-                                               pos_BT[:, 0], cache, self.kernel)
+                                               pos_BT[:, 0], cache, self.kernel,
+                                               head=self.head == "kernel")
             return logits_BV[:, None], cache
         else:  # fast, and the megakernel's prompts (XLA attention over its cache)
             logits_BTV, cache = decode_block.forward(self.cfg, self.params, tokens_BT, pos_BT,
-                                                     cache)
+                                                     cache, head=self.head == "kernel")
         return logits_BTV.astype(jnp.float32), cache
 
     def prefill(self, prompt_BT, prompt_len_B, cache):
@@ -225,7 +227,7 @@ class DecodePlan:
 def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "auto",
          kernel: Callable | None = None, *, paged: bool = False, step_tokens: int = 1,
          backend: str | None = None, fused: bool = True, tiling: str = "", stages: int = 16,
-         device: tuple[str, str] | None = None) -> DecodePlan:
+         head: str = "xla", device: tuple[str, str] | None = None) -> DecodePlan:
     """The decode plan of `cfg` for `batch` sequences of up to `max_len` tokens (module
     docstring). Call it outside jit: it lays the weights out for the path once.
 
@@ -233,12 +235,18 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     (`pallas_kernels.chain.chain_mgpu` by default; `megakernel.chain_reference` runs the path
     in XLA). paged, step_tokens: what the caller needs (`choose`). backend ("xla" |
     "pallas"), fused, tiling: the fast path's attention (`LayerKVCache`); stages: the
-    megakernel's ring. device: (platform, device_kind), the first device's by default.
+    megakernel's ring. head: "xla" | "kernel", the final norm and the output layer of the
+    fast path and the megakernel as XLA's ops or one Pallas kernel (`pallas_kernels.head`).
+    device: (platform, device_kind), the first device's by default.
     """
+    if head not in ("xla", "kernel"):
+        raise ValueError(f"head={head!r}; choose 'xla' (XLA's output layer) or 'kernel' "
+                         "(pallas_kernels.head).")
     platform, kind = device or this_device()
     path, line = resolve(cfg, batch, path, platform=platform, device_kind=kind, kernel=kernel,
                          paged=paged, step_tokens=step_tokens)
     if path == "megakernel" and kernel is None:
         kernel = chain_mgpu
     return DecodePlan(layout(cfg, params, path), cfg, path, line, batch, max_len,
-                      attention_backend(cfg, platform, backend), kernel, fused, tiling, stages)
+                      attention_backend(cfg, platform, backend), kernel, fused, tiling, stages,
+                      head)

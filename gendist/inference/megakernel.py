@@ -111,15 +111,18 @@ class ChainCache(KVCache):
         return out, jnp.stack([k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)])
 
 
-def step(cfg: ModelConfig, params: dict, tokens_B, pos_B, cache: ChainCache, kernel):
+def step(cfg: ModelConfig, params: dict, tokens_B, pos_B, cache: ChainCache, kernel,
+         head: bool = False):
     """One token at position pos_B through `kernel` (`kernel.chain_mgpu` or `chain_reference`):
     (fp32 logits [1, V], the cache with every layer's new k and v written at pos_B; its
-    lengths are the caller's, as for a forward)."""
+    lengths are the caller's, as for a forward). `head`: the final norm and the output layer
+    in one kernel (`decode_block.head_logits`)."""
     x0 = decode_block.embed(params, tokens_B[:, None], cfg)[0, 0].astype(jnp.float32)
     cos, sin = rope_angles(pos_B[:, None], cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
     rope = jnp.concatenate([cos.reshape(-1), sin.reshape(-1)])
     x_D, kv_new = kernel(x0, *params["chain"], cache.kv, pos_B, rope, norm_eps=cfg.norm_eps,
                          stages=cache.stages)
     kv = jax.lax.dynamic_update_slice(cache.kv, kv_new[:, :, :, None, :], (0, 0, 0, pos_B[0], 0))
-    logits = decode_block.head_logits(params, x_D.astype(cache.kv.dtype)[None, None], cfg)
+    logits = decode_block.head_logits(params, x_D.astype(cache.kv.dtype)[None, None], cfg,
+                                      kernel=head)
     return logits[:, 0].astype(jnp.float32), dataclasses.replace(cache, kv=kv)

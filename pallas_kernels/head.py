@@ -1,0 +1,100 @@
+"""The output layer of a decode step in one kernel: the final RMSNorm and the logits of a few
+rows against the whole token table.
+
+At batch 1 the output layer is a matrix-vector product that reads the table once: for
+Llama-3.2-1B's tied 128,256 x 2,048 table 525 MB of a 2,472 MB step (`benchmarks/decode.md`).
+XLA runs it as the norm's two small kernels and a reduction over the table's rows. Here each
+program owns `block_v` rows of the table: it computes the norm of the rows of x itself (a few
+KB, from L2), then streams its rows of the table in `block_d`-wide chunks through the tensor
+cores (the rows of x padded to 16, the smallest MMA tile) and writes their fp32 logits.
+Thousands of programs keep the reads in flight; the table is read once.
+
+Same math as `decode_block.head_logits`: x rounded to the table's dtype, normed in fp32,
+scaled by the gain, rounded again, then products accumulated in fp32.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._compat import resolve_interpret, triton_params
+
+ROWS = 16  # rows of x as the kernel holds them: the smallest MMA tile; up to 16 rows in
+BLOCK_V = 128  # rows of the table a program owns
+BLOCK_D = 256  # columns streamed a loop step
+
+
+def block_v_for(n: int, block: int = BLOCK_V) -> int | None:
+    """`block` halved (not below 16) until it divides n (the vocabulary, or the width with
+    `BLOCK_D`); None if none does."""
+    while block >= 16 and n % block:
+        block //= 2
+    return block if block >= 16 else None
+
+
+def supports(rows: int, vocab: int, width: int) -> bool:
+    """Whether the kernel takes `rows` rows of x against a [vocab, width] table: up to 16
+    rows, and tiles of 16 or more dividing the vocabulary and the width (the caller keeps
+    XLA's output layer otherwise)."""
+    return 0 < rows <= ROWS and None not in (block_v_for(vocab), block_v_for(width, BLOCK_D))
+
+
+def _kernel(x_ref, g_ref, w_ref, o_ref, *, eps: float, block_d: int, width: int):
+    steps = width // block_d
+    dt = w_ref.dtype
+
+    def chunk(ref, k):
+        return ref[:, pl.ds(pl.multiple_of(k * block_d, block_d), block_d)]
+
+    def sum_sq(k, acc):
+        x = chunk(x_ref, k).astype(dt).astype(jnp.float32)
+        return acc + jnp.sum(x * x, axis=1, keepdims=True)
+
+    ss = lax.fori_loop(0, steps, sum_sq, jnp.zeros((x_ref.shape[0], 1), jnp.float32))
+    inv = lax.rsqrt(ss / width + eps)
+
+    def product(k, acc):
+        x = chunk(x_ref, k).astype(dt).astype(jnp.float32)
+        h = (x * inv * chunk(g_ref, k).astype(jnp.float32)).astype(dt)
+        w = chunk(w_ref, k)
+        return acc + lax.dot_general(h, w, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+
+    o_ref[...] = lax.fori_loop(0, steps, product,
+                               jnp.zeros((x_ref.shape[0], w_ref.shape[0]), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "block_v", "block_d", "num_warps",
+                                             "num_stages", "interpret"))
+def head_logits(x_RD, gain_D, table_VD, *, eps: float, block_v: int = BLOCK_V,
+                block_d: int = BLOCK_D, num_warps: int = 4, num_stages: int = 4,
+                interpret: bool | None = None):
+    """fp32 logits [R, V] of rows x [R, D] (R <= 16; any float dtype) through the final
+    RMSNorm (gain [D], `eps`) and the token table [V, D] (tied embeddings, or the decode
+    layout's `head_VD`). `block_v` and `block_d` are halved until they divide V and D."""
+    R, D = x_RD.shape
+    V = table_VD.shape[0]
+    if table_VD.shape[1] != D or gain_D.shape != (D,):
+        raise ValueError(f"head_logits: x {x_RD.shape}, gain {gain_D.shape} and table "
+                         f"{table_VD.shape} disagree on the width")
+    bv, bd = block_v_for(V, block_v), block_v_for(D, block_d)
+    if not (0 < R <= ROWS) or bv is None or bd is None:
+        raise ValueError(f"head_logits: {R} rows, vocabulary {V}, width {D}: the kernel takes "
+                         f"1-{ROWS} rows and a vocabulary and width with a divisor of 16 or "
+                         "more; use decode_block.head_logits")
+    x = jnp.zeros((ROWS, D), jnp.float32).at[:R].set(x_RD.astype(jnp.float32))
+    whole = lambda shape: pl.BlockSpec(shape, lambda v: (0, 0))  # noqa: E731
+    out = pl.pallas_call(
+        functools.partial(_kernel, eps=float(eps), block_d=bd, width=D),
+        grid=(V // bv,),
+        in_specs=[whole((ROWS, D)), whole((1, D)), pl.BlockSpec((bv, D), lambda v: (v, 0))],
+        out_specs=pl.BlockSpec((ROWS, bv), lambda v: (0, v)),
+        out_shape=jax.ShapeDtypeStruct((ROWS, V), jnp.float32),
+        compiler_params=triton_params(num_warps, num_stages),
+        interpret=resolve_interpret(interpret), name="head_logits",
+    )(x, gain_D.reshape(1, D), table_VD)
+    return out[:R]

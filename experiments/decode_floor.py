@@ -45,25 +45,9 @@ from gendist.inference.generate import generate
 from gendist.inference.sampling import SamplingParams
 from gendist.models import transformer
 from gendist.presets import preset
-from gendist.timing import call_times, pipelined_seconds, warm_gpu
+from gendist.timing import call_times, read_only_tbps, warm_gpu
 
 VARIANTS = ("fast", "fast_unfused", "fast_xla", "reference", "chain")
-
-
-def read_only_tbps(gib: float = 2.0, n: int = 10) -> dict[str, float]:
-    """TB/s of a read-only XLA sum over `gib` GiB of bf16: "synced" from the median of n
-    synchronised calls (what the floors used up to 2026-12-01), "pipelined" from n calls
-    back to back with one synchronisation. On the H200 machine a synchronised call costs
-    ~0.1-0.3 ms more than the sum itself, so the synced figure understates the bandwidth
-    (3.1-3.4 against 4.1-4.5 TB/s) and overstates a step's share of its floor; the floor
-    uses the higher, pipelined one."""
-    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
-    f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-    ts, _ = call_times(f, x, n=n, warm=2)
-    t_pipe, _ = pipelined_seconds(f, x, n=n, warm=1)
-    nbytes = 2 * (int(gib * 2**30) // 2)
-    del x
-    return {"synced": nbytes / float(np.median(ts)) / 1e12, "pipelined": nbytes / t_pipe / 1e12}
 
 
 def step_bytes(cfg, dparams, batch: int, prompt: int, new: int) -> tuple[int, int]:

@@ -63,6 +63,7 @@ paged)
         --paged-variants default bk128_st2_streamonly ;;
 decode)
     "$PY" experiments/decode_paths.py --out "$OUT"
+    "$PY" experiments/head_kernel.py --out "$OUT"
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --variants chain chain+head fast fast+head --reps 3 \
         --out "$OUT"
     "$PY" experiments/trace_chain.py --pos 160 --out "$OUT" ;;

@@ -20,26 +20,17 @@ import functools
 import itertools
 import json
 import os
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from gendist.timing import pipelined_seconds
 from pallas_kernels import transpose as tk
 
 BANDWIDTH = 4.23e12  # bytes/s
 SHAPES = [(16384, 4096), (16384, 14336), (4096, 4096), (16384, 2048)]
 TILES = [(bm, bn, w) for bm, bn, w in itertools.product([32, 64, 128], [32, 64, 128], [4, 8])]
-
-
-def seconds(f, x, iters: int) -> float:
-    jax.block_until_ready(f(x))
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        y = f(x)
-    jax.block_until_ready(y)
-    return (time.perf_counter() - t0) / iters
 
 
 def main():
@@ -54,10 +45,11 @@ def main():
     for shape in shapes:
         x = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16).astype(jnp.float8_e4m3fn)
         row = {"shape": shape, "floor_us": 2 * x.size / BANDWIDTH * 1e6,
-               "xla_us": seconds(jax.jit(lambda a: a.T), x, args.iters) * 1e6, "kernel_us": {}}
+               "xla_us": pipelined_seconds(jax.jit(lambda a: a.T), x, n=args.iters)[0] * 1e6,
+               "kernel_us": {}}
         for bm, bn, w in tiles:
             f = jax.jit(functools.partial(tk.transpose, block=(bm, bn), num_warps=w))
-            row["kernel_us"][f"{bm}x{bn}/w{w}"] = seconds(f, x, args.iters) * 1e6
+            row["kernel_us"][f"{bm}x{bn}/w{w}"] = pipelined_seconds(f, x, n=args.iters)[0] * 1e6
         default = row["kernel_us"].get(f"{tk.BLOCK[0]}x{tk.BLOCK[1]}/w{tk.NUM_WARPS}")
         best = min(row["kernel_us"], key=row["kernel_us"].get)
         print(f"{shape}: floor {row['floor_us']:.0f} us, XLA {row['xla_us']:.0f}, kernel "

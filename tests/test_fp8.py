@@ -386,13 +386,14 @@ def test_pallas_transposes_give_the_same_products(dims):
 
 def test_auto_transposes_through_the_kernel_on_one_gpu_only(monkeypatch):
     cfg = _fp8_cfg()
-    one = replace(cfg, **{"mesh.data": 1})
-    assert fp8_scaling.transposes(one) == "xla"  # a CPU
+    one, eight = mesh_of(1), mesh_of(8)
+    assert fp8_scaling.transposes(cfg, one) == "xla"  # a CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert fp8_scaling.transposes(one) == "pallas"
-    assert fp8_scaling.transposes(replace(cfg, **{"mesh.data": -1})) == (
-        "pallas" if jax.device_count() == 1 else "xla")
-    assert fp8_scaling.transposes(replace(one, **{"train.fp8_transpose": "xla"})) == "xla"
+    assert fp8_scaling.transposes(cfg, one) == "pallas"
+    assert fp8_scaling.transposes(cfg, eight) == "xla"  # sharded: XLA's
+    assert fp8_scaling.transposes(replace(cfg, **{"train.fp8_transpose": "xla"}), one) == "xla"
+    assert fp8_scaling.transposes(replace(cfg, **{"train.fp8_transpose": "pallas"}), eight) == (
+        "pallas")
 
 
 MOE = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_every": 2,

@@ -14,8 +14,6 @@ logical axis (the one table in `gendist.sharding`); the rest is replicated.
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -30,19 +28,16 @@ def enabled(cfg: Config) -> bool:
     return cfg.train.matmul_precision == "fp8"
 
 
-def transposes(cfg: Config) -> str:
-    """How the FP8 GEMMs' float8 operands are transposed (`train.fp8_transpose`): "auto"
-    is the Pallas kernel on a one-device GPU mesh (2-3% of the step, more than XLA's
-    transposes of one-byte elements: `benchmarks/training.md`) and XLA's elsewhere. The
+def transposes(cfg: Config, mesh) -> str:
+    """How the FP8 GEMMs' float8 operands are transposed (`train.fp8_transpose`) in a step on
+    `mesh`: "auto" is the Pallas kernel on a one-device GPU mesh (2-3% of the step, more than
+    XLA's transposes of one-byte elements: `benchmarks/training.md`) and XLA's elsewhere. The
     kernel is a custom call that jit's partitioner cannot split, so sharded steps keep
     XLA's."""
     how = cfg.train.fp8_transpose
     if how != "auto":
         return how
-    sizes = [s for s in cfg.mesh.sizes().values() if s != -1]
-    free = jax.device_count() // math.prod(sizes) if -1 in cfg.mesh.sizes().values() else 1
-    one_device = math.prod(sizes) * free == 1
-    return "pallas" if jax.default_backend() == "gpu" and one_device else "xla"
+    return "pallas" if jax.default_backend() == "gpu" and mesh.size == 1 else "xla"
 
 
 def stacks(cfg: Config) -> dict[str, int]:
@@ -64,14 +59,14 @@ def axes(cfg: Config) -> dict:
     return {k: fp8_lib.HISTORY_AXES for k in stacks(cfg)}
 
 
-def attach(cfg: Config, params: dict, hist) -> dict:
-    """`params` with each layer stack's histories where `transformer.block` finds them."""
+def attach(cfg: Config, params: dict, hist, transpose: str = "xla") -> dict:
+    """`params` with each layer stack's histories where `transformer.block` finds them, their
+    products' float8 operands transposed as `transpose` says (`transposes`)."""
     if hist is None:
         return params
     out = dict(params)
     for k, h in hist.items():
-        state = fp8_lib.Fp8Products(h, cfg.train.fp8_recipe, cfg.train.fp8_margin,
-                                    transposes(cfg))
+        state = fp8_lib.Fp8Products(h, cfg.train.fp8_recipe, cfg.train.fp8_margin, transpose)
         out[k] = {**params[k], fp8_lib.STATE_KEY: state}
     return out
 

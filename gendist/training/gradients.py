@@ -95,9 +95,10 @@ def plain_engine(cfg: Config, mesh, rules) -> Callable:
     run_cfg = dataclasses.replace(
         cfg, model=zero.model_for_stage(cfg.model, cfg.train.zero_stage))
     ops = MeshOps(mesh, rules)
+    transpose = fp8_scaling.transposes(cfg, mesh)
 
     def loss(params, hist, batch):
-        compute = fp8_scaling.attach(cfg, compute_params(cfg, params, axes), hist)
+        compute = fp8_scaling.attach(cfg, compute_params(cfg, params, axes), hist, transpose)
         return loss_and_metrics(run_cfg, compute, batch, ops)
 
     value_and_grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
@@ -137,7 +138,8 @@ def _with_ce(loss, metrics):
 
 def pipeline_engine(cfg: Config, mesh, rules) -> Callable:
     """A synchronous schedule table on the pipeline executor."""
-    fp8 = ((cfg.train.fp8_recipe, cfg.train.fp8_margin, fp8_scaling.transposes(cfg))
+    transpose = fp8_scaling.transposes(cfg, mesh)
+    fp8 = ((cfg.train.fp8_recipe, cfg.train.fp8_margin, transpose)
            if fp8_scaling.enabled(cfg) else None)
     st = stage_model.stage_setup(cfg.model, mesh, rules, zero3=cfg.train.zero_stage == 3,
                                  stage_layer_counts=cfg.train.pipeline_stage_layers or None,
@@ -151,7 +153,7 @@ def pipeline_engine(cfg: Config, mesh, rules) -> Callable:
         compute = _cast_layers(cfg, compute_params(cfg, params, axes))
         tokens = batch["targets"].size  # the pipeline differentiates the summed loss
         hist = fp8_scaling.to_engine(hist, tokens, cfg.train.fp8_margin)
-        compute = fp8_scaling.attach(cfg, compute, hist)
+        compute = fp8_scaling.attach(cfg, compute, hist, transpose)
         loss, metrics, grads = stage_model.loss_and_grads(st, compute, batch, sched)
         grads, metrics = fp8_scaling.pop_observed(grads, metrics)
         if hist is not None:

@@ -18,7 +18,11 @@ same without the fused kernels: XLA's RMSNorm and RoPE, the paged kernel), `fast
 (fast with the fused attention kernel tiled as `LayerKVCache.tiling` says), `fast_xla` (the same with jnp attention over all
 max_len slots), `reference` (stacked weights, one stacked cache, the layer scan unrolled:
 the baseline the fast path is measured against), `chain` (batch 1: each step one persistent kernel over
-every layer, the "megakernel" path; sm90 only; chain@<stages>: its ring slots); a `+head`
+every layer, the "megakernel" path; sm90 only; `chain@OPTS`: OPTS comma-separated, a number
+for its ring slots, `spare=0|1` to split o over every block or over those that do not attend,
+`NAME=SKxST` to split product NAME (qkv, o, gu, down) as given, the others as the cost model
+does: `chain@16,down=22x6`, the sweep of splits in whole steps; unset, the kernel's measured
+choice for the shape, `plan.tuned`); a `+head`
 suffix (`chain+head`, `fast+head`) runs the final norm and the output layer as one kernel
 (`pallas_kernels.head`) instead of XLA's. Each row also carries the kernels one loop iteration
 launches, by kind, read from the compiled HLO, and with `--profile` the device time per
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -46,6 +51,7 @@ from gendist.inference.sampling import SamplingParams
 from gendist.models import transformer
 from gendist.presets import preset
 from gendist.timing import call_times, read_only_tbps, warm_gpu
+from pallas_kernels.chain import chain_mgpu
 
 VARIANTS = ("fast", "fast_unfused", "fast_xla", "reference", "chain")
 
@@ -94,6 +100,26 @@ def _match(row: dict, done: list) -> None:
                                            first_difference=int(differ[0]) if differ.size else -1)
 
 
+def chain_options(option: str):
+    """(ring slots, the kernel with the options' splits and spare) of `chain@OPTS`."""
+    stages, kw, splits = 16, {}, []
+    for opt in filter(None, option.split(",")):
+        name, eq, value = opt.partition("=")
+        if not eq:
+            stages = int(name)
+        elif name == "spare":
+            kw["spare"] = value not in ("0", "false", "False")
+        elif name in ("qkv", "o", "gu", "down"):
+            sk, _, st = value.partition("x")
+            splits.append((name, int(sk), int(st)))
+        else:
+            raise ValueError(f"chain@{option}: option {opt!r}; use a ring size (16), spare=0 or "
+                             "NAME=SKxST for NAME in qkv, o, gu, down.")
+    if splits:  # over the cost model's (none given: the kernel's measured choice)
+        kw["splits"] = tuple(splits)
+    return stages, functools.partial(chain_mgpu, **kw)
+
+
 def case_plan(cfg, params, batch: int, variant: str, max_len: int) -> decoder.DecodePlan:
     """The decode plan of a variant (`params` already laid out for its path)."""
     variant, _, extra = variant.partition("+")
@@ -102,8 +128,9 @@ def case_plan(cfg, params, batch: int, variant: str, max_len: int) -> decoder.De
     if kind == "reference":
         return decoder.plan(dataclasses.replace(cfg, scan_unroll=cfg.num_layers), params, batch,
                             max_len, "reference")
-    if kind == "chain":  # one persistent kernel a step (chain@STAGES: ring slots)
-        return decoder.plan(cfg, params, batch, max_len, "megakernel", stages=int(option or 16),
+    if kind == "chain":  # one persistent kernel a step (chain@OPTS: the module docstring's)
+        stages, kernel = chain_options(option)
+        return decoder.plan(cfg, params, batch, max_len, "megakernel", kernel=kernel, stages=stages,
                             head=head)
     return decoder.plan(cfg, params, batch, max_len, "fast",
                         backend="xla" if kind == "fast_xla" else None,

@@ -64,9 +64,9 @@ paged)
 decode)
     "$PY" experiments/decode_paths.py --out "$OUT"
     "$PY" experiments/head_kernel.py --out "$OUT"
-    "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --variants chain chain+head fast fast+head --reps 3 \
+    "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --variants chain fast --reps 3 \
         --out "$OUT"
-    "$PY" experiments/trace_chain.py --pos 160 --out "$OUT" ;;
+    "$PY" experiments/trace_chain.py --spare 0 auto --pos 160 --out "$OUT" ;;
 train)
     for round in 1 2 3; do train_1b cudnn "$round"; train_1b pallas "$round"; done ;;
 serving)

@@ -13,9 +13,12 @@ over layers:
   median head, from its SM clock;
 * the layer's period (the last block's q|k|v input, layer to layer).
 
-Writes trace_chain.json and trace_<preset>.png (a layer's timeline, block by block) to --out.
+Writes trace_chain.json and trace_<preset>_spare<0|1>.png (a layer's timeline, block by
+block) to --out. --spare 0 1 auto traces the cost model's splits with o over every block,
+over the blocks that do not attend, and the kernel's measured choice (`plan.tuned`: the
+default), in the same process.
 
-    python3 experiments/trace_chain.py --out $OUT       # one H200
+    python3 experiments/trace_chain.py --spare 0 auto --out $OUT       # one H200
 """
 from __future__ import annotations
 
@@ -33,6 +36,9 @@ from bench_chain_mgpu import PRESETS, attention_inputs, weights  # noqa: E402
 
 from pallas_kernels.chain import kernel as cm  # noqa: E402
 
+# (d_model, q|k|v rows, d_ff, layers) and (query heads, kv heads): the presets' shapes
+SHAPES = {**PRESETS, "llama3.2-1b": (2048, 3072, 8192, 16)}
+HEADS = {"350m": (16, 16), "1b": (16, 16), "llama3.2-1b": (32, 8)}
 PRODUCTS = ("qkv", "o", "gu", "down")
 ATT_STEPS = ("att_in", "att_rope", "att_scores", "att_softmax", "att_out")
 
@@ -134,7 +140,10 @@ def plot(raw, L: int, path: str, title: str):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--presets", nargs="*", default=list(PRESETS))
+    ap.add_argument("--presets", nargs="*", default=list(SHAPES))
+    ap.add_argument("--spare", nargs="+", default=["auto"], choices=["auto", "0", "1"],
+                    help="1: o on the blocks that do not attend; 0: on every block; auto: the "
+                         "kernel's measured choice for the shape (its splits too)")
     ap.add_argument("--pos", type=int, default=160)
     ap.add_argument("--capacity", type=int, default=320)
     ap.add_argument("--stages", type=int, default=16)
@@ -143,11 +152,14 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for name in args.presets:
-        D, N1, F, L = PRESETS[name]
+    for name, spare in ((n, s) for n in args.presets for s in args.spare):
+        D, N1, F, L = SHAPES[name]
+        heads, kv_heads = HEADS[name]
         x0, *ws = weights(D, N1, F, L)
-        att, _ = attention_inputs(L, D, args.capacity, args.pos)
-        f = jax.jit(lambda *a: cm.chain_mgpu(*a, stages=args.stages, norm_eps=1e-5, trace=True))
+        (kv, *att), _ = attention_inputs(L, D, args.capacity, args.pos, heads)
+        att = (kv[:, :, :kv_heads], *att)
+        kw = {} if spare == "auto" else dict(spare=spare == "1", splits=())
+        f = jax.jit(lambda *a, kw=kw: cm.chain_mgpu(*a, stages=args.stages, norm_eps=1e-5, trace=True, **kw))
         results = []
         for _ in range(args.calls + 1):  # the first compiles
             out = f(x0, *ws, *att)
@@ -158,12 +170,12 @@ def main():
         med = {k: float(np.median([r["us_per_layer_median"][k] for r in results])) for k in keys}
         steps = {k: float(np.median([r["attention_steps_us"][k] for r in results]))
                  for k in results[0]["attention_steps_us"]}
-        row = dict(preset=name, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
+        row = dict(preset=name, spare=spare, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
                    us_per_layer_median=med, attention_steps_us=steps,
                    kernel_us_from_stamps=[r["kernel_us_from_stamps"] for r in results],
                    sm_ghz=results[-1]["sm_ghz"])
         rows.append(row)
-        print(f"{name}: {L} layers, pos {args.pos}; kernel (stamps) "
+        print(f"{name} (spare={spare}): {L} layers, pos {args.pos}; kernel (stamps) "
               f"{np.median(row['kernel_us_from_stamps']):.1f} us; SM {row['sm_ghz']:.2f} GHz", flush=True)
         for k in ("qkv", "att", "o", "gu", "down"):
             if k + "_work" in med:
@@ -171,9 +183,10 @@ def main():
         print(f"  period {med.get('period', float('nan')):6.2f} us a layer")
         print("  head's steps (median, us): " + ", ".join(f"{k[4:]} {v:.2f}" for k, v in steps.items()),
               flush=True)
-        plot(raw, L, os.path.join(args.out, f"trace_{name}.png"),
-             f"chain_mgpu {name}, layer {L // 2}, pos {args.pos}")
-        np.save(os.path.join(args.out, f"trace_{name}.npy"), np.asarray(raw))
+        tag = f"{name}_spare{spare}"
+        plot(raw, L, os.path.join(args.out, f"trace_{tag}.png"),
+             f"chain_mgpu {name}, layer {L // 2}, pos {args.pos}, spare={spare}")
+        np.save(os.path.join(args.out, f"trace_{tag}.npy"), np.asarray(raw))
     with open(os.path.join(args.out, "trace_chain.json"), "w") as fh:
         json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, fh, indent=1)
 

@@ -197,6 +197,41 @@ def test_split_overrides_are_checked():
         plan.products(1024, 3072, 2816, 132, True, (("mlp", 2, 6),))
 
 
+@pytest.mark.parametrize("preset,att_blocks", [("350m", 16), ("1b", 16), ("350m", 131)])
+def test_o_spares_the_attention_blocks(preset, att_blocks):
+    """With att_blocks, o's rectangles lie on the blocks that do not attend (the last
+    att_blocks, `attention.head_of`), and still cover every o tile once; the other products
+    keep every block."""
+    D, N1, F = SHAPES[preset]
+    prods = plan.products(D, N1, F, 132, attention=True, att_blocks=att_blocks)
+    o = prods[1]
+    active = [b for b in range(132) if plan.rect(o, b)[0]]
+    assert active and max(active) < 132 - att_blocks
+    assert all(ca.head_of(b, 132) >= att_blocks for b in active)
+    seen = np.zeros((o.tiles, o.chunks), int)
+    for b in active:
+        _, t0, t1, k0, k1 = plan.rect(o, b)
+        seen[t0:t1, k0:k1] += 1
+    assert (seen == 1).all()
+    assert prods[2].split == plan.products(D, N1, F, 132, attention=True)[2].split
+    with pytest.raises(ValueError, match="att_blocks=132"):
+        plan.products(D, N1, F, 132, attention=True, att_blocks=132)
+    with pytest.raises(ValueError, match="sk \\* st <= 100 blocks"):
+        plan.products(D, N1, F, 132, True, (("o", 8, 16),), att_blocks=32)
+
+
+@pytest.mark.parametrize("key", list(plan.MEASURED))
+def test_measured_choices_fit_their_shape(key):
+    """Each measured (splits, spare) is a split `products` takes for its shape, o within the
+    blocks that do not attend when spare; other shapes get the cost model's, o on every block."""
+    D, N1, F, blocks, heads = key
+    splits, spare = plan.tuned(*key)
+    prods = plan.products(D, N1, F, blocks, True, splits, att_blocks=heads if spare else 0)
+    assert {p.name: (p.split.sk, p.split.st) for p in prods if p.name in dict((n, 0) for n, *_ in splits)} == \
+        {n: (sk, st) for n, sk, st in splits}
+    assert plan.tuned(D, N1, F, blocks + 1, heads) == ((), False)
+
+
 def test_bad_inputs_name_the_field():
     x0, wq, wo, wgu, wd = inputs(64, 192, 128, 1)
     with pytest.raises(ValueError, match="want"):
@@ -264,7 +299,7 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos):
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
 
 
-def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=()):
+def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att_blocks=0):
     """The kernel's data flow in numpy, through the kernel's own decomposition (`rect`), word
     layout (`layout`, `init_words`, `piece_word`) and input wiring (`input_spec`): each
     active block gathers its chunks (summing pieces, the residual, SwiGLU), rounds them to
@@ -277,7 +312,8 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=()):
     L, N1, D = wq.shape
     F = wd.shape[2]
     new = []
-    prods = plan.products(D, N1, F, blocks, attention=att is not None, splits=splits)
+    prods = plan.products(D, N1, F, blocks, attention=att is not None, splits=splits,
+                          att_blocks=att_blocks)
     lay = plan.layout(prods, D, attention=att is not None)
     init = np.asarray(plan.init_words(x0, prods, lay)).reshape(-1, 2)
     init_vals = init[:, 0].view(np.float32).astype(np.float64)
@@ -394,20 +430,21 @@ def test_the_kernels_data_flow_computes_the_chain(blocks, norms):
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
-@pytest.mark.parametrize("blocks,norms,pos,splits", [
-    (132, False, 70, ()), (20, True, 0, ()), (132, True, 129, ()),
-    (132, True, 70, (("gu", 2, 16), ("down", 8, 4)))])  # a sweep's override (odd chunk counts)
-def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits):
+@pytest.mark.parametrize("blocks,norms,pos,splits,spare", [
+    (132, False, 70, (), True), (20, True, 0, (), True), (132, True, 129, (), False), (3, True, 129, (), True),
+    (132, True, 70, (("gu", 2, 16), ("down", 8, 4)), True)])  # a sweep's override (odd chunk counts)
+def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, spare):
     """With attention: each head's block reads q, k, v through the kernel's wiring, its
     output words are what o reads, and x_L and the new k, v are the reference's (also with
-    splits overridden, as `experiments/sweep_chain_splits.py` runs them)."""
+    splits overridden, as `experiments/sweep_chain_splits.py` runs them, and with o split
+    over all blocks, spare=False, or over those that do not attend, the default)."""
     D, N1, F, L, H = 256, 768, 512, 3, 2
     x0, wq, wo, wgu, wd = inputs(D, N1, F, L)
     att = attention_inputs(L, D, 192, pos, heads=H)
     g = gains(D, L) if norms else None
     wq_f, wgu_f = cm.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
     got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5 if norms else None, att=att,
-                          splits=splits)
+                          splits=splits, att_blocks=H if spare else 0)
     want, want_kv = cm.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
@@ -425,7 +462,8 @@ def test_the_grouped_query_data_flow_computes_the_chain(D, hd, kv_heads, blocks)
     att = attention_inputs(L, D, 128, pos, heads=D // hd, kv_heads=kv_heads)
     g = gains(D, L)
     wq_f, wgu_f = cm.fold_norms(wq, wgu, *g)
-    got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, att=att)
+    spare = D // hd // ca.group_of(D // hd, kv_heads)  # o on the blocks that do not attend
+    got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, att=att, att_blocks=spare)
     want, want_kv = cm.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
     assert got_kv.shape == (L, 2, kv_heads, hd)
@@ -476,3 +514,15 @@ def test_trace_analysis_recovers_a_known_schedule():
     for k, v in want.items():
         assert med[k] == pytest.approx(v, abs=2e-3), k
     assert got["sm_ghz"] == pytest.approx(1.8, rel=1e-3)
+
+
+def test_step_variants_name_their_kernel_options():
+    """decode_floor's `chain@OPTS`: ring slots, spare and splits reach the kernel; none given
+    leaves the kernel its measured choice; a bad option names the ones there are."""
+    df = experiment("decode_floor")
+    stages, kernel = df.chain_options("12,spare=0,qkv=16x8,o=8x14")
+    assert stages == 12 and kernel.func is cm.chain_mgpu
+    assert kernel.keywords == dict(spare=False, splits=(("qkv", 16, 8), ("o", 8, 14)))
+    assert df.chain_options("")[1].keywords == {}
+    with pytest.raises(ValueError, match="spare=0 or NAME=SKxST"):
+        df.chain_options("16,mlp=2x4")

@@ -117,7 +117,8 @@ def resolve(cfg: ModelConfig, batch: int, path: str = "auto", *, platform: str,
             raise _refuse(path, f"the megakernel's kernel needs a Hopper GPU (sm90; this is "
                           f"{device_kind})", "use generate.path='auto', or pass "
                           "kernel=megakernel.chain_reference (its math in XLA)")
-        kind = device_kind if kernel is None else f"{device_kind}, kernel {kernel.__name__}"
+        named = getattr(kernel, "func", kernel)  # a functools.partial names its function
+        kind = device_kind if kernel is None else f"{device_kind}, kernel {named.__name__}"
         return path, f"decode: megakernel (batch {batch}, {kind}; generate.path='megakernel')"
     if path == "fast" and cfg.moe_experts:
         raise _refuse(path, "an MoE model has no decode layout (its expert blocks stay "

@@ -83,6 +83,7 @@ from pallas_kernels.chain.plan import (
     rect,
     region,
     tag,
+    tuned,
 )
 from pallas_kernels.decode_attention import decode_attention_reference
 
@@ -442,10 +443,10 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
     return H, S, hd
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits"))
+@functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
-               splits: tuple = ()):
+               splits: tuple | None = None, spare: bool | None = None):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`fold_norms`); None: no norms.
@@ -460,16 +461,25 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     trace=True adds a last output [blocks, L, len(TRACE_POINTS), 2] int32: each block's
     {globaltimer ns (low 32 bits), SM clock} at `TRACE_POINTS` of every layer (0 where the
     block never reaches the point): what `experiments/trace_chain.py` reads. splits:
-    ((product, sk, st), ...) instead of `plan.choose_split`'s for those products."""
+    ((product, sk, st), ...) instead of `plan.choose_split`'s for those products. spare: o
+    is split over the blocks that do not attend (`plan.products`' att_blocks); False: over
+    all of them. None (either): as measured fastest for the shape (`plan.tuned`)."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
-    attn = None
+    attn, group = None, 1
     if kv is not None:
         H, S, hd = check_attention(kv, pos, rope, L, D, N1)
         attn = (kv, pos.astype(jnp.int32), rope.astype(jnp.float32))
-    prods = products(D, N1, F, NB, attention=attn is not None, splits=splits)
+        group = ca.group_of(D // hd, H)
+    heads = D // hd // group if attn is not None else 0  # attention blocks
+    best_splits, best_spare = tuned(D, N1, F, NB, heads) if attn is not None else ((), False)
+    splits = best_splits if splits is None else splits
+    att_blocks = heads if (best_spare if spare is None else spare) else 0
+    if att_blocks >= NB:
+        raise ValueError(f"chain_mgpu: {att_blocks} attention blocks leave none of blocks={NB} "
+                         "for o; use spare=False or more blocks.")
+    prods = products(D, N1, F, NB, attention=attn is not None, splits=splits, att_blocks=att_blocks)
     kmax = max(p.kmax() for p in prods)
-    group = 1 if attn is None else ca.group_of(D // hd, H)
     need = smem_need(kmax, stages) + (0 if attn is None else attention_smem(S, hd, group))
     if need > SMEM_LIMIT - 2048:
         raise ValueError(f"chain_mgpu: stages={stages} needs {need} bytes of shared memory; use fewer.")

@@ -73,11 +73,14 @@ def choose_split(tiles: int, chunks: int, blocks: int, sources_in: int = 1, fan_
 
 
 def products(D: int, N1: int, F: int, blocks: int, attention: bool = False,
-             splits: tuple = ()) -> tuple[Product, ...]:
+             splits: tuple = (), att_blocks: int = 0) -> tuple[Product, ...]:
     """The layer's four products with their splits (qkv, o, gate|up, down). attention: o
     reads the attention phase's dense output (one source a chunk), not q|k|v's pieces.
     splits: ((name, sk, st), ...) overriding the cost model's choice for those products (a
-    sweep's knob: `experiments/sweep_chain_splits.py`)."""
+    sweep's knob: `experiments/sweep_chain_splits.py`). att_blocks: o is split over the
+    first blocks - att_blocks blocks only, sparing the attention blocks (the last ones,
+    `attention.head_of`): they are still attending when o's input arrives, while the others
+    have had o's weights streaming into their rings since q|k|v."""
     chosen = {name: Split(sk, st) for name, sk, st in splits}
     unknown = set(chosen) - {"qkv", "o", "gu", "down"}
     if unknown:
@@ -85,16 +88,35 @@ def products(D: int, N1: int, F: int, blocks: int, attention: bool = False,
     out, sources = [], 2  # the first reads the previous down's pieces and a residual
     # fan_out: sources a reader of this product's pieces polls per piece set (gate and up;
     # a residual beside qkv's and o's readers... counted as 1 extra by sources_in below).
+    if not 0 <= att_blocks < blocks:
+        raise ValueError(f"products: att_blocks={att_blocks} must lie in [0, blocks={blocks}).")
     for name, N, K, fan in (("qkv", N1, D, 1), ("o", D, D, 1), ("gu", 2 * F, D, 2), ("down", D, F, 1)):
-        split = chosen.get(name) or choose_split(N // T, K // KC, blocks, sources, fan)
-        if not (1 <= split.sk <= K // KC and 1 <= split.st <= N // T and split.sk * split.st <= blocks):
+        usable = blocks - att_blocks if name == "o" else blocks
+        split = chosen.get(name) or choose_split(N // T, K // KC, usable, sources, fan)
+        if not (1 <= split.sk <= K // KC and 1 <= split.st <= N // T and split.sk * split.st <= usable):
             raise ValueError(f"products: splits {name}=(sk {split.sk}, st {split.st}) needs 1 <= sk <= "
-                             f"{K // KC} chunks, 1 <= st <= {N // T} tiles and sk * st <= {blocks} blocks.")
+                             f"{K // KC} chunks, 1 <= st <= {N // T} tiles and sk * st <= {usable} blocks.")
         out.append(Product(name, N, K, split))
         sources = split.sk * fan + (name in ("o", "down"))
         if name == "qkv" and attention:
             sources = 1
     return tuple(out)
+
+
+# Splits and o's blocks measured faster than the cost model's in whole decode steps on an
+# H200 (132 SMs; benchmarks/decode.md, `decode_floor.py --variants chain@...`), by
+# (D, N1, F, blocks, attention blocks): (splits over the cost model's, spare). Elsewhere the
+# cost model's splits with o over every block, which measured best at Llama-3.2-1B's shape.
+MEASURED = {
+    (2048, 6144, 5632, 132, 16): ((("qkv", 16, 8), ("o", 8, 14)), True),  # 1b: 0.761 ms, not 0.843
+    (1024, 3072, 2816, 132, 16): ((), True),  # 350m: 0.356 ms, not 0.365
+}
+
+
+def tuned(D: int, N1: int, F: int, blocks: int, att_blocks: int) -> tuple[tuple, bool]:
+    """(splits, spare) for a shape: `MEASURED`'s, else the cost model's with o over every
+    block (((), False))."""
+    return MEASURED.get((D, N1, F, blocks, att_blocks), ((), False))
 
 
 def predict_us_per_layer(D: int, N1: int, F: int, blocks: int) -> float:

@@ -20,9 +20,10 @@ max_len slots), `reference` (stacked weights, one stacked cache, the layer scan 
 the baseline the fast path is measured against), `chain` (batch 1: each step one persistent kernel over
 every layer, the "megakernel" path; sm90 only; `chain@OPTS`: OPTS comma-separated, a number
 for its ring slots, `spare=0|1` to split o over every block or over those that do not attend,
-`NAME=SKxST` to split product NAME (qkv, o, gu, down) as given, the others as the cost model
-does: `chain@16,down=22x6`, the sweep of splits in whole steps; unset, the kernel's measured
-choice for the shape, `plan.tuned`); a `+head`
+`NAME=SKxST` to split product NAME (qkv, o, gu, down) as given: with either, the products
+not named split as the cost model does (`chain@16,spare=0,down=22x6`, a candidate of the
+sweep of splits in whole steps); with neither, the kernel's measured choice for the shape,
+`plan.tuned`); a `+head`
 suffix (`chain+head`, `fast+head`) runs the final norm and the output layer as one kernel
 (`pallas_kernels.head`) instead of XLA's. Each row also carries the kernels one loop iteration
 launches, by kind, read from the compiled HLO, and with `--profile` the device time per
@@ -115,7 +116,7 @@ def chain_options(option: str):
         else:
             raise ValueError(f"chain@{option}: option {opt!r}; use a ring size (16), spare=0 or "
                              "NAME=SKxST for NAME in qkv, o, gu, down.")
-    if splits:  # over the cost model's (none given: the kernel's measured choice)
+    if kw or splits:  # a candidate: the cost model's splits where none is given
         kw["splits"] = tuple(splits)
     return stages, functools.partial(chain_mgpu, **kw)
 

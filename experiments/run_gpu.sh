@@ -13,6 +13,8 @@
 #   decode          the path `generate` takes and each path's speed; batch-1 decode benchmarks/decode.md
 #                   steps: megakernel and fast path vs the floor;
 #                   where a megakernel layer's time goes (trace)
+#   decode_tune     the megakernel's product splits searched in whole steps, per preset  benchmarks/decode.md
+#                   (prints the plan.MEASURED entry to add)
 #   train           the 1b training step, cuDNN's attention and ours alternated    benchmarks/training.md
 #   fp8             FP8 against bf16 training: step speed, FP8 GEMMs, 1000-step loss benchmarks/training.md
 #                   (and the float8 transpose kernel against XLA's transpose)
@@ -67,6 +69,8 @@ decode)
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --variants chain fast --reps 3 \
         --out "$OUT"
     "$PY" experiments/trace_chain.py --spare 0 auto --pos 160 --out "$OUT" ;;
+decode_tune)
+    for p in llama3.2-1b 350m; do "$PY" experiments/tune_chain_splits.py --preset "$p" --out "$OUT"; done ;;
 train)
     for round in 1 2 3; do train_1b cudnn "$round"; train_1b pallas "$round"; done ;;
 serving)

@@ -523,6 +523,37 @@ def test_step_variants_name_their_kernel_options():
     stages, kernel = df.chain_options("12,spare=0,qkv=16x8,o=8x14")
     assert stages == 12 and kernel.func is cm.chain_mgpu
     assert kernel.keywords == dict(spare=False, splits=(("qkv", 16, 8), ("o", 8, 14)))
-    assert df.chain_options("")[1].keywords == {}
+    assert df.chain_options("")[1].keywords == {} and df.chain_options("20")[1].keywords == {}
+    assert df.chain_options("spare=1")[1].keywords == dict(spare=True, splits=())  # over the cost model
     with pytest.raises(ValueError, match="spare=0 or NAME=SKxST"):
         df.chain_options("16,mlp=2x4")
+
+
+def test_the_tuner_finds_an_interaction_and_proposes_splits_that_fit():
+    """tune_chain_splits: each alternative is a split the kernel takes (o's within the blocks
+    it may use), a candidate's variant reaches the kernel as those splits, and the descent
+    finds a pair of changes that pays only together with spare (as q|k|v 16x8 did at 1b),
+    keeping no change below its gain."""
+    tc = experiment("tune_chain_splits")
+    D, N1, F = SHAPES["1b"]
+    for spare in (False, True):
+        alts = tc.alternatives(D, N1, F, 132, 16, spare)
+        for name, splits in alts.items():
+            assert splits and len({sk for sk, _ in splits}) == len(splits)
+            for sk, st in splits:
+                plan.products(D, N1, F, 132, True, ((name, sk, st),), att_blocks=16 if spare else 0)
+    kw = experiment("decode_floor").chain_options(tc.variant({"qkv": (16, 8)}, True).partition("@")[2])[1].keywords
+    assert kw == dict(spare=True, splits=(("qkv", 16, 8),))
+
+    def time_ms(splits, spare):  # 10 ms; qkv 16x8 -9% with spare only; spare alone +2%; gu 3x44 -0.1%
+        ms = 10.0 * (1.02 if spare else 1.0)
+        if splits.get("qkv") == (16, 8) and spare:
+            ms *= 0.91 / 1.02
+        return ms * (0.999 if splits.get("gu") == (3, 44) else 1.0)
+
+    alts = lambda spare: tc.alternatives(D, N1, F, 132, 16, spare)  # noqa: E731
+    best, spare, ms, seen = tc.descend(time_ms, alts)  # spare alone loses; with qkv 16x8 it pays
+    assert spare is True and best == {"qkv": (16, 8)} and abs(ms - 9.1) < 1e-9
+    assert tc.variant({}, False) in seen and tc.variant({"qkv": (16, 8), "gu": (3, 44)}, True) in seen
+    best, spare, ms, _ = tc.descend(lambda splits, spare: 10.0, alts)
+    assert (best, spare, ms) == ({}, False, 10.0)  # nothing pays: the cost model's stay

@@ -55,32 +55,39 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def choose_split(tiles: int, chunks: int, blocks: int, sources_in: int = 1, fan_out: int = 1) -> Split:
-    """The rectangle split with the least estimated time: the busiest block's items at the
-    stream's per-SM rate, its polling passes (two chunks a pass; the first waits, the others
-    find their words written) over `sources_in` sources each, and the handover its own
-    pieces cost the next product's readers (sk * fan_out sources)."""
-    best = None
+def split_costs(tiles: int, chunks: int, blocks: int, sources_in: int = 1,
+                fan_out: int = 1) -> list[tuple[float, Split]]:
+    """Every rectangle split's estimated time, the cheapest first (ties: fewer chunk groups,
+    then fewer tile groups): the busiest block's items at the stream's per-SM rate, its
+    polling passes (two chunks a pass; the first waits, the others find their words written)
+    over `sources_in` sources each, and the handover its own pieces cost the next product's
+    readers (sk * fan_out sources)."""
+    out = []
     for sk in range(1, chunks + 1):
         for st in range(1, min(tiles, blocks // sk) + 1):
             items = -(-tiles // st) * -(-chunks // sk)
             passes = -(-cdiv(chunks, sk) // 2)
             cost = (items * _ITEM_US + poll_us(sources_in) + (passes - 1) * 0.2
                     + poll_us(sk * fan_out))
-            if best is None or cost < best[0]:
-                best = (cost, Split(sk, st))
-    return best[1]
+            out.append((cost, Split(sk, st)))
+    return sorted(out, key=lambda c: (c[0], c[1].sk, c[1].st))
+
+
+def choose_split(tiles: int, chunks: int, blocks: int, sources_in: int = 1, fan_out: int = 1) -> Split:
+    """The split with the least estimated time (`split_costs`)."""
+    return split_costs(tiles, chunks, blocks, sources_in, fan_out)[0][1]
 
 
 def products(D: int, N1: int, F: int, blocks: int, attention: bool = False,
-             splits: tuple = (), att_blocks: int = 0) -> tuple[Product, ...]:
+             splits: tuple = (), att_blocks: int = 0, ranked: dict | None = None) -> tuple[Product, ...]:
     """The layer's four products with their splits (qkv, o, gate|up, down). attention: o
     reads the attention phase's dense output (one source a chunk), not q|k|v's pieces.
     splits: ((name, sk, st), ...) overriding the cost model's choice for those products (a
     sweep's knob: `experiments/sweep_chain_splits.py`). att_blocks: o is split over the
     first blocks - att_blocks blocks only, sparing the attention blocks (the last ones,
     `attention.head_of`): they are still attending when o's input arrives, while the others
-    have had o's weights streaming into their rings since q|k|v."""
+    have had o's weights streaming into their rings since q|k|v. ranked: a dict to fill with
+    each product's `split_costs` as the cost model saw them (the tuner's candidates)."""
     chosen = {name: Split(sk, st) for name, sk, st in splits}
     unknown = set(chosen) - {"qkv", "o", "gu", "down"}
     if unknown:
@@ -92,7 +99,10 @@ def products(D: int, N1: int, F: int, blocks: int, attention: bool = False,
         raise ValueError(f"products: att_blocks={att_blocks} must lie in [0, blocks={blocks}).")
     for name, N, K, fan in (("qkv", N1, D, 1), ("o", D, D, 1), ("gu", 2 * F, D, 2), ("down", D, F, 1)):
         usable = blocks - att_blocks if name == "o" else blocks
-        split = chosen.get(name) or choose_split(N // T, K // KC, usable, sources, fan)
+        costs = split_costs(N // T, K // KC, usable, sources, fan)
+        if ranked is not None:
+            ranked[name] = costs
+        split = chosen.get(name) or costs[0][1]
         if not (1 <= split.sk <= K // KC and 1 <= split.st <= N // T and split.sk * split.st <= usable):
             raise ValueError(f"products: splits {name}=(sk {split.sk}, st {split.st}) needs 1 <= sk <= "
                              f"{K // KC} chunks, 1 <= st <= {N // T} tiles and sk * st <= {usable} blocks.")

@@ -3,9 +3,9 @@
 The cost model (`pallas_kernels/chain/plan.py: choose_split`) prices each product alone, and
 splits interact: at `1b` q|k|v 16x8 is 9% faster with o kept off the attention blocks and no
 faster without (`benchmarks/decode.md`). This searches in whole steps instead: starting from
-the cost model's splits, coordinate descent: o's blocks (`spare`) alone, then product by
-product the cost model's next-best splits (a distinct chunk-group count each), each under both
-o placements, keeping a change only when the step is at least --gain faster; rounds until
+the cost model's splits, coordinate descent: o's blocks (`spare`) alone, the query heads an
+attention block takes (grouped-query attention: `group`), then product by product the cost
+model's next-best splits (a distinct chunk-group count each), each under both o placements, keeping a change only when the step is at least --gain faster; rounds until
 nothing changes. (A change that pays only beside another product's is still missed.) Each candidate is
 timed as `decode_floor.py` times a `chain@OPTS` variant (greedy `generate`, batch 1,
 random weights), so the winner is what the front door would run. It prints the
@@ -18,6 +18,7 @@ Writes tune_chain_splits_<preset>.json (every candidate's time) to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -50,42 +51,57 @@ def alternatives(D: int, N1: int, F: int, blocks: int, att_blocks: int, spare: b
     return out
 
 
-def variant(splits: dict, spare: bool, stages: int = 16) -> str:
-    """The `chain@OPTS` variant of a candidate (`decode_floor.chain_options`)."""
-    opts = [str(stages), f"spare={int(spare)}"] + [f"{n}={sk}x{st}" for n, (sk, st) in sorted(splits.items())]
-    return "chain@" + ",".join(opts)
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration of the kernel: splits {name: (sk, st)} over the cost model's (as a
+    sorted tuple), o's placement and the query heads an attention block takes (None: the
+    widest, `attention.group_of`)."""
+
+    splits: tuple = ()
+    spare: bool = False
+    group: int | None = None
+
+    def split(self, name: str, sk_st: tuple[int, int]) -> Candidate:
+        return dataclasses.replace(self, splits=tuple(sorted({**dict(self.splits), name: sk_st}.items())))
+
+    def variant(self, stages: int = 16) -> str:
+        """Its `chain@OPTS` variant (`decode_floor.chain_options`)."""
+        opts = [str(stages), f"spare={int(self.spare)}"] + ([f"group={self.group}"] if self.group else [])
+        return "chain@" + ",".join(opts + [f"{n}={sk}x{st}" for n, (sk, st) in self.splits])
 
 
-def descend(time_ms, alts_for, gain: float = 0.005, rounds: int = 3):
-    """Coordinate descent: (best splits {name: (sk, st)}, best spare, best ms, every timing
-    {variant: ms}). time_ms(splits, spare) -> ms (inf for a candidate that fails);
-    alts_for(spare) -> {name: [(sk, st), ...]} (`alternatives`). A change is kept when it is
-    at least `gain` (relative) faster than the best so far."""
+def descend(time_ms, alts_for, groups=(None,), gain: float = 0.005, rounds: int = 3):
+    """Coordinate descent from the cost model's splits: (the best `Candidate`, its ms, every
+    timing {variant: ms}). time_ms(candidate) -> ms (inf for one that fails);
+    alts_for(spare, group) -> {name: [(sk, st), ...]} (`alternatives`); groups: the attention
+    groups to try. Each round tries o's other placement, the other groups, then each
+    product's alternatives under both placements; a change is kept when it is at least
+    `gain` (relative) faster than the best so far."""
     seen = {}
 
-    def timed(splits, spare):
-        key = variant(splits, spare)
-        if key not in seen:
-            seen[key] = time_ms(dict(splits), spare)
-        return seen[key]
+    def timed(c):
+        if c.variant() not in seen:
+            seen[c.variant()] = time_ms(c)
+        return seen[c.variant()]
 
-    best, best_spare = {}, False
-    best_ms = timed(best, best_spare)
+    best = Candidate()
+    best_ms = timed(best)
     for _ in range(rounds):
         changed = False
-        ms = timed(best, not best_spare)
-        if ms < best_ms * (1 - gain):
-            best_spare, best_ms, changed = not best_spare, ms, True
+        trials = [dataclasses.replace(best, spare=not best.spare)]
+        trials += [dataclasses.replace(best, group=g) for g in groups if g != best.group]
+        for trial in trials:
+            if (ms := timed(trial)) < best_ms * (1 - gain):
+                best, best_ms, changed = trial, ms, True
         for name in NAMES:  # each alternative under both o placements: they interact
-            for spare in (best_spare, not best_spare):
-                for split in alts_for(spare)[name]:
-                    trial = {**best, name: split}
-                    ms = timed(trial, spare)
-                    if ms < best_ms * (1 - gain):
-                        best, best_spare, best_ms, changed = trial, spare, ms, True
+            for spare in (best.spare, not best.spare):
+                for split in alts_for(spare, best.group)[name]:
+                    trial = dataclasses.replace(best, spare=spare).split(name, split)
+                    if (ms := timed(trial)) < best_ms * (1 - gain):
+                        best, best_ms, changed = trial, ms, True
         if not changed:
             break
-    return best, best_spare, best_ms, seen
+    return best, best_ms, seen
 
 
 def main():
@@ -108,38 +124,39 @@ def main():
     from pallas_kernels._mgpu import sm_count  # noqa: PLC0415
 
     cfg = preset(args.preset).model
-    D, F, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
-    N1 = D + 2 * cfg.num_kv_heads * hd
-    heads = D // hd // ca.group_of(D // hd, cfg.num_kv_heads)
+    D, F, hd, K = cfg.d_model, cfg.d_ff, cfg.head_dim, cfg.num_kv_heads
+    N1, NQ = D + 2 * K * hd, D // hd
+    widest = ca.group_of(NQ, K)
+    groups = (None,) + tuple(g for g in range(1, widest) if (NQ // K) % g == 0)  # None: the widest
     blocks = sm_count()
     warm_gpu()
     params = decoder.layout(cfg, transformer.init_params(cfg, 0), "megakernel")
 
-    def time_ms(splits, spare):
-        v = variant(splits, spare)
+    def time_ms(c: Candidate) -> float:
         try:
-            ms = run_case(cfg, params, 1, v, args, profile=False)["ms_per_step"]
+            ms = run_case(cfg, params, 1, c.variant(), args, profile=False)["ms_per_step"]
         except Exception as e:  # noqa: BLE001 - a split the kernel cannot take: say so, go on
-            print(f"{v}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            print(f"{c.variant()}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             return float("inf")
-        print(f"{v}: {ms:.4f} ms a step", flush=True)
+        print(f"{c.variant()}: {ms:.4f} ms a step", flush=True)
         return ms
 
-    best, spare, ms, seen = descend(
-        time_ms, lambda s: alternatives(D, N1, F, blocks, heads, s, args.alternatives),
-        args.gain, args.rounds)
-    start = seen[variant({}, False)]
-    entry = tuple((n, *best[n]) for n in NAMES if n in best)
-    print(f"best: {variant(best, spare)} {ms:.4f} ms a step, the cost model's {start:.4f} "
+    def alts_for(spare, group):
+        return alternatives(D, N1, F, blocks, NQ // (group or widest), spare, args.alternatives)
+
+    best, ms, seen = descend(time_ms, alts_for, groups, args.gain, args.rounds)
+    start = seen[Candidate().variant()]
+    entry = (tuple((n, *split) for n, split in best.splits), best.spare, best.group)
+    print(f"best: {best.variant()} {ms:.4f} ms a step, the cost model's {start:.4f} "
           f"({1 - ms / start:.1%} faster)")
-    print(f"plan.MEASURED entry: {(D, N1, F, blocks, heads)}: ({entry}, {spare}),  "
+    print(f"plan.MEASURED entry: {(D, N1, F, blocks, hd)}: {entry},  "
           f"# {args.preset}: {ms:.3f} ms, not {start:.3f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"tune_chain_splits_{args.preset}.json").write_text(json.dumps(dict(
         device=jax.devices()[0].device_kind, jax=jax.__version__, preset=args.preset,
-        key=[D, N1, F, blocks, heads], cost_model_ms=start, best=variant(best, spare), best_ms=ms,
-        entry=[list(entry), spare], timed=seen), indent=1))
+        key=[D, N1, F, blocks, hd], cost_model_ms=start, best=best.variant(), best_ms=ms,
+        entry=[[list(e) for e in entry[0]], entry[1], entry[2]], timed=seen), indent=1))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ def _experiment(name: str):
     path = Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # as an import would: dataclasses resolve their annotations there
     spec.loader.exec_module(mod)
     return mod
 

@@ -122,9 +122,10 @@ ATTENTION = {"350m": (1024, 2816, 16, 16, 64), "1b": (2048, 5632, 16, 16, 128),
              "llama3.2-1b": (2048, 8192, 32, 8, 64), "gqa8-hd128": (1024, 2048, 8, 1, 128)}
 
 
-@pytest.mark.parametrize("shape,norm_eps", [("350m", None), ("1b", 1e-5), ("llama3.2-1b", 1e-5),
-                                            ("gqa8-hd128", 1e-5)])
-def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps):
+@pytest.mark.parametrize("shape,norm_eps,group", [("350m", None, None), ("1b", 1e-5, None),
+                                                  ("llama3.2-1b", 1e-5, None), ("llama3.2-1b", 1e-5, 1),
+                                                  ("gqa8-hd128", 1e-5, None)])
+def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps, group):
     """With the attention phase: its RoPE, softmax and combine words and the transposed V
     operand lower, still without a fence; with grouped-query attention each block rotates,
     scores and combines its group's query heads (labels a head) and stores their outputs."""
@@ -134,8 +135,8 @@ def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps):
     args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
             S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16),
             S((2, 2, K, 320, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
-    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps), *args)
-    group = ca.group_of(NQ, K)
+    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps, group=group), *args)
+    group = group or ca.group_of(NQ, K)
     for s in ("ROPE_K", f"ROPE_Q{group - 1}", f"SMAX_L{group - 1}", f"SP_L{group - 1}", "CMB_E",
               "LLH_0", "cvt.f32.bf16", "st.global.b16", "LAB_G"):
         assert s in text, s
@@ -222,14 +223,17 @@ def test_o_spares_the_attention_blocks(preset, att_blocks):
 
 @pytest.mark.parametrize("key", list(plan.MEASURED))
 def test_measured_choices_fit_their_shape(key):
-    """Each measured (splits, spare) is a split `products` takes for its shape, o within the
-    blocks that do not attend when spare; other shapes get the cost model's, o on every block."""
-    D, N1, F, blocks, heads = key
-    splits, spare = plan.tuned(*key)
+    """Each measured (splits, spare, group) is a choice `products` takes for its shape (as
+    multi-head attention: q|k|v 3 D rows), o within the blocks that do not attend when
+    spare; other shapes get the cost model's, o on every block, the widest group."""
+    D, N1, F, blocks, hd = key
+    splits, spare, group = plan.tuned(*key)
+    heads = D // hd // (group or ca.group_of(D // hd, (N1 - D) // (2 * hd)))
     prods = plan.products(D, N1, F, blocks, True, splits, att_blocks=heads if spare else 0)
-    assert {p.name: (p.split.sk, p.split.st) for p in prods if p.name in dict((n, 0) for n, *_ in splits)} == \
+    named = {n for n, *_ in splits}
+    assert {p.name: (p.split.sk, p.split.st) for p in prods if p.name in named} == \
         {n: (sk, st) for n, sk, st in splits}
-    assert plan.tuned(D, N1, F, blocks + 1, heads) == ((), False)
+    assert plan.tuned(D, N1, F, blocks + 1, hd) == ((), False, None)
 
 
 def test_bad_inputs_name_the_field():
@@ -249,6 +253,9 @@ def test_bad_inputs_name_the_field():
         cm.chain_mgpu(x0, wq, wo, wgu, wd, kv[:, :, :, :100], pos, rope)
     with pytest.raises(ValueError, match="want \\[L=1, 2"):
         cm.chain_mgpu(x0, wq, wo, wgu, wd, kv[0], pos, rope)
+    with pytest.raises(ValueError, match="group=3: want a divisor of the 4 query heads"):
+        cm.chain_mgpu(*gqa_inputs(512, 64, 2, 128, 1), *attention_inputs(1, 512, 128, 3, heads=8, kv_heads=2),
+                      group=3)
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
@@ -299,7 +306,7 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos):
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
 
 
-def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att_blocks=0):
+def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att_blocks=0, group=None):
     """The kernel's data flow in numpy, through the kernel's own decomposition (`rect`), word
     layout (`layout`, `init_words`, `piece_word`) and input wiring (`input_spec`): each
     active block gathers its chunks (summing pieces, the residual, SwiGLU), rounds them to
@@ -369,7 +376,7 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
                 kv, pos, rope = (np.asarray(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a) for a in att)
                 H, hd = kv.shape[2], kv.shape[4]
                 nc, NQ = hd // 64, D // hd
-                GB = ca.group_of(NQ, H)
+                GB = group or ca.group_of(NQ, H)
                 for a in range(NQ // GB):  # attention block a: query heads a GB .. (a + 1) GB - 1
                     j = a * GB // (NQ // H)  # their kv head
                     words_ = cm.words(plan.input_spec("att", l, 0, prods, lay, F)[0])
@@ -451,9 +458,10 @@ def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, 
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
 
 
-@pytest.mark.parametrize("D,hd,kv_heads,blocks", [(512, 64, 2, 132), (512, 64, 8, 132), (512, 128, 1, 9),
-                                                   (768, 64, 4, 20)])
-def test_the_grouped_query_data_flow_computes_the_chain(D, hd, kv_heads, blocks):
+@pytest.mark.parametrize("D,hd,kv_heads,blocks,group", [(512, 64, 2, 132, None), (512, 64, 8, 132, None),
+                                                         (512, 128, 1, 9, None), (768, 64, 4, 20, None),
+                                                         (512, 64, 2, 132, 1), (512, 64, 2, 20, 2)])
+def test_the_grouped_query_data_flow_computes_the_chain(D, hd, kv_heads, blocks, group):
     """Grouped-query attention (D / hd query heads over kv_heads: groups of 4, 1 (multi-head),
     4 at head_dim 128, 3): each attention block reads its query heads' q and their kv head's
     k and v through the kernel's wiring and x_L and the new k, v are the reference's."""
@@ -462,8 +470,9 @@ def test_the_grouped_query_data_flow_computes_the_chain(D, hd, kv_heads, blocks)
     att = attention_inputs(L, D, 128, pos, heads=D // hd, kv_heads=kv_heads)
     g = gains(D, L)
     wq_f, wgu_f = cm.fold_norms(wq, wgu, *g)
-    spare = D // hd // ca.group_of(D // hd, kv_heads)  # o on the blocks that do not attend
-    got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, att=att, att_blocks=spare)
+    spare = D // hd // (group or ca.group_of(D // hd, kv_heads))  # o on the blocks that do not attend
+    got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, att=att, att_blocks=spare,
+                          group=group)
     want, want_kv = cm.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
     assert got_kv.shape == (L, 2, kv_heads, hd)
@@ -525,15 +534,16 @@ def test_step_variants_name_their_kernel_options():
     assert kernel.keywords == dict(spare=False, splits=(("qkv", 16, 8), ("o", 8, 14)))
     assert df.chain_options("")[1].keywords == {} and df.chain_options("20")[1].keywords == {}
     assert df.chain_options("spare=1")[1].keywords == dict(spare=True, splits=())  # over the cost model
-    with pytest.raises(ValueError, match="spare=0 or NAME=SKxST"):
+    assert df.chain_options("group=1")[1].keywords == dict(group=1)  # the measured splits stay
+    with pytest.raises(ValueError, match="spare=0, group=N or NAME=SKxST"):
         df.chain_options("16,mlp=2x4")
 
 
 def test_the_tuner_finds_an_interaction_and_proposes_splits_that_fit():
     """tune_chain_splits: each alternative is a split the kernel takes (o's within the blocks
-    it may use), a candidate's variant reaches the kernel as those splits, and the descent
-    finds a pair of changes that pays only together with spare (as q|k|v 16x8 did at 1b),
-    keeping no change below its gain."""
+    it may use), a candidate's variant reaches the kernel as itself, and the descent finds a
+    change that pays only together with spare (as q|k|v 16x8 did at 1b) and a narrower
+    attention group, keeping no change below its gain."""
     tc = experiment("tune_chain_splits")
     D, N1, F = SHAPES["1b"]
     for spare in (False, True):
@@ -542,18 +552,20 @@ def test_the_tuner_finds_an_interaction_and_proposes_splits_that_fit():
             assert splits and len({sk for sk, _ in splits}) == len(splits)
             for sk, st in splits:
                 plan.products(D, N1, F, 132, True, ((name, sk, st),), att_blocks=16 if spare else 0)
-    kw = experiment("decode_floor").chain_options(tc.variant({"qkv": (16, 8)}, True).partition("@")[2])[1].keywords
-    assert kw == dict(spare=True, splits=(("qkv", 16, 8),))
+    c = tc.Candidate(spare=True, group=2).split("qkv", (16, 8)).split("gu", (3, 44))
+    kw = experiment("decode_floor").chain_options(c.variant().partition("@")[2])[1].keywords
+    assert kw == dict(spare=True, group=2, splits=(("gu", 3, 44), ("qkv", 16, 8)))
 
-    def time_ms(splits, spare):  # 10 ms; qkv 16x8 -9% with spare only; spare alone +2%; gu 3x44 -0.1%
-        ms = 10.0 * (1.02 if spare else 1.0)
-        if splits.get("qkv") == (16, 8) and spare:
+    def time_ms(c):  # 10 ms; qkv 16x8 -9% with spare only; spare alone +2%; group 2 -1%
+        ms = 10.0 * (1.02 if c.spare else 1.0)
+        if dict(c.splits).get("qkv") == (16, 8) and c.spare:
             ms *= 0.91 / 1.02
-        return ms * (0.999 if splits.get("gu") == (3, 44) else 1.0)
+        return ms * (0.99 if c.group == 2 else 1.0) * (0.999 if dict(c.splits).get("gu") == (3, 44) else 1.0)
 
-    alts = lambda spare: tc.alternatives(D, N1, F, 132, 16, spare)  # noqa: E731
-    best, spare, ms, seen = tc.descend(time_ms, alts)  # spare alone loses; with qkv 16x8 it pays
-    assert spare is True and best == {"qkv": (16, 8)} and abs(ms - 9.1) < 1e-9
-    assert tc.variant({}, False) in seen and tc.variant({"qkv": (16, 8), "gu": (3, 44)}, True) in seen
-    best, spare, ms, _ = tc.descend(lambda splits, spare: 10.0, alts)
-    assert (best, spare, ms) == ({}, False, 10.0)  # nothing pays: the cost model's stay
+    alts = lambda spare, group: tc.alternatives(D, N1, F, 132, 16, spare)  # noqa: E731
+    best, ms, seen = tc.descend(time_ms, alts, groups=(None, 1, 2))
+    assert best == tc.Candidate(splits=(("qkv", (16, 8)),), spare=True, group=2)
+    assert abs(ms - 10.0 * 0.91 * 0.99) < 1e-9
+    assert tc.Candidate().variant() in seen and best.split("gu", (3, 44)).variant() in seen
+    best, ms, _ = tc.descend(lambda c: 10.0, alts, groups=(None, 1))
+    assert (best, ms) == (tc.Candidate(), 10.0)  # nothing pays: the cost model's stay

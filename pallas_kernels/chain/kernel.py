@@ -115,10 +115,10 @@ def _window_rows(kmax: int) -> int:
 
 
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
-                 norm_eps: float | None, attn=None, trace: bool = False):
+                 norm_eps: float | None, attn=None, trace: bool = False, group: int = 1):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles)): the attention phase (`attention`) of D / hd
-    query heads over H kv heads, `ca.group_of` query heads a block."""
+    query heads over H kv heads, `group` query heads (of one kv head) a block."""
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     lay = layout(prods, D, attn is not None)
@@ -132,7 +132,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         nc = hd // T  # 64-wide chunks of a head
         scale_log2 = ca.LOG2E / math.sqrt(hd)
         NQ = D // hd  # query heads
-        GB = ca.group_of(NQ, H)  # query heads a block attends with (one kv head's)
+        GB = group  # query heads a block attends with (one kv head's)
         A = NQ // GB  # attention blocks
         per_kv = (NQ // H) // GB  # attention blocks a kv head
 
@@ -443,10 +443,11 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
     return H, S, hd
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare"))
+@functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
+                                             "group"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
-               splits: tuple | None = None, spare: bool | None = None):
+               splits: tuple | None = None, spare: bool | None = None, group: int | None = None):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`fold_norms`); None: no norms.
@@ -463,16 +464,26 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     block never reaches the point): what `experiments/trace_chain.py` reads. splits:
     ((product, sk, st), ...) instead of `plan.choose_split`'s for those products. spare: o
     is split over the blocks that do not attend (`plan.products`' att_blocks); False: over
-    all of them. None (either): as measured fastest for the shape (`plan.tuned`)."""
+    all of them. None (either): as measured fastest for the shape (`plan.tuned`). group: query
+    heads a block attends with, dividing the query heads a kv head serves, at most 8 (the
+    accumulator's columns); None: the shape's measured choice, else the most that fit
+    (`attention.group_of`): fewer heads a block means more blocks attend, each K and V tile
+    read by each of them."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
-    attn, group = None, 1
+    attn = None
     if kv is not None:
         H, S, hd = check_attention(kv, pos, rope, L, D, N1)
         attn = (kv, pos.astype(jnp.int32), rope.astype(jnp.float32))
-        group = ca.group_of(D // hd, H)
+        best_splits, best_spare, best_group = tuned(D, N1, F, NB, hd)
+        per_kv = D // hd // H
+        group = group or best_group or ca.group_of(D // hd, H)
+        if not (1 <= group <= 8 and per_kv % group == 0):
+            raise ValueError(f"chain_mgpu: group={group}: want a divisor of the {per_kv} query heads "
+                             "a kv head serves, at most 8.")
+    else:
+        group, best_splits, best_spare = 1, (), False
     heads = D // hd // group if attn is not None else 0  # attention blocks
-    best_splits, best_spare = tuned(D, N1, F, NB, heads) if attn is not None else ((), False)
     splits = best_splits if splits is None else splits
     att_blocks = heads if (best_spare if spare is None else spare) else 0
     if att_blocks >= NB:
@@ -488,7 +499,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     if attn is not None and (kmax < hd // T or D // hd // group > NB):
         raise ValueError(f"chain_mgpu: head_dim={hd} needs a window of {hd // T} chunks (has "
                          f"{kmax}) and {D // hd // group} attention blocks at most blocks={NB}.")
-    return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace)
+    return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace, group)
 
 
 def attention_smem(S: int, hd: int, group: int = 1) -> int:

@@ -113,20 +113,21 @@ def products(D: int, N1: int, F: int, blocks: int, attention: bool = False,
     return tuple(out)
 
 
-# Splits and o's blocks measured faster than the cost model's in whole decode steps on an
-# H200 (132 SMs; benchmarks/decode.md, `decode_floor.py --variants chain@...`), by
-# (D, N1, F, blocks, attention blocks): (splits over the cost model's, spare). Elsewhere the
-# cost model's splits with o over every block, which measured best at Llama-3.2-1B's shape.
+# Splits, o's blocks and attention groups measured faster than the cost model's in whole decode
+# steps on an H200 (132 SMs; benchmarks/decode.md, `decode_floor.py --variants chain@...`,
+# `experiments/tune_chain_splits.py`), by (D, N1, F, blocks, head_dim): (splits over the cost
+# model's, spare, group (None: `attention.group_of`)). Elsewhere the cost model's splits with
+# o over every block, which measured best at Llama-3.2-1B's shape.
 MEASURED = {
-    (2048, 6144, 5632, 132, 16): ((("qkv", 16, 8), ("o", 8, 14)), True),  # 1b: 0.761 ms, not 0.843
-    (1024, 3072, 2816, 132, 16): ((), True),  # 350m: 0.356 ms, not 0.365
+    (2048, 6144, 5632, 132, 128): ((("qkv", 16, 8), ("o", 8, 14)), True, None),  # 1b: 0.761 ms, not 0.843
+    (1024, 3072, 2816, 132, 64): ((), True, None),  # 350m: 0.356 ms, not 0.365
 }
 
 
-def tuned(D: int, N1: int, F: int, blocks: int, att_blocks: int) -> tuple[tuple, bool]:
-    """(splits, spare) for a shape: `MEASURED`'s, else the cost model's with o over every
-    block (((), False))."""
-    return MEASURED.get((D, N1, F, blocks, att_blocks), ((), False))
+def tuned(D: int, N1: int, F: int, blocks: int, head_dim: int) -> tuple[tuple, bool, int | None]:
+    """(splits, spare, group) for a shape: `MEASURED`'s, else the cost model's splits with o
+    over every block and the most query heads a block (((), False, None))."""
+    return MEASURED.get((D, N1, F, blocks, head_dim), ((), False, None))
 
 
 def predict_us_per_layer(D: int, N1: int, F: int, blocks: int) -> float:

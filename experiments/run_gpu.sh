@@ -13,8 +13,8 @@
 #   decode          the path `generate` takes and each path's speed; batch-1 decode benchmarks/decode.md
 #                   steps: megakernel and fast path vs the floor;
 #                   where a megakernel layer's time goes (trace)
-#   decode_tune     the megakernel's product splits searched in whole steps, per preset  benchmarks/decode.md
-#                   (prints the plan.MEASURED entry to add)
+#   decode_tune     the megakernel's product splits searched in whole steps     benchmarks/decode.md
+#                   (PRESETS="llama3.2-1b 350m": which; prints the plan.MEASURED entry)
 #   train           the 1b training step, cuDNN's attention and ours alternated    benchmarks/training.md
 #   fp8             FP8 against bf16 training: step speed, FP8 GEMMs, 1000-step loss benchmarks/training.md
 #                   (and the float8 transpose kernel against XLA's transpose)
@@ -70,7 +70,10 @@ decode)
         --out "$OUT"
     "$PY" experiments/trace_chain.py --spare 0 auto --pos 160 --out "$OUT" ;;
 decode_tune)
-    for p in llama3.2-1b 350m; do "$PY" experiments/tune_chain_splits.py --preset "$p" --out "$OUT"; done ;;
+    # one preset a call fits the 10-minute limit: ~20 candidates of ~7 s (compile + 256 tokens)
+    for p in ${PRESETS:-llama3.2-1b}; do
+        "$PY" experiments/tune_chain_splits.py --preset "$p" --rounds 1 --alternatives 2 --out "$OUT"
+    done ;;
 train)
     for round in 1 2 3; do train_1b cudnn "$round"; train_1b pallas "$round"; done ;;
 serving)

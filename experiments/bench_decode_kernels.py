@@ -26,7 +26,6 @@ import itertools
 import json
 import os
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +33,7 @@ import numpy as np
 
 from gendist.inference.layer_cache import LayerKVCache
 from gendist.models import layers
+from gendist.timing import result_path
 from pallas_kernels.decode_attention import decode_attention, default_splits
 from pallas_kernels.rms_norm import rms_norm
 
@@ -108,8 +108,7 @@ def main():
         jax.block_until_ready(warm @ warm)
     res = dict(device=dev.device_kind, jax=jax.__version__, chain=args.chain, attention={},
                norm={})
-    path = Path(args.out) / f"decode_kernels_{dev.device_kind.replace(' ', '_').lower()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = result_path(args.out, "decode_kernels")
     for name in args.shapes:
         B, N, H, S, p = SHAPES[name]
         ks = jax.random.split(jax.random.key(0), 3)

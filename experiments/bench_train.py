@@ -15,14 +15,13 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from gendist.data.batches import random_batches
 from gendist.presets import preset, replace
-from gendist.timing import median_seconds
+from gendist.timing import median_seconds, result_path
 from gendist.training import train
 
 DATASHEET_BF16 = 989e12  # H100/H200 SXM dense bf16 (NVIDIA datasheet)
@@ -121,10 +120,7 @@ def main():
             continue
         print(f"{r['preset']:8} {r['params_M']:7.1f}M {r['tokens_per_s']:10.0f} "
               f"{r['model_tflops_per_s']:8.1f} {r['mfu_datasheet']:6.1%}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = dev.device_kind.replace(" ", "_").lower()
-    (out / f"train_{tag}{args.tag}.json").write_text(json.dumps(res, indent=1))
+    result_path(args.out, "train", args.tag).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ import json
 import os
 import tempfile
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +51,7 @@ from gendist.inference.generate import generate
 from gendist.inference.sampling import SamplingParams
 from gendist.models import transformer
 from gendist.presets import preset
-from gendist.timing import call_times, read_only_tbps, warm_gpu
+from gendist.timing import call_times, read_only_tbps, result_path, warm_gpu
 from pallas_kernels.chain import chain_mgpu
 
 VARIANTS = ("fast", "fast_unfused", "fast_xla", "reference", "chain")
@@ -103,7 +102,7 @@ def _match(row: dict, done: list) -> None:
 
 
 def chain_options(option: str):
-    """(ring slots, the kernel with the options' splits and spare) of `chain@OPTS`."""
+    """(ring slots, the kernel with the options' splits, spare and group) of `chain@OPTS`."""
     stages, kw, splits = 16, {}, []
     for opt in filter(None, option.split(",")):
         name, eq, value = opt.partition("=")
@@ -200,9 +199,7 @@ def main():
            "read_only_TBps_measured": [read_only_tbps(2.0 if on_gpu else 0.25)], "cases": []}
     res["read_only_TBps_before"] = max(res["read_only_TBps_measured"][0].values())
     print({k: v for k, v in res.items() if k != "cases"}, flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode_floor_{res['device'].replace(' ', '_').lower()}.json"
+    path = result_path(args.out, "decode_floor")
     cases = [(p, b, v) for p in args.presets for b in args.batches for v in args.variants]
     for spec in args.extra:
         p, b, v = spec.split(":")

@@ -21,7 +21,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 SPEED = re.compile(r"decode: (\d+) tokens in ([\d.]+) s, ([\d.]+) tokens/s .*compiled in ([\d.]+) s")
 
@@ -55,7 +54,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     import jax
-    device = jax.devices()[0].device_kind.replace(" ", "_").lower()
+
+    from gendist.timing import result_path
+
     rows = []
     for preset in args.presets:
         for path in args.paths:
@@ -70,7 +71,7 @@ def main():
                 n = next((i for i, (a, b) in enumerate(zip(r["text"], ref, strict=False)) if a != b),
                          min(len(r["text"]), len(ref)))
                 r["chars_equal_to_auto_before_first_difference"] = n
-    out = Path(args.out) / f"decode_paths_{device}.json"
+    out = result_path(args.out, "decode_paths")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                                "tokens": args.tokens, "rows": rows}, indent=1))

@@ -31,6 +31,7 @@ import jax
 
 from gendist.data.batches import random_batches
 from gendist.presets import preset, replace
+from gendist.timing import result_path
 from gendist.training import train
 
 PEAK = {"bf16": 989e12, "fp8": 1979e12}  # dense, H100/H200 SXM datasheet
@@ -200,7 +201,6 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = jax.devices()[0]
-    tag = dev.device_kind.replace(" ", "_").lower()
     res = {"device": dev.device_kind, "jax": jax.__version__, "peaks": PEAK, "speed": []}
     if not args.skip_speed:
         for name, base, ov in (TINY if args.tiny else
@@ -212,7 +212,7 @@ def main():
                 res["speed"].append({"shape": name, "error": f"{type(e).__name__}: {str(e)[:600]}"})
                 print(res["speed"][-1], flush=True)
             # written after each shape: kept if the quality runs are cut
-            (out / f"fp8_training_{tag}.json").write_text(json.dumps(res, indent=1))
+            result_path(out, "fp8_training").write_text(json.dumps(res, indent=1))
     if args.skip_quality:
         return report(res, args.variants)
     qbase, qov = ("tiny", {"train.batch_size": 8, "train.seq_len": 64}) if args.tiny else (
@@ -221,8 +221,8 @@ def main():
            "train.eval_every": max(args.quality_steps // 10, 1), "train.eval_batches": 4,
            "train.log_every": max(args.quality_steps // 10, 1)}
     res["quality"] = quality(qbase, qov)
-    plot(res["quality"], out / f"fp8_loss_{tag}.png")
-    (out / f"fp8_training_{tag}.json").write_text(json.dumps(res, indent=1))
+    plot(res["quality"], result_path(out, "fp8_loss", ext="png"))
+    result_path(out, "fp8_training").write_text(json.dumps(res, indent=1))
     report(res, args.variants)
 
 

@@ -20,12 +20,11 @@ import functools
 import itertools
 import json
 import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from gendist.timing import pipelined_seconds
+from gendist.timing import pipelined_seconds, result_path
 from pallas_kernels import transpose as tk
 
 BANDWIDTH = 4.23e12  # bytes/s
@@ -64,10 +63,7 @@ def main():
     print("sum over the shapes (us): floor {:.0f}, XLA {:.0f}, kernel tiles best first: {}".format(
         res["floor_total_us"], res["xla_total_us"],
         ", ".join(f"{t} {v:.0f}" for t, v in sorted(total.items(), key=lambda kv: kv[1])[:4])))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = dev.device_kind.replace(" ", "_").lower()
-    (out / f"fp8_transpose_{tag}.json").write_text(json.dumps(res, indent=1))
+    result_path(args.out, "fp8_transpose").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -21,14 +21,13 @@ import functools
 import itertools
 import json
 import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from gendist.config import ModelConfig
 from gendist.inference import decode_block
-from gendist.timing import pipelined_seconds, read_only_tbps, warm_gpu
+from gendist.timing import pipelined_seconds, read_only_tbps, result_path, warm_gpu
 from pallas_kernels import head as hk
 
 TABLES = [("llama3.2-1b", 128256, 2048), ("llama3-8b", 128256, 4096), ("vocab-32k", 32000, 2048)]
@@ -82,10 +81,7 @@ def main():
     dev = jax.devices()[0]
     res = {"device": dev.device_kind, "jax": jax.__version__, "read_only_TBps": tbps,
            "cases": rows_out}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = dev.device_kind.replace(" ", "_").lower()
-    (out / f"head_kernel_{tag}.json").write_text(json.dumps(res, indent=1))
+    result_path(args.out, "head_kernel").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

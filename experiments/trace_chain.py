@@ -13,7 +13,7 @@ over layers:
   median head, from its SM clock;
 * the layer's period (the last block's q|k|v input, layer to layer).
 
-Writes trace_chain.json and trace_<preset>_spare<0|1>.png (a layer's timeline, block by
+Writes trace_chain.json and trace_<preset>_spare<0|1|auto>.png (a layer's timeline, block by
 block) to --out. --spare 0 1 auto traces the cost model's splits with o over every block,
 over the blocks that do not attend, and the kernel's measured choice (`plan.tuned`: the
 default), in the same process.
@@ -32,13 +32,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_chain_mgpu import PRESETS, attention_inputs, weights  # noqa: E402
+from bench_chain_mgpu import attention_inputs, weights  # noqa: E402
 
+from gendist.presets import preset  # noqa: E402
 from pallas_kernels.chain import kernel as cm  # noqa: E402
 
-# (d_model, q|k|v rows, d_ff, layers) and (query heads, kv heads): the presets' shapes
-SHAPES = {**PRESETS, "llama3.2-1b": (2048, 3072, 8192, 16)}
-HEADS = {"350m": (16, 16), "1b": (16, 16), "llama3.2-1b": (32, 8)}
+PRESETS = ("350m", "1b", "llama3.2-1b")
 PRODUCTS = ("qkv", "o", "gu", "down")
 ATT_STEPS = ("att_in", "att_rope", "att_scores", "att_softmax", "att_out")
 
@@ -140,7 +139,7 @@ def plot(raw, L: int, path: str, title: str):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--presets", nargs="*", default=list(SHAPES))
+    ap.add_argument("--presets", nargs="*", default=list(PRESETS))
     ap.add_argument("--spare", nargs="+", default=["auto"], choices=["auto", "0", "1"],
                     help="1: o on the blocks that do not attend; 0: on every block; auto: the "
                          "kernel's measured choice for the shape (its splits too)")
@@ -153,11 +152,11 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for name, spare in ((n, s) for n in args.presets for s in args.spare):
-        D, N1, F, L = SHAPES[name]
-        heads, kv_heads = HEADS[name]
-        x0, *ws = weights(D, N1, F, L)
-        (kv, *att), _ = attention_inputs(L, D, args.capacity, args.pos, heads)
-        att = (kv[:, :, :kv_heads], *att)
+        m = preset(name).model
+        D, F, L, K = m.d_model, m.d_ff, m.num_layers, m.num_kv_heads
+        x0, *ws = weights(D, D + 2 * K * m.head_dim, F, L)  # q|k|v rows: q, then K heads of k and v
+        (kv, *att), _ = attention_inputs(L, D, args.capacity, args.pos, m.num_heads)
+        att = (kv[:, :, :K], *att)
         kw = {} if spare == "auto" else dict(spare=spare == "1", splits=())
         f = jax.jit(lambda *a, kw=kw: cm.chain_mgpu(*a, stages=args.stages, norm_eps=1e-5, trace=True, **kw))
         results = []

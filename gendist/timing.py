@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,14 @@ def warm_gpu(seconds: float = 2.0) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         jax.block_until_ready(f(a))
+
+
+def result_path(out, stem: str, suffix: str = "", ext: str = "json") -> Path:
+    """Where an experiment writes its result: <out>/<stem>_<device kind><suffix>.<ext>
+    (`head_kernel_nvidia_h200.json`), the folder made if missing."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out / f"{stem}_{jax.devices()[0].device_kind.replace(' ', '_').lower()}{suffix}.{ext}"
 
 
 def read_only_tbps(gib: float = 2.0, n: int = 10) -> dict[str, float]:

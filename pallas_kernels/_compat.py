@@ -36,6 +36,13 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def dividing_block(n: int, block: int, least: int = 16) -> int | None:
+    """`block` halved (not below `least`) until it divides n; None if none does."""
+    while block >= least and n % block:
+        block //= 2
+    return block if block >= least else None
+
+
 def is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 

@@ -22,26 +22,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import resolve_interpret, triton_params
+from pallas_kernels._compat import dividing_block, resolve_interpret, triton_params
 
 ROWS = 16  # rows of x as the tensor cores take them (the smallest MMA tile); up to 16 rows in
 BLOCK_V = 64  # rows of the table a program owns
 BLOCK_D = 256  # columns streamed a loop step (block_v x block_d x 2 bytes a pipeline stage)
 
 
-def block_v_for(n: int, block: int = BLOCK_V) -> int | None:
-    """`block` halved (not below 16) until it divides n (the vocabulary, or the width with
-    `BLOCK_D`); None if none does."""
-    while block >= 16 and n % block:
-        block //= 2
-    return block if block >= 16 else None
-
-
 def supports(rows: int, vocab: int, width: int) -> bool:
     """Whether the kernel takes `rows` rows of x against a [vocab, width] table: up to 16
     rows, and tiles of 16 or more dividing the vocabulary and the width (the caller keeps
     XLA's output layer otherwise)."""
-    return 0 < rows <= ROWS and None not in (block_v_for(vocab), block_v_for(width, BLOCK_D))
+    return 0 < rows <= ROWS and None not in (dividing_block(vocab, BLOCK_V), dividing_block(width, BLOCK_D))
 
 
 def _kernel(x_ref, g_ref, w_ref, o_ref, *, eps: float, block_d: int, width: int):
@@ -84,7 +76,7 @@ def head_logits(x_RD, gain_D, table_VD, *, eps: float, block_v: int = BLOCK_V,
     if table_VD.shape[1] != D or gain_D.shape != (D,):
         raise ValueError(f"head_logits: x {x_RD.shape}, gain {gain_D.shape} and table "
                          f"{table_VD.shape} disagree on the width")
-    bv, bd = block_v_for(V, block_v), block_v_for(D, block_d)
+    bv, bd = dividing_block(V, block_v), dividing_block(D, block_d)
     if not (0 < R <= ROWS) or bv is None or bd is None:
         raise ValueError(f"head_logits: {R} rows, vocabulary {V}, width {D}: the kernel takes "
                          f"1-{ROWS} rows and a vocabulary and width with a divisor of 16 or "

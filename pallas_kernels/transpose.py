@@ -18,7 +18,7 @@ import functools
 import jax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import resolve_interpret, triton_params
+from pallas_kernels._compat import dividing_block, resolve_interpret, triton_params
 
 BLOCK = (128, 128)  # (rows, columns) of an input tile: the best over the FP8 step shapes (H200)
 NUM_WARPS = 8
@@ -27,14 +27,8 @@ NUM_WARPS = 8
 def block_for(shape: tuple[int, int], block: tuple[int, int] = BLOCK) -> tuple[int, int] | None:
     """The tile for a [M, N] input: `block`, each side shrunk (halving, not below 16) until
     it divides its axis; None where no such tile exists (the caller transposes with XLA)."""
-    out = []
-    for n, b in zip(shape, block, strict=True):
-        while b >= 16 and n % b:
-            b //= 2
-        if b < 16:
-            return None
-        out.append(b)
-    return tuple(out)
+    out = tuple(dividing_block(n, b) for n, b in zip(shape, block, strict=True))
+    return None if None in out else out
 
 
 def _kernel(x_ref, o_ref):

@@ -30,8 +30,8 @@ def enabled(cfg: Config) -> bool:
 
 def transposes(cfg: Config, mesh) -> str:
     """How the FP8 GEMMs' float8 operands are transposed (`train.fp8_transpose`) in a step on
-    `mesh`: "auto" is the Pallas kernel on a one-device GPU mesh (2-3% of the step, more than
-    XLA's transposes of one-byte elements: `benchmarks/training.md`) and XLA's elsewhere. The
+    `mesh`: "auto" is the Pallas kernel on a one-device GPU mesh (3.4-5.3% of the step faster
+    than XLA's transposes of one-byte elements: `benchmarks/training.md`) and XLA's elsewhere. The
     kernel is a custom call that jit's partitioner cannot split, so sharded steps keep
     XLA's."""
     how = cfg.train.fp8_transpose

@@ -496,9 +496,9 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
         raise ValueError(f"chain_mgpu: stages={stages} needs {need} bytes of shared memory; use fewer.")
     if norm_eps is not None and D % 128:
         raise ValueError(f"chain_mgpu: norms need D={D} to be a multiple of 128.")
-    if attn is not None and (kmax < hd // T or D // hd // group > NB):
+    if attn is not None and (kmax < hd // T or heads > NB):
         raise ValueError(f"chain_mgpu: head_dim={hd} needs a window of {hd // T} chunks (has "
-                         f"{kmax}) and {D // hd // group} attention blocks at most blocks={NB}.")
+                         f"{kmax}) and {heads} attention blocks at most blocks={NB}.")
     return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace, group)
 
 

@@ -12,7 +12,8 @@
 #   paged           paged decode attention against the read-only bandwidth         benchmarks/paged_decode.md
 #   decode          the path `generate` takes and each path's speed; batch-1 decode benchmarks/decode.md
 #                   steps: megakernel and fast path vs the floor;
-#                   where a megakernel layer's time goes (trace)
+#                   where a megakernel layer's time goes (trace); what a step
+#                   runs besides the kernel (timeline)
 #   decode_tune     the megakernel's product splits searched in whole steps     benchmarks/decode.md
 #                   (PRESETS="llama3.2-1b 350m": which; prints the plan.MEASURED entry)
 #   train           the 1b training step, cuDNN's attention and ours alternated    benchmarks/training.md
@@ -68,7 +69,9 @@ decode)
     "$PY" experiments/head_kernel.py --out "$OUT"
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --variants chain fast --reps 3 \
         --out "$OUT"
-    "$PY" experiments/trace_chain.py --spare 0 auto --pos 160 --out "$OUT" ;;
+    "$PY" experiments/trace_chain.py --spare 0 auto --pos 160 --out "$OUT"
+    "$PY" experiments/trace_chain.py --presets llama3.2-1b --group 4 auto --pos 160 --out "$OUT/llama"
+    "$PY" experiments/decode_step_timeline.py --presets 1b 350m llama3.2-1b --out "$OUT" ;;
 decode_tune)
     # one preset a call fits the 10-minute limit: ~20 candidates of ~7 s (compile + 256 tokens)
     for p in ${PRESETS:-llama3.2-1b}; do

@@ -123,7 +123,7 @@ ATTENTION = {"350m": (1024, 2816, 16, 16, 64), "1b": (2048, 5632, 16, 16, 128),
 
 
 @pytest.mark.parametrize("shape,norm_eps,group", [("350m", None, None), ("1b", 1e-5, None),
-                                                  ("llama3.2-1b", 1e-5, None), ("llama3.2-1b", 1e-5, 1),
+                                                  ("llama3.2-1b", 1e-5, None), ("llama3.2-1b", 1e-5, 4),
                                                   ("gqa8-hd128", 1e-5, None)])
 def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps, group):
     """With the attention phase: its RoPE, softmax and combine words and the transposed V
@@ -136,7 +136,7 @@ def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps, group):
             S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16),
             S((2, 2, K, 320, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
     text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps, group=group), *args)
-    group = group or ca.group_of(NQ, K)
+    group = group or plan.tuned(D, N1, F, 132, hd)[2] or ca.group_of(NQ, K)  # chain_mgpu's choice
     for s in ("ROPE_K", f"ROPE_Q{group - 1}", f"SMAX_L{group - 1}", f"SP_L{group - 1}", "CMB_E",
               "LLH_0", "cvt.f32.bf16", "st.global.b16", "LAB_G"):
         assert s in text, s
@@ -282,6 +282,28 @@ def attention_inputs(L, D, capacity, pos, heads=16, kv_heads=None):
     return (kv if kv_heads is None else kv[:, :, :kv_heads]), pos_, rope
 
 
+def rope_table_around(rope_hd, pos: int, rows: int):
+    """A [rows, hd] table of angles: random rows, but row pos is rope_hd."""
+    table = jax.random.uniform(jax.random.key(pos), (rows, rope_hd.shape[0]), jnp.float32, -1, 1)
+    return table.at[pos].set(rope_hd)
+
+
+def test_a_table_of_angles_is_read_at_the_position():
+    """The reference reads row pos of a table of angles (clipped to the capacity) as it reads
+    the position's angles given alone; another row's angles give another result."""
+    x0, wq, wo, wgu, wd = gqa_inputs(128, 64, 1, 64, 1)
+    kv, pos, rope = attention_inputs(1, 128, 128, 70, heads=2, kv_heads=1)
+    table = rope_table_around(rope, 70, 128)
+    want = cm.reference(x0, wq, wo, wgu, wd, kv, pos, rope)
+    got = cm.reference(x0, wq, wo, wgu, wd, kv, pos, table)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    other = cm.reference(x0, wq, wo, wgu, wd, kv, pos, table.at[70].set(table[71]))
+    assert not np.array_equal(np.asarray(other[1]), np.asarray(want[1]))
+    with pytest.raises(ValueError, match="a table"):
+        cm.chain_mgpu(x0, wq, wo, wgu, wd, kv, pos, table[:100])
+
+
 def gqa_inputs(D, hd, kv_heads, F, L, seed=0):
     """The chain's weights for grouped-query attention: q|k|v [L, D + 2 kv_heads hd, D]."""
     return inputs(D, D + 2 * kv_heads * hd, F, L, seed)
@@ -291,11 +313,16 @@ def gqa_inputs(D, hd, kv_heads, F, L, seed=0):
 @pytest.mark.parametrize("preset,layers,norms,pos", [("350m", 2, False, 70), ("350m", 1, False, 0),
                                                      ("350m", 5, True, 255), ("1b", 3, True, 129),
                                                      ("llama3.2-1b", 3, True, 129), ("llama3.2-1b", 2, True, 0),
-                                                     ("gqa8-hd128", 3, True, 200)])
+                                                     ("gqa8-hd128", 3, True, 200),
+                                                     ("llama3.2-1b", 2, True, "table")])
 def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos):
+    """pos "table": the angles as a table of every position's (random rows but row 129, the
+    new token's): the kernel reads its position's row."""
     D, F, NQ, K, hd = ATTENTION[preset]
     x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, layers)
-    att = attention_inputs(layers, D, 320, pos, heads=NQ, kv_heads=K)
+    att = attention_inputs(layers, D, 320, 129 if pos == "table" else pos, heads=NQ, kv_heads=K)
+    if pos == "table":
+        att = (*att[:2], rope_table_around(att[2], 129, 320))
     g = gains(D, layers) if norms else None
     wq_f, wgu_f = cm.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
     got, got_kv = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5 if norms else None)

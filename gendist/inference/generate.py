@@ -69,14 +69,17 @@ def generate(plan: decoder.DecodePlan, prompt_BT, prompt_len_B, key, *, max_new_
         else:
             sub = key
         nxt_B = sample(sub, logits_BV, sp)
-        nxt_B = jnp.where(done_B, max(eos_id, 0), nxt_B)
+        if eos_id >= 0:  # without an eos nothing stops: no flags or counts kept a step (at batch 1
+            nxt_B = jnp.where(done_B, eos_id, nxt_B)  # each is a kernel of ~1 us)
+            count_B = count_B + (~done_B).astype(jnp.int32)
+            done_B = done_B | (nxt_B == eos_id)
         out_BN = out_BN.at[:, i].set(nxt_B)
-        count_B = count_B + (~done_B).astype(jnp.int32)
-        done_B = done_B | (nxt_B == eos_id)
         return i + 1, nxt_B, cache, out_BN, done_B, count_B, key
 
     carry = (jnp.int32(1), tok_B, cache, out_BN, done_B, count_B, key)
     _, _, _, out_BN, _, count_B, _ = jax.lax.while_loop(cond, body, carry)
+    if eos_id < 0:
+        count_B = jnp.full((B,), max_new_tokens, jnp.int32)
     return out_BN, count_B
 
 

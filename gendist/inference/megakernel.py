@@ -28,6 +28,7 @@ from gendist.config import ModelConfig
 from gendist.inference import decode_block, decode_layout
 from gendist.inference.cache import KVCache, contiguous_attend
 from gendist.models.layers import rope_angles
+from gendist.models.params import DTYPES
 from pallas_kernels.chain import kernel as cm
 
 
@@ -85,17 +86,21 @@ def chain_params(cfg: ModelConfig, params: dict) -> dict:
 @dataclasses.dataclass(frozen=True)
 class ChainCache(KVCache):
     """One sequence's keys and values as the chain kernel reads them: kv [L, 2, K, S, hd]
-    (K kv heads; zeroed: rows at and past the length must be finite), S a multiple of 64."""
+    (K kv heads; zeroed: rows at and past the length must be finite), S a multiple of 64;
+    rope [S, hd]: every position's angles (`rope_table`), of which the kernel reads its
+    step's row."""
 
     kv: jax.Array
     lengths: jax.Array  # [1] int32
+    rope: jax.Array  # [S, hd] fp32
     stages: int = dataclasses.field(default=16, metadata=dict(static=True))  # the kernel's ring slots
 
     @classmethod
     def create(cls, cfg: ModelConfig, max_len: int, stages: int = 16):
         S = -(-max_len // 64) * 64
         shape = (cfg.num_layers, 2, cfg.num_kv_heads, S, cfg.head_dim)
-        return cls(jnp.zeros(shape, jnp.bfloat16), jnp.zeros((1,), jnp.int32), stages)
+        return cls(jnp.zeros(shape, jnp.bfloat16), jnp.zeros((1,), jnp.int32), rope_table(cfg, S),
+                   stages)
 
     def layer_state(self):
         return self.kv
@@ -111,16 +116,25 @@ class ChainCache(KVCache):
         return out, jnp.stack([k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)])
 
 
+def rope_table(cfg: ModelConfig, rows: int):
+    """cos | sin of positions 0 .. rows - 1's rotary angles, [rows, head_dim] fp32: made once
+    a cache, so that a step computes none (the kernel copies its position's row)."""
+    cos, sin = rope_angles(jnp.arange(rows, dtype=jnp.int32)[None], cfg.head_dim, cfg.rope_theta,
+                           cfg.rope_llama3)
+    return jnp.concatenate([cos[0], sin[0]], axis=-1)
+
+
 def step(cfg: ModelConfig, params: dict, tokens_B, pos_B, cache: ChainCache, kernel,
          head: bool = False):
     """One token at position pos_B through `kernel` (`kernel.chain_mgpu` or `chain_reference`):
     (fp32 logits [1, V], the cache with every layer's new k and v written at pos_B; its
     lengths are the caller's, as for a forward). `head`: the final norm and the output layer
     in one kernel (`decode_block.head_logits`)."""
-    x0 = decode_block.embed(params, tokens_B[:, None], cfg)[0, 0].astype(jnp.float32)
-    cos, sin = rope_angles(pos_B[:, None], cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
-    rope = jnp.concatenate([cos.reshape(-1), sin.reshape(-1)])
-    x_D, kv_new = kernel(x0, *params["chain"], cache.kv, pos_B, rope, norm_eps=cfg.norm_eps,
+    # the token's row by a dynamic slice (clamped), which fuses into the kernel's input words;
+    # `jnp.take`'s out-of-range fill would cost a kernel of its own a step
+    x0 = jax.lax.dynamic_index_in_dim(params["embed"], tokens_B[0], keepdims=False)
+    x0 = x0.astype(DTYPES[cfg.dtype]).astype(jnp.float32)
+    x_D, kv_new = kernel(x0, *params["chain"], cache.kv, pos_B, cache.rope, norm_eps=cfg.norm_eps,
                          stages=cache.stages)
     kv = jax.lax.dynamic_update_slice(cache.kv, kv_new[:, :, :, None, :], (0, 0, 0, pos_B[0], 0))
     logits = decode_block.head_logits(params, x_D.astype(cache.kv.dtype)[None, None], cfg,

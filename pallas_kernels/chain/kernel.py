@@ -117,8 +117,9 @@ def _window_rows(kmax: int) -> int:
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                  norm_eps: float | None, attn=None, trace: bool = False, group: int = 1):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
-    rope [hd] fp32 (cos | sin of pos's angles)): the attention phase (`attention`) of D / hd
-    query heads over H kv heads, `group` query heads (of one kv head) a block."""
+    rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
+    attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
+    (of one kv head) a block."""
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     lay = layout(prods, D, attn is not None)
@@ -353,7 +354,8 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             if attn is not None:
                 @pl.when(h < A)
                 def _():  # the angles, once (every layer rotates by the same ones)
-                    plgpu.copy_gmem_to_smem(rope_ref, rope_smem, rope_bar.at[0])
+                    src = rope_ref if attn[2].ndim == 1 else rope_ref.at[pos]  # a table: row pos
+                    plgpu.copy_gmem_to_smem(src, rope_smem, rope_bar.at[0])
                     plgpu.barrier_wait(rope_bar.at[0])
 
             every_phase(consume, attend)
@@ -437,9 +439,11 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
         raise ValueError(f"chain_mgpu: head_dim={hd} and capacity={S} must be multiples of {T}.")
     if jnp.dtype(kv.dtype) != jnp.bfloat16:
         raise ValueError("chain_mgpu: the kv cache must be bf16.")
-    if pos.shape != (1,) or rope.shape != (hd,):
+    if pos.shape != (1,) or not (rope.shape == (hd,) or (rope.ndim == 2 and rope.shape[0] >= S
+                                                          and rope.shape[1] == hd)):
         raise ValueError(f"chain_mgpu: pos {pos.shape}, rope {rope.shape}: want [1] (int32) and "
-                         f"[head_dim={hd}] (cos | sin of the new token's angles).")
+                         f"[head_dim={hd}] (cos | sin of the new token's angles) or a table "
+                         f"[rows >= capacity={S}, head_dim={hd}] of every position's.")
     return H, S, hd
 
 
@@ -454,9 +458,10 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
 
     With kv [L, 2, H, S, hd] (bf16 K and V caches of H kv heads, finite), pos [1] int32 (the
     new token's position: the cache rows below it are read) and rope [hd] fp32 (cos | sin of
-    its angles, `gendist.models.layers.rope_angles`), each layer attends (`attention`: D / hd
-    query heads, query head i reading kv head i // (D / hd / H); w_qkv's rows are q | k | v,
-    N1 = D + 2 H hd) and the result is (x_L, kv_new [L, 2, H, hd] bf16: the new token's
+    its angles, `gendist.models.layers.rope_angles`) or [R >= S, hd] (every position's: the
+    kernel reads row pos, so that no kernel before it computes the angles), each layer
+    attends (`attention`: D / hd query heads, query head i reading kv head i // (D / hd / H);
+    w_qkv's rows are q | k | v, N1 = D + 2 H hd) and the result is (x_L, kv_new [L, 2, H, hd] bf16: the new token's
     rotated k and its v, for the caller to write at row pos).
 
     trace=True adds a last output [blocks, L, len(TRACE_POINTS), 2] int32: each block's
@@ -538,6 +543,8 @@ def reference(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, n
         p = jnp.clip(pos[0], 0, kv.shape[3] - 1)
         return o.reshape(D), k[:, 0, p], v[:, 0, p]
 
+    if rope is not None and rope.ndim == 2:  # a table: the row of the (clipped) position
+        rope = rope[jnp.clip(pos[0], 0, kv.shape[3] - 1)]
     x = x0_D.astype(jnp.float32)
     new = []
     for l in range(w_qkv.shape[0]):

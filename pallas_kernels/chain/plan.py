@@ -117,10 +117,13 @@ def products(D: int, N1: int, F: int, blocks: int, attention: bool = False,
 # steps on an H200 (132 SMs; benchmarks/decode.md, `decode_floor.py --variants chain@...`,
 # `experiments/tune_chain_splits.py`), by (D, N1, F, blocks, head_dim): (splits over the cost
 # model's, spare, group (None: `attention.group_of`)). Elsewhere the cost model's splits with
-# o over every block, which measured best at Llama-3.2-1B's shape.
+# o over every block and the most query heads an attention block.
 MEASURED = {
     (2048, 6144, 5632, 132, 128): ((("qkv", 16, 8), ("o", 8, 14)), True, None),  # 1b: 0.761 ms, not 0.843
     (1024, 3072, 2816, 132, 64): ((), True, None),  # 350m: 0.356 ms, not 0.365
+    # Llama-3.2-1B: one query head an attention block (32 blocks attend, each K and V tile read
+    # by four): 0.781 ms, not 0.825 with four (group 2: 0.800), positions 32-288
+    (2048, 3072, 8192, 132, 64): ((), False, 1),
 }
 
 

@@ -329,6 +329,23 @@ def stamp(ref, index):
     emit(ref, jnp.asarray(index, jnp.int32))
 
 
+def prefetch_rows_l2(ref, row0, col0, row_elems: int, rows: int = 64):
+    """Lanes 0 .. rows - 1 each ask L2 for the 128-byte line of 2-byte elements at
+    (row0 + lane) * row_elems + col0 of the global ref, seen as rows of `row_elems` (a weight
+    tile's rows: [64, 64] bf16 is one line a row): `prefetch.global.L2`, which does not wait.
+    Row and column are int32; the address is 64-bit. GPU only (inline PTX)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))
+    def emit(_, r, row, col):
+        mgpu.utils.inline_ptx(
+            "{ .reg .pred p; .reg .u32 w; .reg .u64 a; .reg .u64 c; setp.lt.u32 p, $4, $5;"
+            " add.u32 w, $1, $4; mul.wide.u32 a, w, $3; cvt.u64.u32 c, $2; add.u64 a, a, c;"
+            " shl.b64 a, a, 1; add.u64 a, a, $0; @p prefetch.global.L2 [a]; }",
+            ptr64(r), row.registers[()], col.registers[()], const_i32(row_elems), lane(),
+            const_i32(rows), has_side_effects=True)
+
+    emit(ref, jnp.asarray(row0, jnp.int32), jnp.asarray(col0, jnp.int32))
+
+
 def zero_words(ref, start, count: int):
     """The warpgroup writes 0 to int32 words start .. start + count - 1 of the global ref
     (each thread every 128th), then a warpgroup barrier: stores after it, by any thread of

@@ -145,6 +145,22 @@ def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps, group):
         assert s not in text, s
 
 
+@pytest.mark.parametrize("prefetch", [0, 16])
+def test_prefetch_asks_l2_for_the_tiles_ahead(prefetch):
+    """prefetch=N: the producer asks L2 for weight tiles (`prefetch.global.L2`, 64-bit
+    addresses); 0 emits none. A negative count is refused."""
+    D, F, NQ, K, hd = ATTENTION["1b"]
+    N1 = D + 2 * K * hd
+    S = jax.ShapeDtypeStruct
+    args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
+            S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16),
+            S((2, 2, K, 320, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
+    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=1e-5, prefetch=prefetch), *args)
+    assert ("prefetch.global.L2" in text) == (prefetch > 0)
+    with pytest.raises(ValueError, match="prefetch=-1"):
+        cm.chain_mgpu(*inputs(64, 192, 128, 1), prefetch=-1)
+
+
 @pytest.mark.parametrize("attention", [False, True])
 def test_trace_lowers_with_its_points(attention):
     """trace=True: the stamps (timer and clock, a 64-bit store of the pair) and the zeroing
@@ -553,7 +569,7 @@ def test_trace_analysis_recovers_a_known_schedule():
 
 
 def test_step_variants_name_their_kernel_options():
-    """decode_floor's `chain@OPTS`: ring slots, spare and splits reach the kernel; none given
+    """decode_floor's `chain@OPTS`: ring slots, spare, splits, group and prefetch reach the kernel; none given
     leaves the kernel its measured choice; a bad option names the ones there are."""
     df = experiment("decode_floor")
     stages, kernel = df.chain_options("12,spare=0,qkv=16x8,o=8x14")
@@ -562,7 +578,8 @@ def test_step_variants_name_their_kernel_options():
     assert df.chain_options("")[1].keywords == {} and df.chain_options("20")[1].keywords == {}
     assert df.chain_options("spare=1")[1].keywords == dict(spare=True, splits=())  # over the cost model
     assert df.chain_options("group=1")[1].keywords == dict(group=1)  # the measured splits stay
-    with pytest.raises(ValueError, match="spare=0, group=N or NAME=SKxST"):
+    assert df.chain_options("16,prefetch=8")[1].keywords == dict(prefetch=8)
+    with pytest.raises(ValueError, match="spare=0, group=N, prefetch=N or NAME=SKxST"):
         df.chain_options("16,mlp=2x4")
 
 

@@ -60,6 +60,7 @@ from pallas_kernels._mgpu import (
     WGMMA,
     launch,
     ll_store,
+    prefetch_rows_l2,
     sm_count,
     smem_bytes,
     stamp,
@@ -115,7 +116,8 @@ def _window_rows(kmax: int) -> int:
 
 
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
-                 norm_eps: float | None, attn=None, trace: bool = False, group: int = 1):
+                 norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
+                 prefetch: int = 0):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
@@ -179,14 +181,25 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         def produce(l, p):  # layer l's product p: its weight tiles into the ring
             active, t0, t1, k0, k1 = rect(p, b)
             nk = k1 - k0
+            n = (t1 - t0) * nk
             j0 = l * per_layer + before[p.name]
+            w = w_refs[p.name]
+
+            def ahead(q):  # item q's tile asked of L2 (`prefetch`)
+                t, k = t0 + q // nk, k0 + lax.rem(q, nk)
+                prefetch_rows_l2(w, l * p.N + t * T, k * KC, p.K)
 
             @pl.when(active)
             def _():
-                @pl.loop(0, (t1 - t0) * nk)
+                if prefetch:  # the product's first `prefetch` tiles, then one a step ahead
+                    pl.loop(0, jnp.minimum(prefetch, n))(ahead)
+
+                @pl.loop(0, n)
                 def _(q):
+                    if prefetch:
+                        pl.when(q + prefetch < n)(lambda: ahead(q + prefetch))
                     t, k = t0 + q // nk, k0 + lax.rem(q, nk)
-                    issue(j0 + q, w_refs[p.name].at[l, pl.ds(t * T, T), pl.ds(k * KC, KC)])
+                    issue(j0 + q, w.at[l, pl.ds(t * T, T), pl.ds(k * KC, KC)])
 
         def produce_att(l):  # head h's K tiles (position tile, chunk), then V's (chunk, tile)
             j0 = l * per_layer + before["att"]
@@ -448,10 +461,11 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
-                                             "group"))
+                                             "group", "prefetch"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
-               splits: tuple | None = None, spare: bool | None = None, group: int | None = None):
+               splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
+               prefetch: int = 0):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`fold_norms`); None: no norms.
@@ -473,7 +487,9 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     heads a block attends with, dividing the query heads a kv head serves, at most 8 (the
     accumulator's columns); None: the shape's measured choice, else the most that fit
     (`attention.group_of`): fewer heads a block means more blocks attend, each K and V tile
-    read by each of them."""
+    read by each of them. prefetch: each block also asks L2 for its product's weight tiles that
+    many ahead of the one it puts in the ring (0: no), so that the stream goes on while the
+    ring is full and its blocks wait for an input."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
     attn = None
@@ -504,7 +520,11 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     if attn is not None and (kmax < hd // T or heads > NB):
         raise ValueError(f"chain_mgpu: head_dim={hd} needs a window of {hd // T} chunks (has "
                          f"{kmax}) and {heads} attention blocks at most blocks={NB}.")
-    return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace, group)
+    if prefetch < 0:
+        raise ValueError(f"chain_mgpu: prefetch={prefetch}: want 0 (off) or the weight tiles a block "
+                         "asks of L2 ahead of its ring.")
+    return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace, group,
+                        prefetch)
 
 
 def attention_smem(S: int, hd: int, group: int = 1) -> int:

@@ -73,7 +73,9 @@ def generate(plan: decoder.DecodePlan, prompt_BT, prompt_len_B, key, *, max_new_
             nxt_B = jnp.where(done_B, eos_id, nxt_B)  # each is a kernel of ~1 us)
             count_B = count_B + (~done_B).astype(jnp.int32)
             done_B = done_B | (nxt_B == eos_id)
-        out_BN = out_BN.at[:, i].set(nxt_B)
+        # i < max_new_tokens: an update in place with no bounds check (`.at[:, i].set` would
+        # compute one, a kernel a step at batch 1)
+        out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, nxt_B[:, None], i, axis=1)
         return i + 1, nxt_B, cache, out_BN, done_B, count_B, key
 
     carry = (jnp.int32(1), tok_B, cache, out_BN, done_B, count_B, key)

@@ -147,7 +147,8 @@ def main():
                          "kernel's measured choice for the shape (its splits too)")
     ap.add_argument("--group", nargs="+", default=["auto"],
                     help="query heads an attention block takes (grouped-query attention), each "
-                         "traced: a number, or auto (the kernel's measured choice, else the most)")
+                         "traced: a number, or auto (the kernel's choice: measured, else "
+                         "attention.default_group)")
     ap.add_argument("--pos", type=int, default=160)
     ap.add_argument("--capacity", type=int, default=320)
     ap.add_argument("--stages", type=int, default=16)

@@ -55,7 +55,7 @@ def alternatives(D: int, N1: int, F: int, blocks: int, att_blocks: int, spare: b
 class Candidate:
     """One configuration of the kernel: splits {name: (sk, st)} over the cost model's (as a
     sorted tuple), o's placement and the query heads an attention block takes (None: the
-    widest, `attention.group_of`)."""
+    kernel's choice, `attention.default_group` unless the shape is in `plan.MEASURED`)."""
 
     splits: tuple = ()
     spare: bool = False
@@ -126,9 +126,10 @@ def main():
     cfg = preset(args.preset).model
     D, F, hd, K = cfg.d_model, cfg.d_ff, cfg.head_dim, cfg.num_kv_heads
     N1, NQ = D + 2 * K * hd, D // hd
-    widest = ca.group_of(NQ, K)
-    groups = (None,) + tuple(g for g in range(1, widest) if (NQ // K) % g == 0)  # None: the widest
     blocks = sm_count()
+    default = plan.tuned(D, N1, F, blocks, hd)[2] or ca.default_group(NQ, K, blocks)  # the kernel's
+    groups = (None,) + tuple(g for g in range(1, ca.group_of(NQ, K) + 1)  # None: the default
+                             if (NQ // K) % g == 0 and g != default)
     warm_gpu()
     params = decoder.layout(cfg, transformer.init_params(cfg, 0), "megakernel")
 
@@ -142,7 +143,7 @@ def main():
         return ms
 
     def alts_for(spare, group):
-        return alternatives(D, N1, F, blocks, NQ // (group or widest), spare, args.alternatives)
+        return alternatives(D, N1, F, blocks, NQ // (group or default), spare, args.alternatives)
 
     best, ms, seen = descend(time_ms, alts_for, groups, args.gain, args.rounds)
     start = seen[Candidate().variant()]

@@ -136,7 +136,7 @@ def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps, group):
             S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16),
             S((2, 2, K, 320, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
     text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps, group=group), *args)
-    group = group or plan.tuned(D, N1, F, 132, hd)[2] or ca.group_of(NQ, K)  # chain_mgpu's choice
+    group = group or plan.tuned(D, N1, F, 132, hd)[2] or ca.default_group(NQ, K, 132)  # chain_mgpu's
     for s in ("ROPE_K", f"ROPE_Q{group - 1}", f"SMAX_L{group - 1}", f"SP_L{group - 1}", "CMB_E",
               "LLH_0", "cvt.f32.bf16", "st.global.b16", "LAB_G"):
         assert s in text, s
@@ -244,7 +244,7 @@ def test_measured_choices_fit_their_shape(key):
     spare; other shapes get the cost model's, o on every block, the widest group."""
     D, N1, F, blocks, hd = key
     splits, spare, group = plan.tuned(*key)
-    heads = D // hd // (group or ca.group_of(D // hd, (N1 - D) // (2 * hd)))
+    heads = D // hd // (group or ca.default_group(D // hd, (N1 - D) // (2 * hd), blocks))
     prods = plan.products(D, N1, F, blocks, True, splits, att_blocks=heads if spare else 0)
     named = {n for n, *_ in splits}
     assert {p.name: (p.split.sk, p.split.st) for p in prods if p.name in named} == \
@@ -527,6 +527,23 @@ def test_groups_fit_the_accumulator_columns():
     """A block attends with the largest divisor of the group size that fits B's 8 rows."""
     assert [ca.group_of(n, k) for n, k in ((32, 8), (32, 4), (15, 5), (32, 32), (32, 2), (24, 2), (22, 2))] == \
         [4, 8, 3, 1, 8, 6, 1]
+
+
+def test_the_default_group_spreads_the_heads_while_the_blocks_suffice():
+    """Without a measured choice a block takes one query head, unless the query heads
+    outnumber the blocks: then the fewest that leave a block free (the widest if none does),
+    and the kernel takes it."""
+    assert [ca.default_group(n, k, 132) for n, k in ((32, 8), (32, 4), (15, 5), (32, 32))] == [1, 1, 1, 1]
+    assert ca.default_group(32, 4, 20) == 2 and ca.default_group(32, 4, 16) == 4
+    assert ca.default_group(64, 8, 8) == 8 and ca.default_group(24, 2, 3) == 6
+    S = jax.ShapeDtypeStruct
+    D, K, hd = 2048, 4, 64  # TinyLlama's attention: 32 query heads over 4 kv heads
+    N1, F = D + 2 * K * hd, 256
+    args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
+            S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16),
+            S((2, 2, K, 128, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
+    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=1e-5), *args)
+    assert "ROPE_Q0" in text and "ROPE_Q1:" not in text  # one query head a block
 
 
 @pytest.mark.skipif(ON_SM90, reason="the benchmark's CPU path (a GPU runs the benchmark itself)")

@@ -2,10 +2,11 @@
 sharing a kv head, batch 1, between the q|k|v product and the output product (Hopper, sm90).
 
 With grouped-query attention (GQA, Ainslie et al. 2023, arXiv:2305.13245) query head i
-reads kv head i // (query heads / kv heads). A block takes `group_of` of those query heads
+reads kv head i // (query heads / kv heads). A block takes `group` of those query heads
 (at most 8: one per column of the [64, 8] wgmma accumulator, i.e. one per row of the B
-operand), so each K and V tile of its kv head is read once for all of them: a step reads
-the cache once, not once a query head. Multi-head attention is the group of 1. A block
+operand), so each K and V tile of its kv head is read once for all of them, or fewer, so
+that more blocks share the attention's serial work (`default_group`: one where the blocks
+suffice, measured faster). Multi-head attention is the group of 1. A block
 (`head_of`: the last blocks, which the rectangle splits load least) takes query heads
 h g .. h g + g - 1 of layer l (g = the group):
 
@@ -74,6 +75,19 @@ def group_of(num_heads: int, kv_heads: int) -> int:
     query head is one column of B, so one K or V tile read serves them all)."""
     G = num_heads // kv_heads
     return max(g for g in range(1, min(G, 8) + 1) if G % g == 0)
+
+
+def default_group(num_heads: int, kv_heads: int, blocks: int) -> int:
+    """Query heads one block attends with where neither the caller nor `plan.MEASURED` says:
+    the fewest dividing the group size (at most 8) that leave a block without attention, so
+    one unless the query heads outnumber the blocks. A block's heads rotate, take their
+    softmax and their output one after another, so spreading them over more blocks shortens
+    the attention's critical path, while each K and V tile is then read by every block of its
+    kv head (at about the same time). At Llama-3.2-1B's shape one head a block measured 0.781
+    ms a step against 0.800 with two and 0.825 with four (benchmarks/decode.md)."""
+    G = num_heads // kv_heads
+    fits = [g for g in range(1, min(G, 8) + 1) if G % g == 0 and num_heads // g < blocks]
+    return fits[0] if fits else group_of(num_heads, kv_heads)
 
 
 def _win_offset(reg: str, idx: str, row: int = 0) -> str:

@@ -485,9 +485,9 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     is split over the blocks that do not attend (`plan.products`' att_blocks); False: over
     all of them. None (either): as measured fastest for the shape (`plan.tuned`). group: query
     heads a block attends with, dividing the query heads a kv head serves, at most 8 (the
-    accumulator's columns); None: the shape's measured choice, else the most that fit
-    (`attention.group_of`): fewer heads a block means more blocks attend, each K and V tile
-    read by each of them. prefetch: each block also asks L2 for its product's weight tiles that
+    accumulator's columns); None: the shape's measured choice, else one where the blocks
+    suffice (`attention.default_group`): fewer heads a block means more blocks attend, each K
+    and V tile read by each of them. prefetch: each block also asks L2 for its product's weight tiles that
     many ahead of the one it puts in the ring (0: no), so that the stream goes on while the
     ring is full and its blocks wait for an input."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
@@ -498,7 +498,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
         attn = (kv, pos.astype(jnp.int32), rope.astype(jnp.float32))
         best_splits, best_spare, best_group = tuned(D, N1, F, NB, hd)
         per_kv = D // hd // H
-        group = group or best_group or ca.group_of(D // hd, H)
+        group = group or best_group or ca.default_group(D // hd, H, NB)
         if not (1 <= group <= 8 and per_kv % group == 0):
             raise ValueError(f"chain_mgpu: group={group}: want a divisor of the {per_kv} query heads "
                              "a kv head serves, at most 8.")

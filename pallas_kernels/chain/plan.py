@@ -116,8 +116,8 @@ def products(D: int, N1: int, F: int, blocks: int, attention: bool = False,
 # Splits, o's blocks and attention groups measured faster than the cost model's in whole decode
 # steps on an H200 (132 SMs; benchmarks/decode.md, `decode_floor.py --variants chain@...`,
 # `experiments/tune_chain_splits.py`), by (D, N1, F, blocks, head_dim): (splits over the cost
-# model's, spare, group (None: `attention.group_of`)). Elsewhere the cost model's splits with
-# o over every block and the most query heads an attention block.
+# model's, spare, group (None: `attention.default_group`)). Elsewhere the cost model's splits
+# with o over every block and `attention.default_group`'s query heads an attention block.
 MEASURED = {
     (2048, 6144, 5632, 132, 128): ((("qkv", 16, 8), ("o", 8, 14)), True, None),  # 1b: 0.761 ms, not 0.843
     (1024, 3072, 2816, 132, 64): ((), True, None),  # 350m: 0.356 ms, not 0.365
@@ -129,7 +129,7 @@ MEASURED = {
 
 def tuned(D: int, N1: int, F: int, blocks: int, head_dim: int) -> tuple[tuple, bool, int | None]:
     """(splits, spare, group) for a shape: `MEASURED`'s, else the cost model's splits with o
-    over every block and the most query heads a block (((), False, None))."""
+    over every block and the default group (((), False, None))."""
     return MEASURED.get((D, N1, F, blocks, head_dim), ((), False, None))
 
 

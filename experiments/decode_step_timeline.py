@@ -60,24 +60,23 @@ def timeline(its: list, skip: float = 0.25) -> dict:
     the loop's exit): period, per-position kernels and the totals. Iterations whose kernel
     sequence differs from the most common one are left out (counted)."""
     n = len(its)
-    mid = its[int(n * skip): max(int(n * (1 - skip)), int(n * skip) + 1)]
-    names = [tuple(e[0] for e in it) for it in mid]
-    common = max(set(names), key=names.count)
-    keep = [it for it, nm in zip(mid, names, strict=True) if nm == common]
+    lo = int(n * skip)
+    hi = min(max(int(n * (1 - skip)), lo + 1), n - 1)  # each kept iteration has a successor
+    names = {j: tuple(e[0] for e in its[j]) for j in range(lo, hi)}
+    common = max(set(names.values()), key=list(names.values()).count)
+    keep = [j for j, nm in names.items() if nm == common]
     k = len(common)
-    dur = np.array([[(e[2] - e[1]) * 1e-3 for e in it] for it in keep])  # us
-    gap = np.array([[0.0] + [(it[i][1] - it[i - 1][2]) * 1e-3 for i in range(1, k)] for it in keep])
-    # the period: this anchor's start to the next one's (the next iteration's first event)
-    nxt = {id(it): j for j, it in enumerate(its)}
-    period = np.array([(its[nxt[id(it)] + 1][0][1] - it[0][1]) * 1e-3 for it in keep
-                       if nxt[id(it)] + 1 < len(its)])
-    tail = np.array([(its[nxt[id(it)] + 1][0][1] - it[-1][2]) * 1e-3 for it in keep
-                     if nxt[id(it)] + 1 < len(its)])
+    dur = np.array([[(e[2] - e[1]) * 1e-3 for e in its[j]] for j in keep])  # us
+    gap = np.array([[0.0] + [(its[j][i][1] - its[j][i - 1][2]) * 1e-3 for i in range(1, k)]
+                    for j in keep])
+    # the period: this anchor's start to the next one's; the tail: the last event to it
+    period = np.array([(its[j + 1][0][1] - its[j][0][1]) * 1e-3 for j in keep])
+    tail = np.array([(its[j + 1][0][1] - its[j][-1][2]) * 1e-3 for j in keep])
     med_d, med_g = np.median(dur, axis=0), np.median(gap, axis=0)
     rows = [{"name": common[i], "us": float(med_d[i]), "gap_before_us": float(med_g[i])}
             for i in range(k)]
     anchor_us = float(med_d[0])
-    return {"iterations": len(keep), "other_sequences": len(mid) - len(keep),
+    return {"iterations": len(keep), "other_sequences": len(names) - len(keep),
             "period_us": float(np.median(period)), "anchor_us": anchor_us,
             "other_kernels_us": float(med_d[1:].sum()), "kernels": k,
             "idle_us": float(med_g.sum() + np.median(tail)), "rows": rows}

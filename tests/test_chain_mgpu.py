@@ -136,7 +136,7 @@ def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps, group):
             S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16),
             S((2, 2, K, 320, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
     text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps, group=group), *args)
-    group = group or plan.tuned(D, N1, F, 132, hd)[2] or ca.default_group(NQ, K, 132)  # chain_mgpu's
+    group = cm.attention_group(D, N1, F, 132, hd, K, group)  # chain_mgpu's
     for s in ("ROPE_K", f"ROPE_Q{group - 1}", f"SMAX_L{group - 1}", f"SP_L{group - 1}", "CMB_E",
               "LLH_0", "cvt.f32.bf16", "st.global.b16", "LAB_G"):
         assert s in text, s
@@ -241,10 +241,10 @@ def test_o_spares_the_attention_blocks(preset, att_blocks):
 def test_measured_choices_fit_their_shape(key):
     """Each measured (splits, spare, group) is a choice `products` takes for its shape (as
     multi-head attention: q|k|v 3 D rows), o within the blocks that do not attend when
-    spare; other shapes get the cost model's, o on every block, the widest group."""
+    spare; other shapes get the cost model's, o on every block, the default group."""
     D, N1, F, blocks, hd = key
-    splits, spare, group = plan.tuned(*key)
-    heads = D // hd // (group or ca.default_group(D // hd, (N1 - D) // (2 * hd), blocks))
+    splits, spare, _ = plan.tuned(*key)
+    heads = D // hd // cm.attention_group(D, N1, F, blocks, hd, (N1 - D) // (2 * hd))
     prods = plan.products(D, N1, F, blocks, True, splits, att_blocks=heads if spare else 0)
     named = {n for n, *_ in splits}
     assert {p.name: (p.split.sk, p.split.st) for p in prods if p.name in named} == \

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from gendist import profiling
 
@@ -206,3 +207,25 @@ def test_one_row_dot_written_as_reduce_of_product_is_a_matmul():
     assert kinds["gemv"] == "matmul"
     assert kinds["norm"] == "normalisation"
     assert kinds["mx"] == "normalisation"
+
+
+def test_a_decode_steps_timeline_is_its_kernels_in_order():
+    """decode_step_timeline: events cut at each anchor kernel into steps; the median step
+    lists each kernel with its time and the gap before it, the period, the idle time (gaps
+    plus the tail before the next anchor), and leaves out a step whose kernels differ."""
+    from helpers import experiment  # noqa: PLC0415
+
+    t = experiment("decode_step_timeline")
+    ev, s = [], 0
+    for i in range(20):  # ns: the anchor 700, a gap of 2, a memset of 1, a gap of 2, 5, a tail of 10
+        ev += [("decode_chain_kernel", s, s + 700), ("memset", s + 702, s + 703), ("fusion", s + 705, s + 710)]
+        if i == 10:
+            ev.append(("extra", s + 711, s + 712))
+        s += 720
+    its = t.iterations(ev, "decode_chain")
+    assert len(its) == 19 and [e[0] for e in its[0]] == ["decode_chain_kernel", "memset", "fusion"]
+    r = t.timeline(its)
+    assert (r["iterations"], r["other_sequences"], r["kernels"]) == (9, 1, 3)  # steps 4 .. 13, one with an extra kernel
+    assert r["period_us"] == pytest.approx(0.72) and r["anchor_us"] == pytest.approx(0.7)
+    assert r["other_kernels_us"] == pytest.approx(0.006) and r["idle_us"] == pytest.approx(0.014)
+    assert [x["gap_before_us"] for x in r["rows"]] == pytest.approx([0, 0.002, 0.002])

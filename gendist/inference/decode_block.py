@@ -35,8 +35,11 @@ from pallas_kernels import rms_norm as norm_kernel
 
 
 def embed(params: dict, tokens_BT, cfg: ModelConfig):
-    """The tokens' embedding rows in the compute dtype [B, T, D]."""
-    return jnp.take(params["embed"], tokens_BT, axis=0).astype(DTYPES[cfg.dtype])
+    """The tokens' embedding rows in the compute dtype [B, T, D]. Token ids are clamped to the
+    table (mode="clip"): XLA then reads a row as a plain dynamic slice, where `jnp.take`'s
+    default fill of out-of-range ids costs a kernel of its own a decode step (measured in the
+    megakernel step, benchmarks/decode.md)."""
+    return jnp.take(params["embed"], tokens_BT, axis=0, mode="clip").astype(DTYPES[cfg.dtype])
 
 
 def head_logits(params: dict, x_BTD, cfg: ModelConfig, kernel: bool = False):

@@ -28,7 +28,6 @@ from gendist.config import ModelConfig
 from gendist.inference import decode_block, decode_layout
 from gendist.inference.cache import KVCache, contiguous_attend
 from gendist.models.layers import rope_angles
-from gendist.models.params import DTYPES
 from pallas_kernels.chain import kernel as cm
 
 
@@ -130,10 +129,7 @@ def step(cfg: ModelConfig, params: dict, tokens_B, pos_B, cache: ChainCache, ker
     (fp32 logits [1, V], the cache with every layer's new k and v written at pos_B; its
     lengths are the caller's, as for a forward). `head`: the final norm and the output layer
     in one kernel (`decode_block.head_logits`)."""
-    # the token's row by a dynamic slice (clamped), which fuses into the kernel's input words;
-    # `jnp.take`'s out-of-range fill would cost a kernel of its own a step
-    x0 = jax.lax.dynamic_index_in_dim(params["embed"], tokens_B[0], keepdims=False)
-    x0 = x0.astype(DTYPES[cfg.dtype]).astype(jnp.float32)
+    x0 = decode_block.embed(params, tokens_B[:, None], cfg)[0, 0].astype(jnp.float32)
     x_D, kv_new = kernel(x0, *params["chain"], cache.kv, pos_B, cache.rope, norm_eps=cfg.norm_eps,
                          stages=cache.stages)
     kv = jax.lax.dynamic_update_slice(cache.kv, kv_new[:, :, :, None, :], (0, 0, 0, pos_B[0], 0))

@@ -475,8 +475,8 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     its angles, `gendist.models.layers.rope_angles`) or [R >= S, hd] (every position's: the
     kernel reads row pos, so that no kernel before it computes the angles), each layer
     attends (`attention`: D / hd query heads, query head i reading kv head i // (D / hd / H);
-    w_qkv's rows are q | k | v, N1 = D + 2 H hd) and the result is (x_L, kv_new [L, 2, H, hd] bf16: the new token's
-    rotated k and its v, for the caller to write at row pos).
+    w_qkv's rows are q | k | v, N1 = D + 2 H hd) and the result is (x_L, kv_new [L, 2, H, hd]
+    bf16: the new token's rotated k and its v, for the caller to write at row pos).
 
     trace=True adds a last output [blocks, L, len(TRACE_POINTS), 2] int32: each block's
     {globaltimer ns (low 32 bits), SM clock} at `TRACE_POINTS` of every layer (0 where the
@@ -487,18 +487,18 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     heads a block attends with, dividing the query heads a kv head serves, at most 8 (the
     accumulator's columns); None: the shape's measured choice, else one where the blocks
     suffice (`attention.default_group`): fewer heads a block means more blocks attend, each K
-    and V tile read by each of them. prefetch: each block also asks L2 for its product's weight tiles that
-    many ahead of the one it puts in the ring (0: no), so that the stream goes on while the
-    ring is full and its blocks wait for an input."""
+    and V tile read by each of them. prefetch: each block also asks L2 for its product's
+    weight tiles that many ahead of the one it puts in the ring (0: no), so that the stream
+    goes on while the ring is full (measured slower at every shape: benchmarks/decode.md)."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
     attn = None
     if kv is not None:
         H, S, hd = check_attention(kv, pos, rope, L, D, N1)
         attn = (kv, pos.astype(jnp.int32), rope.astype(jnp.float32))
-        best_splits, best_spare, best_group = tuned(D, N1, F, NB, hd)
+        best_splits, best_spare, _ = tuned(D, N1, F, NB, hd)
         per_kv = D // hd // H
-        group = group or best_group or ca.default_group(D // hd, H, NB)
+        group = attention_group(D, N1, F, NB, hd, H, group)
         if not (1 <= group <= 8 and per_kv % group == 0):
             raise ValueError(f"chain_mgpu: group={group}: want a divisor of the {per_kv} query heads "
                              "a kv head serves, at most 8.")
@@ -525,6 +525,13 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
                          "asks of L2 ahead of its ring.")
     return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace, group,
                         prefetch)
+
+
+def attention_group(D: int, N1: int, F: int, blocks: int, head_dim: int, kv_heads: int,
+                    group: int | None = None) -> int:
+    """The query heads an attention block takes: `group` if given, else the shape's measured
+    choice (`plan.tuned`), else `attention.default_group`."""
+    return group or tuned(D, N1, F, blocks, head_dim)[2] or ca.default_group(D // head_dim, kv_heads, blocks)
 
 
 def attention_smem(S: int, hd: int, group: int = 1) -> int:

@@ -96,10 +96,13 @@ _quieted = False
 
 
 def _is_leftover(value, tb, obj=None) -> bool:
-    """An error of orbax's abandoned reads: raised in orbax, or an "Event loop is closed"
-    from a read finishing after orbax closed its loop."""
-    closed = isinstance(value, RuntimeError) and "Event loop is closed" in str(value)
-    return closed or "orbax" in repr(obj) or _from_orbax(tb)
+    """An error of orbax's abandoned reads: raised in orbax, an "Event loop is closed" from a
+    read finishing after orbax closed its loop, or TensorStore's own error (it names its
+    spec) set on a future by TensorStore's threads, whose traceback holds no orbax frame."""
+    text = str(value)
+    closed = isinstance(value, RuntimeError) and "Event loop is closed" in text
+    return (closed or "tensorstore_spec" in text or "orbax" in repr(obj)
+            or _from_orbax(tb))
 
 
 def _from_orbax(tb) -> bool:

@@ -4,7 +4,8 @@ The cost model (`pallas_kernels/chain/plan.py: choose_split`) prices each produc
 splits interact: at `1b` q|k|v 16x8 is 9% faster with o kept off the attention blocks and no
 faster without (`benchmarks/decode.md`). This searches in whole steps instead: starting from
 the cost model's splits, coordinate descent: o's blocks (`spare`) alone, the query heads an
-attention block takes (grouped-query attention: `group`), then product by product the cost
+attention block takes (grouped-query attention: `group`), the tile pieces a block makes at a
+time (`tiles`, those given by --tiles), then product by product the cost
 model's next-best splits (a distinct chunk-group count each), each under both o placements, keeping a change only when the step is at least --gain faster; rounds until
 nothing changes. (A change that pays only beside another product's is still missed.) Each candidate is
 timed as `decode_floor.py` times a `chain@OPTS` variant (greedy `generate`, batch 1,
@@ -55,12 +56,14 @@ def alternatives(D: int, N1: int, F: int, blocks: int, att_blocks: int, spare: b
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One configuration of the kernel: splits {name: (sk, st)} over the cost model's (as a
-    sorted tuple), o's placement and the query heads an attention block takes (None: the
-    kernel's choice, `attention.default_group` unless the shape is in `plan.MEASURED`)."""
+    sorted tuple), o's placement, the query heads an attention block takes (None: the
+    kernel's choice, `attention.default_group` unless the shape is in `plan.MEASURED`) and
+    the tile pieces a block makes at a time."""
 
     splits: tuple = ()
     spare: bool = False
     group: int | None = None
+    tiles: int = 1
 
     def split(self, name: str, sk_st: tuple[int, int]) -> Candidate:
         return dataclasses.replace(self, splits=tuple(sorted({**dict(self.splits), name: sk_st}.items())))
@@ -68,14 +71,16 @@ class Candidate:
     def variant(self, stages: int = 16) -> str:
         """Its `chain@OPTS` variant (`decode_floor.chain_options`)."""
         opts = [str(stages), f"spare={int(self.spare)}"] + ([f"group={self.group}"] if self.group else [])
+        opts += [f"tiles={self.tiles}"] if self.tiles != 1 else []
         return "chain@" + ",".join(opts + [f"{n}={sk}x{st}" for n, (sk, st) in self.splits])
 
 
-def descend(time_ms, alts_for, groups=(None,), gain: float = 0.005, rounds: int = 3):
+def descend(time_ms, alts_for, groups=(None,), gain: float = 0.005, rounds: int = 3, tiles=(1,)):
     """Coordinate descent from the cost model's splits: (the best `Candidate`, its ms, every
     timing {variant: ms}). time_ms(candidate) -> ms (inf for one that fails);
     alts_for(spare, group) -> {name: [(sk, st), ...]} (`alternatives`); groups: the attention
-    groups to try. Each round tries o's other placement, the other groups, then each
+    groups to try; tiles: the tile counts to try. Each round tries o's other placement, the
+    other groups and tile counts, then each
     product's alternatives under both placements; a change is kept when it is at least
     `gain` (relative) faster than the best so far."""
     seen = {}
@@ -91,6 +96,7 @@ def descend(time_ms, alts_for, groups=(None,), gain: float = 0.005, rounds: int 
         changed = False
         trials = [dataclasses.replace(best, spare=not best.spare)]
         trials += [dataclasses.replace(best, group=g) for g in groups if g != best.group]
+        trials += [dataclasses.replace(best, tiles=t) for t in tiles if t != best.tiles]
         for trial in trials:
             if (ms := timed(trial)) < best_ms * (1 - gain):
                 best, best_ms, changed = trial, ms, True
@@ -111,6 +117,8 @@ def main():
     ap.add_argument("--alternatives", type=int, default=3, help="next-best splits tried a product")
     ap.add_argument("--gain", type=float, default=0.005, help="least relative gain that counts")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tiles", type=int, nargs="+", default=[1],
+                    help="tile pieces a block makes at a time, each tried (chain_mgpu's tiles)")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=2)
@@ -146,19 +154,19 @@ def main():
     def alts_for(spare, group):
         return alternatives(D, N1, F, blocks, NQ // (group or default), spare, args.alternatives)
 
-    best, ms, seen = descend(time_ms, alts_for, groups, args.gain, args.rounds)
+    best, ms, seen = descend(time_ms, alts_for, groups, args.gain, args.rounds, tuple(args.tiles))
     start = seen[Candidate().variant()]
     entry = (tuple((n, *split) for n, split in best.splits), best.spare, best.group)
     print(f"best: {best.variant()} {ms:.4f} ms a step, the cost model's {start:.4f} "
           f"({1 - ms / start:.1%} faster)")
     print(f"plan.MEASURED entry: {(D, N1, F, blocks, hd)}: {entry},  "
-          f"# {args.preset}: {ms:.3f} ms, not {start:.3f}")
+          f"# {args.preset}: {ms:.3f} ms, not {start:.3f}" + (f"; tiles={best.tiles}" if best.tiles != 1 else ""))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"tune_chain_splits_{args.preset}.json").write_text(json.dumps(dict(
         device=jax.devices()[0].device_kind, jax=jax.__version__, preset=args.preset,
         key=[D, N1, F, blocks, hd], cost_model_ms=start, best=best.variant(), best_ms=ms,
-        entry=[[list(e) for e in entry[0]], entry[1], entry[2]], timed=seen), indent=1))
+        entry=[[list(e) for e in entry[0]], entry[1], entry[2]], tiles=best.tiles, timed=seen), indent=1))
 
 
 if __name__ == "__main__":

@@ -98,13 +98,16 @@ def test_reference_is_the_chain():
     np.testing.assert_allclose(got, x, rtol=2e-2, atol=2e-2 * np.abs(x).max())
 
 
-@pytest.mark.parametrize("preset,norm_eps", [("350m", None), ("1b", 1e-5)])
-def test_lowers_for_sm90_with_no_fence(preset, norm_eps):
+@pytest.mark.parametrize("preset,norm_eps,tiles", [("350m", None, 1), ("1b", 1e-5, 1), ("1b", 1e-5, 4)])
+def test_lowers_for_sm90_with_no_fence(preset, norm_eps, tiles):
+    """tiles > 1: the tiles' pieces leave in one LL row store (labels LLH_), whose lanes past
+    the group's count store nothing (the count a register operand); tiles=1: a store a tile."""
     D, N1, F = SHAPES[preset]
     S = jax.ShapeDtypeStruct
     args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
             S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16))
-    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps), *args)
+    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps, tiles=tiles), *args)
+    assert ("LLH_1:" in text) == (tiles > 1) and ("setp.lt.u32 p, e, $5" in text) == (tiles > 1)
     assert ("fma.rn.f32 s2" in text) == (norm_eps is not None)  # the norms' sums of squares, polled
     assert ("bar.sync" in text.split("fma.rn.f32 s2")[-1][:2000]) == (norm_eps is not None)  # in the poll
     assert ("rsqrt.approx.f32" in text) == (norm_eps is not None)
@@ -262,6 +265,8 @@ def test_bad_inputs_name_the_field():
         cm.chain_mgpu(x0, wq.astype(jnp.float32), wo, wgu, wd)
     with pytest.raises(ValueError, match="stages=40"):
         cm.chain_mgpu(x0, wq, wo, wgu, wd, stages=40, blocks=132)
+    with pytest.raises(ValueError, match="tiles=9: want 1 to 8"):
+        cm.chain_mgpu(x0, wq, wo, wgu, wd, tiles=9, blocks=132)
     kv, pos, rope = attention_inputs(1, 64, 128, 3, heads=1)
     with pytest.raises(ValueError, match="N1=256 equal to D \\+ 2 kv_heads head_dim"):
         cm.chain_mgpu(*inputs(64, 256, 128, 1), kv, pos, rope)
@@ -275,18 +280,22 @@ def test_bad_inputs_name_the_field():
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
-@pytest.mark.parametrize("preset,layers,norms", [("350m", 1, False), ("350m", 3, False), ("1b", 2, False),
-                                                 ("350m", 2, True), ("1b", 2, True)])
-def test_matches_the_reference_on_the_gpu(preset, layers, norms):
+@pytest.mark.parametrize("preset,layers,norms,tiles", [("350m", 1, False, 1), ("350m", 3, False, 1),
+                                                       ("1b", 2, False, 1), ("350m", 2, True, 1),
+                                                       ("1b", 2, True, 1), ("350m", 3, False, 2),
+                                                       ("1b", 2, True, 4)])
+def test_matches_the_reference_on_the_gpu(preset, layers, norms, tiles):
+    """tiles > 1: a block's tile pieces made several at a time, the last group short where
+    its tiles do not divide (350m's q|k|v: 3 a block at tiles=2; 1b's gate|up: 11 at 4)."""
     D, N1, F = SHAPES[preset]
     x0, wq, wo, wgu, wd = inputs(D, N1, F, layers)
     if norms:
         g = gains(D, layers)
         wq_f, wgu_f = cm.fold_norms(wq, wgu, *g)
-        got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5)
+        got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5, tiles=tiles)
         want = cm.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5)
     else:
-        got, want = cm.chain_mgpu(x0, wq, wo, wgu, wd), cm.reference(x0, wq, wo, wgu, wd)
+        got, want = cm.chain_mgpu(x0, wq, wo, wgu, wd, tiles=tiles), cm.reference(x0, wq, wo, wgu, wd)
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
@@ -326,14 +335,13 @@ def gqa_inputs(D, hd, kv_heads, F, L, seed=0):
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
-@pytest.mark.parametrize("preset,layers,norms,pos", [("350m", 2, False, 70), ("350m", 1, False, 0),
-                                                     ("350m", 5, True, 255), ("1b", 3, True, 129),
-                                                     ("llama3.2-1b", 3, True, 129), ("llama3.2-1b", 2, True, 0),
-                                                     ("gqa8-hd128", 3, True, 200),
-                                                     ("llama3.2-1b", 2, True, "table")])
-def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos):
+@pytest.mark.parametrize("preset,layers,norms,pos,tiles", [
+    ("350m", 2, False, 70, 1), ("350m", 1, False, 0, 1), ("350m", 5, True, 255, 1), ("1b", 3, True, 129, 1),
+    ("llama3.2-1b", 3, True, 129, 1), ("llama3.2-1b", 2, True, 0, 1), ("gqa8-hd128", 3, True, 200, 1),
+    ("llama3.2-1b", 2, True, "table", 1), ("1b", 2, True, 129, 4), ("llama3.2-1b", 2, True, 129, 3)])
+def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, tiles):
     """pos "table": the angles as a table of every position's (random rows but row 129, the
-    new token's): the kernel reads its position's row."""
+    new token's): the kernel reads its position's row. tiles: as in the test above."""
     D, F, NQ, K, hd = ATTENTION[preset]
     x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, layers)
     att = attention_inputs(layers, D, 320, 129 if pos == "table" else pos, heads=NQ, kv_heads=K)
@@ -341,7 +349,8 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos):
         att = (*att[:2], rope_table_around(att[2], 129, 320))
     g = gains(D, layers) if norms else None
     wq_f, wgu_f = cm.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
-    got, got_kv = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5 if norms else None)
+    got, got_kv = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5 if norms else None,
+                                tiles=tiles)
     want, want_kv = cm.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
@@ -586,7 +595,7 @@ def test_trace_analysis_recovers_a_known_schedule():
 
 
 def test_step_variants_name_their_kernel_options():
-    """decode_floor's `chain@OPTS`: ring slots, spare, splits, group and prefetch reach the kernel; none given
+    """decode_floor's `chain@OPTS`: ring slots, spare, splits, group, prefetch and tiles reach the kernel; none given
     leaves the kernel its measured choice; a bad option names the ones there are."""
     df = experiment("decode_floor")
     stages, kernel = df.chain_options("12,spare=0,qkv=16x8,o=8x14")
@@ -596,7 +605,8 @@ def test_step_variants_name_their_kernel_options():
     assert df.chain_options("spare=1")[1].keywords == dict(spare=True, splits=())  # over the cost model
     assert df.chain_options("group=1")[1].keywords == dict(group=1)  # the measured splits stay
     assert df.chain_options("16,prefetch=8")[1].keywords == dict(prefetch=8)
-    with pytest.raises(ValueError, match="spare=0, group=N, prefetch=N or NAME=SKxST"):
+    assert df.chain_options("tiles=4")[1].keywords == dict(tiles=4)
+    with pytest.raises(ValueError, match="spare=0, group=N, prefetch=N, tiles=N or NAME=SKxST"):
         df.chain_options("16,mlp=2x4")
 
 
@@ -630,3 +640,6 @@ def test_the_tuner_finds_an_interaction_and_proposes_splits_that_fit():
     assert tc.Candidate().variant() in seen and best.split("gu", (3, 44)).variant() in seen
     best, ms, _ = tc.descend(lambda c: 10.0, alts, groups=(None, 1))
     assert (best, ms) == (tc.Candidate(), 10.0)  # nothing pays: the cost model's stay
+    best, ms, seen = tc.descend(lambda c: 10.0 * (0.95 if c.tiles == 4 else 1.0), alts, tiles=(1, 2, 4))
+    assert best == tc.Candidate(tiles=4) and abs(ms - 9.5) < 1e-9  # a tile count tried and kept
+    assert best.variant() == "chain@16,spare=0,tiles=4" and tc.Candidate(tiles=2).variant() in seen

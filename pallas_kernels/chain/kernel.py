@@ -117,7 +117,7 @@ def _window_rows(kmax: int) -> int:
 
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                  norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
-                 prefetch: int = 0):
+                 prefetch: int = 0, tiles: int = 1):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
@@ -126,7 +126,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
     F = w_down.shape[2]
     lay = layout(prods, D, attn is not None)
     init = init_words(x0_D, prods, lay)
-    NB, st = blocks, stages
+    NB, st, TG = blocks, stages, tiles
     kmax = max(p.kmax() for p in prods)
     qkv, o, gu, down = prods
     if attn is not None:
@@ -252,13 +252,41 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             acc = pl.run_scoped(k_loop, plgpu.ACC((T, 8), jnp.float32))
             return [column(acc, g) for g in range(cols)]
 
-        def tile_piece(l, p, t, jt, nk, gk):
-            """Tile t's sum over this block's nk chunks (ring steps jt..), as LL words."""
-            acc_smem[...] = ring_dot(jt, nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)])[0]
-            plgpu.commit_smem()
-            ll_store(ll, acc_smem, piece_word(p, l, t, gk, lay), tag(l), then_barrier=True)
+        def tile_pieces(l, p, tg, count, jt, nk, gk):
+            """Tiles tg .. tg + count - 1's sums over this block's nk chunks (ring steps jt..,
+            tile after tile) as LL words, count <= TG (traced): one accumulator a tile, so the
+            tensor core runs the tiles' products back to back, then one drain, one store to
+            shared memory and one LL store for all of them (`tiles`)."""
+            def body(*accs):
+                for i, acc in enumerate(accs):
+                    def tile(i=i, acc=acc):  # (called at once: binds this tile's values)
+                        @pl.loop(0, nk)
+                        def _(kk):
+                            j = jt + i * nk + kk
+                            slot = lax.rem(j, st)
+                            plgpu.barrier_wait(full.at[slot])
+                            plgpu.wgmma(acc, w_smem.at[slot], x_win.at[pl.ds(8 * kk, 8)].transpose((1, 0)))
+                            plgpu.wgmma_wait(1)  # step j - 1's product is done: its slot is free
+                            release = lambda j=j: plgpu.barrier_arrive(free.at[lax.rem(j + st - 1, st)])  # noqa: E731
+                            pl.when(kk > 0)(release) if i == 0 else release()
+                    pl.when(i < count)(tile) if i else tile()
 
-        def consume(l, p):  # layer l's product p: its input, then its tiles' pieces
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(free.at[lax.rem(jt + count * nk - 1, st)])
+                for i, acc in enumerate(accs):
+                    def out(i=i, acc=acc):
+                        (acc_smem if TG == 1 else acc_smem.at[i])[...] = column(acc[...])
+                    pl.when(i < count)(out) if i else out()
+
+            pl.run_scoped(body, *[plgpu.ACC((T, 8), jnp.float32)] * TG)
+            plgpu.commit_smem()
+            word = piece_word(p, l, tg, gk, lay)
+            if TG == 1:
+                ll_store(ll, acc_smem, word, tag(l), then_barrier=True)
+            else:  # tile t's piece lies sk pieces (sk T words) after tile t - 1's
+                cw.ll_store_rows(ll, acc_smem, word, tag(l), TG, p.split.sk * T, count)
+
+        def consume(l, p):  # layer l's product p: its input, then its tiles' pieces, TG at a time
             active, t0, t1, k0, k1 = rect(p, b)
             nk = k1 - k0
             j0 = l * per_layer + before[p.name]
@@ -269,7 +297,12 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             def _():
                 gather(l, p, k0, k1, b % p.split.st)
                 tr(l, p.name + "_in")
-                pl.loop(t0, t1)(lambda t: tile_piece(l, p, t, j0 + (t - t0) * nk, nk, b // p.split.st))
+                gk = b // p.split.st
+
+                @pl.loop(0, (t1 - t0 + TG - 1) // TG)
+                def _(g):
+                    tg = t0 + g * TG
+                    tile_pieces(l, p, tg, jnp.minimum(t1 - tg, TG), j0 + g * TG * nk, nk, gk)
                 tr(l, p.name + "_out")
 
         def scores(j0):
@@ -396,7 +429,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
     scratch = (
         tiled_smem((_window_rows(kmax), KC), jnp.bfloat16),  # the input window
         tiled_smem((st, T, KC), jnp.bfloat16),  # the weight ring
-        plgpu.SMEM((T,), jnp.float32),  # a tile's 64 outputs, staged for their LL words
+        plgpu.SMEM((T,) if TG == 1 else (TG, T), jnp.float32),  # tiles' 64 outputs, for their LL words
         plgpu.SMEM((T,), jnp.float32),  # the final chunk
         plgpu.SMEM((4,), jnp.float32),  # a norm's 4 warp partial sums of squares
         plgpu.Barrier(num_barriers=st),  # slot's tile landed
@@ -415,9 +448,9 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                   name="decode_chain")
 
 
-def smem_need(kmax: int, stages: int) -> int:
+def smem_need(kmax: int, stages: int, tiles: int = 1) -> int:
     return smem_bytes(((_window_rows(kmax), KC), jnp.bfloat16), ((stages, T, KC), jnp.bfloat16),
-                      ((T,), jnp.float32), ((T,), jnp.float32), ((4,), jnp.float32))
+                      ((tiles, T), jnp.float32), ((T,), jnp.float32), ((4,), jnp.float32))
 
 
 def check(x0_D, w_qkv, w_o, w_gu, w_down):
@@ -461,11 +494,11 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
-                                             "group", "prefetch"))
+                                             "group", "prefetch", "tiles"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
-               prefetch: int = 0):
+               prefetch: int = 0, tiles: int = 1):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`fold_norms`); None: no norms.
@@ -489,7 +522,11 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     suffice (`attention.default_group`): fewer heads a block means more blocks attend, each K
     and V tile read by each of them. prefetch: each block also asks L2 for its product's
     weight tiles that many ahead of the one it puts in the ring (0: no), so that the stream
-    goes on while the ring is full (measured slower at every shape: benchmarks/decode.md)."""
+    goes on while the ring is full (measured slower at every shape: benchmarks/decode.md).
+    tiles: the tile pieces a block's products make at a time, each in its own accumulator:
+    their products run back to back on the tensor core and they pay one drain, one shared
+    memory store and one LL store together, where 1 pays them for every tile (a block's
+    products have 1-16 tiles at the presets' shapes)."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
     attn = None
@@ -512,7 +549,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
                          "for o; use spare=False or more blocks.")
     prods = products(D, N1, F, NB, attention=attn is not None, splits=splits, att_blocks=att_blocks)
     kmax = max(p.kmax() for p in prods)
-    need = smem_need(kmax, stages) + (0 if attn is None else attention_smem(S, hd, group))
+    need = smem_need(kmax, stages, tiles) + (0 if attn is None else attention_smem(S, hd, group))
     if need > SMEM_LIMIT - 2048:
         raise ValueError(f"chain_mgpu: stages={stages} needs {need} bytes of shared memory; use fewer.")
     if norm_eps is not None and D % 128:
@@ -520,11 +557,14 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     if attn is not None and (kmax < hd // T or heads > NB):
         raise ValueError(f"chain_mgpu: head_dim={hd} needs a window of {hd // T} chunks (has "
                          f"{kmax}) and {heads} attention blocks at most blocks={NB}.")
+    if not 1 <= tiles <= 8:
+        raise ValueError(f"chain_mgpu: tiles={tiles}: want 1 to 8 tile pieces a block makes at a "
+                         "time (one accumulator each).")
     if prefetch < 0:
         raise ValueError(f"chain_mgpu: prefetch={prefetch}: want 0 (off) or the weight tiles a block "
                          "asks of L2 ahead of its ring.")
     return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace, group,
-                        prefetch)
+                        prefetch, tiles)
 
 
 def attention_group(D: int, N1: int, F: int, blocks: int, head_dim: int, kv_heads: int,

@@ -206,27 +206,39 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     op(refs, traced)
 
 
-def ll_store_heads(ll_ref, src_smem, word, tag, heads: int, head_dim: int):
-    """`heads` query heads' 64 outputs of one chunk as LL words: src_smem [heads, 64] fp32
-    (written before a `commit_smem()`), head g's to words word + g head_dim + i (i < 64),
-    tagged `tag`; each lane stores ceil(heads / 2) words with relaxed 64-bit stores (as
-    `_mgpu.ll_store`). Ends in a warpgroup barrier (before src_smem is written again)."""
-    n = heads * 64
+def ll_store_rows(ll_ref, src_smem, word, tag, rows: int, row_words: int, count=None):
+    """Rows of 64 fp32 values as LL words: src_smem [rows, 64] (written before a
+    `commit_smem()`), row r's to words word + r row_words + i (i < 64), tagged `tag`; rows
+    at and past `count` (traced; None: all `rows`) are not stored. Each lane stores
+    ceil(rows / 2) words with relaxed 64-bit stores (as `_mgpu.ll_store`): a query group's
+    heads (`row_words` = head_dim) or a block's tiles' pieces (sk 64 words apart). Ends in a
+    warpgroup barrier (before src_smem is written again)."""
+    n = rows * 64
+    limit = str(n) if count is None else "$5"
     body = ""
     for k in range(-(-n // 128)):
-        body += (f" add.u32 e, $3, {128 * k}; setp.lt.u32 p, e, {n}; @!p bra LLH_{k};"
-                 f" shr.u32 r, e, 6; and.b32 o, e, 63; mad.lo.u32 r, r, {head_dim}, o; add.u32 r, r, $1;"
+        body += (f" add.u32 e, $3, {128 * k}; setp.lt.u32 p, e, {limit}; @!p bra LLH_{k};"
+                 f" shr.u32 r, e, 6; and.b32 o, e, 63; mad.lo.u32 r, r, {row_words}, o; add.u32 r, r, $1;"
                  " mul.wide.u32 g, r, 8; add.u64 g, g, $0;"
                  " shl.b32 o, e, 2; add.u32 o, o, $4; ld.shared.b32 v, [o];"
                  f" mov.b64 d, {{v, $2}}; st.relaxed.gpu.global.b64 [g], d; LLH_{k}:")
     ptx = "{ .reg .pred p; .reg .b32 v; .reg .u32 e, r, o; .reg .b64 d, g;" + body + " }"
     splat = plgpu.Layout.WG_SPLAT
+    vals = [jnp.asarray(word, jnp.int32), jnp.asarray(tag, jnp.int32)]
+    if count is not None:
+        vals.append(jnp.asarray(count, jnp.int32) * 64)
 
-    @plgpu.inline_mgpu(arg_types=((plgpu.RefType(), plgpu.RefType()), [splat, splat]))
+    @plgpu.inline_mgpu(arg_types=((plgpu.RefType(), plgpu.RefType()), [splat] * len(vals)))
     def op(_, refs, vals):
         ll, src = refs
-        w, t = (v.registers[()] for v in vals)
-        mgpu.utils.inline_ptx(ptx, ptr64(ll), w, t, lane(), ptr32(src), has_side_effects=True)
+        w, t, *c = (v.registers[()] for v in vals)
+        mgpu.utils.inline_ptx(ptx, ptr64(ll), w, t, lane(), ptr32(src), *c, has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
 
-    op((ll_ref, src_smem), [jnp.asarray(word, jnp.int32), jnp.asarray(tag, jnp.int32)])
+    op((ll_ref, src_smem), vals)
+
+
+def ll_store_heads(ll_ref, src_smem, word, tag, heads: int, head_dim: int):
+    """`heads` query heads' 64 outputs of one chunk as LL words (`ll_store_rows`): src_smem
+    [heads, 64], head g's to words word + g head_dim + i."""
+    ll_store_rows(ll_ref, src_smem, word, tag, heads, head_dim)

@@ -67,8 +67,9 @@ paged)
 decode)
     "$PY" experiments/decode_paths.py --out "$OUT"
     "$PY" experiments/head_kernel.py --out "$OUT"
-    "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --variants chain fast --reps 3 \
-        --out "$OUT"
+    # chain@tiles=N: a block's tile pieces N at a time (off by default until it wins here)
+    "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 \
+        --variants chain chain@tiles=2 chain@tiles=4 fast --reps 3 --out "$OUT"
     "$PY" experiments/trace_chain.py --spare 0 auto --pos 160 --out "$OUT"
     "$PY" experiments/trace_chain.py --presets llama3.2-1b --group 4 auto --pos 160 --out "$OUT/llama"
     "$PY" experiments/decode_step_timeline.py --presets 1b 350m llama3.2-1b --out "$OUT" ;;

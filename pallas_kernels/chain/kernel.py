@@ -231,20 +231,27 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                     **dense, **poll))
             plgpu.commit_smem()  # the window's rows, for the tensor core
 
+        def ring_steps(acc, jt, nk, b_chunk, a_transposed=False, release_first=False):
+            """acc += the sum over ring steps jt..jt+nk-1 of slot tile (A, or its transpose)
+            times b_chunk(kk) [8, 64] seen transposed (B), two products in flight: each step
+            frees the slot of the step before it (at kk = 0 only if release_first: that step
+            belongs to the same run of products). The last slot stays the caller's to free."""
+            @pl.loop(0, nk)
+            def _(kk):
+                j = jt + kk
+                slot = lax.rem(j, st)
+                plgpu.barrier_wait(full.at[slot])
+                a = w_smem.at[slot].transpose((1, 0)) if a_transposed else w_smem.at[slot]
+                plgpu.wgmma(acc, a, b_chunk(kk).transpose((1, 0)))
+                plgpu.wgmma_wait(1)  # step j - 1's product is done: its slot is free
+                release = lambda: plgpu.barrier_arrive(free.at[lax.rem(j + st - 1, st)])  # noqa: E731
+                release() if release_first else pl.when(kk > 0)(release)
+
         def ring_dot(jt, nk, b_chunk, a_transposed=False, cols=1):
             """Columns 0..cols-1 of the sum over ring steps jt..jt+nk-1 (nk >= 1) of slot tile
             (A, or its transpose) times b_chunk(kk) [8, 64] seen transposed (B): [64] fp32 each."""
             def k_loop(acc):
-                @pl.loop(0, nk)
-                def _(kk):
-                    j = jt + kk
-                    slot = lax.rem(j, st)
-                    plgpu.barrier_wait(full.at[slot])
-                    a = w_smem.at[slot].transpose((1, 0)) if a_transposed else w_smem.at[slot]
-                    plgpu.wgmma(acc, a, b_chunk(kk).transpose((1, 0)))
-                    plgpu.wgmma_wait(1)  # step j - 1's product is done: its slot is free
-                    pl.when(kk > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(j + st - 1, st)]))
-
+                ring_steps(acc, jt, nk, b_chunk, a_transposed)
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(free.at[lax.rem(jt + nk - 1, st)])
                 return acc[...]
@@ -260,15 +267,8 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             def body(*accs):
                 for i, acc in enumerate(accs):
                     def tile(i=i, acc=acc):  # (called at once: binds this tile's values)
-                        @pl.loop(0, nk)
-                        def _(kk):
-                            j = jt + i * nk + kk
-                            slot = lax.rem(j, st)
-                            plgpu.barrier_wait(full.at[slot])
-                            plgpu.wgmma(acc, w_smem.at[slot], x_win.at[pl.ds(8 * kk, 8)].transpose((1, 0)))
-                            plgpu.wgmma_wait(1)  # step j - 1's product is done: its slot is free
-                            release = lambda j=j: plgpu.barrier_arrive(free.at[lax.rem(j + st - 1, st)])  # noqa: E731
-                            pl.when(kk > 0)(release) if i == 0 else release()
+                        ring_steps(acc, jt + i * nk, nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)],
+                                   release_first=i > 0)
                     pl.when(i < count)(tile) if i else tile()
 
                 plgpu.wgmma_wait(0)

@@ -59,7 +59,6 @@ from pallas_kernels._mgpu import (
     SMEM_LIMIT,
     WGMMA,
     launch,
-    ll_store,
     prefetch_rows_l2,
     sm_count,
     smem_bytes,
@@ -275,16 +274,13 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 plgpu.barrier_arrive(free.at[lax.rem(jt + count * nk - 1, st)])
                 for i, acc in enumerate(accs):
                     def out(i=i, acc=acc):
-                        (acc_smem if TG == 1 else acc_smem.at[i])[...] = column(acc[...])
+                        acc_smem.at[i][...] = column(acc[...])
                     pl.when(i < count)(out) if i else out()
 
             pl.run_scoped(body, *[plgpu.ACC((T, 8), jnp.float32)] * TG)
             plgpu.commit_smem()
-            word = piece_word(p, l, tg, gk, lay)
-            if TG == 1:
-                ll_store(ll, acc_smem, word, tag(l), then_barrier=True)
-            else:  # tile t's piece lies sk pieces (sk T words) after tile t - 1's
-                cw.ll_store_rows(ll, acc_smem, word, tag(l), TG, p.split.sk * T, count)
+            # tile t's piece lies sk pieces (sk T words) after tile t - 1's
+            cw.ll_store_rows(ll, acc_smem, piece_word(p, l, tg, gk, lay), tag(l), TG, p.split.sk * T, count)
 
         def consume(l, p):  # layer l's product p: its input, then its tiles' pieces, TG at a time
             active, t0, t1, k0, k1 = rect(p, b)
@@ -429,7 +425,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
     scratch = (
         tiled_smem((_window_rows(kmax), KC), jnp.bfloat16),  # the input window
         tiled_smem((st, T, KC), jnp.bfloat16),  # the weight ring
-        plgpu.SMEM((T,) if TG == 1 else (TG, T), jnp.float32),  # tiles' 64 outputs, for their LL words
+        plgpu.SMEM((TG, T), jnp.float32),  # TG tiles' 64 outputs, for their LL words
         plgpu.SMEM((T,), jnp.float32),  # the final chunk
         plgpu.SMEM((4,), jnp.float32),  # a norm's 4 warp partial sums of squares
         plgpu.Barrier(num_barriers=st),  # slot's tile landed

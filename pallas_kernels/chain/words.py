@@ -209,11 +209,13 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
 def ll_store_rows(ll_ref, src_smem, word, tag, rows: int, row_words: int, count=None):
     """Rows of 64 fp32 values as LL words: src_smem [rows, 64] (written before a
     `commit_smem()`), row r's to words word + r row_words + i (i < 64), tagged `tag`; rows
-    at and past `count` (traced; None: all `rows`) are not stored. Each lane stores
+    at and past `count` (traced, at least 1; None: all `rows`) are not stored. Each lane stores
     ceil(rows / 2) words with relaxed 64-bit stores (as `_mgpu.ll_store`): a query group's
     heads (`row_words` = head_dim) or a block's tiles' pieces (sk 64 words apart). Ends in a
     warpgroup barrier (before src_smem is written again)."""
     n = rows * 64
+    if rows == 1:  # its one row is stored whatever the count
+        count = None
     limit = str(n) if count is None else "$5"
     body = ""
     for k in range(-(-n // 128)):

@@ -3,7 +3,7 @@ against its floor.
 
 For each preset's shapes (350m: D 1024, N1 3072, F 2816, 24 layers; 1b: D 2048, N1 6144,
 F 5632, 22 layers), batch 1, random bf16 weights: the kernel's output against XLA's
-(`pallas_kernels.chain.kernel.reference`), then both timed as pipelined calls beside a read-only sum over
+(`pallas_kernels.chain.xla.reference`), then both timed as pipelined calls beside a read-only sum over
 the same weights (the floor: weight bytes / that bandwidth). Prints and writes
 bench_chain_mgpu.json to --out.
 
@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels._mgpu import sm_count  # noqa: E402
 from pallas_kernels.chain import kernel as cm  # noqa: E402
 from pallas_kernels.chain import plan  # noqa: E402
+from pallas_kernels.chain import xla as cx  # noqa: E402
 
 PRESETS = {"350m": (1024, 3072, 2816, 24), "1b": (2048, 6144, 5632, 22)}
 
@@ -42,7 +43,7 @@ def weights(D, N1, F, L, seed=0):
 
 def norm_gains(L, D, seed=1):
     """RMSNorm gains near 1 for q|k|v's and gate|up's inputs, (g_attn [L, D], g_mlp [L, D]):
-    the kernel takes them folded into the weights (`pallas_kernels.chain.kernel.fold_norms`)."""
+    the kernel takes them folded into the weights (`pallas_kernels.chain.xla.fold_norms`)."""
     k1, k2 = jax.random.split(jax.random.key(seed))
     return 1 + 0.1 * jax.random.normal(k1, (L, D)), 1 + 0.1 * jax.random.normal(k2, (L, D))
 
@@ -93,14 +94,14 @@ def main():
         att, kv_bytes = (), 0
         if args.attention:
             att, kv_bytes = attention_inputs(L, D, args.capacity, args.attention)
-        ref = jax.jit(functools.partial(cm.reference, norms=gains, eps=1e-5))
+        ref = jax.jit(functools.partial(cx.reference, norms=gains, eps=1e-5))
         want = ref(x0, *ws, *att)
         if att:
             want, want_kv = want
         want = np.asarray(want, np.float64)
         kernel_ws = list(ws)
         if gains is not None:
-            kernel_ws[0], kernel_ws[2] = cm.fold_norms(ws[0], ws[2], *gains)
+            kernel_ws[0], kernel_ws[2] = cx.fold_norms(ws[0], ws[2], *gains)
         row = dict(preset=name, layers=L, D=D, N1=N1, F=F, weight_bytes=nbytes, norms=args.norms,
                    attention_pos=args.attention, kv_bytes=kv_bytes,
                    predicted_us_per_layer=plan.predict_us_per_layer(D, N1, F, blocks),

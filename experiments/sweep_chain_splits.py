@@ -27,6 +27,7 @@ from bench_chain_mgpu import PRESETS, attention_inputs, norm_gains, weights  # n
 
 from pallas_kernels.chain import kernel as cm  # noqa: E402
 from pallas_kernels.chain import plan  # noqa: E402
+from pallas_kernels.chain import xla as cx  # noqa: E402
 
 VARIANTS = {
     "350m": [(), (("down", 16, 8),), (("down", 22, 6),), (("down", 11, 12),), (("gu", 8, 16),),
@@ -52,10 +53,10 @@ def main():
         x0, *ws = weights(D, N1, F, L)
         gains = norm_gains(L, D)
         att, _ = attention_inputs(L, D, 320, args.pos)
-        want = np.asarray(jax.jit(functools.partial(cm.reference, norms=gains, eps=1e-5))(x0, *ws, *att)[0],
+        want = np.asarray(jax.jit(functools.partial(cx.reference, norms=gains, eps=1e-5))(x0, *ws, *att)[0],
                           np.float64)
         kws = list(ws)
-        kws[0], kws[2] = cm.fold_norms(ws[0], ws[2], *gains)
+        kws[0], kws[2] = cx.fold_norms(ws[0], ws[2], *gains)
         for splits in VARIANTS[name][:args.variants or None]:
             prods = plan.products(D, N1, F, 132, attention=True, splits=splits)
             label = " ".join(f"{p.name} {p.split.sk}x{p.split.st}" for p in prods)

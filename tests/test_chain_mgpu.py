@@ -18,6 +18,7 @@ from pallas_kernels._mgpu import on_sm90
 from pallas_kernels.chain import attention as ca
 from pallas_kernels.chain import kernel as cm
 from pallas_kernels.chain import plan
+from pallas_kernels.chain import xla as cx
 
 ON_SM90 = jax.default_backend() == "gpu" and on_sm90()
 SHAPES = {"350m": (1024, 3072, 2816), "1b": (2048, 6144, 5632)}
@@ -86,7 +87,7 @@ def inputs(D, N1, F, L, seed=0):
 
 def test_reference_is_the_chain():
     x0, wq, wo, wgu, wd = inputs(64, 192, 128, 2)
-    got = np.asarray(cm.reference(x0, wq, wo, wgu, wd), np.float64)
+    got = np.asarray(cx.reference(x0, wq, wo, wgu, wd), np.float64)
     x = np.asarray(x0, np.float64)
     f64 = lambda a: np.asarray(a.astype(jnp.float32), np.float64)  # noqa: E731
     bf = lambda v: f64(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16))  # noqa: E731
@@ -291,11 +292,11 @@ def test_matches_the_reference_on_the_gpu(preset, layers, norms, tiles):
     x0, wq, wo, wgu, wd = inputs(D, N1, F, layers)
     if norms:
         g = gains(D, layers)
-        wq_f, wgu_f = cm.fold_norms(wq, wgu, *g)
+        wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
         got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5, tiles=tiles)
-        want = cm.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5)
+        want = cx.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5)
     else:
-        got, want = cm.chain_mgpu(x0, wq, wo, wgu, wd, tiles=tiles), cm.reference(x0, wq, wo, wgu, wd)
+        got, want = cm.chain_mgpu(x0, wq, wo, wgu, wd, tiles=tiles), cx.reference(x0, wq, wo, wgu, wd)
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
@@ -319,11 +320,11 @@ def test_a_table_of_angles_is_read_at_the_position():
     x0, wq, wo, wgu, wd = gqa_inputs(128, 64, 1, 64, 1)
     kv, pos, rope = attention_inputs(1, 128, 128, 70, heads=2, kv_heads=1)
     table = rope_table_around(rope, 70, 128)
-    want = cm.reference(x0, wq, wo, wgu, wd, kv, pos, rope)
-    got = cm.reference(x0, wq, wo, wgu, wd, kv, pos, table)
+    want = cx.reference(x0, wq, wo, wgu, wd, kv, pos, rope)
+    got = cx.reference(x0, wq, wo, wgu, wd, kv, pos, table)
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    other = cm.reference(x0, wq, wo, wgu, wd, kv, pos, table.at[70].set(table[71]))
+    other = cx.reference(x0, wq, wo, wgu, wd, kv, pos, table.at[70].set(table[71]))
     assert not np.array_equal(np.asarray(other[1]), np.asarray(want[1]))
     with pytest.raises(ValueError, match="a table"):
         cm.chain_mgpu(x0, wq, wo, wgu, wd, kv, pos, table[:100])
@@ -348,10 +349,10 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, 
     if pos == "table":
         att = (*att[:2], rope_table_around(att[2], 129, 320))
     g = gains(D, layers) if norms else None
-    wq_f, wgu_f = cm.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
+    wq_f, wgu_f = cx.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
     got, got_kv = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5 if norms else None,
                                 tiles=tiles)
-    want, want_kv = cm.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
+    want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
     got_kv, want_kv = np.asarray(got_kv, np.float32), np.asarray(want_kv, np.float32)
@@ -480,12 +481,12 @@ def test_the_kernels_data_flow_computes_the_chain(blocks, norms):
     x0, wq, wo, wgu, wd = inputs(D, N1, F, L)
     if norms:
         g = gains(D, L)
-        wq_f, wgu_f = cm.fold_norms(wq, wgu, *g)
+        wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
         got = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5)
-        want = np.asarray(cm.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5), np.float64)
+        want = np.asarray(cx.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5), np.float64)
     else:
         got = emulate(x0, wq, wo, wgu, wd, blocks)
-        want = np.asarray(cm.reference(x0, wq, wo, wgu, wd), np.float64)
+        want = np.asarray(cx.reference(x0, wq, wo, wgu, wd), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
@@ -501,10 +502,10 @@ def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, 
     x0, wq, wo, wgu, wd = inputs(D, N1, F, L)
     att = attention_inputs(L, D, 192, pos, heads=H)
     g = gains(D, L) if norms else None
-    wq_f, wgu_f = cm.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
+    wq_f, wgu_f = cx.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
     got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5 if norms else None, att=att,
                           splits=splits, att_blocks=H if spare else 0)
-    want, want_kv = cm.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
+    want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
@@ -521,11 +522,11 @@ def test_the_grouped_query_data_flow_computes_the_chain(D, hd, kv_heads, blocks,
     x0, wq, wo, wgu, wd = gqa_inputs(D, hd, kv_heads, F, L)
     att = attention_inputs(L, D, 128, pos, heads=D // hd, kv_heads=kv_heads)
     g = gains(D, L)
-    wq_f, wgu_f = cm.fold_norms(wq, wgu, *g)
+    wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
     spare = D // hd // (group or ca.group_of(D // hd, kv_heads))  # o on the blocks that do not attend
     got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, att=att, att_blocks=spare,
                           group=group)
-    want, want_kv = cm.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
+    want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
     assert got_kv.shape == (L, 2, kv_heads, hd)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)

@@ -28,14 +28,14 @@ from gendist.config import ModelConfig
 from gendist.inference import decode_block, decode_layout
 from gendist.inference.cache import KVCache, contiguous_attend
 from gendist.models.layers import rope_angles
-from pallas_kernels.chain import kernel as cm
+from pallas_kernels.chain import xla as cx
 
 
 def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: float, stages: int = 16):
-    """`chain_mgpu`'s result from its own inputs (norm gains folded) by `cm.reference`: the
+    """`chain_mgpu`'s result from its own inputs (norm gains folded) by `cx.reference`: the
     kernel's math in XLA, for any device (stages, the kernel's ring depth, changes nothing)."""
     ones = jnp.ones((w_qkv.shape[0], x0_D.shape[0]), jnp.float32)
-    return cm.reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, norms=(ones, ones), eps=norm_eps)
+    return cx.reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, norms=(ones, ones), eps=norm_eps)
 
 
 def supported(cfg: ModelConfig, batch: int) -> str | None:
@@ -75,7 +75,7 @@ def chain_params(cfg: ModelConfig, params: dict) -> dict:
     D = cfg.d_model
     stack = lambda key, shape: jnp.stack([b[key].reshape(shape) for b in blocks])  # noqa: E731
     N1 = D + 2 * cfg.num_kv_heads * cfg.head_dim
-    w_qkv, w_gu = cm.fold_norms(stack("wqkv_CHD", (N1, D)), stack("w_gate_up_GD", (2 * cfg.d_ff, D)),
+    w_qkv, w_gu = cx.fold_norms(stack("wqkv_CHD", (N1, D)), stack("w_gate_up_GD", (2 * cfg.d_ff, D)),
                                 jnp.stack([b["attn_norm"] for b in blocks]),
                                 jnp.stack([b["mlp_norm"] for b in blocks]))
     return {**dp, "chain": (w_qkv, stack("wo_DNH", (D, D)), w_gu, stack("w_down_DF", (D, cfg.d_ff)))}

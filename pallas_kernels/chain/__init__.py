@@ -1,8 +1,9 @@
 """The batch-1 decode megakernel: every layer of a decode step in one persistent Mosaic GPU
 kernel (Hopper, sm90).
 
-    kernel.py     the kernel (`chain_mgpu`), its XLA reference (`reference`) and the RMSNorm
-                  gains folded into the weights it reads (`fold_norms`)
+    kernel.py     the kernel (`chain_mgpu`)
+    xla.py        its math in XLA (`reference`) and the RMSNorm gains folded into the
+                  weights it reads (`fold_norms`)
     attention.py  its attention phase: one block a head, between q|k|v and the output product
     plan.py       the decomposition, the word layout and the input wiring (plain Python)
     words.py      the inline-PTX movers of the low-latency words between phases
@@ -10,6 +11,7 @@ kernel (Hopper, sm90).
 `gendist.inference.megakernel` decodes through it.
 """
 
-from pallas_kernels.chain.kernel import chain_mgpu, fold_norms, reference
+from pallas_kernels.chain.kernel import chain_mgpu
+from pallas_kernels.chain.xla import fold_norms, reference
 
 __all__ = ["chain_mgpu", "fold_norms", "reference"]

@@ -11,7 +11,7 @@ Per layer l, from the residual stream x_l [D] (fp32):
     x_{l+1} = h_l + Wd_l (silu(g[:F]) * g[F:])
 with every product's input rounded to bf16 (as the decode path's products read it) and fp32
 sums; n_l, m_l are RMSNorms (`norm_eps`; their gains folded into Wqkv's and Wgu's columns,
-`fold_norms`, and the factor rsqrt(mean(v^2) + eps) applied by the readers of the product's
+`xla.fold_norms`, and the factor rsqrt(mean(v^2) + eps) applied by the readers of the product's
 output, each block summing the squares of the dense residual itself) or the identity.
 Without kv the kernel is the weight chain alone: what the weight stream and the phase
 boundaries cost.
@@ -41,7 +41,7 @@ a hung GPU. (The zeroing is a memset of the array each call: ~4 MB at 1b; a regi
 would be 44 MB, written again by the words themselves: ~4% of a step's bytes.)
 
 GPU only (the words are moved by inline PTX, which Mosaic GPU's interpreter does not run);
-`reference` is the same math in XLA; `plan` holds the decomposition, the word layout
+`xla.reference` is the same math in XLA; `plan` holds the decomposition, the word layout
 and the input wiring (CPU-testable), `words` the inline-PTX word movers.
 """
 from __future__ import annotations
@@ -85,7 +85,6 @@ from pallas_kernels.chain.plan import (
     tag,
     tuned,
 )
-from pallas_kernels.decode_attention import decode_attention_reference
 
 SCORE_GROUP = 4  # K tiles whose score products are in flight at once
 # Trace points a layer (`chain_mgpu(trace=True)`): product i's start, input gathered and
@@ -497,7 +496,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
                prefetch: int = 0, tiles: int = 1):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
-    folded into w_qkv's and w_gu's columns (`fold_norms`); None: no norms.
+    folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
 
     With kv [L, 2, H, S, hd] (bf16 K and V caches of H kv heads, finite), pos [1] int32 (the
     new token's position: the cache rows below it are read) and rope [hd] fp32 (cos | sin of
@@ -574,50 +573,3 @@ def attention_smem(S: int, hd: int, group: int = 1) -> int:
     return smem_bytes(((8 * (S // T), KC), jnp.bfloat16), ((group, S // T, T), jnp.float32),
                       (((group + 2) * hd,), jnp.float32), ((group * ca.RED,), jnp.float32),
                       ((hd,), jnp.float32), ((group, T), jnp.float32))
-
-
-def fold_norms(w_qkv, w_gu, g_attn_LD, g_mlp_LD):
-    """w_qkv and w_gu with the RMSNorm gains folded into their columns (once, at load)."""
-    fold = lambda w, g: (w.astype(jnp.float32) * g[:, None, :]).astype(jnp.bfloat16)  # noqa: E731
-    return fold(w_qkv, g_attn_LD), fold(w_gu, g_mlp_LD)
-
-
-def reference(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, norms=None,
-              eps: float = 1e-5):
-    """The same chain in XLA: each product's input rounded to bf16, fp32 sums. norms:
-    (g_attn [L, D], g_mlp [L, D]) for RMSNorms before q|k|v and gate|up (unfolded). With kv,
-    pos, rope (`chain_mgpu`'s), each layer attends as `decode_attention_reference` does (D / hd
-    query heads over the cache's H kv heads) and the result is (x_L, kv_new [L, 2, H, hd])."""
-    D, F = w_o.shape[1], w_down.shape[2]
-
-    def mv(w, v):
-        return jnp.einsum("NK,K->N", w, v.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-
-    def rms(v, g_D):
-        return v * lax.rsqrt(jnp.mean(v * v) + eps) * g_D
-
-    def attend(l, a):  # a: q|k|v [D + 2 H hd] fp32 -> (o [D], k_new [H, hd], v_new [H, hd])
-        H, hd = kv.shape[2], kv.shape[4]
-        half = hd // 2
-        cos, sin = rope[None, :half], rope[None, half:]
-        o, k, v = decode_attention_reference(
-            a.reshape(1, D // hd + 2 * H, hd), kv[l, 0][:, None], kv[l, 1][:, None], pos.astype(jnp.int32),
-            cos, sin, num_heads=D // hd)
-        p = jnp.clip(pos[0], 0, kv.shape[3] - 1)
-        return o.reshape(D), k[:, 0, p], v[:, 0, p]
-
-    if rope is not None and rope.ndim == 2:  # a table: the row of the (clipped) position
-        rope = rope[jnp.clip(pos[0], 0, kv.shape[3] - 1)]
-    x = x0_D.astype(jnp.float32)
-    new = []
-    for l in range(w_qkv.shape[0]):
-        a = mv(w_qkv[l], x if norms is None else rms(x, norms[0][l]))
-        if kv is None:
-            h = x + mv(w_o[l], a[:D])
-        else:
-            o, k_new, v_new = attend(l, a)
-            new.append(jnp.stack([k_new, v_new]))
-            h = x + mv(w_o[l], o)
-        g = mv(w_gu[l], h if norms is None else rms(h, norms[1][l]))
-        x = h + mv(w_down[l], jax.nn.silu(g[:F]) * g[F:])
-    return x if kv is None else (x, jnp.stack(new))

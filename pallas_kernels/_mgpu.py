@@ -158,6 +158,16 @@ def fence(ptx: str):
 SPIN_LIMIT = 1 << 24
 SPIN_GUARD = f"add.u32 n, n, 1; setp.gt.u32 p, n, {SPIN_LIMIT}; @p trap;"
 
+
+def warp_retry(pred: str, label: str) -> str:
+    """PTX: the whole warp branches back to `label` if `pred` holds in any of its lanes (a
+    vote, then a uniform branch). A poll loop that lanes leave one by one is divergent code
+    to ptxas; in a kernel that also issues wgmma, ptxas then serialises every wgmma of the
+    kernel (its warning C7520, "compiler-inserted WG.AR in divergent path"). The words a
+    lane polls arrive at about the same time, so a warp that polls until all its lanes see
+    theirs loses nothing."""
+    return f"vote.sync.any.pred {pred}, {pred}, -1; @{pred} bra.uni {label};"
+
 # One thread's poll of one flag: spin until the 32-bit word at base + 4 * index reads >= target.
 _POLL = f"""{{
 .reg .pred p;
@@ -280,10 +290,10 @@ def ll_gather(ll_ref, dst_smem, words, tag):
     regs = " ".join(f".reg .b64 d{k}; .reg .b32 v{k}; .reg .b32 t{k};" for k in range(n))
     loads = " ".join(f"ld.relaxed.gpu.global.b64 d{k}, [${k + 1}]; mov.b64 {{v{k}, t{k}}}, d{k};"
                      for k in range(n))
-    checks = " ".join(f"setp.ne.b32 p, t{k}, ${n + 1}; @p bra LAB_LL;" for k in range(n))
+    checks = " ".join(f"setp.ne.b32 p, t{k}, ${n + 1}; or.pred bad, bad, p;" for k in range(n))
     sums = " ".join(f"mov.b32 g, v{k}; add.f32 f, f, g;" for k in range(n))
-    ptx = (f"{{ .reg .pred p; .reg .u32 n; .reg .f32 f; .reg .f32 g; {regs} mov.u32 n, 0;"
-           f" LAB_LL: {loads} {SPIN_GUARD} {checks}"
+    ptx = (f"{{ .reg .pred p; .reg .pred bad; .reg .u32 n; .reg .f32 f; .reg .f32 g; {regs} mov.u32 n, 0;"
+           f" LAB_LL: {loads} {SPIN_GUARD} mov.pred bad, 0; {checks} {warp_retry('bad', 'LAB_LL')}"
            f" mov.f32 f, 0f00000000; {sums} mov.f32 $0, f; }}")
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), [plgpu.Layout.WG_SPLAT] * n,

@@ -118,6 +118,17 @@ def test_lowers_for_sm90_with_no_fence(preset, norm_eps, tiles):
         assert s in text, s
     for s in ("fence.acq", "fence.proxy.async.global", "red.release"):
         assert s not in text, s
+    assert_polls_are_the_warps(text)
+
+
+def assert_polls_are_the_warps(text):
+    """Every poll loop branches back as a warp (`_mgpu.warp_retry`: a vote, then a uniform
+    branch), never lane by lane: ptxas serialises every wgmma of a kernel whose poll loops
+    diverge (C7520; `experiments/chain_spills.py --aot` shows it)."""
+    assert "@bad bra.uni LAB_G" in text and "@p bra.uni LAB_W" in text, "the polls' warp branches"
+    assert "vote.sync.any.pred bad, bad, -1" in text
+    for divergent in ("@p bra LAB_G", "@p bra LAB_W"):
+        assert divergent not in text, divergent
 
 
 # (D, F, query heads, kv heads, head_dim): the presets' multi-head attention, Llama-3.2-1B's
@@ -147,6 +158,7 @@ def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps, group):
     assert f"ROPE_Q{group}:" not in text
     for s in ("fence.acq", "fence.proxy.async.global", "red.release"):
         assert s not in text, s
+    assert_polls_are_the_warps(text)
 
 
 @pytest.mark.parametrize("prefetch", [0, 16])
@@ -644,3 +656,20 @@ def test_the_tuner_finds_an_interaction_and_proposes_splits_that_fit():
     best, ms, seen = tc.descend(lambda c: 10.0 * (0.95 if c.tiles == 4 else 1.0), alts, tiles=(1, 2, 4))
     assert best == tc.Candidate(tiles=4) and abs(ms - 9.5) < 1e-9  # a tile count tried and kept
     assert best.variant() == "chain@16,spare=0,tiles=4" and tc.Candidate(tiles=2).variant() in seen
+
+
+def test_ptxas_report_reads_registers_spills_and_serialisation():
+    """`experiments/chain_spills.py` reads ptxas's verbose report: the kernel's registers and
+    spills, whether its wgmma are serialised (C7520) and how many arrives ptxas added."""
+    report = experiment("chain_spills").report
+    text = ("ptxas info    : (C7519) warpgroup.arrive is injected in around line 12 by compiler to allow use of "
+            "registers in GMMA in function 'decode_chain_mosaic_gpu_kernel'\n"
+            "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+            "to program dependence on compiler-inserted WG.AR in divergent path in the function 'k'\n"
+            "    32 bytes stack frame, 28 bytes spill stores, 44 bytes spill loads\n"
+            "ptxas info    : Used 255 registers, used 16 barriers, 32 bytes cumulative stack size\n")
+    got = report(text)
+    assert (got["registers"], got["spill_store_bytes"], got["spill_load_bytes"]) == (255, 28, 44)
+    assert got["wgmma_serialised"] and got["injected_arrives"] == 1 and got["warnings"][0].startswith("C7520")
+    clean = report("    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\nptxas info    : Used 186 registers\n")
+    assert not clean["wgmma_serialised"] and clean["registers"] == 186 and clean["warnings"] == []

@@ -13,7 +13,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith
 
-from pallas_kernels._mgpu import SPIN_GUARD, const_i32, lane, ptr32, ptr64
+from pallas_kernels._mgpu import SPIN_GUARD, const_i32, lane, ptr32, ptr64, warp_retry
 from pallas_kernels.chain.plan import KC
 
 X_TRANSFORMS = (plgpu.TilingTransform((8, KC)), plgpu.SwizzleTransform(2 * KC))
@@ -58,7 +58,7 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
     regs += " " + " ".join(f".reg .b64 a{g}_{i};" for g in range(G) for i in P)
     loads = " ".join(f"ld.relaxed.gpu.global.b64 d{i}_{k}, [a{g}_{i}+{off}];"
                      f" mov.b64 {{v{i}_{k}, t{i}_{k}}}, d{i}_{k};" for i in P for k, (g, off) in enumerate(word))
-    checks = " ".join(f"setp.ne.and.b32 p, t{i}_{k}, ${G + g}, ok{i}; @p bra LAB_G;"
+    checks = " ".join(f"setp.ne.and.b32 p, t{i}_{k}, ${G + g}, ok{i}; or.pred bad, bad, p;"
                       for i in P for k, (g, _) in enumerate(word))
     j = 2 * G + (3 if dense else 0)  # the first poll_norm operand
     if poll_norm:
@@ -66,7 +66,7 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
         regs += " .reg .f32 s2; .reg .f32 x2; .reg .b32 r2; .reg .u32 w2; .reg .pred z;"
         loads += " " + " ".join(f"ld.relaxed.gpu.global.b64 nd{k}, [${j}+{1024 * k}]; mov.b64 {{nv{k}, nt{k}}}, nd{k};"
                                 for k in range(poll_norm))
-        checks += " " + " ".join(f"setp.ne.b32 p, nt{k}, ${j + 1}; @p bra LAB_G;" for k in range(poll_norm))
+        checks += " " + " ".join(f"setp.ne.b32 p, nt{k}, ${j + 1}; or.pred bad, bad, p;" for k in range(poll_norm))
     body = ""
     for i in P:
         body += f" mov.f32 fa{i}, 0f00000000; mov.f32 fb{i}, 0f00000000;"
@@ -105,17 +105,19 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
     valid = " ".join(f"add.u32 c, ${i_op + 1}, {i * chunk_step}; setp.lt.u32 ok{i}, c, ${i_op + 2};" for i in P)
     # While waiting, each lane polls one word (its first), not all of them: a full poll is up
     # to ~48 KB of L2 reads a block a round trip, which with every block waiting competes
-    # with the weight stream; then the full poll (usually once).
+    # with the weight stream; then the full poll (usually once). Both loops are the warp's,
+    # not the lane's (`warp_retry`): divergent loops make ptxas serialise the kernel's wgmma.
     probe = (f"LAB_W: ld.relaxed.gpu.global.b64 pw, [a0_0]; mov.b64 {{pv, pt}}, pw; {SPIN_GUARD}"
-             f" setp.ne.b32 p, pt, ${G}; @p bra LAB_W;")
+             f" setp.ne.b32 p, pt, ${G}; {warp_retry('p', 'LAB_W')}")
     # pass i's chunks offset: min(i chunk_step, limit - 1 - chunk) chunks (signed)
     valid += f" sub.s32 lc, ${i_op + 2}, 1; sub.s32 lc, lc, ${i_op + 1};"
     valid += " ".join(f" min.s32 c, lc, {i * chunk_step}; mul.wide.s32 off, c, {groups[g][2]}; add.s64 a{g}_{i}, ${g}, off;"
                       for i in P for g in range(G))
-    return (f"{{ .reg .pred p; .reg .pred q; .reg .pred qq; .reg .u32 n; .reg .s32 c; .reg .s32 lc; .reg .b64 off;"
+    return (f"{{ .reg .pred p; .reg .pred bad; .reg .pred q; .reg .pred qq; .reg .u32 n; .reg .s32 c; .reg .s32 lc; .reg .b64 off;"
             f" .reg .f32 g; .reg .f32 e; .reg .b32 w; .reg .b32 one; .reg .b64 dd; .reg .b16 h;"
             f" .reg .b64 pw; .reg .b32 pv; .reg .b32 pt; {regs} {valid}"
-            f" mov.u32 n, 0; {probe} LAB_G: {loads} {SPIN_GUARD} {checks} {body} }}")
+            f" mov.u32 n, 0; {probe} LAB_G: {loads} {SPIN_GUARD} mov.pred bad, 0; {checks}"
+            f" {warp_retry('bad', 'LAB_G')} {body} }}")
 
 
 def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dense_base=None,

@@ -51,15 +51,19 @@ def test_layout_regions_do_not_overlap():
     prods = plan.products(D, N1, F, 132)
     lay = plan.layout(prods, D)
     spans = sorted((lay.offsets[p.name], p.tiles * p.split.sk * plan.T) for p in prods)
-    spans += [(lay.offsets["X"], D), (lay.offsets["H"], D)]
+    spans += [(lay.offsets["X"], D), (lay.offsets["H"], D), (lay.offsets["Xss"], D // plan.SS),
+              (lay.offsets["Hss"], D // plan.SS)]
     spans.sort()
     for (a, n), (b, _) in zip(spans, spans[1:], strict=False):
         assert a + n <= b
     assert spans[-1][0] + spans[-1][1] == lay.layer_words
     words = plan.init_words(jnp.arange(D, dtype=jnp.float32), prods, lay).reshape(-1, 2)
     assert words.shape[0] == lay.init_words and (np.asarray(words[:, 1]) == 1).all()
-    x0 = jax.lax.bitcast_convert_type(words[lay.init_H:, 0], jnp.float32)
+    x0 = jax.lax.bitcast_convert_type(words[lay.init_H:lay.init_ss, 0], jnp.float32)
     np.testing.assert_array_equal(np.asarray(x0), np.arange(D))
+    ss = jax.lax.bitcast_convert_type(words[lay.init_ss:, 0], jnp.float32)  # x_0's square sums
+    np.testing.assert_allclose(np.asarray(ss), (np.arange(D, dtype=np.float64).reshape(-1, plan.SS) ** 2).sum(1),
+                               rtol=1e-6)
     assert (np.asarray(words[:lay.init_H, 0]) == 0).all()
 
 
@@ -99,18 +103,26 @@ def test_reference_is_the_chain():
     np.testing.assert_allclose(got, x, rtol=2e-2, atol=2e-2 * np.abs(x).max())
 
 
-@pytest.mark.parametrize("preset,norm_eps,tiles", [("350m", None, 1), ("1b", 1e-5, 1), ("1b", 1e-5, 4)])
-def test_lowers_for_sm90_with_no_fence(preset, norm_eps, tiles):
+@pytest.mark.parametrize("preset,norm_eps,tiles,sums", [("350m", None, 1, False), ("1b", 1e-5, 1, False),
+                                                        ("1b", 1e-5, 4, False), ("1b", 1e-5, 1, True)])
+def test_lowers_for_sm90_with_no_fence(preset, norm_eps, tiles, sums):
     """tiles > 1: the tiles' pieces leave in one LL row store (labels LLH_), whose lanes past
-    the group's count store nothing (the count a register operand); tiles=1: a store a tile."""
+    the group's count store nothing (the count a register operand); tiles=1: a store a tile.
+    sums: the dense vectors' writers also store their warps' square sums (lane 0 of a warp,
+    after a butterfly sum) and the norms' readers add up square sums (their first words
+    only) instead of squaring the vector."""
     D, N1, F = SHAPES[preset]
     S = jax.ShapeDtypeStruct
     args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
             S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16))
-    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps, tiles=tiles), *args)
+    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps, tiles=tiles,
+                                                     norm_sums=sums), *args)
     assert ("LLH_1:" in text) == (tiles > 1) and ("setp.lt.u32 p, e, $5" in text) == (tiles > 1)
-    assert ("fma.rn.f32 s2" in text) == (norm_eps is not None)  # the norms' sums of squares, polled
-    assert ("bar.sync" in text.split("fma.rn.f32 s2")[-1][:2000]) == (norm_eps is not None)  # in the poll
+    assert ("shfl.sync.bfly.b32 qr, qr, 16" in text) == sums and ("@qy st.relaxed.gpu.global.b64" in text) == sums
+    assert ("@nz0 add.f32 s2, s2, x2" in text) == sums  # the readers' square sums
+    squares = "fma.rn.f32 s2" if not sums else "@nz0 add.f32 s2"
+    assert (squares in text) == (norm_eps is not None)  # the norms' sums of squares, polled
+    assert ("bar.sync" in text.split(squares)[-1][:2000]) == (norm_eps is not None)  # in the poll
     assert ("rsqrt.approx.f32" in text) == (norm_eps is not None)
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1 and "decode_chain" in text
     for s in ("st.relaxed.gpu.global.b64", "ld.relaxed.gpu.global.b64", "LAB_G", "cvt.rn.bf16.f32",
@@ -293,19 +305,20 @@ def test_bad_inputs_name_the_field():
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
-@pytest.mark.parametrize("preset,layers,norms,tiles", [("350m", 1, False, 1), ("350m", 3, False, 1),
-                                                       ("1b", 2, False, 1), ("350m", 2, True, 1),
-                                                       ("1b", 2, True, 1), ("350m", 3, False, 2),
-                                                       ("1b", 2, True, 4)])
-def test_matches_the_reference_on_the_gpu(preset, layers, norms, tiles):
+@pytest.mark.parametrize("preset,layers,norms,tiles,sums", [
+    ("350m", 1, False, 1, False), ("350m", 3, False, 1, False), ("1b", 2, False, 1, False),
+    ("350m", 2, True, 1, False), ("1b", 2, True, 1, False), ("350m", 3, False, 2, False),
+    ("1b", 2, True, 4, False), ("350m", 3, True, 1, True), ("1b", 2, True, 4, True)])
+def test_matches_the_reference_on_the_gpu(preset, layers, norms, tiles, sums):
     """tiles > 1: a block's tile pieces made several at a time, the last group short where
-    its tiles do not divide (350m's q|k|v: 3 a block at tiles=2; 1b's gate|up: 11 at 4)."""
+    its tiles do not divide (350m's q|k|v: 3 a block at tiles=2; 1b's gate|up: 11 at 4).
+    sums: the norms' readers poll square sums (`norm_sums`)."""
     D, N1, F = SHAPES[preset]
     x0, wq, wo, wgu, wd = inputs(D, N1, F, layers)
     if norms:
         g = gains(D, layers)
         wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
-        got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5, tiles=tiles)
+        got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5, tiles=tiles, norm_sums=sums)
         want = cx.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5)
     else:
         got, want = cm.chain_mgpu(x0, wq, wo, wgu, wd, tiles=tiles), cx.reference(x0, wq, wo, wgu, wd)
@@ -348,13 +361,15 @@ def gqa_inputs(D, hd, kv_heads, F, L, seed=0):
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
-@pytest.mark.parametrize("preset,layers,norms,pos,tiles", [
-    ("350m", 2, False, 70, 1), ("350m", 1, False, 0, 1), ("350m", 5, True, 255, 1), ("1b", 3, True, 129, 1),
-    ("llama3.2-1b", 3, True, 129, 1), ("llama3.2-1b", 2, True, 0, 1), ("gqa8-hd128", 3, True, 200, 1),
-    ("llama3.2-1b", 2, True, "table", 1), ("1b", 2, True, 129, 4), ("llama3.2-1b", 2, True, 129, 3)])
-def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, tiles):
+@pytest.mark.parametrize("preset,layers,norms,pos,tiles,sums", [
+    ("350m", 2, False, 70, 1, False), ("350m", 1, False, 0, 1, False), ("350m", 5, True, 255, 1, False),
+    ("1b", 3, True, 129, 1, False), ("llama3.2-1b", 3, True, 129, 1, False), ("llama3.2-1b", 2, True, 0, 1, False),
+    ("gqa8-hd128", 3, True, 200, 1, False), ("llama3.2-1b", 2, True, "table", 1, False),
+    ("1b", 2, True, 129, 4, False), ("llama3.2-1b", 2, True, 129, 3, False), ("1b", 3, True, 129, 1, True),
+    ("llama3.2-1b", 2, True, 0, 1, True), ("gqa8-hd128", 3, True, 200, 1, True)])
+def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, tiles, sums):
     """pos "table": the angles as a table of every position's (random rows but row 129, the
-    new token's): the kernel reads its position's row. tiles: as in the test above."""
+    new token's): the kernel reads its position's row. tiles, sums: as in the test above."""
     D, F, NQ, K, hd = ATTENTION[preset]
     x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, layers)
     att = attention_inputs(layers, D, 320, 129 if pos == "table" else pos, heads=NQ, kv_heads=K)
@@ -363,7 +378,7 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, 
     g = gains(D, layers) if norms else None
     wq_f, wgu_f = cx.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
     got, got_kv = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5 if norms else None,
-                                tiles=tiles)
+                                tiles=tiles, norm_sums=sums)
     want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
@@ -371,7 +386,8 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, 
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
 
 
-def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att_blocks=0, group=None):
+def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att_blocks=0, group=None,
+            sums=False):
     """The kernel's data flow in numpy, through the kernel's own decomposition (`rect`), word
     layout (`layout`, `init_words`, `piece_word`) and input wiring (`input_spec`): each
     active block gathers its chunks (summing pieces, the residual, SwiGLU), rounds them to
@@ -380,7 +396,8 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
     word is only overwritten two layers later (two regions, `plan.tag`). att: (kv, pos, rope) as `chain_mgpu`
     takes them: each attention block reads its query heads' q and their kv head's k, v
     through `input_spec("att")` and `head_reads` into its stage slots, attends in numpy
-    (`attend`) and writes the layer's "att" words, which o reads. Returns x_L (and kv_new)."""
+    (`attend`) and writes the layer's "att" words, which o reads. sums: the RMSNorms' readers
+    read the dense writers' square sums (`chain_mgpu(norm_sums=True)`). Returns x_L (and kv_new)."""
     L, N1, D = wq.shape
     F = wd.shape[2]
     new = []
@@ -391,6 +408,7 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
     init_vals = init[:, 0].view(np.float32).astype(np.float64)
     init_tags = init[:, 1]
     vals = np.zeros(plan.REGIONS * lay.layer_words)
+    use_sums = sums
     tags = np.zeros(plan.REGIONS * lay.layer_words, int)
 
     def write(w0, n, values, l):
@@ -410,7 +428,7 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
 
     def read(name, l, gt, c, use_init):
         groups, dense, norm = plan.input_spec(name, l, gt, prods, lay, F, norm_eps is not None,
-                                              att is not None)
+                                              att is not None, use_sums)
         sums = [np.zeros(64), np.zeros(64)]
         for count, stride, is_b, base_word, init_ok, want in groups:
             for j in range(count):
@@ -418,9 +436,16 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
         if dense and bool(dense["dense_on"]):
             assert int(dense["dense_tag"]) == plan.tag(l)
             write(int(dense["dense_base"]) + c * 64, 64, sums[0], l)
+            assert ("dense_ss" in dense) == use_sums
+            if use_sums:  # a warp's 32 values a word
+                write(int(dense["dense_ss"]) + c * 2, 2, (sums[0].reshape(2, plan.SS) ** 2).sum(axis=1), l)
         if norm is not None:
-            v = words(norm[0], D, norm[1], use_init, norm[2])
-            sums = [u / np.sqrt(np.mean(v * v) + norm_eps) for u in sums]
+            if use_sums:
+                square_sum = words(norm[0], D // plan.SS, norm[1], use_init, norm[2]).sum()
+            else:
+                v = words(norm[0], D, norm[1], use_init, norm[2])
+                square_sum = (v * v).sum()
+            sums = [u / np.sqrt(square_sum / D + norm_eps) for u in sums]
         if any(g[2] for g in groups):
             return sums[0] / (1 + np.exp(-sums[0])) * sums[1]
         return sums[0]
@@ -483,18 +508,19 @@ def gains(D, L):
     return experiment("bench_chain_mgpu").norm_gains(L, D)
 
 
-@pytest.mark.parametrize("blocks", [132, 5])
-@pytest.mark.parametrize("norms", [False, True])
-def test_the_kernels_data_flow_computes_the_chain(blocks, norms):
+@pytest.mark.parametrize("blocks,norms,sums", [(132, False, False), (5, False, False), (132, True, False),
+                                               (5, True, False), (132, True, True), (5, True, True)])
+def test_the_kernels_data_flow_computes_the_chain(blocks, norms, sums):
     """The decomposition, word layout and input wiring the kernel uses, run in numpy, give the
     reference's x_L, with and without RMSNorms (their gains folded into the weights as the
-    kernel takes them); on the GPU the kernel itself is checked against it."""
+    kernel takes them; sums: their readers read square sums, not the vector); on the GPU the
+    kernel itself is checked against it."""
     D, N1, F, L = 256, 768, 512, 3  # 3 layers: layer 2 reuses layer 0's region
     x0, wq, wo, wgu, wd = inputs(D, N1, F, L)
     if norms:
         g = gains(D, L)
         wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
-        got = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5)
+        got = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, sums=sums)
         want = np.asarray(cx.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5), np.float64)
     else:
         got = emulate(x0, wq, wo, wgu, wd, blocks)
@@ -502,10 +528,11 @@ def test_the_kernels_data_flow_computes_the_chain(blocks, norms):
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
-@pytest.mark.parametrize("blocks,norms,pos,splits,spare", [
-    (132, False, 70, (), True), (20, True, 0, (), True), (132, True, 129, (), False), (3, True, 129, (), True),
-    (132, True, 70, (("gu", 2, 16), ("down", 8, 4)), True)])  # a sweep's override (odd chunk counts)
-def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, spare):
+@pytest.mark.parametrize("blocks,norms,pos,splits,spare,sums", [
+    (132, False, 70, (), True, False), (20, True, 0, (), True, False), (132, True, 129, (), False, False),
+    (3, True, 129, (), True, False), (132, True, 70, (("gu", 2, 16), ("down", 8, 4)), True, False),
+    (20, True, 0, (), True, True), (132, True, 129, (), False, True)])  # (an override: odd chunk counts)
+def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, spare, sums):
     """With attention: each head's block reads q, k, v through the kernel's wiring, its
     output words are what o reads, and x_L and the new k, v are the reference's (also with
     splits overridden, as `experiments/sweep_chain_splits.py` runs them, and with o split
@@ -516,7 +543,7 @@ def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, 
     g = gains(D, L) if norms else None
     wq_f, wgu_f = cx.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
     got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5 if norms else None, att=att,
-                          splits=splits, att_blocks=H if spare else 0)
+                          splits=splits, att_blocks=H if spare else 0, sums=sums)
     want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
@@ -608,7 +635,7 @@ def test_trace_analysis_recovers_a_known_schedule():
 
 
 def test_step_variants_name_their_kernel_options():
-    """decode_floor's `chain@OPTS`: ring slots, spare, splits, group, prefetch and tiles reach the kernel; none given
+    """decode_floor's `chain@OPTS`: ring slots, spare, splits, group, prefetch, tiles and sums reach the kernel; none given
     leaves the kernel its measured choice; a bad option names the ones there are."""
     df = experiment("decode_floor")
     stages, kernel = df.chain_options("12,spare=0,qkv=16x8,o=8x14")
@@ -619,7 +646,8 @@ def test_step_variants_name_their_kernel_options():
     assert df.chain_options("group=1")[1].keywords == dict(group=1)  # the measured splits stay
     assert df.chain_options("16,prefetch=8")[1].keywords == dict(prefetch=8)
     assert df.chain_options("tiles=4")[1].keywords == dict(tiles=4)
-    with pytest.raises(ValueError, match="spare=0, group=N, prefetch=N, tiles=N or NAME=SKxST"):
+    assert df.chain_options("tiles=4,sums=1")[1].keywords == dict(tiles=4, norm_sums=True)
+    with pytest.raises(ValueError, match="spare=0, group=N, prefetch=N, tiles=N, sums=1 or NAME=SKxST"):
         df.chain_options("16,mlp=2x4")
 
 

@@ -115,7 +115,7 @@ def _window_rows(kmax: int) -> int:
 
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                  norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
-                 prefetch: int = 0, tiles: int = 1):
+                 prefetch: int = 0, tiles: int = 1, sums: bool = False):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
@@ -219,9 +219,9 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             every pass's words polled in one round trip (`product_reads`)."""
             first = l == 0
             groups, dense, norm = input_spec(p.name, l, gt, prods, lay, F, norm_eps is not None,
-                                             attn is not None)
+                                             attn is not None, sums)
             if norm is not None:  # the first round also polls the norm's vector (its partials)
-                dense = dict(dense, norm_ref=norm_smem, norm=(norm_eps, D))
+                dense = dict(dense, norm_ref=norm_smem, norm=(norm_eps, D), sums=sums)
             for i, reads in enumerate(product_reads(p, k0, k1, words(groups))):
                 poll = dict(poll_norm=(norm[0], first, norm[1], norm[2])) if norm is not None and i == 0 else {}
                 pl.when(reads.chunks[0] < k1)(functools.partial(
@@ -339,10 +339,10 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             @pl.when(h < A)
             def _():
                 tr(l, "att")
-                groups, _, norm = input_spec("att", l, 0, prods, lay, F, norm_eps is not None)
+                groups, _, norm = input_spec("att", l, 0, prods, lay, F, norm_eps is not None, sums=sums)
                 dense, poll = {}, {}
                 if norm is not None:  # the first pass also polls x_l (the norm's partials)
-                    dense = dict(norm_ref=norm_smem, norm=(norm_eps, D))
+                    dense = dict(norm_ref=norm_smem, norm=(norm_eps, D), sums=sums)
                     poll = dict(poll_norm=(norm[0], l == 0, norm[1], norm[2]))
                 for i, reads in enumerate(head_reads(D, h, hd, words(groups), H, GB)):  # q, k, v to slots
                     cw.gather(ll, init_ref, stage_smem, groups, reads, out="f32", use_init=False,
@@ -489,11 +489,11 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
-                                             "group", "prefetch", "tiles"))
+                                             "group", "prefetch", "tiles", "norm_sums"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
-               prefetch: int = 0, tiles: int = 1):
+               prefetch: int = 0, tiles: int = 1, norm_sums: bool = False):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
@@ -521,7 +521,10 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     tiles: the tile pieces a block's products make at a time, each in its own accumulator:
     their products run back to back on the tensor core and they pay one drain, one shared
     memory store and one LL store together, where 1 pays them for every tile (a block's
-    products have 1-16 tiles at the presets' shapes)."""
+    products have 1-16 tiles at the presets' shapes). norm_sums: an RMSNorm's readers poll
+    the D / 32 square sums of its vector (`plan.Layout`'s Xss, Hss: each written by lane 0
+    of a warp of the vector's writers) instead of the D values: D / 32 of the words every
+    reader of q|k|v's and gate|up's outputs polls, not D (a 1-2 KB poll, not 8-16 KB)."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
     attn = None
@@ -559,7 +562,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
         raise ValueError(f"chain_mgpu: prefetch={prefetch}: want 0 (off) or the weight tiles a block "
                          "asks of L2 ahead of its ring.")
     return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace, group,
-                        prefetch, tiles)
+                        prefetch, tiles, norm_sums)
 
 
 def attention_group(D: int, N1: int, F: int, blocks: int, head_dim: int, kv_heads: int,

@@ -228,18 +228,25 @@ def head_reads(D: int, h: int, hd: int, words: int, kv_heads: int | None = None,
             + rounds(Reads((k0, v0), (nq, nq + nc), v0 + nc, nc, 1, 1), words))
 
 
+SS = 32  # values a square-sum word covers (a warp's: `Layout`'s Xss, Hss)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Word offsets (8-byte LL words) of each layer's regions in the semaphore array: every
     product's pieces [tiles, sk, 64], the dense residuals X_l (qkv's input, l >= 1) and
-    H_l (gate|up's input), and with attention its dense output A_l (o's input, "att"). `init` is the layout of the host-written words standing in for
-    layer -1: the down pieces (zeros) and H_{-1} = x_0."""
+    H_l (gate|up's input), their square sums Xss_l and Hss_l (word i: the sum of squares of
+    values SS i .. SS (i + 1) - 1, all an RMSNorm's readers need of the vector), and with
+    attention its dense output A_l (o's input, "att"). `init` is the layout of the
+    host-written words standing in for layer -1: the down pieces (zeros), H_{-1} = x_0 and
+    x_0's square sums (at init_ss)."""
 
     offsets: dict
     layer_words: int
     init_down: int
     init_H: int
     init_words: int
+    init_ss: int
 
 
 def layout(prods, D: int, attention: bool = False) -> Layout:
@@ -247,12 +254,12 @@ def layout(prods, D: int, attention: bool = False) -> Layout:
     for p in prods:
         offsets[p.name] = w
         w += p.tiles * p.split.sk * T
-    for name in ("X", "H") + (("att",) if attention else ()):
+    for name, n in (("X", D), ("H", D), ("Xss", D // SS), ("Hss", D // SS)) + ((("att", D),) if attention else ()):
         offsets[name] = w
-        w += D
+        w += n
     down = prods[3]
     init_H = down.tiles * down.split.sk * T
-    return Layout(offsets, w, 0, init_H, init_H + D)
+    return Layout(offsets, w, 0, init_H, init_H + D + D // SS, init_H + D)
 
 
 REGIONS = 2  # layer l's words live in region l % REGIONS, overwritten two layers later
@@ -273,9 +280,10 @@ def region(l, lay: Layout):
 
 
 def init_words(x0_D, prods, lay: Layout):
-    """The host-written words for layer -1, as int32 pairs [init_words, 2]: zero down pieces
-    and x_0, each tagged tag(-1) = 1."""
-    vals = jnp.concatenate([jnp.zeros((lay.init_H,), jnp.float32), x0_D.astype(jnp.float32)])
+    """The host-written words for layer -1, as int32 pairs [init_words, 2]: zero down pieces,
+    x_0 and its square sums, each tagged tag(-1) = 1."""
+    x0 = x0_D.astype(jnp.float32)
+    vals = jnp.concatenate([jnp.zeros((lay.init_H,), jnp.float32), x0, (x0.reshape(-1, SS) ** 2).sum(axis=1)])
     bits = lax.bitcast_convert_type(vals, jnp.int32)
     return jnp.stack([bits, jnp.ones_like(bits)], axis=-1).reshape(-1)
 
@@ -286,7 +294,7 @@ def piece_word(p: Product, l, t, gk, lay: Layout):
 
 
 def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False,
-               attention: bool = False):
+               attention: bool = False, sums: bool = False):
     """Where product `name` of layer l reads its input chunk c (block in tile group gt):
     (groups, dense, norm). groups: [(count, stride, is_b, base_word, init_ok, tag)], the words
     base_word + c * stride + j * 64 + col for j < count (group B, is_b, is SwiGLU's up),
@@ -295,7 +303,9 @@ def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False
     as a dense vector, {} for none. norm (with
     norms): (base_word, init_ok, tag) of the dense vector whose RMSNorm factor scales this input
     (x_l for the q|k|v output that o reads, h_l for gate|up's), else None. attention: o
-    reads the attention phase's output (`attention_spec` says what that phase reads). Works on ints
+    reads the attention phase's output (`attention_spec` says what that phase reads). sums:
+    the norm's readers read the vector's square sums (D / SS words: Xss, Hss) instead of the
+    vector, and the dense vector's writers write them (dense's `dense_ss`). Works on ints
     (tests) and traced values (the kernel)."""
     qkv, o, gu, down = prods
 
@@ -304,25 +314,30 @@ def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False
 
     first = l == 0
     x_l = jnp.where(first, lay.init_H, base(l, "X"))  # X_0 is the host's x_0 (tag 1)
+    x_ss = jnp.where(first, lay.init_ss, base(l, "Xss"))  # and so are its square sums
     x_tag = jnp.where(first, tag(-1), tag(l))
+
+    def ss(vector):  # the dense writers' square sums, with sums
+        return dict(dense_ss=base(l, vector + "ss")) if sums else {}
+
     if name == "qkv":  # x_l = H_{l-1} + the previous down's pieces; X_l dense
         groups = [(down.split.sk, 64 * down.split.sk, False,
                    jnp.where(first, lay.init_down, base(l - 1, "down")), True, tag(l - 1)),
                   (1, 64, False, jnp.where(first, lay.init_H, base(l - 1, "H")), True, tag(l - 1))]
-        return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0), dense_tag=tag(l)), None
+        return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0), dense_tag=tag(l), **ss("X")), None
     if name == "o" and attention:  # the attention phase's output, dense
         return [(1, 64, False, base(l, "att"), False, tag(l))], {}, None
     if name in ("o", "att"):  # qkv's pieces (times x_l's RMSNorm factor): o without
         # attention reads the q part; the attention phase reads a head's q, k and v
-        norm = (x_l, True, x_tag) if norms else None
+        norm = (x_ss if sums else x_l, True, x_tag) if norms else None
         return [(qkv.split.sk, 64 * qkv.split.sk, False, base(l, "qkv"), False, tag(l))], {}, norm
     if name == "gu":  # h_l = X_l + o's pieces; H_l dense
         groups = [(o.split.sk, 64 * o.split.sk, False, base(l, "o"), False, tag(l)),
                   (1, 64, False, x_l, True, x_tag)]
-        return groups, dict(dense_base=base(l, "H"), dense_on=gt == 0, dense_tag=tag(l)), None
+        return groups, dict(dense_base=base(l, "H"), dense_on=gt == 0, dense_tag=tag(l), **ss("H")), None
     if name == "down":  # silu(gate) * up from gate|up's pieces (times h_l's RMSNorm factor)
         g0, stride = base(l, "gu"), 64 * gu.split.sk
-        norm = (base(l, "H"), False, tag(l)) if norms else None
+        norm = (base(l, "Hss" if sums else "H"), False, tag(l)) if norms else None
         return [(gu.split.sk, stride, False, g0, False, tag(l)),
                 (gu.split.sk, stride, True, g0 + (F // T) * stride, False, tag(l))], {}, norm
     if name == "final":  # x_L = H_{L-1} + the last down's pieces (l = L - 1)

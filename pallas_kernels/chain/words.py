@@ -14,7 +14,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith
 
 from pallas_kernels._mgpu import SPIN_GUARD, const_i32, lane, ptr32, ptr64, warp_retry
-from pallas_kernels.chain.plan import KC
+from pallas_kernels.chain.plan import KC, SS, T
 
 X_TRANSFORMS = (plgpu.TilingTransform((8, KC)), plgpu.SwizzleTransform(2 * KC))
 
@@ -27,7 +27,8 @@ def f32_hex(v: float) -> str:
 
 def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str,
                 norm: tuple[float, int] | None = None, poll_norm: int = 0, passes: int = 1,
-                dense_advance: int = 0, dst_advance: int = 0, chunk_step: int = 2) -> str:
+                dense_advance: int = 0, dst_advance: int = 0, chunk_step: int = 2,
+                dense_ss: bool = False, norm_sums: int = 0) -> str:
     """One lane's poll of `passes` passes at once. groups: (count, is_b, stride) each, A's
     first: `count` words 64 apart (512 bytes), the next chunk's `stride` bytes further. Operands: $0.. each group's first address (pass 0, word 0), then each group's
     expected tag, then (dense) the dense word's address, its write flag and its tag, then
@@ -45,7 +46,12 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
     poll_norm=k (with norm): those partial sums are made here, in the same poll as the
     sources: its operands are the address of this lane's first word of the D-vector (words
     lane + 128 i, i < k), their tag, the warpgroup's barrier id and the lane; each warp's sum
-    of squares goes to the shared partials, then a warpgroup barrier, then the scaling."""
+    of squares goes to the shared partials, then a warpgroup barrier, then the scaling.
+    norm_sums=n (with poll_norm): the vector is given by its n square sums instead (`plan.SS`
+    values a word; the first operand is then the address of word 0): lane i reads words
+    i + 128 j and adds them up as its sum of squares. dense_ss (with dense): one more dense
+    operand, this lane's pass-0 square-sum word: lane 0 of each warp writes the sum of squares
+    of its warp's 32 dense values there (pass i's: 2 i chunk_step words further)."""
     G = len(groups)
     # word k: (its group, its byte offset from the group's address)
     word = [(g, 512 * j) for g, (count, _, _) in enumerate(groups) for j in range(count)]
@@ -60,11 +66,20 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
                      f" mov.b64 {{v{i}_{k}, t{i}_{k}}}, d{i}_{k};" for i in P for k, (g, off) in enumerate(word))
     checks = " ".join(f"setp.ne.and.b32 p, t{i}_{k}, ${G + g}, ok{i}; or.pred bad, bad, p;"
                       for i in P for k, (g, _) in enumerate(word))
-    j = 2 * G + (3 if dense else 0)  # the first poll_norm operand
+    j = 2 * G + ((4 if dense_ss else 3) if dense else 0)  # the first poll_norm operand
+    setup = ""
     if poll_norm:
         regs += " ".join(f" .reg .b64 nd{k}; .reg .b32 nv{k}; .reg .b32 nt{k};" for k in range(poll_norm))
         regs += " .reg .f32 s2; .reg .f32 x2; .reg .b32 r2; .reg .u32 w2; .reg .pred z;"
-        loads += " " + " ".join(f"ld.relaxed.gpu.global.b64 nd{k}, [${j}+{1024 * k}]; mov.b64 {{nv{k}, nt{k}}}, nd{k};"
+        if norm_sums:  # word lane + 128 k if there is one (else the last word, not added)
+            regs += " .reg .u32 ni;" + " ".join(f" .reg .b64 na{k}; .reg .pred nz{k};" for k in range(poll_norm))
+            setup = " ".join(f"add.u32 ni, ${j + 3}, {128 * k}; setp.lt.u32 nz{k}, ni, {norm_sums};"
+                             f" min.u32 ni, ni, {norm_sums - 1}; mul.wide.u32 off, ni, 8; add.s64 na{k}, ${j}, off;"
+                             for k in range(poll_norm))
+            address = [f"na{k}" for k in range(poll_norm)]
+        else:
+            address = [f"${j}+{1024 * k}" for k in range(poll_norm)]
+        loads += " " + " ".join(f"ld.relaxed.gpu.global.b64 nd{k}, [{address[k]}]; mov.b64 {{nv{k}, nt{k}}}, nd{k};"
                                 for k in range(poll_norm))
         checks += " " + " ".join(f"setp.ne.b32 p, nt{k}, ${j + 1}; or.pred bad, bad, p;" for k in range(poll_norm))
     body = ""
@@ -75,12 +90,23 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
     i_op = 2 * G
     if dense:
         body += f" setp.ne.u32 q, ${i_op + 1}, 0; mov.b32 one, ${i_op + 2};"
+        if dense_ss:  # lane 0 of each warp writes its warp's sum of squares
+            regs += " .reg .f32 q2; .reg .f32 qx; .reg .b32 qr; .reg .u32 ql; .reg .pred l0; .reg .pred qy;"
+            body += " mov.u32 ql, %laneid; setp.eq.u32 l0, ql, 0;"
         for i in P:
             body += (f" and.pred qq, q, ok{i}; mov.b32 w, fa{i}; mov.b64 dd, {{w, one}};"
                      f" @qq st.relaxed.gpu.global.b64 [${i_op}+{i * dense_advance}], dd;")
-        i_op += 3
+            if dense_ss:
+                body += (f" mul.f32 q2, fa{i}, fa{i}; "
+                         + " ".join(f"mov.b32 qr, q2; shfl.sync.bfly.b32 qr, qr, {m}, 31, -1; mov.b32 qx, qr;"
+                                    f" add.f32 q2, q2, qx;" for m in (16, 8, 4, 2, 1))
+                         + f" and.pred qy, qq, l0; mov.b32 w, q2; mov.b64 dd, {{w, one}};"
+                         f" @qy st.relaxed.gpu.global.b64 [${i_op + 3}+{i * 16 * chunk_step}], dd;")
+        i_op += 4 if dense_ss else 3
     if poll_norm:  # this warp's sum of squares to partial `warp`, then the warpgroup's barrier
-        body += (" mov.f32 s2, 0f00000000; " + " ".join(f"mov.b32 x2, nv{k}; fma.rn.f32 s2, x2, x2, s2;"
+        square = [f"@nz{k} add.f32 s2, s2, x2;" if norm_sums else "fma.rn.f32 s2, x2, x2, s2;"
+                  for k in range(poll_norm)]
+        body += (" mov.f32 s2, 0f00000000; " + " ".join(f"mov.b32 x2, nv{k}; {square[k]}"
                                                         for k in range(poll_norm))
                  + " " + " ".join(f"mov.b32 r2, s2; shfl.sync.bfly.b32 r2, r2, {m}, 31, -1; mov.b32 x2, r2;"
                                   f" add.f32 s2, s2, x2;" for m in (16, 8, 4, 2, 1))
@@ -115,13 +141,14 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
                       for i in P for g in range(G))
     return (f"{{ .reg .pred p; .reg .pred bad; .reg .pred q; .reg .pred qq; .reg .u32 n; .reg .s32 c; .reg .s32 lc; .reg .b64 off;"
             f" .reg .f32 g; .reg .f32 e; .reg .b32 w; .reg .b32 one; .reg .b64 dd; .reg .b16 h;"
-            f" .reg .b64 pw; .reg .b32 pv; .reg .b32 pt; {regs} {valid}"
+            f" .reg .b64 pw; .reg .b32 pv; .reg .b32 pt; {regs} {valid} {setup}"
             f" mov.u32 n, 0; {probe} LAB_G: {loads} {SPIN_GUARD} mov.pred bad, 0; {checks}"
             f" {warp_retry('bad', 'LAB_G')} {body} }}")
 
 
 def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dense_base=None,
-           dense_on=None, dense_tag=None, norm_ref=None, norm=None, poll_norm=None):
+           dense_on=None, dense_tag=None, dense_ss=None, norm_ref=None, norm=None, poll_norm=None,
+           sums: bool = False):
     """The inline op behind a product's input, one poll round (`plan.Reads`: which
     chunk each lane reads into which slot, pass by pass, all passes' words polled at once).
     groups: [(count, stride, is_b, base_word, init_ok, tag)] with count/stride/is_b static
@@ -132,16 +159,18 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     with dense_base, A's sum as a dense word at dense_base + chunk * 64 + col when
     dense_on != 0; with norm=(eps, D), the sums scaled by the RMSNorm factor from norm_ref's 4
     warp partial sums of squares (made by an earlier round, or with poll_norm=(base_word,
-    from_init, init_ok, tag) of the dense D-vector there, in this round's poll). Ends in a
-    warpgroup barrier."""
+    from_init, init_ok, tag) of the dense D-vector there, in this round's poll; sums: of its
+    D / SS square sums there, `plan.SS`). dense_ss: with dense_base, the first of the dense
+    vector's square-sum words, written as well. Ends in a warpgroup barrier."""
     dense = dense_base is not None
-    per_lane = norm[1] // 128 if poll_norm is not None else 0
+    n_sums = norm[1] // SS if sums and poll_norm is not None else 0
+    per_lane = -(-n_sums // 128) if n_sums else norm[1] // 128 if poll_norm is not None else 0
     # A's groups first, then B's, in the order the PTX sums them.
     ordered = [g for g in groups if not g[2]] + [g for g in groups if g[2]]
     step = reads.chunk_step
     spec = tuple((g[0], g[2], 8 * g[1]) for g in ordered)
     ptx = _gather_ptx(spec, dense, out, norm, per_lane, reads.passes, 8 * 64 * step,
-                      reads.slot_step * (1024 if out == "bf16" else 256), step)
+                      reads.slot_step * (1024 if out == "bf16" else 256), step, dense_ss is not None, n_sums)
     splat = plgpu.Layout.WG_SPLAT
     traced = [jnp.asarray(v, jnp.int32) for v in (*reads.chunks, *reads.slots, reads.limit, use_init)]
     traced += [jnp.asarray(g[3], jnp.int32) for g in ordered]
@@ -149,6 +178,8 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     if dense:
         traced += [jnp.asarray(dense_base, jnp.int32), jnp.asarray(dense_on, jnp.int32),
                    jnp.asarray(dense_tag, jnp.int32)]
+        if dense_ss is not None:
+            traced.append(jnp.asarray(dense_ss, jnp.int32))
     n_dense = len(traced)
     if per_lane:
         nb, nfrom, n_init_ok, ntag = poll_norm
@@ -189,11 +220,14 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
             dbase, don, dtag = v[6 + 2 * ng:6 + 2 * ng + 3]
             operands += [addr(ll_p, arith.addi(arith.addi(dbase, arith.muli(chunk, const_i32(64))), col)), don,
                          dtag]
+            if dense_ss is not None:  # word 2 chunk + col / 32: this lane's warp's
+                ss_word = arith.addi(arith.muli(chunk, const_i32(T // SS)), arith.divui(col, const_i32(SS)))
+                operands.append(addr(ll_p, arith.addi(v[6 + 2 * ng + 3], ss_word)))
         if per_lane:
             nb_, nfrom_, ntag_ = v[n_dense:]
             nptr = arith.select(arith.cmpi(arith.CmpIPredicate.ne, nfrom_, const_i32(0)), init_p, ll_p)
-            operands += [addr(nptr, arith.addi(nb_, lane_)), ntag_, mgpu.utils.warpgroup_barrier_idx(sync=False),
-                         lane_]
+            first_word = nb_ if n_sums else arith.addi(nb_, lane_)  # square sums: word 0 (the PTX adds the lane)
+            operands += [addr(nptr, first_word), ntag_, mgpu.utils.warpgroup_barrier_idx(sync=False), lane_]
         if norm:
             operands.append(ptr32(rs[3]))
         dst_p = ptr32(dst)

@@ -23,7 +23,8 @@ for its ring slots, `spare=0|1` to split o over every block or over those that d
 `group=N` for N query heads an attention block (grouped-query attention), `prefetch=N` for
 each block's weight tiles asked of L2 N ahead of its ring, `tiles=N` for the tile pieces a
 block makes at a time (one accumulator each, one drain and one LL store for them), `sums=1`
-for RMSNorm readers that poll the vector's square sums, not the vector (`norm_sums`),
+for RMSNorm readers that poll the vector's square sums, not the vector (`norm_sums`), `packed=1`
+for pieces two values a word (`packed`),
 `NAME=SKxST` to split product NAME (qkv, o, gu, down) as given: with spare or a split, the products
 not named split as the cost model does (`chain@16,spare=0,down=22x6`, a candidate of the
 sweep of splits in whole steps); with neither, the kernel's measured choice for the shape,
@@ -115,14 +116,14 @@ def chain_options(option: str):
             kw["spare"] = value not in ("0", "false", "False")
         elif name in ("group", "prefetch", "tiles"):
             kw[name] = int(value)
-        elif name == "sums":
-            kw["norm_sums"] = value not in ("0", "false", "False")
+        elif name in ("sums", "packed"):
+            kw["norm_sums" if name == "sums" else name] = value not in ("0", "false", "False")
         elif name in ("qkv", "o", "gu", "down"):
             sk, _, st = value.partition("x")
             splits.append((name, int(sk), int(st)))
         else:
             raise ValueError(f"chain@{option}: option {opt!r}; use a ring size (16), spare=0, group=N, "
-                             "prefetch=N, tiles=N, sums=1 or NAME=SKxST for NAME in qkv, o, gu, down.")
+                             "prefetch=N, tiles=N, sums=1, packed=1 or NAME=SKxST for NAME in qkv, o, gu, down.")
     if "spare" in kw or splits:  # a candidate: the cost model's splits where none is given
         kw["splits"] = tuple(splits)
     return stages, functools.partial(chain_mgpu, **kw)

@@ -68,10 +68,11 @@ decode)
     "$PY" experiments/decode_paths.py --out "$OUT"
     "$PY" experiments/head_kernel.py --out "$OUT"
     # chain@tiles=N: a block's tile pieces N at a time; chain@sums=1: the norms' readers poll
-    # square sums (both off by default until they win here)
-    "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 \
-        --variants chain chain@tiles=2 chain@tiles=4 chain@sums=1 chain@tiles=4,sums=1 fast --reps 3 --out "$OUT"
-    "$PY" experiments/trace_chain.py --spare auto --pos 160 --tiles 1 4 --sums 0 1 --out "$OUT"
+    # square sums; chain@packed=1: pieces two values a word (all off by default until they win here)
+    "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --reps 3 --out "$OUT" \
+        --variants chain chain@tiles=4 chain@sums=1 chain@packed=1 chain@sums=1,packed=1 \
+        chain@tiles=4,sums=1,packed=1 fast
+    "$PY" experiments/trace_chain.py --spare auto --pos 160 --sums 0 1 --packed 0 1 --out "$OUT"
     "$PY" experiments/decode_step_timeline.py --presets 1b 350m llama3.2-1b --out "$OUT" ;;
 decode_tune)
     # one preset a call fits the 10-minute limit: ~20 candidates of ~7 s (compile + 256 tokens)

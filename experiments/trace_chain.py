@@ -13,12 +13,13 @@ over layers:
   median head, from its SM clock;
 * the layer's period (the last block's q|k|v input, layer to layer).
 
-Writes trace_chain.json and trace_<preset>_spare<0|1|auto>[_group<N>][_tiles<N>][_sums].png (a layer's
+Writes trace_chain.json and trace_<preset>_spare<0|1|auto>[_group<N>][_tiles<N>][_sums][_packed].png (a layer's
 timeline, block by block) to --out. --spare 0 1 auto traces the cost model's splits with o
 over every block, over the blocks that do not attend, and the kernel's measured choice
 (`plan.tuned`: the default), in the same process; --group N auto does the same for the query
 heads an attention block takes, --tiles 1 4 for the tile pieces a block makes at a time,
---sums 0 1 for RMSNorm readers polling the vector (0) or its square sums (1, `norm_sums`).
+--sums 0 1 for RMSNorm readers polling the vector (0) or its square sums (1, `norm_sums`),
+--packed 0 1 for pieces a value a word (0) or two (1, `packed`).
 
     python3 experiments/trace_chain.py --spare 0 auto --out $OUT       # one H200
     python3 experiments/trace_chain.py --presets llama3.2-1b --group 4 auto --out $OUT
@@ -154,6 +155,8 @@ def main():
                     help="tile pieces a block makes at a time (chain_mgpu's tiles), each traced")
     ap.add_argument("--sums", nargs="+", type=int, default=[0], choices=[0, 1],
                     help="1: RMSNorm readers poll the vector's square sums (chain_mgpu's norm_sums), each traced")
+    ap.add_argument("--packed", nargs="+", type=int, default=[0], choices=[0, 1],
+                    help="1: the pieces two values a word (chain_mgpu's packed), each traced")
     ap.add_argument("--pos", type=int, default=160)
     ap.add_argument("--capacity", type=int, default=320)
     ap.add_argument("--stages", type=int, default=16)
@@ -162,8 +165,9 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for name, spare, group, tiles, sums in ((n, s, g, t, u) for n in args.presets for s in args.spare
-                                            for g in args.group for t in args.tiles for u in args.sums):
+    for name, spare, group, tiles, sums, packed in (
+            (n, s, g, t, u, k) for n in args.presets for s in args.spare for g in args.group
+            for t in args.tiles for u in args.sums for k in args.packed):
         m = preset(name).model
         D, F, L, K = m.d_model, m.d_ff, m.num_layers, m.num_kv_heads
         x0, *ws = weights(D, D + 2 * K * m.head_dim, F, L)  # q|k|v rows: q, then K heads of k and v
@@ -176,6 +180,8 @@ def main():
             kw["tiles"] = tiles
         if sums:
             kw["norm_sums"] = True
+        if packed:
+            kw["packed"] = True
         f = jax.jit(lambda *a, kw=kw: cm.chain_mgpu(*a, stages=args.stages, norm_eps=1e-5, trace=True, **kw))
         results = []
         for _ in range(args.calls + 1):  # the first compiles
@@ -187,12 +193,12 @@ def main():
         med = {k: float(np.median([r["us_per_layer_median"][k] for r in results])) for k in keys}
         steps = {k: float(np.median([r["attention_steps_us"][k] for r in results]))
                  for k in results[0]["attention_steps_us"]}
-        row = dict(preset=name, spare=spare, group=group, tiles=tiles, sums=sums, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
+        row = dict(preset=name, spare=spare, group=group, tiles=tiles, sums=sums, packed=packed, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
                    us_per_layer_median=med, attention_steps_us=steps,
                    kernel_us_from_stamps=[r["kernel_us_from_stamps"] for r in results],
                    sm_ghz=results[-1]["sm_ghz"])
         rows.append(row)
-        print(f"{name} (spare={spare}, group={group}, tiles={tiles}, sums={sums}): {L} layers, pos {args.pos}; kernel (stamps) "
+        print(f"{name} (spare={spare}, group={group}, tiles={tiles}, sums={sums}, packed={packed}): {L} layers, pos {args.pos}; kernel (stamps) "
               f"{np.median(row['kernel_us_from_stamps']):.1f} us; SM {row['sm_ghz']:.2f} GHz", flush=True)
         for k in ("qkv", "att", "o", "gu", "down"):
             if k + "_work" in med:
@@ -201,7 +207,7 @@ def main():
         print("  head's steps (median, us): " + ", ".join(f"{k[4:]} {v:.2f}" for k, v in steps.items()),
               flush=True)
         tag = (f"{name}_spare{spare}" + ("" if group == "auto" else f"_group{group}")
-               + ("" if tiles == 1 else f"_tiles{tiles}") + ("_sums" if sums else ""))
+               + ("" if tiles == 1 else f"_tiles{tiles}") + ("_sums" if sums else "") + ("_packed" if packed else ""))
         plot(raw, L, os.path.join(args.out, f"trace_{tag}.png"),
              f"chain_mgpu {name}, layer {L // 2}, pos {args.pos}, spare={spare}, group={group}, "
              f"tiles={tiles}")

@@ -103,23 +103,29 @@ def test_reference_is_the_chain():
     np.testing.assert_allclose(got, x, rtol=2e-2, atol=2e-2 * np.abs(x).max())
 
 
-@pytest.mark.parametrize("preset,norm_eps,tiles,sums", [("350m", None, 1, False), ("1b", 1e-5, 1, False),
-                                                        ("1b", 1e-5, 4, False), ("1b", 1e-5, 1, True)])
-def test_lowers_for_sm90_with_no_fence(preset, norm_eps, tiles, sums):
+@pytest.mark.parametrize("preset,norm_eps,tiles,sums,packed", [
+    ("350m", None, 1, False, False), ("1b", 1e-5, 1, False, False), ("1b", 1e-5, 4, False, False),
+    ("1b", 1e-5, 1, True, False), ("1b", 1e-5, 4, True, True)])
+def test_lowers_for_sm90_with_no_fence(preset, norm_eps, tiles, sums, packed):
     """tiles > 1: the tiles' pieces leave in one LL row store (labels LLH_), whose lanes past
     the group's count store nothing (the count a register operand); tiles=1: a store a tile.
     sums: the dense vectors' writers also store their warps' square sums (lane 0 of a warp,
     after a butterfly sum) and the norms' readers add up square sums (their first words
-    only) instead of squaring the vector."""
+    only) instead of squaring the vector. packed: the pieces' stores round and pack two values
+    a word (a 64-bit shared load a lane) and their readers take the tag's 16 bits and the
+    lane's value apart."""
     D, N1, F = SHAPES[preset]
     S = jax.ShapeDtypeStruct
     args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
             S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16))
     text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps, tiles=tiles,
-                                                     norm_sums=sums), *args)
-    assert ("LLH_1:" in text) == (tiles > 1) and ("setp.lt.u32 p, e, $5" in text) == (tiles > 1)
+                                                     norm_sums=sums, packed=packed), *args)
+    per_tile = 32 if packed else 64  # words a tile's piece: more than 128 a store take a lane two passes
+    assert ("LLH_1:" in text) == (tiles * per_tile > 128) and ("setp.lt.u32 p, e, $5" in text) == (tiles > 1)
     assert ("shfl.sync.bfly.b32 qr, qr, 16" in text) == sums and ("@qy st.relaxed.gpu.global.b64" in text) == sums
     assert ("@nz0 add.f32 s2, s2, x2" in text) == sums  # the readers' square sums
+    assert ("ld.shared.v2.b32 {a, b}" in text) == packed and ("and.b32 pt, pt, 65535" in text) == packed
+    assert ("mad.lo.u32 sh, sh, 24, 16" in text) == packed and ("shr.b64 dx, d0_0, sh" in text) == packed
     squares = "fma.rn.f32 s2" if not sums else "@nz0 add.f32 s2"
     assert (squares in text) == (norm_eps is not None)  # the norms' sums of squares, polled
     assert ("bar.sync" in text.split(squares)[-1][:2000]) == (norm_eps is not None)  # in the poll
@@ -292,6 +298,9 @@ def test_bad_inputs_name_the_field():
         cm.chain_mgpu(x0, wq, wo, wgu, wd, stages=40, blocks=132)
     with pytest.raises(ValueError, match="tiles=9: want 1 to 8"):
         cm.chain_mgpu(x0, wq, wo, wgu, wd, tiles=9, blocks=132)
+    many = [jax.ShapeDtypeStruct((65535, *a.shape[1:]), a.dtype) for a in (wq, wo, wgu, wd)]
+    with pytest.raises(ValueError, match="16 bits: 65535 layers"):  # packed words' tags
+        jax.eval_shape(lambda *w: cm.chain_mgpu(x0, *w, packed=True, blocks=132), *many)
     kv, pos, rope = attention_inputs(1, 64, 128, 3, heads=1)
     with pytest.raises(ValueError, match="N1=256 equal to D \\+ 2 kv_heads head_dim"):
         cm.chain_mgpu(*inputs(64, 256, 128, 1), kv, pos, rope)
@@ -305,23 +314,25 @@ def test_bad_inputs_name_the_field():
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
-@pytest.mark.parametrize("preset,layers,norms,tiles,sums", [
-    ("350m", 1, False, 1, False), ("350m", 3, False, 1, False), ("1b", 2, False, 1, False),
-    ("350m", 2, True, 1, False), ("1b", 2, True, 1, False), ("350m", 3, False, 2, False),
-    ("1b", 2, True, 4, False), ("350m", 3, True, 1, True), ("1b", 2, True, 4, True)])
-def test_matches_the_reference_on_the_gpu(preset, layers, norms, tiles, sums):
+@pytest.mark.parametrize("preset,layers,norms,tiles,sums,packed", [
+    ("350m", 1, False, 1, False, False), ("350m", 3, False, 1, False, False), ("1b", 2, False, 1, False, False),
+    ("350m", 2, True, 1, False, False), ("1b", 2, True, 1, False, False), ("350m", 3, False, 2, False, False),
+    ("1b", 2, True, 4, False, False), ("350m", 3, True, 1, True, False), ("1b", 2, True, 4, True, False),
+    ("350m", 3, False, 1, False, True), ("1b", 2, True, 4, True, True)])
+def test_matches_the_reference_on_the_gpu(preset, layers, norms, tiles, sums, packed):
     """tiles > 1: a block's tile pieces made several at a time, the last group short where
     its tiles do not divide (350m's q|k|v: 3 a block at tiles=2; 1b's gate|up: 11 at 4).
-    sums: the norms' readers poll square sums (`norm_sums`)."""
+    sums: the norms' readers poll square sums (`norm_sums`); packed: pieces two values a word."""
     D, N1, F = SHAPES[preset]
     x0, wq, wo, wgu, wd = inputs(D, N1, F, layers)
     if norms:
         g = gains(D, layers)
         wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
-        got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5, tiles=tiles, norm_sums=sums)
+        got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5, tiles=tiles, norm_sums=sums, packed=packed)
         want = cx.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5)
     else:
-        got, want = cm.chain_mgpu(x0, wq, wo, wgu, wd, tiles=tiles), cx.reference(x0, wq, wo, wgu, wd)
+        got = cm.chain_mgpu(x0, wq, wo, wgu, wd, tiles=tiles, packed=packed)
+        want = cx.reference(x0, wq, wo, wgu, wd)
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
@@ -361,15 +372,18 @@ def gqa_inputs(D, hd, kv_heads, F, L, seed=0):
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
-@pytest.mark.parametrize("preset,layers,norms,pos,tiles,sums", [
-    ("350m", 2, False, 70, 1, False), ("350m", 1, False, 0, 1, False), ("350m", 5, True, 255, 1, False),
-    ("1b", 3, True, 129, 1, False), ("llama3.2-1b", 3, True, 129, 1, False), ("llama3.2-1b", 2, True, 0, 1, False),
-    ("gqa8-hd128", 3, True, 200, 1, False), ("llama3.2-1b", 2, True, "table", 1, False),
-    ("1b", 2, True, 129, 4, False), ("llama3.2-1b", 2, True, 129, 3, False), ("1b", 3, True, 129, 1, True),
-    ("llama3.2-1b", 2, True, 0, 1, True), ("gqa8-hd128", 3, True, 200, 1, True)])
-def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, tiles, sums):
+@pytest.mark.parametrize("preset,layers,norms,pos,tiles,sums,packed", [
+    ("350m", 2, False, 70, 1, False, False), ("350m", 1, False, 0, 1, False, False),
+    ("350m", 5, True, 255, 1, False, False), ("1b", 3, True, 129, 1, False, False),
+    ("llama3.2-1b", 3, True, 129, 1, False, False), ("llama3.2-1b", 2, True, 0, 1, False, False),
+    ("gqa8-hd128", 3, True, 200, 1, False, False), ("llama3.2-1b", 2, True, "table", 1, False, False),
+    ("1b", 2, True, 129, 4, False, False), ("llama3.2-1b", 2, True, 129, 3, False, False),
+    ("1b", 3, True, 129, 1, True, False), ("llama3.2-1b", 2, True, 0, 1, True, False),
+    ("gqa8-hd128", 3, True, 200, 1, True, False), ("1b", 3, True, 129, 1, False, True),
+    ("llama3.2-1b", 2, True, 0, 1, True, True)])
+def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, tiles, sums, packed):
     """pos "table": the angles as a table of every position's (random rows but row 129, the
-    new token's): the kernel reads its position's row. tiles, sums: as in the test above."""
+    new token's): the kernel reads its position's row. tiles, sums, packed: as in the test above."""
     D, F, NQ, K, hd = ATTENTION[preset]
     x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, layers)
     att = attention_inputs(layers, D, 320, 129 if pos == "table" else pos, heads=NQ, kv_heads=K)
@@ -378,7 +392,7 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, 
     g = gains(D, layers) if norms else None
     wq_f, wgu_f = cx.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
     got, got_kv = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5 if norms else None,
-                                tiles=tiles, norm_sums=sums)
+                                tiles=tiles, norm_sums=sums, packed=packed)
     want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
@@ -386,8 +400,29 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, 
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
 
 
+def unpack(pairs):
+    """The values and tags of packed LL words (int32 pairs [n, 2]) as the kernel's readers
+    take them apart (`words.gather`): [n, 2] float64 and [n]."""
+    w = np.asarray(pairs).astype(np.uint32).astype(np.uint64)
+    w = w[:, 0] | (w[:, 1] << np.uint64(32))
+    top = np.stack([(w >> np.uint64(16 + 24 * i)) & np.uint64(0xFFFFFF) for i in range(2)], axis=1)
+    vals = (top.astype(np.uint32) << np.uint32(8)).view(np.float32).astype(np.float64)
+    return vals, (w & np.uint64(0xFFFF)).astype(int)
+
+
+def test_packed_words_keep_two_values_and_a_tag():
+    """`plan.pack`: two fp32 values rounded to 24 bits (2^-16 relative) and a 16-bit tag in
+    one 64-bit word; the readers' unpacking gives them back."""
+    v = np.asarray(jax.random.normal(jax.random.key(3), (1000, 2), jnp.float32)) * 10.0 ** np.arange(-3, 3).repeat(334)[:1000, None]
+    vals, tags = unpack(plan.pack(v, 77))
+    np.testing.assert_allclose(vals, v, rtol=2 ** -16)
+    assert not np.array_equal(vals, v) and (tags == 77).all()
+    vals, tags = unpack(plan.pack(np.zeros((3, 2)), 1))
+    assert (vals == 0).all() and (tags == 1).all()
+
+
 def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att_blocks=0, group=None,
-            sums=False):
+            sums=False, packed=False):
     """The kernel's data flow in numpy, through the kernel's own decomposition (`rect`), word
     layout (`layout`, `init_words`, `piece_word`) and input wiring (`input_spec`): each
     active block gathers its chunks (summing pieces, the residual, SwiGLU), rounds them to
@@ -397,42 +432,55 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
     takes them: each attention block reads its query heads' q and their kv head's k, v
     through `input_spec("att")` and `head_reads` into its stage slots, attends in numpy
     (`attend`) and writes the layer's "att" words, which o reads. sums: the RMSNorms' readers
-    read the dense writers' square sums (`chain_mgpu(norm_sums=True)`). Returns x_L (and kv_new)."""
+    read the dense writers' square sums (`chain_mgpu(norm_sums=True)`). packed: pieces two
+    values a word, each rounded as `plan.pack` rounds it (`chain_mgpu(packed=True)`). Returns
+    x_L (and kv_new)."""
     L, N1, D = wq.shape
     F = wd.shape[2]
     new = []
     prods = plan.products(D, N1, F, blocks, attention=att is not None, splits=splits,
                           att_blocks=att_blocks)
-    lay = plan.layout(prods, D, attention=att is not None)
+    lay = plan.layout(prods, D, attention=att is not None, packed=packed)
+    assert lay.packed == packed and lay.piece_words == (32 if packed else 64)
     init = np.asarray(plan.init_words(x0, prods, lay)).reshape(-1, 2)
-    init_vals = init[:, 0].view(np.float32).astype(np.float64)
-    init_tags = init[:, 1]
-    vals = np.zeros(plan.REGIONS * lay.layer_words)
+    assert init.shape[0] == lay.init_words
+    init_vals = np.zeros((lay.init_words, 2))  # a word's values (the second: packed words')
+    init_vals[:, 0] = init[:, 0].view(np.float32)
+    init_tags = init[:, 1].copy()
+    if packed:  # the down pieces
+        init_vals[:lay.init_H], init_tags[:lay.init_H] = unpack(init[:lay.init_H])
+    vals = np.zeros((plan.REGIONS * lay.layer_words, 2))
     use_sums = sums
     tags = np.zeros(plan.REGIONS * lay.layer_words, int)
 
-    def write(w0, n, values, l):
-        assert np.isin(tags[w0:w0 + n], [0, plan.tag(l) - plan.REGIONS]).all(), (w0, l)  # not too early
-        vals[w0:w0 + n], tags[w0:w0 + n] = values, plan.tag(l)
+    def write(w0, n, values, l, two=False):
+        """n values from word w0 (two: two a word, rounded as the kernel's packed words)."""
+        k = n // 2 if two else n
+        assert np.isin(tags[w0:w0 + k], [0, plan.tag(l) - plan.REGIONS]).all(), (w0, l)  # not too early
+        if two:
+            vals[w0:w0 + k] = unpack(plan.pack(np.asarray(values, np.float32).reshape(-1, 2), plan.tag(l)))[0]
+        else:
+            vals[w0:w0 + k, 0] = values
+        tags[w0:w0 + k] = plan.tag(l)
     W = {"qkv": wq, "o": wo, "gu": wgu, "down": wd}
     W = {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in W.items()}
     bf16 = lambda v: np.asarray(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731
 
-    def words(base_word, n, init_ok, use_init, want):
-        w0 = int(base_word)
-        if init_ok and use_init:
-            assert (init_tags[w0:w0 + n] == int(want)).all()
-            return init_vals[w0:w0 + n]
-        assert (tags[w0:w0 + n] == int(want)).all(), (w0, n, want)
-        return vals[w0:w0 + n]
+    def words(base_word, n, init_ok, use_init, want, two=False):
+        """n values from word base_word (two: two a word)."""
+        w0, k = int(base_word), n // 2 if two else n
+        src_tags, src = (init_tags, init_vals) if init_ok and use_init else (tags, vals)
+        assert (src_tags[w0:w0 + k] == int(want)).all(), (w0, n, want)
+        return src[w0:w0 + k].reshape(-1) if two else src[w0:w0 + k, 0]
 
     def read(name, l, gt, c, use_init):
         groups, dense, norm = plan.input_spec(name, l, gt, prods, lay, F, norm_eps is not None,
                                               att is not None, use_sums)
         sums = [np.zeros(64), np.zeros(64)]
-        for count, stride, is_b, base_word, init_ok, want in groups:
+        for count, stride, is_b, base_word, init_ok, want, two in groups:
             for j in range(count):
-                sums[is_b] += words(int(base_word) + c * stride + j * 64, 64, init_ok, use_init, want)
+                sums[is_b] += words(int(base_word) + c * stride + j * (32 if two else 64), 64, init_ok, use_init,
+                                    want, two)
         if dense and bool(dense["dense_on"]):
             assert int(dense["dense_tag"]) == plan.tag(l)
             write(int(dense["dense_base"]) + c * 64, 64, sums[0], l)
@@ -461,7 +509,7 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
                 for t in range(t0, t1):
                     piece = sum(W[p.name][l, t * 64:(t + 1) * 64, c * 64:(c + 1) * 64] @ x[c]
                                 for c in range(k0, k1))
-                    write(plan.piece_word(p, l, t, gk, lay), 64, piece, l)
+                    write(plan.piece_word(p, l, t, gk, lay), 64, piece, l, two=packed)
             if p.name == "qkv" and att is not None:
                 kv, pos, rope = (np.asarray(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a) for a in att)
                 H, hd = kv.shape[2], kv.shape[4]
@@ -508,31 +556,34 @@ def gains(D, L):
     return experiment("bench_chain_mgpu").norm_gains(L, D)
 
 
-@pytest.mark.parametrize("blocks,norms,sums", [(132, False, False), (5, False, False), (132, True, False),
-                                               (5, True, False), (132, True, True), (5, True, True)])
-def test_the_kernels_data_flow_computes_the_chain(blocks, norms, sums):
+@pytest.mark.parametrize("blocks,norms,sums,packed", [
+    (132, False, False, False), (5, False, False, False), (132, True, False, False), (5, True, False, False),
+    (132, True, True, False), (5, True, True, False), (132, False, False, True), (5, True, True, True)])
+def test_the_kernels_data_flow_computes_the_chain(blocks, norms, sums, packed):
     """The decomposition, word layout and input wiring the kernel uses, run in numpy, give the
     reference's x_L, with and without RMSNorms (their gains folded into the weights as the
-    kernel takes them; sums: their readers read square sums, not the vector); on the GPU the
-    kernel itself is checked against it."""
+    kernel takes them; sums: their readers read square sums, not the vector; packed: pieces
+    two values a word); on the GPU the kernel itself is checked against it."""
     D, N1, F, L = 256, 768, 512, 3  # 3 layers: layer 2 reuses layer 0's region
     x0, wq, wo, wgu, wd = inputs(D, N1, F, L)
     if norms:
         g = gains(D, L)
         wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
-        got = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, sums=sums)
+        got = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, sums=sums, packed=packed)
         want = np.asarray(cx.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5), np.float64)
     else:
-        got = emulate(x0, wq, wo, wgu, wd, blocks)
+        got = emulate(x0, wq, wo, wgu, wd, blocks, packed=packed)
         want = np.asarray(cx.reference(x0, wq, wo, wgu, wd), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
-@pytest.mark.parametrize("blocks,norms,pos,splits,spare,sums", [
-    (132, False, 70, (), True, False), (20, True, 0, (), True, False), (132, True, 129, (), False, False),
-    (3, True, 129, (), True, False), (132, True, 70, (("gu", 2, 16), ("down", 8, 4)), True, False),
-    (20, True, 0, (), True, True), (132, True, 129, (), False, True)])  # (an override: odd chunk counts)
-def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, spare, sums):
+@pytest.mark.parametrize("blocks,norms,pos,splits,spare,sums,packed", [
+    (132, False, 70, (), True, False, False), (20, True, 0, (), True, False, False),
+    (132, True, 129, (), False, False, False), (3, True, 129, (), True, False, False),
+    (132, True, 70, (("gu", 2, 16), ("down", 8, 4)), True, False, False),  # an override: odd chunk counts
+    (20, True, 0, (), True, True, False), (132, True, 129, (), False, True, False),
+    (20, True, 0, (), True, True, True), (132, True, 70, (("gu", 2, 16), ("down", 8, 4)), True, False, True)])
+def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, spare, sums, packed):
     """With attention: each head's block reads q, k, v through the kernel's wiring, its
     output words are what o reads, and x_L and the new k, v are the reference's (also with
     splits overridden, as `experiments/sweep_chain_splits.py` runs them, and with o split
@@ -543,7 +594,7 @@ def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, 
     g = gains(D, L) if norms else None
     wq_f, wgu_f = cx.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
     got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5 if norms else None, att=att,
-                          splits=splits, att_blocks=H if spare else 0, sums=sums)
+                          splits=splits, att_blocks=H if spare else 0, sums=sums, packed=packed)
     want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
@@ -635,7 +686,7 @@ def test_trace_analysis_recovers_a_known_schedule():
 
 
 def test_step_variants_name_their_kernel_options():
-    """decode_floor's `chain@OPTS`: ring slots, spare, splits, group, prefetch, tiles and sums reach the kernel; none given
+    """decode_floor's `chain@OPTS`: ring slots, spare, splits, group, prefetch, tiles, sums and packed reach the kernel; none given
     leaves the kernel its measured choice; a bad option names the ones there are."""
     df = experiment("decode_floor")
     stages, kernel = df.chain_options("12,spare=0,qkv=16x8,o=8x14")
@@ -646,8 +697,8 @@ def test_step_variants_name_their_kernel_options():
     assert df.chain_options("group=1")[1].keywords == dict(group=1)  # the measured splits stay
     assert df.chain_options("16,prefetch=8")[1].keywords == dict(prefetch=8)
     assert df.chain_options("tiles=4")[1].keywords == dict(tiles=4)
-    assert df.chain_options("tiles=4,sums=1")[1].keywords == dict(tiles=4, norm_sums=True)
-    with pytest.raises(ValueError, match="spare=0, group=N, prefetch=N, tiles=N, sums=1 or NAME=SKxST"):
+    assert df.chain_options("tiles=4,sums=1,packed=1")[1].keywords == dict(tiles=4, norm_sums=True, packed=True)
+    with pytest.raises(ValueError, match="spare=0, group=N, prefetch=N, tiles=N, sums=1, packed=1 or NAME=SKxST"):
         df.chain_options("16,mlp=2x4")
 
 

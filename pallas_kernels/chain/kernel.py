@@ -115,14 +115,14 @@ def _window_rows(kmax: int) -> int:
 
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                  norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
-                 prefetch: int = 0, tiles: int = 1, sums: bool = False):
+                 prefetch: int = 0, tiles: int = 1, sums: bool = False, packed: bool = False):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
     (of one kv head) a block."""
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
-    lay = layout(prods, D, attn is not None)
+    lay = layout(prods, D, attn is not None, packed)
     init = init_words(x0_D, prods, lay)
     NB, st, TG = blocks, stages, tiles
     kmax = max(p.kmax() for p in prods)
@@ -279,7 +279,8 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             pl.run_scoped(body, *[plgpu.ACC((T, 8), jnp.float32)] * TG)
             plgpu.commit_smem()
             # tile t's piece lies sk pieces (sk T words) after tile t - 1's
-            cw.ll_store_rows(ll, acc_smem, piece_word(p, l, tg, gk, lay), tag(l), TG, p.split.sk * T, count)
+            cw.ll_store_rows(ll, acc_smem, piece_word(p, l, tg, gk, lay), tag(l), TG, p.split.sk * lay.piece_words,
+                             count, packed=lay.packed)
 
         def consume(l, p):  # layer l's product p: its input, then its tiles' pieces, TG at a time
             active, t0, t1, k0, k1 = rect(p, b)
@@ -489,11 +490,11 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
-                                             "group", "prefetch", "tiles", "norm_sums"))
+                                             "group", "prefetch", "tiles", "norm_sums", "packed"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
-               prefetch: int = 0, tiles: int = 1, norm_sums: bool = False):
+               prefetch: int = 0, tiles: int = 1, norm_sums: bool = False, packed: bool = False):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
@@ -524,7 +525,10 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     products have 1-16 tiles at the presets' shapes). norm_sums: an RMSNorm's readers poll
     the D / 32 square sums of its vector (`plan.Layout`'s Xss, Hss: each written by lane 0
     of a warp of the vector's writers) instead of the D values: D / 32 of the words every
-    reader of q|k|v's and gate|up's outputs polls, not D (a 1-2 KB poll, not 8-16 KB)."""
+    reader of q|k|v's and gate|up's outputs polls, not D (a 1-2 KB poll, not 8-16 KB).
+    packed: the products' pieces travel two values a word (`plan.pack`: each value's fp32
+    rounded to 24 bits, 2^-16 relative, and a 16-bit tag), so their readers' polls read half
+    the bytes (two lanes read each word)."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
     attn = None
@@ -558,11 +562,13 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     if not 1 <= tiles <= 8:
         raise ValueError(f"chain_mgpu: tiles={tiles}: want 1 to 8 tile pieces a block makes at a "
                          "time (one accumulator each).")
+    if packed and tag(L - 1) > 0xFFFF:
+        raise ValueError(f"chain_mgpu: packed=True tags words with 16 bits: {L} layers are too many.")
     if prefetch < 0:
         raise ValueError(f"chain_mgpu: prefetch={prefetch}: want 0 (off) or the weight tiles a block "
                          "asks of L2 ahead of its ring.")
     return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace, group,
-                        prefetch, tiles, norm_sums)
+                        prefetch, tiles, norm_sums, packed)
 
 
 def attention_group(D: int, N1: int, F: int, blocks: int, head_dim: int, kv_heads: int,

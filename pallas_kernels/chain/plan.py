@@ -239,7 +239,8 @@ class Layout:
     values SS i .. SS (i + 1) - 1, all an RMSNorm's readers need of the vector), and with
     attention its dense output A_l (o's input, "att"). `init` is the layout of the
     host-written words standing in for layer -1: the down pieces (zeros), H_{-1} = x_0 and
-    x_0's square sums (at init_ss)."""
+    x_0's square sums (at init_ss). piece_words: the words of one 64-value piece, 64 (a value
+    a word: its fp32 and its 32-bit tag) or 32 (`packed`: two values a word, `pack`)."""
 
     offsets: dict
     layer_words: int
@@ -247,19 +248,39 @@ class Layout:
     init_H: int
     init_words: int
     init_ss: int
+    piece_words: int = T
+
+    @property
+    def packed(self) -> bool:
+        return self.piece_words != T
 
 
-def layout(prods, D: int, attention: bool = False) -> Layout:
+def pack(values, tag):
+    """A packed LL word of two fp32 values, as int32 pairs [..., 2] (lo, hi): bits 0-15 the
+    tag, 16-39 and 40-63 each value's fp32 bits rounded to their top 24 (sign, exponent and
+    15 mantissa bits: 2^-16 relative), what `words.ll_store_rows(packed=True)` stores and its
+    readers (`words.gather`) unpack. values [..., 2] fp32, tag < 2^16."""
+    bits = lax.bitcast_convert_type(jnp.asarray(values, jnp.float32), jnp.uint32)
+    top = (bits + 0x80) >> 8  # round to nearest on the magnitude
+    a, b = top[..., 0], top[..., 1]
+    lo = jnp.asarray(tag, jnp.uint32) | (a << 16)
+    hi = (a >> 16) | (b << 8)
+    return lax.bitcast_convert_type(jnp.stack([lo, hi], axis=-1), jnp.int32)
+
+
+def layout(prods, D: int, attention: bool = False, packed: bool = False) -> Layout:
+    """The word layout; packed: pieces two values a word (`Layout.piece_words` 32)."""
+    piece = T // 2 if packed else T
     offsets, w = {}, 0
     for p in prods:
         offsets[p.name] = w
-        w += p.tiles * p.split.sk * T
+        w += p.tiles * p.split.sk * piece
     for name, n in (("X", D), ("H", D), ("Xss", D // SS), ("Hss", D // SS)) + ((("att", D),) if attention else ()):
         offsets[name] = w
         w += n
     down = prods[3]
-    init_H = down.tiles * down.split.sk * T
-    return Layout(offsets, w, 0, init_H, init_H + D + D // SS, init_H + D)
+    init_H = down.tiles * down.split.sk * piece
+    return Layout(offsets, w, 0, init_H, init_H + D + D // SS, init_H + D, piece)
 
 
 REGIONS = 2  # layer l's words live in region l % REGIONS, overwritten two layers later
@@ -280,9 +301,14 @@ def region(l, lay: Layout):
 
 
 def init_words(x0_D, prods, lay: Layout):
-    """The host-written words for layer -1, as int32 pairs [init_words, 2]: zero down pieces,
-    x_0 and its square sums, each tagged tag(-1) = 1."""
+    """The host-written words for layer -1, as int32 pairs [init_words, 2]: zero down pieces
+    (packed as the layout says), x_0 and its square sums, each tagged tag(-1) = 1."""
     x0 = x0_D.astype(jnp.float32)
+    if lay.packed:
+        down = pack(jnp.zeros((lay.init_H, 2), jnp.float32), tag(-1))
+        dense = init_words(x0_D, prods, dataclasses.replace(lay, init_H=0, init_ss=lay.init_ss - lay.init_H,
+                                                                piece_words=T))
+        return jnp.concatenate([down.reshape(-1), dense])
     vals = jnp.concatenate([jnp.zeros((lay.init_H,), jnp.float32), x0, (x0.reshape(-1, SS) ** 2).sum(axis=1)])
     bits = lax.bitcast_convert_type(vals, jnp.int32)
     return jnp.stack([bits, jnp.ones_like(bits)], axis=-1).reshape(-1)
@@ -290,15 +316,16 @@ def init_words(x0_D, prods, lay: Layout):
 
 def piece_word(p: Product, l, t, gk, lay: Layout):
     """First LL word of layer l's piece of tile t of product p from chunk group gk."""
-    return region(l, lay) + lay.offsets[p.name] + (t * p.split.sk + gk) * T
+    return region(l, lay) + lay.offsets[p.name] + (t * p.split.sk + gk) * lay.piece_words
 
 
 def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False,
                attention: bool = False, sums: bool = False):
     """Where product `name` of layer l reads its input chunk c (block in tile group gt):
-    (groups, dense, norm). groups: [(count, stride, is_b, base_word, init_ok, tag)], the words
-    base_word + c * stride + j * 64 + col for j < count (group B, is_b, is SwiGLU's up),
-    written with `tag`; init_ok: at layer 0 these words are the host's (`init_words`).
+    (groups, dense, norm). groups: [(count, stride, is_b, base_word, init_ok, tag, packed)],
+    the words base_word + c * stride + j * 64 + col for j < count (group B, is_b, is SwiGLU's
+    up), written with `tag`; init_ok: at layer 0 these words are the host's (`init_words`);
+    packed: pieces two values a word (`pack`): base_word + c * stride + j * 32 + col // 2.
     dense: where (and with which tag) the readers of tile group 0 write the input's sum (A's)
     as a dense vector, {} for none. norm (with
     norms): (base_word, init_ok, tag) of the dense vector whose RMSNorm factor scales this input
@@ -308,6 +335,7 @@ def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False
     vector, and the dense vector's writers write them (dense's `dense_ss`). Works on ints
     (tests) and traced values (the kernel)."""
     qkv, o, gu, down = prods
+    P, packed = lay.piece_words, lay.packed  # words a piece, and whether two values share one
 
     def base(layer, name):
         return region(layer, lay) + lay.offsets[name]
@@ -321,26 +349,26 @@ def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False
         return dict(dense_ss=base(l, vector + "ss")) if sums else {}
 
     if name == "qkv":  # x_l = H_{l-1} + the previous down's pieces; X_l dense
-        groups = [(down.split.sk, 64 * down.split.sk, False,
-                   jnp.where(first, lay.init_down, base(l - 1, "down")), True, tag(l - 1)),
-                  (1, 64, False, jnp.where(first, lay.init_H, base(l - 1, "H")), True, tag(l - 1))]
+        groups = [(down.split.sk, P * down.split.sk, False,
+                   jnp.where(first, lay.init_down, base(l - 1, "down")), True, tag(l - 1), packed),
+                  (1, 64, False, jnp.where(first, lay.init_H, base(l - 1, "H")), True, tag(l - 1), False)]
         return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0), dense_tag=tag(l), **ss("X")), None
     if name == "o" and attention:  # the attention phase's output, dense
-        return [(1, 64, False, base(l, "att"), False, tag(l))], {}, None
+        return [(1, 64, False, base(l, "att"), False, tag(l), False)], {}, None
     if name in ("o", "att"):  # qkv's pieces (times x_l's RMSNorm factor): o without
         # attention reads the q part; the attention phase reads a head's q, k and v
         norm = (x_ss if sums else x_l, True, x_tag) if norms else None
-        return [(qkv.split.sk, 64 * qkv.split.sk, False, base(l, "qkv"), False, tag(l))], {}, norm
+        return [(qkv.split.sk, P * qkv.split.sk, False, base(l, "qkv"), False, tag(l), packed)], {}, norm
     if name == "gu":  # h_l = X_l + o's pieces; H_l dense
-        groups = [(o.split.sk, 64 * o.split.sk, False, base(l, "o"), False, tag(l)),
-                  (1, 64, False, x_l, True, x_tag)]
+        groups = [(o.split.sk, P * o.split.sk, False, base(l, "o"), False, tag(l), packed),
+                  (1, 64, False, x_l, True, x_tag, False)]
         return groups, dict(dense_base=base(l, "H"), dense_on=gt == 0, dense_tag=tag(l), **ss("H")), None
     if name == "down":  # silu(gate) * up from gate|up's pieces (times h_l's RMSNorm factor)
-        g0, stride = base(l, "gu"), 64 * gu.split.sk
+        g0, stride = base(l, "gu"), P * gu.split.sk
         norm = (base(l, "Hss" if sums else "H"), False, tag(l)) if norms else None
-        return [(gu.split.sk, stride, False, g0, False, tag(l)),
-                (gu.split.sk, stride, True, g0 + (F // T) * stride, False, tag(l))], {}, norm
+        return [(gu.split.sk, stride, False, g0, False, tag(l), packed),
+                (gu.split.sk, stride, True, g0 + (F // T) * stride, False, tag(l), packed)], {}, norm
     if name == "final":  # x_L = H_{L-1} + the last down's pieces (l = L - 1)
-        return [(down.split.sk, 64 * down.split.sk, False, base(l, "down"), False, tag(l)),
-                (1, 64, False, base(l, "H"), False, tag(l))], {}, None
+        return [(down.split.sk, P * down.split.sk, False, base(l, "down"), False, tag(l), packed),
+                (1, 64, False, base(l, "H"), False, tag(l), False)], {}, None
     raise ValueError(f"input_spec: no product {name!r}")

@@ -25,12 +25,14 @@ def f32_hex(v: float) -> str:
     return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
 
 
-def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str,
+def _gather_ptx(groups: tuple[tuple[int, bool, int, bool], ...], dense: bool, out: str,
                 norm: tuple[float, int] | None = None, poll_norm: int = 0, passes: int = 1,
                 dense_advance: int = 0, dst_advance: int = 0, chunk_step: int = 2,
                 dense_ss: bool = False, norm_sums: int = 0) -> str:
-    """One lane's poll of `passes` passes at once. groups: (count, is_b, stride) each, A's
-    first: `count` words 64 apart (512 bytes), the next chunk's `stride` bytes further. Operands: $0.. each group's first address (pass 0, word 0), then each group's
+    """One lane's poll of `passes` passes at once. groups: (count, is_b, stride, packed) each,
+    A's first: `count` words 64 apart (512 bytes; packed: 32, two values a word, `plan.pack`,
+    this lane's the even or odd one by its column), the next chunk's `stride` bytes further.
+    Operands: $0.. each group's first address (pass 0, word 0), then each group's
     expected tag, then (dense) the dense word's address, its write flag and its tag, then
     (poll_norm) the norm's operands, then (norm) the partials' address, then the
     shared-memory destination of pass 0, this lane's pass-0 chunk and the limit. Pass i reads
@@ -54,16 +56,28 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
     of its warp's 32 dense values there (pass i's: 2 i chunk_step words further)."""
     G = len(groups)
     # word k: (its group, its byte offset from the group's address)
-    word = [(g, 512 * j) for g, (count, _, _) in enumerate(groups) for j in range(count)]
+    word = [(g, (256 if packed else 512) * j) for g, (count, _, _, packed) in enumerate(groups)
+            for j in range(count)]
     n = len(word)
-    n_a = sum(c for c, is_b, _ in groups if not is_b)
+    n_a = sum(c for c, is_b, _, _ in groups if not is_b)
+    packed = [groups[g][3] for g, _ in word]
     n_b = n - n_a
     P = range(passes)
     regs = " ".join(f".reg .b64 d{i}_{k}; .reg .b32 v{i}_{k}; .reg .b32 t{i}_{k};" for i in P for k in range(n))
     regs += " " + " ".join(f".reg .pred ok{i}; .reg .f32 fa{i}; .reg .f32 fb{i};" for i in P)
     regs += " " + " ".join(f".reg .b64 a{g}_{i};" for g in range(G) for i in P)
-    loads = " ".join(f"ld.relaxed.gpu.global.b64 d{i}_{k}, [a{g}_{i}+{off}];"
-                     f" mov.b64 {{v{i}_{k}, t{i}_{k}}}, d{i}_{k};" for i in P for k, (g, off) in enumerate(word))
+    def split(d, v, t, packed):  # a loaded word's value and tag (packed: the value comes later)
+        if packed:
+            return f" cvt.u32.u64 {t}, {d}; and.b32 {t}, {t}, 65535;"
+        return f" mov.b64 {{{v}, {t}}}, {d};"
+
+    loads = " ".join(f"ld.relaxed.gpu.global.b64 d{i}_{k}, [a{g}_{i}+{off}];{split(f'd{i}_{k}', f'v{i}_{k}', f't{i}_{k}', packed[k])}"
+                     for i in P for k, (g, off) in enumerate(word))
+    unpack = ""  # packed words' values: this lane's 24 bits (16 + 24 (lane & 1) up), as fp32's top
+    if any(packed):
+        regs += " .reg .b64 dx; .reg .u32 sh;"
+        unpack = " ".join(f"shr.b64 dx, d{i}_{k}, sh; cvt.u32.u64 v{i}_{k}, dx; and.b32 v{i}_{k}, v{i}_{k}, 16777215;"
+                          f" shl.b32 v{i}_{k}, v{i}_{k}, 8;" for i in P for k in range(n) if packed[k])
     checks = " ".join(f"setp.ne.and.b32 p, t{i}_{k}, ${G + g}, ok{i}; or.pred bad, bad, p;"
                       for i in P for k, (g, _) in enumerate(word))
     j = 2 * G + ((4 if dense_ss else 3) if dense else 0)  # the first poll_norm operand
@@ -82,7 +96,7 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
         loads += " " + " ".join(f"ld.relaxed.gpu.global.b64 nd{k}, [{address[k]}]; mov.b64 {{nv{k}, nt{k}}}, nd{k};"
                                 for k in range(poll_norm))
         checks += " " + " ".join(f"setp.ne.b32 p, nt{k}, ${j + 1}; or.pred bad, bad, p;" for k in range(poll_norm))
-    body = ""
+    body = " " + unpack
     for i in P:
         body += f" mov.f32 fa{i}, 0f00000000; mov.f32 fb{i}, 0f00000000;"
         body += " ".join(f" mov.b32 g, v{i}_{k}; add.f32 f{'a' if k < n_a else 'b'}{i}, f{'a' if k < n_a else 'b'}{i}, g;"
@@ -133,10 +147,12 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int], ...], dense: bool, out: str
     # to ~48 KB of L2 reads a block a round trip, which with every block waiting competes
     # with the weight stream; then the full poll (usually once). Both loops are the warp's,
     # not the lane's (`warp_retry`): divergent loops make ptxas serialise the kernel's wgmma.
-    probe = (f"LAB_W: ld.relaxed.gpu.global.b64 pw, [a0_0]; mov.b64 {{pv, pt}}, pw; {SPIN_GUARD}"
+    probe = (f"LAB_W: ld.relaxed.gpu.global.b64 pw, [a0_0];{split('pw', 'pv', 'pt', groups[0][3])} {SPIN_GUARD}"
              f" setp.ne.b32 p, pt, ${G}; {warp_retry('p', 'LAB_W')}")
     # pass i's chunks offset: min(i chunk_step, limit - 1 - chunk) chunks (signed)
     valid += f" sub.s32 lc, ${i_op + 2}, 1; sub.s32 lc, lc, ${i_op + 1};"
+    if any(packed):
+        valid += " mov.u32 sh, %laneid; and.b32 sh, sh, 1; mad.lo.u32 sh, sh, 24, 16;"
     valid += " ".join(f" min.s32 c, lc, {i * chunk_step}; mul.wide.s32 off, c, {groups[g][2]}; add.s64 a{g}_{i}, ${g}, off;"
                       for i in P for g in range(G))
     return (f"{{ .reg .pred p; .reg .pred bad; .reg .pred q; .reg .pred qq; .reg .u32 n; .reg .s32 c; .reg .s32 lc; .reg .b64 off;"
@@ -151,8 +167,9 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
            sums: bool = False):
     """The inline op behind a product's input, one poll round (`plan.Reads`: which
     chunk each lane reads into which slot, pass by pass, all passes' words polled at once).
-    groups: [(count, stride, is_b, base_word, init_ok, tag)] with count/stride/is_b static
-    (stride: words from one chunk to the next, 64 * sk for pieces, 64 for a dense vector),
+    groups: [(count, stride, is_b, base_word, init_ok, tag, packed)] with count/stride/is_b/
+    packed static (stride: words from one chunk to the next, 64 (packed: 32) * sk for pieces,
+    64 for a dense vector),
     base_word traced; init_ok: this group reads the host's words instead of the kernel's when
     use_init (layer 0). Writes row 0 of the slot's 8-row group of the bf16 window dst_ref
     (tiled, swizzled: that row is linear), or in fp32 (out="f32") dst_ref[slot * 64 + col];
@@ -168,7 +185,7 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     # A's groups first, then B's, in the order the PTX sums them.
     ordered = [g for g in groups if not g[2]] + [g for g in groups if g[2]]
     step = reads.chunk_step
-    spec = tuple((g[0], g[2], 8 * g[1]) for g in ordered)
+    spec = tuple((g[0], g[2], 8 * g[1], g[6]) for g in ordered)
     ptx = _gather_ptx(spec, dense, out, norm, per_lane, reads.passes, 8 * 64 * step,
                       reads.slot_step * (1024 if out == "bf16" else 256), step, dense_ss is not None, n_sums)
     splat = plgpu.Layout.WG_SPLAT
@@ -210,8 +227,9 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
             return arith.addi(ptr, arith.muli(arith.extui(i64, word), mgpu.utils.c(8, i64)))
 
         addrs, want = [], []
-        for (_, stride, _, _, init_ok, _), base, t in zip(ordered, bases, tags, strict=True):
-            first = arith.addi(arith.addi(base, arith.muli(chunk, const_i32(stride))), col)
+        half = arith.divui(col, const_i32(2))  # a packed piece's word of this lane's column
+        for (_, stride, _, _, init_ok, _, packed), base, t in zip(ordered, bases, tags, strict=True):
+            first = arith.addi(arith.addi(base, arith.muli(chunk, const_i32(stride))), half if packed else col)
             ptr = arith.select(from_init, init_p, ll_p) if init_ok else ll_p
             addrs.append(addr(ptr, first))
             want.append(t)
@@ -242,29 +260,39 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     op(refs, traced)
 
 
-def ll_store_rows(ll_ref, src_smem, word, tag, rows: int, row_words: int, count=None):
+def ll_store_rows(ll_ref, src_smem, word, tag, rows: int, row_words: int, count=None,
+                  packed: bool = False):
     """Rows of 64 fp32 values as LL words: src_smem [rows, 64] (written before a
     `commit_smem()`), row r's to words word + r row_words + i (i < 64), tagged `tag`; rows
     at and past `count` (traced, at least 1; None: all `rows`) are not stored. Each lane stores
     ceil(rows / 2) words with relaxed 64-bit stores (as `_mgpu.ll_store`): a query group's
-    heads (`row_words` = head_dim) or a block's tiles' pieces (sk 64 words apart). Ends in a
-    warpgroup barrier (before src_smem is written again)."""
-    n = rows * 64
+    heads (`row_words` = head_dim) or a block's tiles' pieces (sk 64 words apart). packed: two
+    values a word (`plan.pack`: values 2 i and 2 i + 1 in word i < 32 of the row, a 16-bit
+    tag). Ends in a warpgroup barrier (before src_smem is written again)."""
+    per_row = 32 if packed else 64  # words a row
+    n = rows * per_row
     if rows == 1:  # its one row is stored whatever the count
         count = None
     limit = str(n) if count is None else "$5"
+    shift = 5 if packed else 6
     body = ""
     for k in range(-(-n // 128)):
         body += (f" add.u32 e, $3, {128 * k}; setp.lt.u32 p, e, {limit}; @!p bra LLH_{k};"
-                 f" shr.u32 r, e, 6; and.b32 o, e, 63; mad.lo.u32 r, r, {row_words}, o; add.u32 r, r, $1;"
-                 " mul.wide.u32 g, r, 8; add.u64 g, g, $0;"
-                 " shl.b32 o, e, 2; add.u32 o, o, $4; ld.shared.b32 v, [o];"
-                 f" mov.b64 d, {{v, $2}}; st.relaxed.gpu.global.b64 [g], d; LLH_{k}:")
-    ptx = "{ .reg .pred p; .reg .b32 v; .reg .u32 e, r, o; .reg .b64 d, g;" + body + " }"
+                 f" shr.u32 r, e, {shift}; and.b32 o, e, {per_row - 1}; mad.lo.u32 r, r, {row_words}, o; add.u32 r, r, $1;"
+                 " mul.wide.u32 g, r, 8; add.u64 g, g, $0;")
+        if packed:  # word e holds values 2 e, 2 e + 1 of the [rows, 64] source (8 e bytes in)
+            body += (" shl.b32 o, e, 3; add.u32 o, o, $4; ld.shared.v2.b32 {a, b}, [o];"
+                     " add.u32 a, a, 128; shr.u32 a, a, 8; add.u32 b, b, 128; shr.u32 b, b, 8;"
+                     " shl.b32 lo, a, 16; or.b32 lo, lo, $2; shr.u32 hi, a, 16; shl.b32 b, b, 8; or.b32 hi, hi, b;"
+                     f" mov.b64 d, {{lo, hi}}; st.relaxed.gpu.global.b64 [g], d; LLH_{k}:")
+        else:
+            body += (" shl.b32 o, e, 2; add.u32 o, o, $4; ld.shared.b32 v, [o];"
+                     f" mov.b64 d, {{v, $2}}; st.relaxed.gpu.global.b64 [g], d; LLH_{k}:")
+    ptx = ("{ .reg .pred p; .reg .b32 v, a, b, lo, hi; .reg .u32 e, r, o; .reg .b64 d, g;" + body + " }")
     splat = plgpu.Layout.WG_SPLAT
     vals = [jnp.asarray(word, jnp.int32), jnp.asarray(tag, jnp.int32)]
     if count is not None:
-        vals.append(jnp.asarray(count, jnp.int32) * 64)
+        vals.append(jnp.asarray(count, jnp.int32) * per_row)
 
     @plgpu.inline_mgpu(arg_types=((plgpu.RefType(), plgpu.RefType()), [splat] * len(vals)))
     def op(_, refs, vals):

@@ -7,6 +7,7 @@
 # TOPIC             what runs                                                      page
 #   tests           the GPU tests of the Mosaic GPU kernels, the decode kernels and  -
 #                   the float8 transpose
+#   chain_tests     the decode megakernel against its reference, every option      -
 #   attention       FlashAttention fwd / fwd+bwd: ours, cuDNN, tokamax               benchmarks/attention.md
 #   attention_step  our attention's kernels alone and after matmuls; energy a call  benchmarks/attention.md
 #   paged           paged decode attention against the read-only bandwidth         benchmarks/paged_decode.md
@@ -52,6 +53,8 @@ tests)
     JAX_PLATFORMS=cuda "$PY" -m pytest -q -rA -p no:cacheprovider \
         tests/test_decode_kernels.py tests/test_megakernel_decode.py
     JAX_PLATFORMS=cuda "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_fp8.py -k kernel ;;
+chain_tests)
+    JAX_PLATFORMS=cuda "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_chain_mgpu.py -k gpu ;;
 attention)
     # compiled first, the order turned each round, best of 4 rounds; ours_no_ds: the backward
     # without dS in global memory (the form at 16k, where dS would exceed its 4 GiB cap)

@@ -16,7 +16,8 @@
 #                   where a megakernel layer's time goes (trace); what a step
 #                   runs besides the kernel (timeline)
 #   decode_tune     the megakernel's product splits searched in whole steps     benchmarks/decode.md
-#                   (PRESETS="llama3.2-1b 350m": which; prints the plan.MEASURED entry)
+#                   (PRESETS="llama3.2-1b 350m": which; OPTIONS="sums=1,packed=1": every
+#                   candidate's further options; prints the plan.MEASURED entry)
 #   train           the 1b training step, cuDNN's attention and ours alternated    benchmarks/training.md
 #   fp8             FP8 against bf16 training: step speed, FP8 GEMMs, 1000-step loss benchmarks/training.md
 #                   (and the float8 transpose kernel against XLA's transpose)
@@ -80,7 +81,7 @@ decode)
 decode_tune)
     # one preset a call fits the 10-minute limit: ~20 candidates of ~7 s (compile + 256 tokens)
     for p in ${PRESETS:-llama3.2-1b}; do
-        "$PY" experiments/tune_chain_splits.py --preset "$p" --rounds 1 --alternatives 2 --out "$OUT"
+        "$PY" experiments/tune_chain_splits.py --preset "$p" --rounds 1 --alternatives 2 ${OPTIONS:+--options "$OPTIONS"} --out "$OUT"
     done ;;
 train)
     for round in 1 2 3; do train_1b cudnn "$round"; train_1b pallas "$round"; done ;;

@@ -58,12 +58,14 @@ class Candidate:
     """One configuration of the kernel: splits {name: (sk, st)} over the cost model's (as a
     sorted tuple), o's placement, the query heads an attention block takes (None: the
     kernel's choice, `attention.default_group` unless the shape is in `plan.MEASURED`) and
-    the tile pieces a block makes at a time."""
+    the tile pieces a block makes at a time; options: more `chain@` options every candidate
+    takes (e.g. "sums=1,packed=1")."""
 
     splits: tuple = ()
     spare: bool = False
     group: int | None = None
     tiles: int = 1
+    options: str = ""
 
     def split(self, name: str, sk_st: tuple[int, int]) -> Candidate:
         return dataclasses.replace(self, splits=tuple(sorted({**dict(self.splits), name: sk_st}.items())))
@@ -72,14 +74,17 @@ class Candidate:
         """Its `chain@OPTS` variant (`decode_floor.chain_options`)."""
         opts = [str(stages), f"spare={int(self.spare)}"] + ([f"group={self.group}"] if self.group else [])
         opts += [f"tiles={self.tiles}"] if self.tiles != 1 else []
+        opts += [self.options] if self.options else []
         return "chain@" + ",".join(opts + [f"{n}={sk}x{st}" for n, (sk, st) in self.splits])
 
 
-def descend(time_ms, alts_for, groups=(None,), gain: float = 0.005, rounds: int = 3, tiles=(1,)):
+def descend(time_ms, alts_for, groups=(None,), gain: float = 0.005, rounds: int = 3, tiles=(1,),
+            options: str = ""):
     """Coordinate descent from the cost model's splits: (the best `Candidate`, its ms, every
     timing {variant: ms}). time_ms(candidate) -> ms (inf for one that fails);
     alts_for(spare, group) -> {name: [(sk, st), ...]} (`alternatives`); groups: the attention
-    groups to try; tiles: the tile counts to try. Each round tries o's other placement, the
+    groups to try; tiles: the tile counts to try; options: every candidate's further
+    `chain@` options (`Candidate.options`). Each round tries o's other placement, the
     other groups and tile counts, then each
     product's alternatives under both placements; a change is kept when it is at least
     `gain` (relative) faster than the best so far."""
@@ -90,7 +95,7 @@ def descend(time_ms, alts_for, groups=(None,), gain: float = 0.005, rounds: int 
             seen[c.variant()] = time_ms(c)
         return seen[c.variant()]
 
-    best = Candidate()
+    best = Candidate(options=options)
     best_ms = timed(best)
     for _ in range(rounds):
         changed = False
@@ -119,6 +124,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tiles", type=int, nargs="+", default=[1],
                     help="tile pieces a block makes at a time, each tried (chain_mgpu's tiles)")
+    ap.add_argument("--options", default="",
+                    help="chain@ options every candidate takes, e.g. sums=1,packed=1 (decode_floor's)")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=2)
@@ -154,8 +161,8 @@ def main():
     def alts_for(spare, group):
         return alternatives(D, N1, F, blocks, NQ // (group or default), spare, args.alternatives)
 
-    best, ms, seen = descend(time_ms, alts_for, groups, args.gain, args.rounds, tuple(args.tiles))
-    start = seen[Candidate().variant()]
+    best, ms, seen = descend(time_ms, alts_for, groups, args.gain, args.rounds, tuple(args.tiles), args.options)
+    start = seen[Candidate(options=args.options).variant()]
     entry = (tuple((n, *split) for n, split in best.splits), best.spare, best.group)
     print(f"best: {best.variant()} {ms:.4f} ms a step, the cost model's {start:.4f} "
           f"({1 - ms / start:.1%} faster)")

@@ -735,6 +735,10 @@ def test_the_tuner_finds_an_interaction_and_proposes_splits_that_fit():
     best, ms, seen = tc.descend(lambda c: 10.0 * (0.95 if c.tiles == 4 else 1.0), alts, tiles=(1, 2, 4))
     assert best == tc.Candidate(tiles=4) and abs(ms - 9.5) < 1e-9  # a tile count tried and kept
     assert best.variant() == "chain@16,spare=0,tiles=4" and tc.Candidate(tiles=2).variant() in seen
+    _, _, seen = tc.descend(lambda c: 10.0, alts, options="sums=1,packed=1")  # every candidate takes them
+    assert all(v.endswith(",sums=1,packed=1") or ",sums=1,packed=1," in v for v in seen), seen
+    kw = experiment("decode_floor").chain_options(max(seen).partition("@")[2])[1].keywords
+    assert kw["norm_sums"] and kw["packed"] and kw["splits"]
 
 
 def test_ptxas_report_reads_registers_spills_and_serialisation():

@@ -12,7 +12,7 @@ deviceless for an H200 (no GPU needed: the CUDA plugin and ptxas from pip, as
     pip install --no-deps --target /tmp/cuda_aot jax-cuda13-pjrt==$JAXVER jax-cuda13-plugin==$JAXVER \\
         "nvidia-cuda-nvcc==13.0.*"
     PATH=/tmp/cuda_aot/nvidia/cu13/bin:$PATH PYTHONPATH=.:/tmp/cuda_aot \\
-        python3 experiments/chain_spills.py --aot --out benchmarks
+        python3 experiments/chain_spills.py --aot --tiles 1 4 --options "" norm_sums+packed --out benchmarks
     python3 experiments/chain_spills.py            # on the GPU itself
 
 `pallas_kernels` comes from the import path as given (the repository root is not added), so a
@@ -32,8 +32,12 @@ SHAPES = {"350m": (1024, 2816, 16, 16, 64), "1b": (2048, 5632, 16, 16, 128),
           "llama3.2-1b": (2048, 8192, 32, 8, 64)}
 
 
-def compile_one(name: str, aot: bool, tiles: int):
-    """Compile one shape's kernel in this process (ptxas reports on stderr)."""
+OPTIONS = ("norm_sums", "packed")  # chain_mgpu's boolean options --options may name
+
+
+def compile_one(name: str, aot: bool, tiles: int, options: str = ""):
+    """Compile one shape's kernel in this process (ptxas reports on stderr); options: some of
+    `OPTIONS`, "+"-joined, set True."""
     if aot:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
@@ -55,7 +59,8 @@ def compile_one(name: str, aot: bool, tiles: int):
 
     args = (spec((D,), jnp.float32), spec((2, N1, D)), spec((2, D, D)), spec((2, 2 * F, D)), spec((2, D, F)),
             spec((2, 2, K, 320, hd)), spec((1,), jnp.int32), spec((hd,), jnp.float32))
-    f = jax.jit(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=1e-5, tiles=tiles))
+    flags = {o: True for o in filter(None, options.split("+"))}
+    f = jax.jit(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=1e-5, tiles=tiles, **flags))
     print("kernel:", cm.__file__, flush=True)
     f.trace(*args).lower(lowering_platforms=("cuda",)).compile()
 
@@ -78,26 +83,30 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tiles", nargs="*", type=int, default=[1], help="chain_mgpu(tiles=...) values")
+    parser.add_argument("--options", nargs="*", default=[""],
+                        help=f"option sets, each compiled: '' (none) or some of {OPTIONS} joined by +")
     parser.add_argument("--aot", action="store_true", help="deviceless compile for an H200 (no GPU here)")
     parser.add_argument("--out", default=None, help="folder for decode_megakernel_ptxas.json")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        name, tiles = args.one.split(":")
-        return compile_one(name, args.aot, int(tiles))
+        name, tiles, options = args.one.split(":")
+        return compile_one(name, args.aot, int(tiles), options)
+    bad = {o for opts in args.options for o in filter(None, opts.split("+"))} - set(OPTIONS)
+    if bad:
+        sys.exit(f"--options: {sorted(bad)} unknown; use some of {OPTIONS} joined by +")
     rows = []
-    for name in args.shapes:
-        for tiles in args.tiles:
-            env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
-            cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{name}:{tiles}"] + ["--aot"] * args.aot
-            run = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if run.returncode:
-                sys.exit(f"{name} tiles={tiles}: the compile failed:\n{run.stderr[-3000:]}")
-            row = dict(shape=name, tiles=tiles, **report(run.stdout + run.stderr))
-            rows.append(row)
-            print(f"{name:12s} tiles={tiles}  {row['registers']} registers, spills "
-                  f"{row['spill_store_bytes']}/{row['spill_load_bytes']} B, wgmma serialised: "
-                  f"{row['wgmma_serialised']}, arrives added: {row['injected_arrives']}", flush=True)
+    for name, tiles, options in ((n, t, o) for n in args.shapes for t in args.tiles for o in args.options):
+        env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1")
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{name}:{tiles}:{options}"] + ["--aot"] * args.aot
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if run.returncode:
+            sys.exit(f"{name} tiles={tiles} {options}: the compile failed:\n{run.stderr[-3000:]}")
+        row = dict(shape=name, tiles=tiles, options=options, **report(run.stdout + run.stderr))
+        rows.append(row)
+        print(f"{name:12s} tiles={tiles} {options or '-':16s} {row['registers']} registers, spills "
+              f"{row['spill_store_bytes']}/{row['spill_load_bytes']} B, wgmma serialised: "
+              f"{row['wgmma_serialised']}, arrives added: {row['injected_arrives']}", flush=True)
     if args.out:
         import jax
         os.makedirs(args.out, exist_ok=True)

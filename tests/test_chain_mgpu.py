@@ -112,8 +112,8 @@ def test_lowers_for_sm90_with_no_fence(preset, norm_eps, tiles, sums, packed):
     sums: the dense vectors' writers also store their warps' square sums (lane 0 of a warp,
     after a butterfly sum) and the norms' readers add up square sums (their first words
     only) instead of squaring the vector. packed: the pieces' stores round and pack two values
-    a word (a 64-bit shared load a lane) and their readers take the tag's 16 bits and the
-    lane's value apart."""
+    a word (a 64-bit shared load a lane) and their readers take the tag's 16 bits and both
+    values apart, a lane pair sharing the words."""
     D, N1, F = SHAPES[preset]
     S = jax.ShapeDtypeStruct
     args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
@@ -125,7 +125,8 @@ def test_lowers_for_sm90_with_no_fence(preset, norm_eps, tiles, sums, packed):
     assert ("shfl.sync.bfly.b32 qr, qr, 16" in text) == sums and ("@qy st.relaxed.gpu.global.b64" in text) == sums
     assert ("@nz0 add.f32 s2, s2, x2" in text) == sums  # the readers' square sums
     assert ("ld.shared.v2.b32 {a, b}" in text) == packed and ("and.b32 pt, pt, 65535" in text) == packed
-    assert ("mad.lo.u32 sh, sh, 24, 16" in text) == packed and ("shr.b64 dx, d0_0, sh" in text) == packed
+    # a lane pair shares a packed group's words (the odd lane's address a word further) and swaps sums
+    assert ("add.s64 sa0_0, a0_0, p256" in text) == packed and ("shfl.sync.bfly.b32 xb, xb, 1" in text) == packed
     squares = "fma.rn.f32 s2" if not sums else "@nz0 add.f32 s2"
     assert (squares in text) == (norm_eps is not None)  # the norms' sums of squares, polled
     assert ("bar.sync" in text.split(squares)[-1][:2000]) == (norm_eps is not None)  # in the poll
@@ -214,17 +215,21 @@ def test_trace_lowers_with_its_points(attention):
             assert out[-1].shape == (132, 2, len(cm.TRACE_POINTS), 2)
 
 
-@pytest.mark.parametrize("preset", ["350m", "1b"])
-def test_reads_put_every_input_chunk_in_its_slot_once(preset):
+@pytest.mark.parametrize("preset,packed", [("350m", False), ("1b", False), ("1b", True)])
+def test_reads_put_every_input_chunk_in_its_slot_once(preset, packed):
     """The poll rounds the kernel issues (`product_reads`, skipped where the round's first
     chunk is past the block's: as `kernel.gather`) read each of a block's input chunks
     into slot chunk - k0 exactly once, within the words a lane may poll a round; a head's
-    (`head_reads`) read q's, k's and v's chunks into stage slots r * nc + j."""
+    (`head_reads`) read q's, k's and v's chunks into stage slots r * nc + j. packed: a lane
+    polls half a piece group's words (a lane pair shares them)."""
     D, N1, F = SHAPES[preset]
     prods = plan.products(D, N1, F, 132, attention=True)
-    lay = plan.layout(prods, D, attention=True)
+    lay = plan.layout(prods, D, attention=True, packed=packed)
     for p in prods:
-        words = cm.words(plan.input_spec(p.name, 1, 0, prods, lay, F, True, True)[0])
+        groups = plan.input_spec(p.name, 1, 0, prods, lay, F, True, True)[0]
+        words = cm.words(groups)
+        assert words == sum(-(-count // 2) if pk else count for count, *_, pk in groups)
+        assert any(g[6] for g in groups) == (packed and p.name != "o")  # o reads the attention's dense words
         for b in range(132):
             active, _, _, k0, k1 = plan.rect(p, b)
             if not active:

@@ -103,8 +103,9 @@ def column(acc_T8, g: int = 0):
 
 
 def words(groups) -> int:
-    """LL words a lane polls a pass for an input read from `groups` (`input_spec`'s)."""
-    return sum(g[0] for g in groups)
+    """LL words a lane polls a pass for an input read from `groups` (`input_spec`'s): a
+    packed group's half (a lane pair shares its words, `words.gather`)."""
+    return sum(-(-g[0] // 2) if g[6] else g[0] for g in groups)
 
 
 def _window_rows(kmax: int) -> int:
@@ -527,8 +528,8 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     of a warp of the vector's writers) instead of the D values: D / 32 of the words every
     reader of q|k|v's and gate|up's outputs polls, not D (a 1-2 KB poll, not 8-16 KB).
     packed: the products' pieces travel two values a word (`plan.pack`: each value's fp32
-    rounded to 24 bits, 2^-16 relative, and a 16-bit tag), so their readers' polls read half
-    the bytes (two lanes read each word)."""
+    rounded to 24 bits, 2^-16 relative, and a 16-bit tag), and a lane pair of their readers
+    shares the words (`words.gather`): half the loads a lane and half the bytes a poll."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
     attn = None

@@ -31,7 +31,8 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int, bool], ...], dense: bool, ou
                 dense_ss: bool = False, norm_sums: int = 0) -> str:
     """One lane's poll of `passes` passes at once. groups: (count, is_b, stride, packed) each,
     A's first: `count` words 64 apart (512 bytes; packed: 32, two values a word, `plan.pack`,
-    this lane's the even or odd one by its column), the next chunk's `stride` bytes further.
+    read by a lane pair, half the words each: `word` below), the next chunk's `stride` bytes
+    further.
     Operands: $0.. each group's first address (pass 0, word 0), then each group's
     expected tag, then (dense) the dense word's address, its write flag and its tag, then
     (poll_norm) the norm's operands, then (norm) the partials' address, then the
@@ -55,31 +56,43 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int, bool], ...], dense: bool, ou
     operand, this lane's pass-0 square-sum word: lane 0 of each warp writes the sum of squares
     of its warp's 32 dense values there (pass i's: 2 i chunk_step words further)."""
     G = len(groups)
-    # word k: (its group, its byte offset from the group's address)
-    word = [(g, (256 if packed else 512) * j) for g, (count, _, _, packed) in enumerate(groups)
-            for j in range(count)]
+    # word k: (its group, whether from the pair-shifted address, its byte offset, whether only
+    # the even lane counts it). A packed group's words serve a lane pair (columns 2 i, 2 i + 1):
+    # the even lane reads pieces 0, 2, .., the odd one 1, 3, .. (address one word further),
+    # each taking both values of a word; an odd count's last piece both read and the even lane
+    # counts. The pair then swaps sums (`shfl.bfly 1`): half the loads a lane, half the bytes.
+    word = []
+    for g, (count, _, _, pk) in enumerate(groups):
+        if not pk:
+            word += [(g, False, 512 * j, False) for j in range(count)]
+            continue
+        word += [(g, True, 512 * m, False) for m in range(count // 2)]
+        if count % 2:
+            word.append((g, False, 256 * (count - 1), True))
     n = len(word)
-    n_a = sum(c for c, is_b, _, _ in groups if not is_b)
-    packed = [groups[g][3] for g, _ in word]
-    n_b = n - n_a
+    packed = [groups[g][3] for g, *_ in word]
+    is_b = [groups[g][1] for g, *_ in word]
     P = range(passes)
     regs = " ".join(f".reg .b64 d{i}_{k}; .reg .b32 v{i}_{k}; .reg .b32 t{i}_{k};" for i in P for k in range(n))
     regs += " " + " ".join(f".reg .pred ok{i}; .reg .f32 fa{i}; .reg .f32 fb{i};" for i in P)
     regs += " " + " ".join(f".reg .b64 a{g}_{i};" for g in range(G) for i in P)
-    def split(d, v, t, packed):  # a loaded word's value and tag (packed: the value comes later)
+    pair_groups = [g for g in range(G) if groups[g][3] and groups[g][0] > 1]
+    regs += " " + " ".join(f".reg .b64 sa{g}_{i};" for g in pair_groups for i in P)
+
+    def split(d, v, t, packed):  # a loaded word's value and tag (packed: the values come later)
         if packed:
             return f" cvt.u32.u64 {t}, {d}; and.b32 {t}, {t}, 65535;"
         return f" mov.b64 {{{v}, {t}}}, {d};"
 
-    loads = " ".join(f"ld.relaxed.gpu.global.b64 d{i}_{k}, [a{g}_{i}+{off}];{split(f'd{i}_{k}', f'v{i}_{k}', f't{i}_{k}', packed[k])}"
-                     for i in P for k, (g, off) in enumerate(word))
-    unpack = ""  # packed words' values: this lane's 24 bits (16 + 24 (lane & 1) up), as fp32's top
+    loads = " ".join(f"ld.relaxed.gpu.global.b64 d{i}_{k}, [{'sa' if shifted else 'a'}{g}_{i}+{off}];"
+                     f"{split(f'd{i}_{k}', f'v{i}_{k}', f't{i}_{k}', packed[k])}"
+                     for i in P for k, (g, shifted, off, _) in enumerate(word))
     if any(packed):
-        regs += " .reg .b64 dx; .reg .u32 sh;"
-        unpack = " ".join(f"shr.b64 dx, d{i}_{k}, sh; cvt.u32.u64 v{i}_{k}, dx; and.b32 v{i}_{k}, v{i}_{k}, 16777215;"
-                          f" shl.b32 v{i}_{k}, v{i}_{k}, 8;" for i in P for k in range(n) if packed[k])
+        regs += (" .reg .b64 dx; .reg .b32 ue; .reg .b32 uo; .reg .u32 lp; .reg .pred podd; .reg .b64 p256;"
+                 " .reg .f32 xs; .reg .f32 xm; .reg .f32 xr; .reg .b32 xb;"
+                 + " ".join(f" .reg .f32 e{x}{i}; .reg .f32 o{x}{i};" for x in "ab" for i in P))
     checks = " ".join(f"setp.ne.and.b32 p, t{i}_{k}, ${G + g}, ok{i}; or.pred bad, bad, p;"
-                      for i in P for k, (g, _) in enumerate(word))
+                      for i in P for k, (g, *_) in enumerate(word))
     j = 2 * G + ((4 if dense_ss else 3) if dense else 0)  # the first poll_norm operand
     setup = ""
     if poll_norm:
@@ -96,11 +109,26 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int, bool], ...], dense: bool, ou
         loads += " " + " ".join(f"ld.relaxed.gpu.global.b64 nd{k}, [{address[k]}]; mov.b64 {{nv{k}, nt{k}}}, nd{k};"
                                 for k in range(poll_norm))
         checks += " " + " ".join(f"setp.ne.b32 p, nt{k}, ${j + 1}; or.pred bad, bad, p;" for k in range(poll_norm))
-    body = " " + unpack
+    body = ""
     for i in P:
         body += f" mov.f32 fa{i}, 0f00000000; mov.f32 fb{i}, 0f00000000;"
-        body += " ".join(f" mov.b32 g, v{i}_{k}; add.f32 f{'a' if k < n_a else 'b'}{i}, f{'a' if k < n_a else 'b'}{i}, g;"
-                         for k in range(n))
+        for x in sorted({"b" if is_b[k] else "a" for k in range(n) if packed[k]}):  # the pair's sums
+            body += f" mov.f32 e{x}{i}, 0f00000000; mov.f32 o{x}{i}, 0f00000000;"
+        for k in range(n):
+            x = "b" if is_b[k] else "a"
+            if not packed[k]:
+                body += f" mov.b32 g, v{i}_{k}; add.f32 f{x}{i}, f{x}{i}, g;"
+                continue
+            body += (f" shr.b64 dx, d{i}_{k}, 16; cvt.u32.u64 ue, dx; and.b32 ue, ue, 16777215; shl.b32 ue, ue, 8;"
+                     f" shr.b64 dx, d{i}_{k}, 40; cvt.u32.u64 uo, dx; shl.b32 uo, uo, 8;")
+            if word[k][3]:  # read by both lanes of the pair, counted by the even one
+                body += " @podd mov.b32 ue, 0; @podd mov.b32 uo, 0;"
+            body += f" mov.b32 g, ue; add.f32 e{x}{i}, e{x}{i}, g; mov.b32 g, uo; add.f32 o{x}{i}, o{x}{i}, g;"
+        for x in sorted({"b" if is_b[k] else "a" for k in range(n) if packed[k]}):
+            # the partner needs the other column: the even lane sends its odd sum and keeps its even one
+            body += (f" selp.f32 xs, e{x}{i}, o{x}{i}, podd; mov.b32 xb, xs; shfl.sync.bfly.b32 xb, xb, 1, 31, -1;"
+                     f" mov.b32 xr, xb; selp.f32 xm, o{x}{i}, e{x}{i}, podd; add.f32 f{x}{i}, f{x}{i}, xm;"
+                     f" add.f32 f{x}{i}, f{x}{i}, xr;")
     i_op = 2 * G
     if dense:
         body += f" setp.ne.u32 q, ${i_op + 1}, 0; mov.b32 one, ${i_op + 2};"
@@ -135,7 +163,7 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int, bool], ...], dense: bool, ou
                  + " ".join(f" mul.f32 fa{i}, fa{i}, e; mul.f32 fb{i}, fb{i}, e;" for i in P))
         i_op += 1
     for i in P:
-        if n_b:  # silu(a) * b = a / (1 + 2^(-a log2 e)) * b
+        if any(is_b):  # silu(a) * b = a / (1 + 2^(-a log2 e)) * b
             body += (f" mul.f32 e, fa{i}, 0fBFB8AA3B; ex2.approx.f32 e, e; add.f32 e, e, 0f3F800000;"
                      f" div.approx.f32 fa{i}, fa{i}, e; mul.f32 fa{i}, fa{i}, fb{i};")
         if out == "bf16":
@@ -151,10 +179,11 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int, bool], ...], dense: bool, ou
              f" setp.ne.b32 p, pt, ${G}; {warp_retry('p', 'LAB_W')}")
     # pass i's chunks offset: min(i chunk_step, limit - 1 - chunk) chunks (signed)
     valid += f" sub.s32 lc, ${i_op + 2}, 1; sub.s32 lc, lc, ${i_op + 1};"
-    if any(packed):
-        valid += " mov.u32 sh, %laneid; and.b32 sh, sh, 1; mad.lo.u32 sh, sh, 24, 16;"
+    if any(packed):  # the lane's parity in its pair, and the odd lane's one-word shift
+        valid += " mov.u32 lp, %laneid; and.b32 lp, lp, 1; setp.ne.u32 podd, lp, 0; mul.wide.u32 p256, lp, 256;"
     valid += " ".join(f" min.s32 c, lc, {i * chunk_step}; mul.wide.s32 off, c, {groups[g][2]}; add.s64 a{g}_{i}, ${g}, off;"
                       for i in P for g in range(G))
+    valid += " ".join(f" add.s64 sa{g}_{i}, a{g}_{i}, p256;" for g in pair_groups for i in P)
     return (f"{{ .reg .pred p; .reg .pred bad; .reg .pred q; .reg .pred qq; .reg .u32 n; .reg .s32 c; .reg .s32 lc; .reg .b64 off;"
             f" .reg .f32 g; .reg .f32 e; .reg .b32 w; .reg .b32 one; .reg .b64 dd; .reg .b16 h;"
             f" .reg .b64 pw; .reg .b32 pv; .reg .b32 pt; {regs} {valid} {setup}"

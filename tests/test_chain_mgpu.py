@@ -342,6 +342,23 @@ def test_matches_the_reference_on_the_gpu(preset, layers, norms, tiles, sums, pa
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
+@pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
+@pytest.mark.parametrize("norms", [False, True])
+def test_packed_pieces_with_odd_piece_counts_on_the_gpu(norms):
+    """packed=True where a piece group's count is odd (gate|up in 3 chunk groups: down's
+    readers' last piece is read by both lanes of a pair, counted by the even one) or 1 (o
+    in one: gate|up's readers' only word), against the reference."""
+    D, N1, F = SHAPES["350m"]
+    x0, wq, wo, wgu, wd = inputs(D, N1, F, 2)
+    splits = (("gu", 3, 40), ("o", 1, 16))
+    g = gains(D, 2) if norms else None
+    wq_f, wgu_f = cx.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
+    got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5 if norms else None, splits=splits, packed=True)
+    want = cx.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5)
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
 def attention_inputs(L, D, capacity, pos, heads=16, kv_heads=None):
     """(kv, pos, rope) as the benchmark builds them (random bf16 cache, the angles of pos);
     kv_heads: the cache's heads (grouped-query attention), heads' head_dim."""
@@ -587,7 +604,8 @@ def test_the_kernels_data_flow_computes_the_chain(blocks, norms, sums, packed):
     (132, True, 129, (), False, False, False), (3, True, 129, (), True, False, False),
     (132, True, 70, (("gu", 2, 16), ("down", 8, 4)), True, False, False),  # an override: odd chunk counts
     (20, True, 0, (), True, True, False), (132, True, 129, (), False, True, False),
-    (20, True, 0, (), True, True, True), (132, True, 70, (("gu", 2, 16), ("down", 8, 4)), True, False, True)])
+    (20, True, 0, (), True, True, True), (132, True, 70, (("gu", 2, 16), ("down", 8, 4)), True, False, True),
+    (132, True, 70, (("gu", 3, 5), ("o", 1, 4)), False, True, True)])  # odd piece counts, packed
 def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, spare, sums, packed):
     """With attention: each head's block reads q, k, v through the kernel's wiring, its
     output words are what o reads, and x_L and the new k, v are the reference's (also with

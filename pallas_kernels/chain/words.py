@@ -31,7 +31,7 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int, bool], ...], dense: bool, ou
                 dense_ss: bool = False, norm_sums: int = 0) -> str:
     """One lane's poll of `passes` passes at once. groups: (count, is_b, stride, packed) each,
     A's first: `count` words 64 apart (512 bytes; packed: 32, two values a word, `plan.pack`,
-    read by a lane pair, half the words each: `word` below), the next chunk's `stride` bytes
+    read by a lane pair, half the words each: `_source_words`), the next chunk's `stride` bytes
     further.
     Operands: $0.. each group's first address (pass 0, word 0), then each group's
     expected tag, then (dense) the dense word's address, its write flag and its tag, then
@@ -56,104 +56,21 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int, bool], ...], dense: bool, ou
     operand, this lane's pass-0 square-sum word: lane 0 of each warp writes the sum of squares
     of its warp's 32 dense values there (pass i's: 2 i chunk_step words further)."""
     G = len(groups)
-    # word k: (its group, whether from the pair-shifted address, its byte offset, whether only
-    # the even lane counts it). A packed group's words serve a lane pair (columns 2 i, 2 i + 1):
-    # the even lane reads pieces 0, 2, .., the odd one 1, 3, .. (address one word further),
-    # each taking both values of a word; an odd count's last piece both read and the even lane
-    # counts. The pair then swaps sums (`shfl.bfly 1`): half the loads a lane, half the bytes.
-    word = []
-    for g, (count, _, _, pk) in enumerate(groups):
-        if not pk:
-            word += [(g, False, 512 * j, False) for j in range(count)]
-            continue
-        word += [(g, True, 512 * m, False) for m in range(count // 2)]
-        if count % 2:
-            word.append((g, False, 256 * (count - 1), True))
-    n = len(word)
-    packed = [groups[g][3] for g, *_ in word]
-    is_b = [groups[g][1] for g, *_ in word]
     P = range(passes)
-    regs = " ".join(f".reg .b64 d{i}_{k}; .reg .b32 v{i}_{k}; .reg .b32 t{i}_{k};" for i in P for k in range(n))
-    regs += " " + " ".join(f".reg .pred ok{i}; .reg .f32 fa{i}; .reg .f32 fb{i};" for i in P)
-    regs += " " + " ".join(f".reg .b64 a{g}_{i};" for g in range(G) for i in P)
-    pair_groups = [g for g in range(G) if groups[g][3] and groups[g][0] > 1]
-    regs += " " + " ".join(f".reg .b64 sa{g}_{i};" for g in pair_groups for i in P)
-
-    def split(d, v, t, packed):  # a loaded word's value and tag (packed: the values come later)
-        if packed:
-            return f" cvt.u32.u64 {t}, {d}; and.b32 {t}, {t}, 65535;"
-        return f" mov.b64 {{{v}, {t}}}, {d};"
-
-    loads = " ".join(f"ld.relaxed.gpu.global.b64 d{i}_{k}, [{'sa' if shifted else 'a'}{g}_{i}+{off}];"
-                     f"{split(f'd{i}_{k}', f'v{i}_{k}', f't{i}_{k}', packed[k])}"
-                     for i in P for k, (g, shifted, off, _) in enumerate(word))
-    if any(packed):
-        regs += (" .reg .b64 dx; .reg .b32 ue; .reg .b32 uo; .reg .u32 lp; .reg .pred podd; .reg .b64 p256;"
-                 " .reg .f32 xs; .reg .f32 xm; .reg .f32 xr; .reg .b32 xb;"
-                 + " ".join(f" .reg .f32 e{x}{i}; .reg .f32 o{x}{i};" for x in "ab" for i in P))
-    checks = " ".join(f"setp.ne.and.b32 p, t{i}_{k}, ${G + g}, ok{i}; or.pred bad, bad, p;"
-                      for i in P for k, (g, *_) in enumerate(word))
+    regs, loads, checks, sums, packed, any_b, pair_groups = _source_words(groups, P)
     j = 2 * G + ((4 if dense_ss else 3) if dense else 0)  # the first poll_norm operand
     setup = ""
     if poll_norm:
-        regs += " ".join(f" .reg .b64 nd{k}; .reg .b32 nv{k}; .reg .b32 nt{k};" for k in range(poll_norm))
-        regs += " .reg .f32 s2; .reg .f32 x2; .reg .b32 r2; .reg .u32 w2; .reg .pred z;"
-        if norm_sums:  # word lane + 128 k if there is one (else the last word, not added)
-            regs += " .reg .u32 ni;" + " ".join(f" .reg .b64 na{k}; .reg .pred nz{k};" for k in range(poll_norm))
-            setup = " ".join(f"add.u32 ni, ${j + 3}, {128 * k}; setp.lt.u32 nz{k}, ni, {norm_sums};"
-                             f" min.u32 ni, ni, {norm_sums - 1}; mul.wide.u32 off, ni, 8; add.s64 na{k}, ${j}, off;"
-                             for k in range(poll_norm))
-            address = [f"na{k}" for k in range(poll_norm)]
-        else:
-            address = [f"${j}+{1024 * k}" for k in range(poll_norm)]
-        loads += " " + " ".join(f"ld.relaxed.gpu.global.b64 nd{k}, [{address[k]}]; mov.b64 {{nv{k}, nt{k}}}, nd{k};"
-                                for k in range(poll_norm))
-        checks += " " + " ".join(f"setp.ne.b32 p, nt{k}, ${j + 1}; or.pred bad, bad, p;" for k in range(poll_norm))
-    body = ""
-    for i in P:
-        body += f" mov.f32 fa{i}, 0f00000000; mov.f32 fb{i}, 0f00000000;"
-        for x in sorted({"b" if is_b[k] else "a" for k in range(n) if packed[k]}):  # the pair's sums
-            body += f" mov.f32 e{x}{i}, 0f00000000; mov.f32 o{x}{i}, 0f00000000;"
-        for k in range(n):
-            x = "b" if is_b[k] else "a"
-            if not packed[k]:
-                body += f" mov.b32 g, v{i}_{k}; add.f32 f{x}{i}, f{x}{i}, g;"
-                continue
-            body += (f" shr.b64 dx, d{i}_{k}, 16; cvt.u32.u64 ue, dx; and.b32 ue, ue, 16777215; shl.b32 ue, ue, 8;"
-                     f" shr.b64 dx, d{i}_{k}, 40; cvt.u32.u64 uo, dx; shl.b32 uo, uo, 8;")
-            if word[k][3]:  # read by both lanes of the pair, counted by the even one
-                body += " @podd mov.b32 ue, 0; @podd mov.b32 uo, 0;"
-            body += f" mov.b32 g, ue; add.f32 e{x}{i}, e{x}{i}, g; mov.b32 g, uo; add.f32 o{x}{i}, o{x}{i}, g;"
-        for x in sorted({"b" if is_b[k] else "a" for k in range(n) if packed[k]}):
-            # the partner needs the other column: the even lane sends its odd sum and keeps its even one
-            body += (f" selp.f32 xs, e{x}{i}, o{x}{i}, podd; mov.b32 xb, xs; shfl.sync.bfly.b32 xb, xb, 1, 31, -1;"
-                     f" mov.b32 xr, xb; selp.f32 xm, o{x}{i}, e{x}{i}, podd; add.f32 f{x}{i}, f{x}{i}, xm;"
-                     f" add.f32 f{x}{i}, f{x}{i}, xr;")
+        nregs, setup, nloads, nchecks, nbody = _norm_poll(poll_norm, norm_sums, j)
+        regs, loads, checks = regs + nregs, loads + nloads, checks + nchecks
+    body = "".join(sums)
     i_op = 2 * G
     if dense:
-        body += f" setp.ne.u32 q, ${i_op + 1}, 0; mov.b32 one, ${i_op + 2};"
-        if dense_ss:  # lane 0 of each warp writes its warp's sum of squares
-            regs += " .reg .f32 q2; .reg .f32 qx; .reg .b32 qr; .reg .u32 ql; .reg .pred l0; .reg .pred qy;"
-            body += " mov.u32 ql, %laneid; setp.eq.u32 l0, ql, 0;"
-        for i in P:
-            body += (f" and.pred qq, q, ok{i}; mov.b32 w, fa{i}; mov.b64 dd, {{w, one}};"
-                     f" @qq st.relaxed.gpu.global.b64 [${i_op}+{i * dense_advance}], dd;")
-            if dense_ss:
-                body += (f" mul.f32 q2, fa{i}, fa{i}; "
-                         + " ".join(f"mov.b32 qr, q2; shfl.sync.bfly.b32 qr, qr, {m}, 31, -1; mov.b32 qx, qr;"
-                                    f" add.f32 q2, q2, qx;" for m in (16, 8, 4, 2, 1))
-                         + f" and.pred qy, qq, l0; mov.b32 w, q2; mov.b64 dd, {{w, one}};"
-                         f" @qy st.relaxed.gpu.global.b64 [${i_op + 3}+{i * 16 * chunk_step}], dd;")
+        dregs, dbody = _dense_store(P, i_op, dense_advance, dense_ss, chunk_step)
+        regs, body = regs + dregs, body + dbody
         i_op += 4 if dense_ss else 3
     if poll_norm:  # this warp's sum of squares to partial `warp`, then the warpgroup's barrier
-        square = [f"@nz{k} add.f32 s2, s2, x2;" if norm_sums else "fma.rn.f32 s2, x2, x2, s2;"
-                  for k in range(poll_norm)]
-        body += (" mov.f32 s2, 0f00000000; " + " ".join(f"mov.b32 x2, nv{k}; {square[k]}"
-                                                        for k in range(poll_norm))
-                 + " " + " ".join(f"mov.b32 r2, s2; shfl.sync.bfly.b32 r2, r2, {m}, 31, -1; mov.b32 x2, r2;"
-                                  f" add.f32 s2, s2, x2;" for m in (16, 8, 4, 2, 1))
-                 + f" and.b32 w2, ${j + 3}, 31; setp.eq.u32 z, w2, 0; shr.u32 w2, ${j + 3}, 5; shl.b32 w2, w2, 2;"
-                 f" add.u32 w2, w2, ${j + 4}; @z st.shared.f32 [w2], s2; bar.sync ${j + 2}, 128;")
+        body += nbody
         i_op += 4
     if norm:
         eps, width = norm
@@ -163,7 +80,7 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int, bool], ...], dense: bool, ou
                  + " ".join(f" mul.f32 fa{i}, fa{i}, e; mul.f32 fb{i}, fb{i}, e;" for i in P))
         i_op += 1
     for i in P:
-        if any(is_b):  # silu(a) * b = a / (1 + 2^(-a log2 e)) * b
+        if any_b:  # silu(a) * b = a / (1 + 2^(-a log2 e)) * b
             body += (f" mul.f32 e, fa{i}, 0fBFB8AA3B; ex2.approx.f32 e, e; add.f32 e, e, 0f3F800000;"
                      f" div.approx.f32 fa{i}, fa{i}, e; mul.f32 fa{i}, fa{i}, fb{i};")
         if out == "bf16":
@@ -175,11 +92,11 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int, bool], ...], dense: bool, ou
     # to ~48 KB of L2 reads a block a round trip, which with every block waiting competes
     # with the weight stream; then the full poll (usually once). Both loops are the warp's,
     # not the lane's (`warp_retry`): divergent loops make ptxas serialise the kernel's wgmma.
-    probe = (f"LAB_W: ld.relaxed.gpu.global.b64 pw, [a0_0];{split('pw', 'pv', 'pt', groups[0][3])} {SPIN_GUARD}"
+    probe = (f"LAB_W: ld.relaxed.gpu.global.b64 pw, [a0_0];{_split('pw', 'pv', 'pt', groups[0][3])} {SPIN_GUARD}"
              f" setp.ne.b32 p, pt, ${G}; {warp_retry('p', 'LAB_W')}")
     # pass i's chunks offset: min(i chunk_step, limit - 1 - chunk) chunks (signed)
     valid += f" sub.s32 lc, ${i_op + 2}, 1; sub.s32 lc, lc, ${i_op + 1};"
-    if any(packed):  # the lane's parity in its pair, and the odd lane's one-word shift
+    if packed:  # the lane's parity in its pair, and the odd lane's one-word shift
         valid += " mov.u32 lp, %laneid; and.b32 lp, lp, 1; setp.ne.u32 podd, lp, 0; mul.wide.u32 p256, lp, 256;"
     valid += " ".join(f" min.s32 c, lc, {i * chunk_step}; mul.wide.s32 off, c, {groups[g][2]}; add.s64 a{g}_{i}, ${g}, off;"
                       for i in P for g in range(G))
@@ -189,6 +106,119 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int, bool], ...], dense: bool, ou
             f" .reg .b64 pw; .reg .b32 pv; .reg .b32 pt; {regs} {valid} {setup}"
             f" mov.u32 n, 0; {probe} LAB_G: {loads} {SPIN_GUARD} mov.pred bad, 0; {checks}"
             f" {warp_retry('bad', 'LAB_G')} {body} }}")
+
+
+def _source_words(groups, P):
+    """The words a lane polls for its sources, and what it makes of them (`_gather_ptx`):
+    (regs, loads, checks, sums, packed_any, any_b, pair_groups), sums a pass's PTX summing
+    group A into fa{i} and B into fb{i}. A packed group's words serve a lane pair (columns
+    2 i, 2 i + 1): the even lane reads pieces 0, 2, .., the odd one 1, 3, .. (its address `sa`
+    a word further), each taking both values of a word; an odd count's last piece both read
+    and the even lane counts. The pair then swaps sums (`shfl.bfly 1`): half the loads a
+    lane, half the bytes."""
+    G = len(groups)
+    word = []  # word k: (its group, from the pair-shifted address, byte offset, even lane's only)
+    for g, (count, _, _, pk) in enumerate(groups):
+        if not pk:
+            word += [(g, False, 512 * j, False) for j in range(count)]
+            continue
+        word += [(g, True, 512 * m, False) for m in range(count // 2)]
+        if count % 2:
+            word.append((g, False, 256 * (count - 1), True))
+    n = len(word)
+    packed = [groups[g][3] for g, *_ in word]
+    is_b = [groups[g][1] for g, *_ in word]
+    regs = " ".join(f".reg .b64 d{i}_{k}; .reg .b32 v{i}_{k}; .reg .b32 t{i}_{k};" for i in P for k in range(n))
+    regs += " " + " ".join(f".reg .pred ok{i}; .reg .f32 fa{i}; .reg .f32 fb{i};" for i in P)
+    regs += " " + " ".join(f".reg .b64 a{g}_{i};" for g in range(G) for i in P)
+    pair_groups = [g for g in range(G) if groups[g][3] and groups[g][0] > 1]
+    regs += " " + " ".join(f".reg .b64 sa{g}_{i};" for g in pair_groups for i in P)
+    loads = " ".join(f"ld.relaxed.gpu.global.b64 d{i}_{k}, [{'sa' if shifted else 'a'}{g}_{i}+{off}];"
+                     f"{_split(f'd{i}_{k}', f'v{i}_{k}', f't{i}_{k}', packed[k])}"
+                     for i in P for k, (g, shifted, off, _) in enumerate(word))
+    if any(packed):
+        regs += (" .reg .b64 dx; .reg .b32 ue; .reg .b32 uo; .reg .u32 lp; .reg .pred podd; .reg .b64 p256;"
+                 " .reg .f32 xs; .reg .f32 xm; .reg .f32 xr; .reg .b32 xb;"
+                 + " ".join(f" .reg .f32 e{x}{i}; .reg .f32 o{x}{i};" for x in "ab" for i in P))
+    checks = " ".join(f"setp.ne.and.b32 p, t{i}_{k}, ${G + g}, ok{i}; or.pred bad, bad, p;"
+                      for i in P for k, (g, *_) in enumerate(word))
+    pair_sums = sorted({"b" if is_b[k] else "a" for k in range(n) if packed[k]})
+    sums = []
+    for i in P:
+        body = f" mov.f32 fa{i}, 0f00000000; mov.f32 fb{i}, 0f00000000;"
+        for x in pair_sums:
+            body += f" mov.f32 e{x}{i}, 0f00000000; mov.f32 o{x}{i}, 0f00000000;"
+        for k in range(n):
+            x = "b" if is_b[k] else "a"
+            if not packed[k]:
+                body += f" mov.b32 g, v{i}_{k}; add.f32 f{x}{i}, f{x}{i}, g;"
+                continue
+            body += (f" shr.b64 dx, d{i}_{k}, 16; cvt.u32.u64 ue, dx; and.b32 ue, ue, 16777215; shl.b32 ue, ue, 8;"
+                     f" shr.b64 dx, d{i}_{k}, 40; cvt.u32.u64 uo, dx; shl.b32 uo, uo, 8;")
+            if word[k][3]:  # read by both lanes of the pair, counted by the even one
+                body += " @podd mov.b32 ue, 0; @podd mov.b32 uo, 0;"
+            body += f" mov.b32 g, ue; add.f32 e{x}{i}, e{x}{i}, g; mov.b32 g, uo; add.f32 o{x}{i}, o{x}{i}, g;"
+        for x in pair_sums:
+            # the partner needs the other column: the even lane sends its odd sum and keeps its even one
+            body += (f" selp.f32 xs, e{x}{i}, o{x}{i}, podd; mov.b32 xb, xs; shfl.sync.bfly.b32 xb, xb, 1, 31, -1;"
+                     f" mov.b32 xr, xb; selp.f32 xm, o{x}{i}, e{x}{i}, podd; add.f32 f{x}{i}, f{x}{i}, xm;"
+                     f" add.f32 f{x}{i}, f{x}{i}, xr;")
+        sums.append(body)
+    return regs, loads, checks, sums, any(packed), any(is_b), pair_groups
+
+
+def _split(d, v, t, packed):
+    """PTX: a loaded word d's value v and tag t (packed: the tag's 16 bits; the values later)."""
+    if packed:
+        return f" cvt.u32.u64 {t}, {d}; and.b32 {t}, {t}, 65535;"
+    return f" mov.b64 {{{v}, {t}}}, {d};"
+
+
+def _norm_poll(k: int, norm_sums: int, j: int):
+    """The RMSNorm's vector (or its square sums) polled with the sources, `k` words a lane
+    from operand $j (`_gather_ptx`'s poll_norm): (regs, setup, loads, checks, body), body
+    leaving each warp's sum of squares in the shared partials after a warpgroup barrier."""
+    regs = " ".join(f" .reg .b64 nd{m}; .reg .b32 nv{m}; .reg .b32 nt{m};" for m in range(k))
+    regs += " .reg .f32 s2; .reg .f32 x2; .reg .b32 r2; .reg .u32 w2; .reg .pred z;"
+    setup = ""
+    if norm_sums:  # word lane + 128 m if there is one (else the last word, not added)
+        regs += " .reg .u32 ni;" + " ".join(f" .reg .b64 na{m}; .reg .pred nz{m};" for m in range(k))
+        setup = " ".join(f"add.u32 ni, ${j + 3}, {128 * m}; setp.lt.u32 nz{m}, ni, {norm_sums};"
+                         f" min.u32 ni, ni, {norm_sums - 1}; mul.wide.u32 off, ni, 8; add.s64 na{m}, ${j}, off;"
+                         for m in range(k))
+        address = [f"na{m}" for m in range(k)]
+    else:
+        address = [f"${j}+{1024 * m}" for m in range(k)]
+    loads = " " + " ".join(f"ld.relaxed.gpu.global.b64 nd{m}, [{address[m]}]; mov.b64 {{nv{m}, nt{m}}}, nd{m};"
+                           for m in range(k))
+    checks = " " + " ".join(f"setp.ne.b32 p, nt{m}, ${j + 1}; or.pred bad, bad, p;" for m in range(k))
+    square = [f"@nz{m} add.f32 s2, s2, x2;" if norm_sums else "fma.rn.f32 s2, x2, x2, s2;" for m in range(k)]
+    body = (" mov.f32 s2, 0f00000000; " + " ".join(f"mov.b32 x2, nv{m}; {square[m]}" for m in range(k))
+            + " " + " ".join(f"mov.b32 r2, s2; shfl.sync.bfly.b32 r2, r2, {b}, 31, -1; mov.b32 x2, r2;"
+                             f" add.f32 s2, s2, x2;" for b in (16, 8, 4, 2, 1))
+            + f" and.b32 w2, ${j + 3}, 31; setp.eq.u32 z, w2, 0; shr.u32 w2, ${j + 3}, 5; shl.b32 w2, w2, 2;"
+            f" add.u32 w2, w2, ${j + 4}; @z st.shared.f32 [w2], s2; bar.sync ${j + 2}, 128;")
+    return regs, setup, loads, checks, body
+
+
+def _dense_store(P, i_op: int, advance: int, dense_ss: bool, chunk_step: int):
+    """A's sums as dense words from operand $i_op (address, write flag, tag; with dense_ss the
+    square-sum word's address next: lane 0 of each warp stores its warp's): (regs, body)."""
+    regs = ""
+    body = f" setp.ne.u32 q, ${i_op + 1}, 0; mov.b32 one, ${i_op + 2};"
+    if dense_ss:  # lane 0 of each warp writes its warp's sum of squares
+        regs = " .reg .f32 q2; .reg .f32 qx; .reg .b32 qr; .reg .u32 ql; .reg .pred l0; .reg .pred qy;"
+        body += " mov.u32 ql, %laneid; setp.eq.u32 l0, ql, 0;"
+    for i in P:
+        body += (f" and.pred qq, q, ok{i}; mov.b32 w, fa{i}; mov.b64 dd, {{w, one}};"
+                 f" @qq st.relaxed.gpu.global.b64 [${i_op}+{i * advance}], dd;")
+        if dense_ss:
+            body += (f" mul.f32 q2, fa{i}, fa{i}; "
+                     + " ".join(f"mov.b32 qr, q2; shfl.sync.bfly.b32 qr, qr, {m}, 31, -1; mov.b32 qx, qr;"
+                                f" add.f32 q2, q2, qx;" for m in (16, 8, 4, 2, 1))
+                     + f" and.pred qy, qq, l0; mov.b32 w, q2; mov.b64 dd, {{w, one}};"
+                     f" @qy st.relaxed.gpu.global.b64 [${i_op + 3}+{i * 16 * chunk_step}], dd;")
+    return regs, body
 
 
 def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dense_base=None,

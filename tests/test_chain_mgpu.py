@@ -624,13 +624,15 @@ def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, 
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
 
 
-@pytest.mark.parametrize("D,hd,kv_heads,blocks,group", [(512, 64, 2, 132, None), (512, 64, 8, 132, None),
-                                                         (512, 128, 1, 9, None), (768, 64, 4, 20, None),
-                                                         (512, 64, 2, 132, 1), (512, 64, 2, 20, 2)])
-def test_the_grouped_query_data_flow_computes_the_chain(D, hd, kv_heads, blocks, group):
+@pytest.mark.parametrize("D,hd,kv_heads,blocks,group,options", [
+    (512, 64, 2, 132, None, {}), (512, 64, 8, 132, None, {}), (512, 128, 1, 9, None, {}),
+    (768, 64, 4, 20, None, {}), (512, 64, 2, 132, 1, {}), (512, 64, 2, 20, 2, {}),
+    (512, 64, 2, 132, 1, dict(sums=True, packed=True)), (512, 128, 1, 9, None, dict(sums=True, packed=True))])
+def test_the_grouped_query_data_flow_computes_the_chain(D, hd, kv_heads, blocks, group, options):
     """Grouped-query attention (D / hd query heads over kv_heads: groups of 4, 1 (multi-head),
     4 at head_dim 128, 3): each attention block reads its query heads' q and their kv head's
-    k and v through the kernel's wiring and x_L and the new k, v are the reference's."""
+    k and v through the kernel's wiring and x_L and the new k, v are the reference's (also
+    with the norms' square sums and packed pieces)."""
     F, L, pos = 256, 3, 70
     x0, wq, wo, wgu, wd = gqa_inputs(D, hd, kv_heads, F, L)
     att = attention_inputs(L, D, 128, pos, heads=D // hd, kv_heads=kv_heads)
@@ -638,7 +640,7 @@ def test_the_grouped_query_data_flow_computes_the_chain(D, hd, kv_heads, blocks,
     wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
     spare = D // hd // (group or ca.group_of(D // hd, kv_heads))  # o on the blocks that do not attend
     got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, att=att, att_blocks=spare,
-                          group=group)
+                          group=group, **options)
     want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
     assert got_kv.shape == (L, 2, kv_heads, hd)

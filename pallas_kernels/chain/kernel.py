@@ -116,7 +116,7 @@ def _window_rows(kmax: int) -> int:
 
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                  norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
-                 prefetch: int = 0, tiles: int = 1, sums: bool = False, packed: bool = False):
+                 prefetch: int = 0, tiles: int = 1, norm_sums: bool = False, packed: bool = False):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
@@ -220,9 +220,9 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             every pass's words polled in one round trip (`product_reads`)."""
             first = l == 0
             groups, dense, norm = input_spec(p.name, l, gt, prods, lay, F, norm_eps is not None,
-                                             attn is not None, sums)
+                                             attn is not None, norm_sums)
             if norm is not None:  # the first round also polls the norm's vector (its partials)
-                dense = dict(dense, norm_ref=norm_smem, norm=(norm_eps, D), sums=sums)
+                dense = dict(dense, norm_ref=norm_smem, norm=(norm_eps, D), sums=norm_sums)
             for i, reads in enumerate(product_reads(p, k0, k1, words(groups))):
                 poll = dict(poll_norm=(norm[0], first, norm[1], norm[2])) if norm is not None and i == 0 else {}
                 pl.when(reads.chunks[0] < k1)(functools.partial(
@@ -341,10 +341,10 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             @pl.when(h < A)
             def _():
                 tr(l, "att")
-                groups, _, norm = input_spec("att", l, 0, prods, lay, F, norm_eps is not None, sums=sums)
+                groups, _, norm = input_spec("att", l, 0, prods, lay, F, norm_eps is not None, sums=norm_sums)
                 dense, poll = {}, {}
                 if norm is not None:  # the first pass also polls x_l (the norm's partials)
-                    dense = dict(norm_ref=norm_smem, norm=(norm_eps, D), sums=sums)
+                    dense = dict(norm_ref=norm_smem, norm=(norm_eps, D), sums=norm_sums)
                     poll = dict(poll_norm=(norm[0], l == 0, norm[1], norm[2]))
                 for i, reads in enumerate(head_reads(D, h, hd, words(groups), H, GB)):  # q, k, v to slots
                     cw.gather(ll, init_ref, stage_smem, groups, reads, out="f32", use_init=False,

@@ -304,14 +304,14 @@ def init_words(x0_D, prods, lay: Layout):
     """The host-written words for layer -1, as int32 pairs [init_words, 2]: zero down pieces
     (packed as the layout says), x_0 and its square sums, each tagged tag(-1) = 1."""
     x0 = x0_D.astype(jnp.float32)
-    if lay.packed:
-        down = pack(jnp.zeros((lay.init_H, 2), jnp.float32), tag(-1))
-        dense = init_words(x0_D, prods, dataclasses.replace(lay, init_H=0, init_ss=lay.init_ss - lay.init_H,
-                                                                piece_words=T))
-        return jnp.concatenate([down.reshape(-1), dense])
-    vals = jnp.concatenate([jnp.zeros((lay.init_H,), jnp.float32), x0, (x0.reshape(-1, SS) ** 2).sum(axis=1)])
+    vals = jnp.concatenate([x0, (x0.reshape(-1, SS) ** 2).sum(axis=1)])
+    if lay.packed:  # the down pieces' words hold two zeros each
+        down = pack(jnp.zeros((lay.init_H, 2), jnp.float32), tag(-1)).reshape(-1)
+    else:
+        vals = jnp.concatenate([jnp.zeros((lay.init_H,), jnp.float32), vals])
+        down = jnp.zeros((0,), jnp.int32)
     bits = lax.bitcast_convert_type(vals, jnp.int32)
-    return jnp.stack([bits, jnp.ones_like(bits)], axis=-1).reshape(-1)
+    return jnp.concatenate([down, jnp.stack([bits, jnp.full_like(bits, tag(-1))], axis=-1).reshape(-1)])
 
 
 def piece_word(p: Product, l, t, gk, lay: Layout):

@@ -22,9 +22,9 @@ every layer, the "megakernel" path; sm90 only; `chain@OPTS`: OPTS comma-separate
 for its ring slots, `spare=0|1` to split o over every block or over those that do not attend,
 `group=N` for N query heads an attention block (grouped-query attention), `prefetch=N` for
 each block's weight tiles asked of L2 N ahead of its ring, `tiles=N` for the tile pieces a
-block makes at a time (one accumulator each, one drain and one LL store for them), `sums=1`
-for RMSNorm readers that poll the vector's square sums, not the vector (`norm_sums`), `packed=1`
-for pieces two values a word (`packed`),
+block makes at a time (one accumulator each, one drain and one LL store for them), `sums=0`
+for RMSNorm readers that poll the whole vector, not its square sums (`norm_sums`; on by
+default), `packed=0` for pieces one value a word, not two (`packed`; on by default),
 `NAME=SKxST` to split product NAME (qkv, o, gu, down) as given: with spare or a split, the products
 not named split as the cost model does (`chain@16,spare=0,down=22x6`, a candidate of the
 sweep of splits in whole steps); with neither, the kernel's measured choice for the shape,
@@ -123,7 +123,7 @@ def chain_options(option: str):
             splits.append((name, int(sk), int(st)))
         else:
             raise ValueError(f"chain@{option}: option {opt!r}; use a ring size (16), spare=0, group=N, "
-                             "prefetch=N, tiles=N, sums=1, packed=1 or NAME=SKxST for NAME in qkv, o, gu, down.")
+                             "prefetch=N, tiles=N, sums=0|1, packed=0|1 or NAME=SKxST for NAME in qkv, o, gu, down.")
     if "spare" in kw or splits:  # a candidate: the cost model's splits where none is given
         kw["splits"] = tuple(splits)
     return stages, functools.partial(chain_mgpu, **kw)

@@ -16,7 +16,7 @@
 #                   where a megakernel layer's time goes (trace); what a step
 #                   runs besides the kernel (timeline)
 #   decode_tune     the megakernel's product splits searched in whole steps     benchmarks/decode.md
-#                   (PRESETS="llama3.2-1b 350m": which; OPTIONS="sums=1,packed=1": every
+#                   (PRESETS="llama3.2-1b 350m": which; OPTIONS="tiles=2": every
 #                   candidate's further options; prints the plan.MEASURED entry)
 #   train           the 1b training step, cuDNN's attention and ours alternated    benchmarks/training.md
 #   fp8             FP8 against bf16 training: step speed, FP8 GEMMs, 1000-step loss benchmarks/training.md
@@ -71,11 +71,10 @@ paged)
 decode)
     "$PY" experiments/decode_paths.py --out "$OUT"
     "$PY" experiments/head_kernel.py --out "$OUT"
-    # chain@tiles=N: a block's tile pieces N at a time; chain@sums=1: the norms' readers poll
-    # square sums; chain@packed=1: pieces two values a word (all off by default until they win here)
+    # chain@tiles=N: a block's tile pieces N at a time; chain@sums=0: the norms' readers poll
+    # the whole vector, not its square sums; chain@packed=0: pieces one value a word, not two
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --reps 3 --out "$OUT" \
-        --variants chain chain@tiles=4 chain@sums=1 chain@packed=1 chain@sums=1,packed=1 \
-        chain@tiles=4,sums=1,packed=1 fast
+        --variants chain chain@tiles=2 chain@tiles=4 chain@sums=0,packed=0 fast
     "$PY" experiments/trace_chain.py --spare auto --pos 160 --sums 0 1 --packed 0 1 --out "$OUT"
     "$PY" experiments/decode_step_timeline.py --presets 1b 350m llama3.2-1b --out "$OUT" ;;
 decode_tune)

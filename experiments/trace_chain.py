@@ -13,13 +13,13 @@ over layers:
   median head, from its SM clock;
 * the layer's period (the last block's q|k|v input, layer to layer).
 
-Writes trace_chain.json and trace_<preset>_spare<0|1|auto>[_group<N>][_tiles<N>][_sums][_packed].png (a layer's
+Writes trace_chain.json and trace_<preset>_spare<0|1|auto>[_group<N>][_tiles<N>][_nosums][_unpacked].png (a layer's
 timeline, block by block) to --out. --spare 0 1 auto traces the cost model's splits with o
 over every block, over the blocks that do not attend, and the kernel's measured choice
 (`plan.tuned`: the default), in the same process; --group N auto does the same for the query
 heads an attention block takes, --tiles 1 4 for the tile pieces a block makes at a time,
---sums 0 1 for RMSNorm readers polling the vector (0) or its square sums (1, `norm_sums`),
---packed 0 1 for pieces a value a word (0) or two (1, `packed`).
+--sums 0 1 for RMSNorm readers polling the vector (0) or its square sums (1, `norm_sums`, the
+default), --packed 0 1 for pieces a value a word (0) or two (1, `packed`, the default).
 
     python3 experiments/trace_chain.py --spare 0 auto --out $OUT       # one H200
     python3 experiments/trace_chain.py --presets llama3.2-1b --group 4 auto --out $OUT
@@ -153,10 +153,12 @@ def main():
                          "attention.default_group)")
     ap.add_argument("--tiles", nargs="+", type=int, default=[1],
                     help="tile pieces a block makes at a time (chain_mgpu's tiles), each traced")
-    ap.add_argument("--sums", nargs="+", type=int, default=[0], choices=[0, 1],
-                    help="1: RMSNorm readers poll the vector's square sums (chain_mgpu's norm_sums), each traced")
-    ap.add_argument("--packed", nargs="+", type=int, default=[0], choices=[0, 1],
-                    help="1: the pieces two values a word (chain_mgpu's packed), each traced")
+    ap.add_argument("--sums", nargs="+", type=int, default=[1], choices=[0, 1],
+                    help="1 (the kernel's default): RMSNorm readers poll the vector's square sums "
+                         "(chain_mgpu's norm_sums); 0: the whole vector; each traced")
+    ap.add_argument("--packed", nargs="+", type=int, default=[1], choices=[0, 1],
+                    help="1 (the kernel's default): the pieces two values a word (chain_mgpu's "
+                         "packed); 0: one; each traced")
     ap.add_argument("--pos", type=int, default=160)
     ap.add_argument("--capacity", type=int, default=320)
     ap.add_argument("--stages", type=int, default=16)
@@ -178,10 +180,7 @@ def main():
             kw["group"] = int(group)
         if tiles != 1:
             kw["tiles"] = tiles
-        if sums:
-            kw["norm_sums"] = True
-        if packed:
-            kw["packed"] = True
+        kw.update(norm_sums=bool(sums), packed=bool(packed))
         f = jax.jit(lambda *a, kw=kw: cm.chain_mgpu(*a, stages=args.stages, norm_eps=1e-5, trace=True, **kw))
         results = []
         for _ in range(args.calls + 1):  # the first compiles
@@ -207,7 +206,7 @@ def main():
         print("  head's steps (median, us): " + ", ".join(f"{k[4:]} {v:.2f}" for k, v in steps.items()),
               flush=True)
         tag = (f"{name}_spare{spare}" + ("" if group == "auto" else f"_group{group}")
-               + ("" if tiles == 1 else f"_tiles{tiles}") + ("_sums" if sums else "") + ("_packed" if packed else ""))
+               + ("" if tiles == 1 else f"_tiles{tiles}") + ("" if sums else "_nosums") + ("" if packed else "_unpacked"))
         plot(raw, L, os.path.join(args.out, f"trace_{tag}.png"),
              f"chain_mgpu {name}, layer {L // 2}, pos {args.pos}, spare={spare}, group={group}, "
              f"tiles={tiles}")

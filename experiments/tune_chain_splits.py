@@ -59,7 +59,7 @@ class Candidate:
     sorted tuple), o's placement, the query heads an attention block takes (None: the
     kernel's choice, `attention.default_group` unless the shape is in `plan.MEASURED`) and
     the tile pieces a block makes at a time; options: more `chain@` options every candidate
-    takes (e.g. "sums=1,packed=1")."""
+    takes (e.g. "tiles=2")."""
 
     splits: tuple = ()
     spare: bool = False
@@ -125,7 +125,7 @@ def main():
     ap.add_argument("--tiles", type=int, nargs="+", default=[1],
                     help="tile pieces a block makes at a time, each tried (chain_mgpu's tiles)")
     ap.add_argument("--options", default="",
-                    help="chain@ options every candidate takes, e.g. sums=1,packed=1 (decode_floor's)")
+                    help="chain@ options every candidate takes, e.g. tiles=2 (decode_floor's)")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=2)

@@ -116,7 +116,7 @@ def _window_rows(kmax: int) -> int:
 
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                  norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
-                 prefetch: int = 0, tiles: int = 1, norm_sums: bool = False, packed: bool = False):
+                 prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
@@ -495,7 +495,7 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
-               prefetch: int = 0, tiles: int = 1, norm_sums: bool = False, packed: bool = False):
+               prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
@@ -529,7 +529,9 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     reader of q|k|v's and gate|up's outputs polls, not D (a 1-2 KB poll, not 8-16 KB).
     packed: the products' pieces travel two values a word (`plan.pack`: each value's fp32
     rounded to 24 bits, 2^-16 relative, and a 16-bit tag), and a lane pair of their readers
-    shares the words (`words.gather`): half the loads a lane and half the bytes a poll."""
+    shares the words (`words.gather`): half the loads a lane and half the bytes a poll.
+    Both are on by default: each step was faster with them at every preset measured
+    (benchmarks/decode.md); False gives the kernel without them."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
     attn = None
@@ -564,7 +566,8 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
         raise ValueError(f"chain_mgpu: tiles={tiles}: want 1 to 8 tile pieces a block makes at a "
                          "time (one accumulator each).")
     if packed and tag(L - 1) > 0xFFFF:
-        raise ValueError(f"chain_mgpu: packed=True tags words with 16 bits: {L} layers are too many.")
+        raise ValueError(f"chain_mgpu: packed=True tags words with 16 bits: {L} layers are too many; "
+                         "use packed=False.")
     if prefetch < 0:
         raise ValueError(f"chain_mgpu: prefetch={prefetch}: want 0 (off) or the weight tiles a block "
                          "asks of L2 ahead of its ring.")

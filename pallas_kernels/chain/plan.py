@@ -116,12 +116,13 @@ def products(D: int, N1: int, F: int, blocks: int, attention: bool = False,
 # Splits, o's blocks and attention groups measured faster than the cost model's in whole decode
 # steps on an H200 (132 SMs; benchmarks/decode.md, `decode_floor.py --variants chain@...`,
 # `experiments/tune_chain_splits.py`), by (D, N1, F, blocks, head_dim): (splits over the cost
-# model's, spare, group (None: `attention.default_group`)). Elsewhere the cost model's splits
+# model's, spare, group (None: `attention.default_group`)), with chain_mgpu's default options (the
+# norms' square sums and packed pieces) unless noted. Elsewhere the cost model's splits
 # with o over every block and `attention.default_group`'s query heads an attention block.
 MEASURED = {
-    (2048, 6144, 5632, 132, 128): ((("qkv", 16, 8), ("o", 8, 14)), True, None),  # 1b: 0.761 ms, not 0.843
-    (1024, 3072, 2816, 132, 64): ((), True, None),  # 350m: 0.356 ms, not 0.365
-}  # Llama-3.2-1B's shape: the defaults (one query head an attention block: 0.781 ms, not 0.825)
+    (2048, 6144, 5632, 132, 128): ((("qkv", 16, 8),), False, None),  # 1b: 0.713 ms, not 0.721
+    (1024, 3072, 2816, 132, 64): ((), True, None),  # 350m: 0.356 ms, not 0.365 (before sums, packed)
+}  # Llama-3.2-1B's shape: the defaults (0.696 ms, the best of 20 candidates)
 
 
 def tuned(D: int, N1: int, F: int, blocks: int, head_dim: int) -> tuple[tuple, bool, int | None]:

@@ -37,7 +37,7 @@ OPTIONS = ("norm_sums", "packed")  # chain_mgpu's boolean options --options may 
 
 def compile_one(name: str, aot: bool, tiles: int, options: str = ""):
     """Compile one shape's kernel in this process (ptxas reports on stderr); options: some of
-    `OPTIONS`, "+"-joined, set True."""
+    `OPTIONS`, "+"-joined, set True; the others are set False (the kernel's defaults are both on)."""
     if aot:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
@@ -59,7 +59,8 @@ def compile_one(name: str, aot: bool, tiles: int, options: str = ""):
 
     args = (spec((D,), jnp.float32), spec((2, N1, D)), spec((2, D, D)), spec((2, 2 * F, D)), spec((2, D, F)),
             spec((2, 2, K, 320, hd)), spec((1,), jnp.int32), spec((hd,), jnp.float32))
-    flags = {o: True for o in filter(None, options.split("+"))}
+    chosen = set(filter(None, options.split("+")))
+    flags = {o: o in chosen for o in OPTIONS}
     f = jax.jit(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=1e-5, tiles=tiles, **flags))
     print("kernel:", cm.__file__, flush=True)
     f.trace(*args).lower(lowering_platforms=("cuda",)).compile()
@@ -84,7 +85,7 @@ def main():
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tiles", nargs="*", type=int, default=[1], help="chain_mgpu(tiles=...) values")
     parser.add_argument("--options", nargs="*", default=[""],
-                        help=f"option sets, each compiled: '' (none) or some of {OPTIONS} joined by +")
+                        help=f"option sets, each compiled: '' (none: each False) or some of {OPTIONS} joined by +")
     parser.add_argument("--aot", action="store_true", help="deviceless compile for an H200 (no GPU here)")
     parser.add_argument("--out", default=None, help="folder for decode_megakernel_ptxas.json")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)

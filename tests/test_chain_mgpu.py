@@ -216,7 +216,14 @@ def test_trace_lowers_with_its_points(attention):
             assert out[-1].shape == (132, 2, len(cm.TRACE_POINTS), 2)
 
 
-@pytest.mark.parametrize("preset,packed", [("350m", False), ("1b", False), ("1b", True)])
+# words a lane polls a pass for each product's input: the sources' pieces (sk of them, a lane
+# pair's half when packed) plus a dense vector (the residual; o's: the attention's output)
+POLLED = {("350m", False): dict(qkv=8 + 1, o=1, gu=8 + 1, down=4 + 4),
+          ("1b", False): dict(qkv=44 + 1, o=1, gu=8 + 1, down=8 + 8),
+          ("1b", True): dict(qkv=22 + 1, o=1, gu=4 + 1, down=4 + 4)}
+
+
+@pytest.mark.parametrize("preset,packed", list(POLLED))
 def test_reads_put_every_input_chunk_in_its_slot_once(preset, packed):
     """The poll rounds the kernel issues (`product_reads`, skipped where the round's first
     chunk is past the block's: as `kernel.gather`) read each of a block's input chunks
@@ -229,8 +236,8 @@ def test_reads_put_every_input_chunk_in_its_slot_once(preset, packed):
     for p in prods:
         groups = plan.input_spec(p.name, 1, 0, prods, lay, F, True, True)[0]
         words = cm.words(groups)
-        assert words == sum(-(-count // 2) if pk else count for count, *_, pk in groups)
-        assert any(g[6] for g in groups) == (packed and p.name != "o")  # o reads the attention's dense words
+        assert words == POLLED[preset, packed][p.name], p.name
+        assert any(g.packed for g in groups) == (packed and p.name != "o")  # o reads the attention's dense words
         for b in range(132):
             active, _, _, k0, k1 = plan.rect(p, b)
             if not active:
@@ -517,7 +524,7 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
                 v = words(norm[0], D, norm[1], use_init, norm[2])
                 square_sum = (v * v).sum()
             sums = [u / np.sqrt(square_sum / D + norm_eps) for u in sums]
-        if any(g[2] for g in groups):
+        if any(g.is_b for g in groups):
             return sums[0] / (1 + np.exp(-sums[0])) * sums[1]
         return sums[0]
 

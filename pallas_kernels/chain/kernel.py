@@ -105,7 +105,7 @@ def column(acc_T8, g: int = 0):
 def words(groups) -> int:
     """LL words a lane polls a pass for an input read from `groups` (`input_spec`'s): a
     packed group's half (a lane pair shares its words, `words.gather`)."""
-    return sum(-(-g[0] // 2) if g[6] else g[0] for g in groups)
+    return sum(-(-g.count // 2) if g.packed else g.count for g in groups)
 
 
 def _window_rows(kmax: int) -> int:

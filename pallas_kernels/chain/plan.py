@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -304,15 +305,16 @@ def region(l, lay: Layout):
 def init_words(x0_D, prods, lay: Layout):
     """The host-written words for layer -1, as int32 pairs [init_words, 2]: zero down pieces
     (packed as the layout says), x_0 and its square sums, each tagged tag(-1) = 1."""
+    def plain(vals):  # a value a word: its fp32 bits, then the tag
+        bits = lax.bitcast_convert_type(vals, jnp.int32)
+        return jnp.stack([bits, jnp.full_like(bits, tag(-1))], axis=-1)
+
     x0 = x0_D.astype(jnp.float32)
-    vals = jnp.concatenate([x0, (x0.reshape(-1, SS) ** 2).sum(axis=1)])
-    if lay.packed:  # the down pieces' words hold two zeros each
-        down = pack(jnp.zeros((lay.init_H, 2), jnp.float32), tag(-1)).reshape(-1)
+    if lay.packed:  # the down pieces: zeros, two a word or one
+        down = pack(jnp.zeros((lay.init_H, 2), jnp.float32), tag(-1))
     else:
-        vals = jnp.concatenate([jnp.zeros((lay.init_H,), jnp.float32), vals])
-        down = jnp.zeros((0,), jnp.int32)
-    bits = lax.bitcast_convert_type(vals, jnp.int32)
-    return jnp.concatenate([down, jnp.stack([bits, jnp.full_like(bits, tag(-1))], axis=-1).reshape(-1)])
+        down = plain(jnp.zeros((lay.init_H,), jnp.float32))
+    return jnp.concatenate([down, plain(x0), plain((x0.reshape(-1, SS) ** 2).sum(axis=1))]).reshape(-1)
 
 
 def piece_word(p: Product, l, t, gk, lay: Layout):
@@ -320,14 +322,27 @@ def piece_word(p: Product, l, t, gk, lay: Layout):
     return region(l, lay) + lay.offsets[p.name] + (t * p.split.sk + gk) * lay.piece_words
 
 
+class Source(NamedTuple):
+    """Words a product's input reads, one group (`input_spec`): for chunk c, the words
+    base_word + c * stride + j * 64 + col for j < count (packed: j * 32 + col // 2, two
+    values a word, `pack`), each written with `tag`. is_b: SwiGLU's up (summed apart from
+    A's); init_ok: at layer 0 they are the host's words (`init_words`). count, stride, is_b
+    and packed are static; base_word and tag ints or traced."""
+
+    count: int
+    stride: int
+    is_b: bool
+    base_word: object
+    init_ok: bool
+    tag: object
+    packed: bool = False
+
+
 def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False,
                attention: bool = False, sums: bool = False):
     """Where product `name` of layer l reads its input chunk c (block in tile group gt):
-    (groups, dense, norm). groups: [(count, stride, is_b, base_word, init_ok, tag, packed)],
-    the words base_word + c * stride + j * 64 + col for j < count (group B, is_b, is SwiGLU's
-    up), written with `tag`; init_ok: at layer 0 these words are the host's (`init_words`);
-    packed: pieces two values a word (`pack`): base_word + c * stride + j * 32 + col // 2.
-    dense: where (and with which tag) the readers of tile group 0 write the input's sum (A's)
+    (groups, dense, norm). groups: [`Source`]: a product's pieces (count sk, one a chunk
+    group, stride sk pieces) or a dense vector (count 1, stride 64). dense: where (and with which tag) the readers of tile group 0 write the input's sum (A's)
     as a dense vector, {} for none. norm (with
     norms): (base_word, init_ok, tag) of the dense vector whose RMSNorm factor scales this input
     (x_l for the q|k|v output that o reads, h_l for gate|up's), else None. attention: o
@@ -349,27 +364,30 @@ def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False
     def ss(vector):  # the dense writers' square sums, with sums
         return dict(dense_ss=base(l, vector + "ss")) if sums else {}
 
+    def pieces(prod, base_word, tag_, init_ok=False, is_b=False):  # prod's sk pieces a chunk
+        sk = prod.split.sk
+        return Source(sk, P * sk, is_b, base_word, init_ok, tag_, packed)
+
+    def vector(base_word, tag_, init_ok=False):  # a dense vector, a value a word
+        return Source(1, 64, False, base_word, init_ok, tag_)
+
     if name == "qkv":  # x_l = H_{l-1} + the previous down's pieces; X_l dense
-        groups = [(down.split.sk, P * down.split.sk, False,
-                   jnp.where(first, lay.init_down, base(l - 1, "down")), True, tag(l - 1), packed),
-                  (1, 64, False, jnp.where(first, lay.init_H, base(l - 1, "H")), True, tag(l - 1), False)]
+        groups = [pieces(down, jnp.where(first, lay.init_down, base(l - 1, "down")), tag(l - 1), True),
+                  vector(jnp.where(first, lay.init_H, base(l - 1, "H")), tag(l - 1), True)]
         return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0), dense_tag=tag(l), **ss("X")), None
     if name == "o" and attention:  # the attention phase's output, dense
-        return [(1, 64, False, base(l, "att"), False, tag(l), False)], {}, None
+        return [vector(base(l, "att"), tag(l))], {}, None
     if name in ("o", "att"):  # qkv's pieces (times x_l's RMSNorm factor): o without
         # attention reads the q part; the attention phase reads a head's q, k and v
         norm = (x_ss if sums else x_l, True, x_tag) if norms else None
-        return [(qkv.split.sk, P * qkv.split.sk, False, base(l, "qkv"), False, tag(l), packed)], {}, norm
+        return [pieces(qkv, base(l, "qkv"), tag(l))], {}, norm
     if name == "gu":  # h_l = X_l + o's pieces; H_l dense
-        groups = [(o.split.sk, P * o.split.sk, False, base(l, "o"), False, tag(l), packed),
-                  (1, 64, False, x_l, True, x_tag, False)]
+        groups = [pieces(o, base(l, "o"), tag(l)), vector(x_l, x_tag, True)]
         return groups, dict(dense_base=base(l, "H"), dense_on=gt == 0, dense_tag=tag(l), **ss("H")), None
     if name == "down":  # silu(gate) * up from gate|up's pieces (times h_l's RMSNorm factor)
-        g0, stride = base(l, "gu"), P * gu.split.sk
+        gate = pieces(gu, base(l, "gu"), tag(l))  # up's pieces follow gate's F / T tiles
         norm = (base(l, "Hss" if sums else "H"), False, tag(l)) if norms else None
-        return [(gu.split.sk, stride, False, g0, False, tag(l), packed),
-                (gu.split.sk, stride, True, g0 + (F // T) * stride, False, tag(l), packed)], {}, norm
+        return [gate, gate._replace(is_b=True, base_word=gate.base_word + (F // T) * gate.stride)], {}, norm
     if name == "final":  # x_L = H_{L-1} + the last down's pieces (l = L - 1)
-        return [(down.split.sk, P * down.split.sk, False, base(l, "down"), False, tag(l), packed),
-                (1, 64, False, base(l, "H"), False, tag(l), False)], {}, None
+        return [pieces(down, base(l, "down"), tag(l)), vector(base(l, "H"), tag(l))], {}, None
     raise ValueError(f"input_spec: no product {name!r}")

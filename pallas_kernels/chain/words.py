@@ -6,6 +6,7 @@ interpreter does not run inline PTX.
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax.experimental.mosaic import gpu as mgpu
@@ -19,18 +20,28 @@ from pallas_kernels.chain.plan import KC, SS, T
 X_TRANSFORMS = (plgpu.TilingTransform((8, KC)), plgpu.SwizzleTransform(2 * KC))
 
 
+class PollGroup(NamedTuple):
+    """A source group as the poll's PTX sees it (`_gather_ptx`): `count` words 512 bytes
+    apart (packed: read by a lane pair, `_source_words`), the next chunk's `stride` bytes on;
+    is_b: summed into SwiGLU's up."""
+
+    count: int
+    is_b: bool
+    stride: int
+    packed: bool
+
+
 
 def f32_hex(v: float) -> str:
     """A PTX fp32 immediate."""
     return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
 
 
-def _gather_ptx(groups: tuple[tuple[int, bool, int, bool], ...], dense: bool, out: str,
+def _gather_ptx(groups: tuple[PollGroup, ...], dense: bool, out: str,
                 norm: tuple[float, int] | None = None, poll_norm: int = 0, passes: int = 1,
                 dense_advance: int = 0, dst_advance: int = 0, chunk_step: int = 2,
                 dense_ss: bool = False, norm_sums: int = 0) -> str:
-    """One lane's poll of `passes` passes at once. groups: (count, is_b, stride, packed) each,
-    A's first: `count` words 64 apart (512 bytes; packed: 32, two values a word, `plan.pack`,
+    """One lane's poll of `passes` passes at once. groups: `PollGroup`s, A's first: `count` words 64 apart (512 bytes; packed: 32, two values a word, `plan.pack`,
     read by a lane pair, half the words each: `_source_words`), the next chunk's `stride` bytes
     further.
     Operands: $0.. each group's first address (pass 0, word 0), then each group's
@@ -92,13 +103,13 @@ def _gather_ptx(groups: tuple[tuple[int, bool, int, bool], ...], dense: bool, ou
     # to ~48 KB of L2 reads a block a round trip, which with every block waiting competes
     # with the weight stream; then the full poll (usually once). Both loops are the warp's,
     # not the lane's (`warp_retry`): divergent loops make ptxas serialise the kernel's wgmma.
-    probe = (f"LAB_W: ld.relaxed.gpu.global.b64 pw, [a0_0];{_split('pw', 'pv', 'pt', groups[0][3])} {SPIN_GUARD}"
+    probe = (f"LAB_W: ld.relaxed.gpu.global.b64 pw, [a0_0];{_split('pw', 'pv', 'pt', groups[0].packed)} {SPIN_GUARD}"
              f" setp.ne.b32 p, pt, ${G}; {warp_retry('p', 'LAB_W')}")
     # pass i's chunks offset: min(i chunk_step, limit - 1 - chunk) chunks (signed)
     valid += f" sub.s32 lc, ${i_op + 2}, 1; sub.s32 lc, lc, ${i_op + 1};"
     if packed:  # the lane's parity in its pair, and the odd lane's one-word shift
         valid += " mov.u32 lp, %laneid; and.b32 lp, lp, 1; setp.ne.u32 podd, lp, 0; mul.wide.u32 p256, lp, 256;"
-    valid += " ".join(f" min.s32 c, lc, {i * chunk_step}; mul.wide.s32 off, c, {groups[g][2]}; add.s64 a{g}_{i}, ${g}, off;"
+    valid += " ".join(f" min.s32 c, lc, {i * chunk_step}; mul.wide.s32 off, c, {groups[g].stride}; add.s64 a{g}_{i}, ${g}, off;"
                       for i in P for g in range(G))
     valid += " ".join(f" add.s64 sa{g}_{i}, a{g}_{i}, p256;" for g in pair_groups for i in P)
     return (f"{{ .reg .pred p; .reg .pred bad; .reg .pred q; .reg .pred qq; .reg .u32 n; .reg .s32 c; .reg .s32 lc; .reg .b64 off;"
@@ -126,12 +137,12 @@ def _source_words(groups, P):
         if count % 2:
             word.append((g, False, 256 * (count - 1), True))
     n = len(word)
-    packed = [groups[g][3] for g, *_ in word]
-    is_b = [groups[g][1] for g, *_ in word]
+    packed = [groups[g].packed for g, *_ in word]
+    is_b = [groups[g].is_b for g, *_ in word]
     regs = " ".join(f".reg .b64 d{i}_{k}; .reg .b32 v{i}_{k}; .reg .b32 t{i}_{k};" for i in P for k in range(n))
     regs += " " + " ".join(f".reg .pred ok{i}; .reg .f32 fa{i}; .reg .f32 fb{i};" for i in P)
     regs += " " + " ".join(f".reg .b64 a{g}_{i};" for g in range(G) for i in P)
-    pair_groups = [g for g in range(G) if groups[g][3] and groups[g][0] > 1]
+    pair_groups = [g for g in range(G) if groups[g].packed and groups[g].count > 1]
     regs += " " + " ".join(f".reg .b64 sa{g}_{i};" for g in pair_groups for i in P)
     loads = " ".join(f"ld.relaxed.gpu.global.b64 d{i}_{k}, [{'sa' if shifted else 'a'}{g}_{i}+{off}];"
                      f"{_split(f'd{i}_{k}', f'v{i}_{k}', f't{i}_{k}', packed[k])}"
@@ -174,6 +185,13 @@ def _split(d, v, t, packed):
     return f" mov.b64 {{{v}, {t}}}, {d};"
 
 
+def _warp_sum(acc: str, bits: str, tmp: str) -> str:
+    """PTX: the fp32 register acc summed over the warp (a butterfly; every lane gets the sum),
+    through the b32 register bits and the fp32 register tmp."""
+    return " ".join(f"mov.b32 {bits}, {acc}; shfl.sync.bfly.b32 {bits}, {bits}, {m}, 31, -1; "
+                    f"mov.b32 {tmp}, {bits}; add.f32 {acc}, {acc}, {tmp};" for m in (16, 8, 4, 2, 1))
+
+
 def _norm_poll(k: int, norm_sums: int, j: int):
     """The RMSNorm's vector (or its square sums) polled with the sources, `k` words a lane
     from operand $j (`_gather_ptx`'s poll_norm): (regs, setup, loads, checks, body), body
@@ -194,8 +212,7 @@ def _norm_poll(k: int, norm_sums: int, j: int):
     checks = " " + " ".join(f"setp.ne.b32 p, nt{m}, ${j + 1}; or.pred bad, bad, p;" for m in range(k))
     square = [f"@nz{m} add.f32 s2, s2, x2;" if norm_sums else "fma.rn.f32 s2, x2, x2, s2;" for m in range(k)]
     body = (" mov.f32 s2, 0f00000000; " + " ".join(f"mov.b32 x2, nv{m}; {square[m]}" for m in range(k))
-            + " " + " ".join(f"mov.b32 r2, s2; shfl.sync.bfly.b32 r2, r2, {b}, 31, -1; mov.b32 x2, r2;"
-                             f" add.f32 s2, s2, x2;" for b in (16, 8, 4, 2, 1))
+            + " " + _warp_sum("s2", "r2", "x2")
             + f" and.b32 w2, ${j + 3}, 31; setp.eq.u32 z, w2, 0; shr.u32 w2, ${j + 3}, 5; shl.b32 w2, w2, 2;"
             f" add.u32 w2, w2, ${j + 4}; @z st.shared.f32 [w2], s2; bar.sync ${j + 2}, 128;")
     return regs, setup, loads, checks, body
@@ -214,8 +231,7 @@ def _dense_store(P, i_op: int, advance: int, dense_ss: bool, chunk_step: int):
                  f" @qq st.relaxed.gpu.global.b64 [${i_op}+{i * advance}], dd;")
         if dense_ss:
             body += (f" mul.f32 q2, fa{i}, fa{i}; "
-                     + " ".join(f"mov.b32 qr, q2; shfl.sync.bfly.b32 qr, qr, {m}, 31, -1; mov.b32 qx, qr;"
-                                f" add.f32 q2, q2, qx;" for m in (16, 8, 4, 2, 1))
+                     + _warp_sum("q2", "qr", "qx")
                      + f" and.pred qy, qq, l0; mov.b32 w, q2; mov.b64 dd, {{w, one}};"
                      f" @qy st.relaxed.gpu.global.b64 [${i_op + 3}+{i * 16 * chunk_step}], dd;")
     return regs, body
@@ -226,11 +242,9 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
            sums: bool = False):
     """The inline op behind a product's input, one poll round (`plan.Reads`: which
     chunk each lane reads into which slot, pass by pass, all passes' words polled at once).
-    groups: [(count, stride, is_b, base_word, init_ok, tag, packed)] with count/stride/is_b/
-    packed static (stride: words from one chunk to the next, 64 (packed: 32) * sk for pieces,
-    64 for a dense vector),
-    base_word traced; init_ok: this group reads the host's words instead of the kernel's when
-    use_init (layer 0). Writes row 0 of the slot's 8-row group of the bf16 window dst_ref
+    groups: [`plan.Source`] (stride: words from one chunk to the next, 64 (packed: 32) * sk
+    for pieces, 64 for a dense vector; base_word traced); init_ok: the group reads the host's
+    words instead of the kernel's when use_init (layer 0). Writes row 0 of the slot's 8-row group of the bf16 window dst_ref
     (tiled, swizzled: that row is linear), or in fp32 (out="f32") dst_ref[slot * 64 + col];
     with dense_base, A's sum as a dense word at dense_base + chunk * 64 + col when
     dense_on != 0; with norm=(eps, D), the sums scaled by the RMSNorm factor from norm_ref's 4
@@ -242,15 +256,15 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     n_sums = norm[1] // SS if sums and poll_norm is not None else 0
     per_lane = -(-n_sums // 128) if n_sums else norm[1] // 128 if poll_norm is not None else 0
     # A's groups first, then B's, in the order the PTX sums them.
-    ordered = [g for g in groups if not g[2]] + [g for g in groups if g[2]]
+    ordered = [g for g in groups if not g.is_b] + [g for g in groups if g.is_b]
     step = reads.chunk_step
-    spec = tuple((g[0], g[2], 8 * g[1], g[6]) for g in ordered)
+    spec = tuple(PollGroup(g.count, g.is_b, 8 * g.stride, g.packed) for g in ordered)
     ptx = _gather_ptx(spec, dense, out, norm, per_lane, reads.passes, 8 * 64 * step,
                       reads.slot_step * (1024 if out == "bf16" else 256), step, dense_ss is not None, n_sums)
     splat = plgpu.Layout.WG_SPLAT
     traced = [jnp.asarray(v, jnp.int32) for v in (*reads.chunks, *reads.slots, reads.limit, use_init)]
-    traced += [jnp.asarray(g[3], jnp.int32) for g in ordered]
-    traced += [jnp.asarray(g[5], jnp.int32) for g in ordered]
+    traced += [jnp.asarray(g.base_word, jnp.int32) for g in ordered]
+    traced += [jnp.asarray(g.tag, jnp.int32) for g in ordered]
     if dense:
         traced += [jnp.asarray(dense_base, jnp.int32), jnp.asarray(dense_on, jnp.int32),
                    jnp.asarray(dense_tag, jnp.int32)]
@@ -287,9 +301,9 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
 
         addrs, want = [], []
         half = arith.divui(col, const_i32(2))  # a packed piece's word of this lane's column
-        for (_, stride, _, _, init_ok, _, packed), base, t in zip(ordered, bases, tags, strict=True):
-            first = arith.addi(arith.addi(base, arith.muli(chunk, const_i32(stride))), half if packed else col)
-            ptr = arith.select(from_init, init_p, ll_p) if init_ok else ll_p
+        for g, base, t in zip(ordered, bases, tags, strict=True):
+            first = arith.addi(arith.addi(base, arith.muli(chunk, const_i32(g.stride))), half if g.packed else col)
+            ptr = arith.select(from_init, init_p, ll_p) if g.init_ok else ll_p
             addrs.append(addr(ptr, first))
             want.append(t)
         operands = addrs + want

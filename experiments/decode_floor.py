@@ -28,9 +28,9 @@ default), `packed=0` for pieces one value a word, not two (`packed`; on by defau
 `NAME=SKxST` to split product NAME (qkv, o, gu, down) as given: with spare or a split, the products
 not named split as the cost model does (`chain@16,spare=0,down=22x6`, a candidate of the
 sweep of splits in whole steps); with neither, the kernel's measured choice for the shape,
-`plan.tuned`); a `+head`
-suffix (`chain+head`, `fast+head`) runs the final norm and the output layer as one kernel
-(`pallas_kernels.head`) instead of XLA's. Each row also carries the kernels one loop iteration
+`plan.tuned`); a suffix picks the final norm and the output layer (`decoder.plan`'s head;
+none: its default): `+xla` XLA's, `+head` (`chain+head`, `fast+head`) one kernel
+(`pallas_kernels.head`), `+fused` (`chain+fused`) inside the megakernel. Each row also carries the kernels one loop iteration
 launches, by kind, read from the compiled HLO, and with `--profile` the device time per
 kind of the first case of each preset. Writes `decode_floor_<device>.json` after every case.
 """
@@ -132,7 +132,7 @@ def chain_options(option: str):
 def case_plan(cfg, params, batch: int, variant: str, max_len: int) -> decoder.DecodePlan:
     """The decode plan of a variant (`params` already laid out for its path)."""
     variant, _, extra = variant.partition("+")
-    head = "kernel" if extra == "head" else "xla"
+    head = dict(head=dict(head="kernel"), fused=dict(head="fused"), xla=dict(head="xla")).get(extra, {})
     kind, _, option = variant.partition("@")
     if kind == "reference":
         return decoder.plan(dataclasses.replace(cfg, scan_unroll=cfg.num_layers), params, batch,
@@ -140,10 +140,10 @@ def case_plan(cfg, params, batch: int, variant: str, max_len: int) -> decoder.De
     if kind == "chain":  # one persistent kernel a step (chain@OPTS: the module docstring's)
         stages, kernel = chain_options(option)
         return decoder.plan(cfg, params, batch, max_len, "megakernel", kernel=kernel, stages=stages,
-                            head=head)
+                            **head)
     return decoder.plan(cfg, params, batch, max_len, "fast",
                         backend="xla" if kind == "fast_xla" else None,
-                        fused=kind != "fast_unfused", tiling=option, head=head)
+                        fused=kind != "fast_unfused", tiling=option, **head)
 
 
 def run_case(cfg, params, batch, variant, args, profile: bool):
@@ -212,9 +212,10 @@ def main():
         cases.append((p, int(b), v))
     for _, _, v in cases:
         base, _, extra = v.partition("+")
-        if (base not in VARIANTS and not base.startswith(("fast@", "chain@"))) or extra not in ("", "head"):
+        if (base not in VARIANTS and not base.startswith(("fast@", "chain@"))) or extra not in (
+                "", "head", "xla", "fused") or (extra == "fused" and not base.startswith("chain")):
             raise SystemExit(f"variant {v!r}: choose one of {VARIANTS}, fast@<tiling> or "
-                             "chain@<stages>, optionally with +head")
+                             "chain@<stages>, optionally with +head or +xla (+fused: chain only)")
     current, params = None, {}
     for name, batch, variant in cases:
         if time.perf_counter() - t_start > args.budget_s:

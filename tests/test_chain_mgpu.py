@@ -181,6 +181,28 @@ def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps, group):
     assert_polls_are_the_warps(text)
 
 
+@pytest.mark.parametrize("vocab", [256, 128256])
+def test_the_output_layer_lowers_inside_the_kernel(vocab):
+    """w_head: the kernel with the output layer passes Mosaic GPU's checks for sm90 (the
+    table's tiles through the ring, z's TMA stores) and gives z [sk, V] fp32, sk as
+    `plan.head_product` chooses; a table whose rows are not whole tiles is refused."""
+    D, F, NQ, K, hd = ATTENTION["llama3.2-1b"]
+    N1 = D + 2 * K * hd
+    S = jax.ShapeDtypeStruct
+    args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
+            S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16),
+            S((2, 2, K, 320, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
+    head = S((vocab, D), jnp.bfloat16)
+    out = jax.eval_shape(lambda *a: cm.chain_mgpu(*a[:-1], blocks=132, norm_eps=1e-5, w_head=a[-1]), *args, head)
+    assert out[2].shape == (plan.head_product(vocab, D, 132).split.sk, vocab) and out[2].dtype == jnp.float32
+    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a[:-1], blocks=132, norm_eps=1e-5, w_head=a[-1]),
+                            *args, head)
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert_polls_are_the_warps(text)
+    with pytest.raises(ValueError, match="w_head"):
+        cm.chain_mgpu(*inputs(128, 192, 128, 1), w_head=jnp.zeros((100, 128), jnp.bfloat16))
+
+
 @pytest.mark.parametrize("prefetch", [0, 16])
 def test_prefetch_asks_l2_for_the_tiles_ahead(prefetch):
     """prefetch=N: the producer asks L2 for weight tiles (`prefetch.global.L2`, 64-bit
@@ -428,6 +450,29 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, 
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
     got_kv, want_kv = np.asarray(got_kv, np.float32), np.asarray(want_kv, np.float32)
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
+@pytest.mark.parametrize("preset,vocab,attention", [("350m", 256, False), ("1b", 32000, True),
+                                                    ("llama3.2-1b", 128256, True)])
+def test_the_output_layer_inside_matches_the_reference_on_the_gpu(preset, vocab, attention):
+    """w_head: the pieces' sum is the table (gain folded) times bf16(x_L), within bf16's
+    error of the reference's, and x_L and the new k, v are what they are without it."""
+    D, F, NQ, K, hd = ATTENTION[preset]
+    x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, 2)
+    g = gains(D, 2)
+    wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
+    table = cx.fold_head(jax.random.normal(jax.random.key(7), (vocab, D), jnp.float32).astype(jnp.bfloat16),
+                         g[0][0])
+    att = attention_inputs(2, D, 320, 129, heads=NQ, kv_heads=K) if attention else ()
+    got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5, w_head=table)
+    plain = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5)
+    want = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5, w_head=table)
+    z, want_z = np.asarray(got[-1], np.float64).sum(axis=0), np.asarray(want[-1][0], np.float64)
+    assert np.linalg.norm(z - want_z) <= 1e-2 * np.linalg.norm(want_z)
+    plain = plain if attention else (plain,)
+    for a, b in zip(got[:-1], plain, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def unpack(pairs):

@@ -76,10 +76,24 @@ def test_chain_steps_give_the_models_logits(params, gqa_params, prompt_len, gqa)
     assert got.max() <= 2 * model.max(), (got, model)
 
 
-def test_chain_steps_with_the_head_kernel_give_the_models_logits(params):
-    """The same with the final norm and the output layer in their kernel (`head="kernel"`)."""
-    got, model = _teacher_forced(CFG, params, 5, head="kernel")
+@pytest.mark.parametrize("head", ["kernel", "fused"])
+def test_chain_steps_with_the_head_kernel_give_the_models_logits(params, head):
+    """The same with the final norm and the output layer in their kernel (`head="kernel"`)
+    or inside the megakernel (`head="fused"`: its table with the norm's gain folded in, the
+    norm's factor applied to the kernel's pieces after it)."""
+    got, model = _teacher_forced(CFG, params, 5, head=head)
     assert got.max() <= 2 * model.max(), (got, model)
+
+
+def test_the_head_choice_follows_the_path(params):
+    """head="auto" puts the output layer inside the megakernel where it runs (its folded
+    table laid out once), XLA's elsewhere; "fused" off the megakernel path is refused."""
+    cpu = ("cpu", "cpu")
+    mega = decoder.plan(CFG, params, 1, 16, "megakernel", KERNEL, head="auto", device=cpu)
+    assert mega.head == "fused" and mega.params["chain_head"].shape == (CFG.vocab_size, CFG.d_model)
+    assert decoder.plan(CFG, params, 1, 16, "reference", head="auto", device=cpu).head == "xla"
+    with pytest.raises(ValueError, match="head='fused' runs the output layer inside the megakernel"):
+        decoder.plan(CFG, params, 1, 16, "reference", head="fused", device=cpu)
 
 
 def _teacher_forced(cfg, params, prompt_len, kernel=KERNEL, head="xla"):
@@ -105,12 +119,12 @@ def _teacher_forced(cfg, params, prompt_len, kernel=KERNEL, head="xla"):
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Mosaic GPU kernel at Llama-3.2-1B's widths: an sm90 GPU only")
-@pytest.mark.parametrize("head", ["xla", "kernel"])
+@pytest.mark.parametrize("head", ["xla", "kernel", "fused"])
 def test_llama_widths_step_through_the_kernel_on_the_gpu(head):
     """Llama-3.2-1B's widths (32 query / 8 kv heads of 64, d_ff 8192, vocabulary 128256,
     llama3 RoPE scaling), 2 of its 16 layers, random weights: teacher-forced steps through
     the Mosaic GPU kernel give logits within twice the model's own bf16 error (with XLA's
-    output layer, and with the head kernel)."""
+    output layer, with the head kernel and with the output layer inside the megakernel)."""
     cfg = dataclasses.replace(preset("llama3.2-1b").model, num_layers=2, attention="xla")
     got, model = _teacher_forced(cfg, transformer.init_params(cfg, 1), 100, None, head)
     assert got.max() <= 2 * model.max(), (got, model)

@@ -127,11 +127,12 @@ def resolve(cfg: ModelConfig, batch: int, path: str = "auto", *, platform: str,
     return path, f"decode: {name} (generate.path={path!r})"
 
 
-def layout(cfg: ModelConfig, params: dict, path: str) -> dict:
+def layout(cfg: ModelConfig, params: dict, path: str, head: str = "xla") -> dict:
     """`params` as `path` reads them (idempotent): cast once; the decode layout for "fast";
-    plus the stacked, norm-folded matrices of the kernel for "megakernel"."""
+    plus the stacked, norm-folded matrices of the kernel for "megakernel" (and its output
+    layer's table when `head` is "fused")."""
     if path == "megakernel":
-        return megakernel.chain_params(cfg, params)
+        return megakernel.chain_params(cfg, params, head == "fused")
     if path == "fast":
         return decode_layout.decode_params(cfg, params)
     if decode_layout.is_layout(params):
@@ -198,7 +199,7 @@ class DecodePlan:
         elif self.path == "megakernel" and tokens_BT.shape[1] == 1:
             logits_BV, cache = megakernel.step(self.cfg, self.params, tokens_BT[:, 0],
                                                pos_BT[:, 0], cache, self.kernel,
-                                               head=self.head == "kernel")
+                                               head=self.head)
             return logits_BV[:, None], cache
         else:  # fast, and the megakernel's prompts (XLA attention over its cache)
             logits_BTV, cache = decode_block.forward(self.cfg, self.params, tokens_BT, pos_BT,
@@ -222,7 +223,7 @@ class DecodePlan:
 
     def with_params(self, params: dict) -> DecodePlan:
         """This plan over other weights (laid out for the path here when they are not)."""
-        return dataclasses.replace(self, params=layout(self.cfg, params, self.path))
+        return dataclasses.replace(self, params=layout(self.cfg, params, self.path, self.head))
 
 
 def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "auto",
@@ -236,18 +237,27 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     (`pallas_kernels.chain.chain_mgpu` by default; `megakernel.chain_reference` runs the path
     in XLA). paged, step_tokens: what the caller needs (`choose`). backend ("xla" |
     "pallas"), fused, tiling: the fast path's attention (`LayerKVCache`); stages: the
-    megakernel's ring. head: "xla" | "kernel", the final norm and the output layer of the
-    fast path and the megakernel as XLA's ops or one Pallas kernel (`pallas_kernels.head`).
+    megakernel's ring. head: the final norm and the output layer as XLA's ops ("xla"), one
+    Pallas kernel (`pallas_kernels.head`, "kernel") or, on the megakernel path, inside the
+    megakernel ("fused": its table streams right behind the last layer's weights; a tied
+    table is kept twice, once with the norm's gain folded in); "auto": "fused" where the
+    megakernel runs and takes the vocabulary (`megakernel.fused_head_supported`), else "xla".
     device: (platform, device_kind), the first device's by default.
     """
-    if head not in ("xla", "kernel"):
-        raise ValueError(f"head={head!r}; choose 'xla' (XLA's output layer) or 'kernel' "
-                         "(pallas_kernels.head).")
+    if head not in ("auto", "xla", "kernel", "fused"):
+        raise ValueError(f"head={head!r}; choose 'auto', 'xla' (XLA's output layer), 'kernel' "
+                         "(pallas_kernels.head) or 'fused' (inside the megakernel).")
     platform, kind = device or this_device()
     path, line = resolve(cfg, batch, path, platform=platform, device_kind=kind, kernel=kernel,
                          paged=paged, step_tokens=step_tokens)
+    if head == "auto":
+        head = "fused" if path == "megakernel" and not megakernel.fused_head_supported(cfg) else "xla"
+    elif head == "fused" and (path != "megakernel" or megakernel.fused_head_supported(cfg)):
+        why = megakernel.fused_head_supported(cfg) or f"the megakernel path (this is {path!r})"
+        raise ValueError(f"head='fused' runs the output layer inside the megakernel and needs {why}; "
+                         "use head='auto' or 'xla'.")
     if path == "megakernel" and kernel is None:
         kernel = chain_mgpu
-    return DecodePlan(layout(cfg, params, path), cfg, path, line, batch, max_len,
+    return DecodePlan(layout(cfg, params, path, head), cfg, path, line, batch, max_len,
                       attention_backend(cfg, platform, backend), kernel, fused, tiling, stages,
                       head)

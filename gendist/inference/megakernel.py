@@ -31,11 +31,13 @@ from gendist.models.layers import rope_angles
 from pallas_kernels.chain import xla as cx
 
 
-def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: float, stages: int = 16):
+def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: float, stages: int = 16,
+                    w_head=None):
     """`chain_mgpu`'s result from its own inputs (norm gains folded) by `cx.reference`: the
     kernel's math in XLA, for any device (stages, the kernel's ring depth, changes nothing)."""
     ones = jnp.ones((w_qkv.shape[0], x0_D.shape[0]), jnp.float32)
-    return cx.reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, norms=(ones, ones), eps=norm_eps)
+    return cx.reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, norms=(ones, ones), eps=norm_eps,
+                        w_head=w_head)
 
 
 def supported(cfg: ModelConfig, batch: int) -> str | None:
@@ -60,12 +62,27 @@ def supported(cfg: ModelConfig, batch: int) -> str | None:
     return "; ".join(need for lacking, need in needs if lacking) or None
 
 
-def chain_params(cfg: ModelConfig, params: dict) -> dict:
+def fused_head_supported(cfg: ModelConfig) -> str | None:
+    """None when the output layer can run inside the kernel (`step(head="fused")`), else
+    what the model lacks."""
+    return None if cfg.vocab_size % 64 == 0 else f"a vocabulary a multiple of 64 (is {cfg.vocab_size})"
+
+
+def chain_params(cfg: ModelConfig, params: dict, head: bool = False) -> dict:
     """The decode layout (`decode_layout.decode_params`, for the prompt) plus "chain": the
     matrices the kernel reads, stacked over layers, RMSNorm gains folded into q|k|v's and
     gate|up's columns: (w_qkv [L, D + 2 K hd, D] (rows q | k | v, K kv heads), w_o [L, D, D],
-    w_gu [L, 2F, D], w_down [L, D, F])."""
+    w_gu [L, 2F, D], w_down [L, D, F]). head: also "chain_head", the output layer's table
+    with the final norm's gain folded in (`cx.fold_head`; a second copy of a tied table:
+    V x D bf16 more memory), for the output layer inside the kernel."""
     if "chain" in params:
+        if head and "chain_head" not in params:
+            why = fused_head_supported(cfg)
+            if why:
+                raise ValueError(f"chain_params: the output layer inside the megakernel needs {why}; "
+                                 "use head='xla'.")
+            table_VD = params["embed"] if cfg.tie_embeddings else params["head_VD"]
+            return {**params, "chain_head": cx.fold_head(table_VD, params["final_norm"])}
         return params
     why = supported(cfg, 1)
     if why:
@@ -78,7 +95,8 @@ def chain_params(cfg: ModelConfig, params: dict) -> dict:
     w_qkv, w_gu = cx.fold_norms(stack("wqkv_CHD", (N1, D)), stack("w_gate_up_GD", (2 * cfg.d_ff, D)),
                                 jnp.stack([b["attn_norm"] for b in blocks]),
                                 jnp.stack([b["mlp_norm"] for b in blocks]))
-    return {**dp, "chain": (w_qkv, stack("wo_DNH", (D, D)), w_gu, stack("w_down_DF", (D, cfg.d_ff)))}
+    out = {**dp, "chain": (w_qkv, stack("wo_DNH", (D, D)), w_gu, stack("w_down_DF", (D, cfg.d_ff)))}
+    return chain_params(cfg, out, head) if head else out
 
 
 @jax.tree_util.register_dataclass
@@ -124,15 +142,22 @@ def rope_table(cfg: ModelConfig, rows: int):
 
 
 def step(cfg: ModelConfig, params: dict, tokens_B, pos_B, cache: ChainCache, kernel,
-         head: bool = False):
+         head: str = "xla"):
     """One token at position pos_B through `kernel` (`kernel.chain_mgpu` or `chain_reference`):
     (fp32 logits [1, V], the cache with every layer's new k and v written at pos_B; its
     lengths are the caller's, as for a forward). `head`: the final norm and the output layer
-    in one kernel (`decode_block.head_logits`)."""
+    as XLA's ops ("xla"), one kernel after this one ("kernel", `decode_block.head_logits`) or
+    inside it ("fused": the kernel reads `chain_params(head=True)`'s table right behind the
+    last layer and returns the logits' pieces before the norm's factor, applied here)."""
     x0 = decode_block.embed(params, tokens_B[:, None], cfg)[0, 0].astype(jnp.float32)
-    x_D, kv_new = kernel(x0, *params["chain"], cache.kv, pos_B, cache.rope, norm_eps=cfg.norm_eps,
-                         stages=cache.stages)
+    extra = dict(w_head=params["chain_head"]) if head == "fused" else {}
+    x_D, kv_new, *z_KV = kernel(x0, *params["chain"], cache.kv, pos_B, cache.rope, norm_eps=cfg.norm_eps,
+                                stages=cache.stages, **extra)
     kv = jax.lax.dynamic_update_slice(cache.kv, kv_new[:, :, :, None, :], (0, 0, 0, pos_B[0], 0))
-    logits = decode_block.head_logits(params, x_D.astype(cache.kv.dtype)[None, None], cfg,
-                                      kernel=head)
-    return logits[:, 0].astype(jnp.float32), dataclasses.replace(cache, kv=kv)
+    if head == "fused":  # the norm's factor of x_L as the model rounds it (bf16)
+        x = x_D.astype(cache.kv.dtype).astype(jnp.float32)
+        logits = (z_KV[0].sum(axis=0) * jax.lax.rsqrt(jnp.mean(x * x) + cfg.norm_eps))[None]
+    else:
+        logits = decode_block.head_logits(params, x_D.astype(cache.kv.dtype)[None, None], cfg,
+                                          kernel=head == "kernel")[:, 0]
+    return logits.astype(jnp.float32), dataclasses.replace(cache, kv=kv)

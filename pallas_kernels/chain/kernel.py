@@ -73,6 +73,7 @@ from pallas_kernels.chain.plan import (
     REGIONS,
     Reads,
     T,
+    head_product,
     head_reads,
     init_words,
     input_spec,
@@ -116,17 +117,20 @@ def _window_rows(kmax: int) -> int:
 
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                  norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
-                 prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True):
+                 prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
+                 head=None):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
-    (of one kv head) a block."""
+    (of one kv head) a block. head: None or (w_head [V, D] bf16, its `plan.head_product`):
+    the output layer after the last layer, its pieces [sk V] fp32 an output."""
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     lay = layout(prods, D, attn is not None, packed)
     init = init_words(x0_D, prods, lay)
     NB, st, TG = blocks, stages, tiles
-    kmax = max(p.kmax() for p in prods)
+    w_head, hp = head if head is not None else (None, None)
+    kmax = max(p.kmax() for p in prods + ((hp,) if hp is not None else ()))
     qkv, o, gu, down = prods
     if attn is not None:
         kv = attn[0]
@@ -150,13 +154,15 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         return n, before
 
     def kernel(*refs):
-        n_in = 5 if attn is None else 8
+        n_in = 5 + (3 if attn is not None else 0) + (hp is not None)
         init_ref, wq_ref, wo_ref, wgu_ref, wd_ref = refs[:5]
         kv_ref, pos_ref, rope_ref = refs[5:8] if attn is not None else (None,) * 3
-        n_out = 1 + (attn is not None) + trace
+        wh_ref = refs[n_in - 1] if hp is not None else None
+        n_out = 1 + (attn is not None) + (hp is not None) + trace
         y_ref, kvn_ref = (refs[n_in], None) if attn is None else refs[n_in:n_in + 2]
+        z_ref = refs[n_in + 1 + (attn is not None)] if hp is not None else None
         trace_ref = refs[n_in + n_out - 1] if trace else None
-        (x_win, w_smem, acc_smem, out_smem, norm_smem, full, free,
+        (x_win, w_smem, acc_smem, out_smem, norm_smem, full, free, z_smem,
          p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar, heads_smem) = refs[n_in + n_out:]
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
         ll = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * REGIONS * lay.layer_words,)))
@@ -214,6 +220,44 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 def _(q):
                     c, t = q // n_tiles, lax.rem(q, n_tiles)
                     issue(j0 + n_tiles * nc + q, kv_ref.at[l, 1, j_kv, pl.ds(t * T, T), pl.ds(c * KC, KC)])
+
+        def produce_head():  # the output layer's weight tiles, after the last layer's
+            active, t0, t1, k0, k1 = rect(hp, b)
+            nk = k1 - k0
+
+            @pl.when(active)
+            def _():
+                @pl.loop(0, (t1 - t0) * nk)
+                def _(q):
+                    t, k = t0 + q // nk, k0 + lax.rem(q, nk)
+                    issue(L * per_layer + q, wh_ref.at[pl.ds(t * T, T), pl.ds(k * KC, KC)])
+
+        def consume_head():
+            """x_L's chunks k0..k1-1 (the last down's pieces and H_{L-1}, as the final
+            chunk's), then each tile's sum over them, to z at chunk group gk's piece of the
+            tile: two shared buffers, a tile's TMA store in flight while the next is summed."""
+            active, t0, t1, k0, k1 = rect(hp, b)
+            nk = k1 - k0
+
+            @pl.when(active)
+            def _():
+                groups, _, _ = input_spec("final", L - 1, 0, prods, lay, F)
+                for reads in product_reads(hp, k0, k1, words(groups)):
+                    pl.when(reads.chunks[0] < k1)(functools.partial(
+                        cw.gather, ll, init_ref, x_win, groups, reads, out="bf16", use_init=False))
+                plgpu.commit_smem()
+                gk = b // hp.split.st
+
+                @pl.loop(0, t1 - t0)
+                def _(i):
+                    (z,) = ring_dot(L * per_layer + i * nk, nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)])
+                    buf = z_smem.at[lax.rem(i, 2)]
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store two tiles ago read it
+                    buf[...] = z
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(buf, z_ref.at[pl.ds(gk * hp.N + (t0 + i) * T, T)])
+
+                plgpu.wait_smem_to_gmem(0)
 
         def gather(l, p, k0, k1, gt):
             """The window's rows for chunks k0..k1-1 of product p's input: two chunks a pass,
@@ -383,8 +427,11 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         @pl.when(wg == 1)
         def _producer():
             every_phase(produce, produce_att)
-
             total = L * per_layer
+            if hp is not None:
+                produce_head()
+                active, t0, t1, k0, k1 = rect(hp, b)
+                total = total + jnp.where(active, (t1 - t0) * (k1 - k0), 0)
 
             @pl.loop(jnp.maximum(total - st, 0), total)
             def _(j):  # the last slots' release: every barrier phase is observed
@@ -402,6 +449,8 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                     plgpu.barrier_wait(rope_bar.at[0])
 
             every_phase(consume, attend)
+            if hp is not None:  # first: its weights wait in the ring, y is not read before the end
+                consume_head()
 
             @pl.when(b < D // T)
             def _final():  # chunk b of x_L, to y
@@ -431,12 +480,17 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         plgpu.SMEM((4,), jnp.float32),  # a norm's 4 warp partial sums of squares
         plgpu.Barrier(num_barriers=st),  # slot's tile landed
         plgpu.Barrier(num_barriers=st),  # slot free again
+        plgpu.SMEM((2, T), jnp.float32) if hp is not None else None,  # the head's tiles, to z
     ) + att_scratch
     out_type = jax.ShapeDtypeStruct((D,), jnp.float32)
     args = (init, w_qkv, w_o, w_gu, w_down)
     if attn is not None:
         out_type = (out_type, jax.ShapeDtypeStruct((L, 2, H, hd), jnp.bfloat16))
         args += tuple(attn)
+    if hp is not None:
+        out_type = (*(out_type if attn is not None else (out_type,)),
+                    jax.ShapeDtypeStruct((hp.split.sk * hp.N,), jnp.float32))
+        args += (w_head,)
     if trace:
         out_type = (*(out_type if attn is not None else (out_type,)),
                     jax.ShapeDtypeStruct((NB, L, len(TRACE_POINTS), 2), jnp.int32))
@@ -495,7 +549,8 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
-               prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True):
+               prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
+               w_head=None):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
@@ -531,7 +586,15 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     rounded to 24 bits, 2^-16 relative, and a 16-bit tag), and a lane pair of their readers
     shares the words (`words.gather`): half the loads a lane and half the bytes a poll.
     Both are on by default: each step was faster with them at every preset measured
-    (benchmarks/decode.md); False gives the kernel without them."""
+    (benchmarks/decode.md); False gives the kernel without them.
+
+    w_head: [V, D] bf16 (V a multiple of 64), the output layer, read after the last layer
+    (the final RMSNorm's gain folded into its columns, `xla.fold_head`): the result gains a
+    last output (before trace's) z [sk, V] fp32 whose sum over sk is w_head bf16(x_L), the
+    logits before the final norm's factor rsqrt(mean(x_L^2) + eps), which the caller applies
+    (`gendist.inference.megakernel.step`). Its weight tiles stream into the ring right behind
+    the last layer's, so the table's read overlaps the last handovers (`plan.head_product`:
+    its split)."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
     attn = None
@@ -553,8 +616,15 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
         raise ValueError(f"chain_mgpu: {att_blocks} attention blocks leave none of blocks={NB} "
                          "for o; use spare=False or more blocks.")
     prods = products(D, N1, F, NB, attention=attn is not None, splits=splits, att_blocks=att_blocks)
-    kmax = max(p.kmax() for p in prods)
-    need = smem_need(kmax, stages, tiles) + (0 if attn is None else attention_smem(S, hd, group))
+    head = None
+    if w_head is not None:
+        if w_head.ndim != 2 or w_head.shape[1] != D or w_head.shape[0] % T or w_head.dtype != jnp.bfloat16:
+            raise ValueError(f"chain_mgpu: w_head {w_head.shape} {w_head.dtype}: want [V, D={D}] bf16 "
+                             f"with V a multiple of {T}; leave the output layer to XLA otherwise.")
+        head = (w_head, head_product(w_head.shape[0], D, NB))
+    kmax = max(p.kmax() for p in prods + ((head[1],) if head else ()))
+    need = (smem_need(kmax, stages, tiles) + (0 if attn is None else attention_smem(S, hd, group))
+            + (2 * T * 4 if head else 0))
     if need > SMEM_LIMIT - 2048:
         raise ValueError(f"chain_mgpu: stages={stages} needs {need} bytes of shared memory; use fewer.")
     if norm_eps is not None and D % 128:
@@ -571,8 +641,14 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     if prefetch < 0:
         raise ValueError(f"chain_mgpu: prefetch={prefetch}: want 0 (off) or the weight tiles a block "
                          "asks of L2 ahead of its ring.")
-    return _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace, group,
-                        prefetch, tiles, norm_sums, packed)
+    out = _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace, group,
+                       prefetch, tiles, norm_sums, packed, head)
+    if head is None:
+        return out
+    out = list(out)
+    z_at = 1 + (attn is not None)
+    out[z_at] = out[z_at].reshape(head[1].split.sk, -1)
+    return tuple(out)
 
 
 def attention_group(D: int, N1: int, F: int, blocks: int, head_dim: int, kv_heads: int,

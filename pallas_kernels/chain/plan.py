@@ -114,6 +114,24 @@ def products(D: int, N1: int, F: int, blocks: int, attention: bool = False,
     return tuple(out)
 
 
+def head_product(V: int, D: int, blocks: int) -> Product:
+    """The output layer as the kernel's last product (`chain_mgpu(w_head=...)`): V rows of
+    D, after the last layer. Its pieces are not polled by any block: each chunk group's go to
+    the kernel's output, summed by the caller. The split: the fewest weight tiles on the
+    busiest block, with the pieces' bytes (sk x V fp32, written once and read once)
+    counted as tiles of the stream (8 KB each, over every block)."""
+    tiles, chunks = V // T, D // KC
+    best = None
+    for sk in range(1, chunks + 1):
+        st = min(tiles, blocks // sk)
+        if st < 1:
+            break
+        cost = cdiv(tiles, st) * cdiv(chunks, sk) + sk * V * 8 / (T * KC * 2 * blocks)
+        if best is None or cost < best[0]:
+            best = (cost, Split(sk, st))
+    return Product("head", V, D, best[1])
+
+
 # Splits, o's blocks and attention groups measured faster than the cost model's in whole decode
 # steps on an H200 (132 SMs; benchmarks/decode.md, `decode_floor.py --variants chain@...`,
 # `experiments/tune_chain_splits.py`), by (D, N1, F, blocks, head_dim): (splits over the cost

@@ -16,12 +16,19 @@ def fold_norms(w_qkv, w_gu, g_attn_LD, g_mlp_LD):
     return fold(w_qkv, g_attn_LD), fold(w_gu, g_mlp_LD)
 
 
+def fold_head(table_VD, g_D):
+    """The output layer's table with the final RMSNorm's gain folded into its columns: what
+    `chain_mgpu(w_head=...)` reads (a copy when the table is the token embedding's)."""
+    return (table_VD.astype(jnp.float32) * g_D[None, :]).astype(jnp.bfloat16)
+
+
 def reference(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, norms=None,
-              eps: float = 1e-5):
+              eps: float = 1e-5, w_head=None):
     """The same chain in XLA: each product's input rounded to bf16, fp32 sums. norms:
     (g_attn [L, D], g_mlp [L, D]) for RMSNorms before q|k|v and gate|up (unfolded). With kv,
     pos, rope (`chain_mgpu`'s), each layer attends as `decode_attention_reference` does (D / hd
-    query heads over the cache's H kv heads) and the result is (x_L, kv_new [L, 2, H, hd])."""
+    query heads over the cache's H kv heads) and the result is (x_L, kv_new [L, 2, H, hd]).
+    w_head [V, D]: one more result, z [1, V] = w_head bf16(x_L) (`chain_mgpu`'s, summed)."""
     D, F = w_o.shape[1], w_down.shape[2]
 
     def mv(w, v):
@@ -54,4 +61,7 @@ def reference(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, n
             h = x + mv(w_o[l], o)
         g = mv(w_gu[l], h if norms is None else rms(h, norms[1][l]))
         x = h + mv(w_down[l], jax.nn.silu(g[:F]) * g[F:])
-    return x if kv is None else (x, jnp.stack(new))
+    out = (x,) if kv is None else (x, jnp.stack(new))
+    if w_head is not None:
+        out += (mv(w_head, x)[None],)
+    return out[0] if len(out) == 1 else out

@@ -497,7 +497,7 @@ def test_packed_words_keep_two_values_and_a_tag():
 
 
 def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att_blocks=0, group=None,
-            sums=False, packed=False):
+            sums=False, packed=False, w_head=None):
     """The kernel's data flow in numpy, through the kernel's own decomposition (`rect`), word
     layout (`layout`, `init_words`, `piece_word`) and input wiring (`input_spec`): each
     active block gathers its chunks (summing pieces, the residual, SwiGLU), rounds them to
@@ -509,7 +509,9 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
     (`attend`) and writes the layer's "att" words, which o reads. sums: the RMSNorms' readers
     read the dense writers' square sums (`chain_mgpu(norm_sums=True)`). packed: pieces two
     values a word, each rounded as `plan.pack` rounds it (`chain_mgpu(packed=True)`). Returns
-    x_L (and kv_new)."""
+    x_L (and kv_new). w_head [V, D]: then also z [sk, V], the output layer's pieces as the
+    kernel's blocks make them (`plan.head_product`'s rectangles over x_L's chunks read as
+    the final chunks are), each written once."""
     L, N1, D = wq.shape
     F = wd.shape[2]
     new = []
@@ -604,12 +606,28 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
                         write(plan.region(l, lay) + lay.offsets["att"] + (a * GB + g) * hd, hd, o, l)
                     new.append((l, j, kn, vn))
     x_L = np.concatenate([read("final", L - 1, 0, c, False) for c in range(D // 64)])
+    z = None
+    if w_head is not None:
+        hp = plan.head_product(w_head.shape[0], D, blocks)
+        Wh = np.asarray(w_head.astype(jnp.float32), np.float64)
+        z = np.full((hp.split.sk, hp.N), np.nan)
+        for b in range(blocks):
+            active, t0, t1, k0, k1 = plan.rect(hp, b)
+            if not active:
+                continue
+            x = {c: bf16(read("final", L - 1, 0, c, False)) for c in range(k0, k1)}
+            for t in range(t0, t1):
+                gk = b // hp.split.st
+                assert np.isnan(z[gk, t * 64:(t + 1) * 64]).all()
+                z[gk, t * 64:(t + 1) * 64] = sum(Wh[t * 64:(t + 1) * 64, c * 64:(c + 1) * 64] @ x[c]
+                                                 for c in range(k0, k1))
+        assert not np.isnan(z).any()
     if att is None:
-        return x_L
+        return x_L if z is None else (x_L, z)
     kv_new = np.zeros((L, 2, att[0].shape[2], att[0].shape[4]))
     for l, h, kn, vn in new:
         kv_new[l, 0, h], kv_new[l, 1, h] = kn, vn
-    return x_L, kv_new
+    return (x_L, kv_new) if z is None else (x_L, kv_new, z)
 
 
 def attend(q, k, v, K_SH, V_SH, pos, rope, bf16):
@@ -650,6 +668,21 @@ def test_the_kernels_data_flow_computes_the_chain(blocks, norms, sums, packed):
         got = emulate(x0, wq, wo, wgu, wd, blocks, packed=packed)
         want = np.asarray(cx.reference(x0, wq, wo, wgu, wd), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("blocks,vocab", [(132, 256), (5, 320), (7, 4096)])
+def test_the_output_layers_data_flow_computes_the_logits(blocks, vocab):
+    """w_head: the blocks' rectangles of the output layer cover every tile once from every
+    chunk group, read x_L's chunks where the final chunks are read, and their pieces add up
+    to the reference's table times bf16(x_L)."""
+    D, N1, F, L = 256, 768, 512, 2
+    x0, wq, wo, wgu, wd = inputs(D, N1, F, L)
+    table = jax.random.normal(jax.random.key(5), (vocab, D), jnp.float32).astype(jnp.bfloat16)
+    g = gains(D, L)
+    wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
+    _, z = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, sums=True, packed=True, w_head=table)
+    want = np.asarray(cx.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5, w_head=table)[1][0], np.float64)
+    assert np.linalg.norm(z.sum(axis=0) - want) <= 1e-2 * np.linalg.norm(want)
 
 
 @pytest.mark.parametrize("blocks,norms,pos,splits,spare,sums,packed", [

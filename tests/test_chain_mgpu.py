@@ -349,21 +349,24 @@ def test_bad_inputs_name_the_field():
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
-@pytest.mark.parametrize("preset,layers,norms,tiles,sums,packed", [
-    ("350m", 1, False, 1, False, False), ("350m", 3, False, 1, False, False), ("1b", 2, False, 1, False, False),
-    ("350m", 2, True, 1, False, False), ("1b", 2, True, 1, False, False), ("350m", 3, False, 2, False, False),
-    ("1b", 2, True, 4, False, False), ("350m", 3, True, 1, True, False), ("1b", 2, True, 4, True, False),
-    ("350m", 3, False, 1, False, True), ("1b", 2, True, 4, True, True)])
-def test_matches_the_reference_on_the_gpu(preset, layers, norms, tiles, sums, packed):
+@pytest.mark.parametrize("preset,layers,norms,tiles,sums,packed,inflight", [
+    ("350m", 1, False, 1, False, False, 1), ("350m", 3, False, 1, False, False, 1), ("1b", 2, False, 1, False, False, 1),
+    ("350m", 2, True, 1, False, False, 1), ("1b", 2, True, 1, False, False, 1), ("350m", 3, False, 2, False, False, 1),
+    ("1b", 2, True, 4, False, False, 1), ("350m", 3, True, 1, True, False, 1), ("1b", 2, True, 4, True, False, 1),
+    ("350m", 3, False, 1, False, True, 1), ("1b", 2, True, 4, True, True, 1), ("1b", 2, True, 1, True, True, 2),
+    ("350m", 3, True, 2, True, True, 3)])
+def test_matches_the_reference_on_the_gpu(preset, layers, norms, tiles, sums, packed, inflight):
     """tiles > 1: a block's tile pieces made several at a time, the last group short where
     its tiles do not divide (350m's q|k|v: 3 a block at tiles=2; 1b's gate|up: 11 at 4).
-    sums: the norms' readers poll square sums (`norm_sums`); packed: pieces two values a word."""
+    sums: the norms' readers poll square sums (`norm_sums`); packed: pieces two values a
+    word; inflight: more products in flight before a slot is freed."""
     D, N1, F = SHAPES[preset]
     x0, wq, wo, wgu, wd = inputs(D, N1, F, layers)
     if norms:
         g = gains(D, layers)
         wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
-        got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5, tiles=tiles, norm_sums=sums, packed=packed)
+        got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5, tiles=tiles, norm_sums=sums, packed=packed,
+                            inflight=inflight)
         want = cx.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5)
     else:
         got = cm.chain_mgpu(x0, wq, wo, wgu, wd, tiles=tiles, packed=packed)
@@ -424,18 +427,20 @@ def gqa_inputs(D, hd, kv_heads, F, L, seed=0):
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
-@pytest.mark.parametrize("preset,layers,norms,pos,tiles,sums,packed", [
-    ("350m", 2, False, 70, 1, False, False), ("350m", 1, False, 0, 1, False, False),
-    ("350m", 5, True, 255, 1, False, False), ("1b", 3, True, 129, 1, False, False),
-    ("llama3.2-1b", 3, True, 129, 1, False, False), ("llama3.2-1b", 2, True, 0, 1, False, False),
-    ("gqa8-hd128", 3, True, 200, 1, False, False), ("llama3.2-1b", 2, True, "table", 1, False, False),
-    ("1b", 2, True, 129, 4, False, False), ("llama3.2-1b", 2, True, 129, 3, False, False),
-    ("1b", 3, True, 129, 1, True, False), ("llama3.2-1b", 2, True, 0, 1, True, False),
-    ("gqa8-hd128", 3, True, 200, 1, True, False), ("1b", 3, True, 129, 1, False, True),
-    ("llama3.2-1b", 2, True, 0, 1, True, True)])
-def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, tiles, sums, packed):
+@pytest.mark.parametrize("preset,layers,norms,pos,tiles,sums,packed,inflight", [
+    ("350m", 2, False, 70, 1, False, False, 1), ("350m", 1, False, 0, 1, False, False, 1),
+    ("350m", 5, True, 255, 1, False, False, 1), ("1b", 3, True, 129, 1, False, False, 1),
+    ("llama3.2-1b", 3, True, 129, 1, False, False, 1), ("llama3.2-1b", 2, True, 0, 1, False, False, 1),
+    ("gqa8-hd128", 3, True, 200, 1, False, False, 1), ("llama3.2-1b", 2, True, "table", 1, False, False, 1),
+    ("1b", 2, True, 129, 4, False, False, 1), ("llama3.2-1b", 2, True, 129, 3, False, False, 1),
+    ("1b", 3, True, 129, 1, True, False, 1), ("llama3.2-1b", 2, True, 0, 1, True, False, 1),
+    ("gqa8-hd128", 3, True, 200, 1, True, False, 1), ("1b", 3, True, 129, 1, False, True, 1),
+    ("llama3.2-1b", 2, True, 0, 1, True, True, 1), ("llama3.2-1b", 2, True, 129, 1, True, True, 2),
+    ("1b", 3, True, 129, 2, True, True, 3)])
+def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, tiles, sums, packed, inflight):
     """pos "table": the angles as a table of every position's (random rows but row 129, the
-    new token's): the kernel reads its position's row. tiles, sums, packed: as in the test above."""
+    new token's): the kernel reads its position's row. tiles, sums, packed, inflight: as in the test
+    above."""
     D, F, NQ, K, hd = ATTENTION[preset]
     x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, layers)
     att = attention_inputs(layers, D, 320, 129 if pos == "table" else pos, heads=NQ, kv_heads=K)
@@ -444,7 +449,7 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, 
     g = gains(D, layers) if norms else None
     wq_f, wgu_f = cx.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
     got, got_kv = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5 if norms else None,
-                                tiles=tiles, norm_sums=sums, packed=packed)
+                                tiles=tiles, norm_sums=sums, packed=packed, inflight=inflight)
     want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
@@ -797,7 +802,7 @@ def test_trace_analysis_recovers_a_known_schedule():
 
 
 def test_step_variants_name_their_kernel_options():
-    """decode_floor's `chain@OPTS`: ring slots, spare, splits, group, prefetch, tiles, sums and packed reach the kernel; none given
+    """decode_floor's `chain@OPTS`: ring slots, spare, splits, group, prefetch, tiles, inflight, sums and packed reach the kernel; none given
     leaves the kernel its measured choice; a bad option names the ones there are."""
     df = experiment("decode_floor")
     stages, kernel = df.chain_options("12,spare=0,qkv=16x8,o=8x14")
@@ -810,7 +815,8 @@ def test_step_variants_name_their_kernel_options():
     assert df.chain_options("tiles=4")[1].keywords == dict(tiles=4)
     assert df.chain_options("tiles=4,sums=1,packed=1")[1].keywords == dict(tiles=4, norm_sums=True, packed=True)
     assert df.chain_options("sums=0,packed=0")[1].keywords == dict(norm_sums=False, packed=False)
-    with pytest.raises(ValueError, match=re.escape("tiles=N, sums=0|1, packed=0|1 or NAME=SKxST")):
+    assert df.chain_options("inflight=2")[1].keywords == dict(inflight=2)
+    with pytest.raises(ValueError, match=re.escape("inflight=N, sums=0|1, packed=0|1 or NAME=SKxST")):
         df.chain_options("16,mlp=2x4")
 
 

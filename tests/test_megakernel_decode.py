@@ -86,12 +86,16 @@ def test_chain_steps_with_the_head_kernel_give_the_models_logits(params, head):
 
 
 def test_the_head_choice_follows_the_path(params):
-    """head="auto" puts the output layer inside the megakernel where it runs (its folded
-    table laid out once), XLA's elsewhere; "fused" off the megakernel path is refused."""
+    """head="auto" (the default) puts the output layer inside the megakernel where it runs
+    and the vocabulary is large (its folded table laid out once), XLA's elsewhere; "fused"
+    off the megakernel path is refused."""
     cpu = ("cpu", "cpu")
-    mega = decoder.plan(CFG, params, 1, 16, "megakernel", KERNEL, head="auto", device=cpu)
-    assert mega.head == "fused" and mega.params["chain_head"].shape == (CFG.vocab_size, CFG.d_model)
-    assert decoder.plan(CFG, params, 1, 16, "reference", head="auto", device=cpu).head == "xla"
+    big = dataclasses.replace(CFG, vocab_size=mk.FUSED_HEAD_MIN_VOCAB)
+    big_params = init(big)
+    mega = decoder.plan(big, big_params, 1, 16, "megakernel", KERNEL, device=cpu)
+    assert mega.head == "fused" and mega.params["chain_head"].shape == (big.vocab_size, big.d_model)
+    assert decoder.plan(CFG, params, 1, 16, "megakernel", KERNEL, device=cpu).head == "xla"  # 256 rows
+    assert decoder.plan(big, big_params, 1, 16, "reference", device=cpu).head == "xla"
     with pytest.raises(ValueError, match="head='fused' runs the output layer inside the megakernel"):
         decoder.plan(CFG, params, 1, 16, "reference", head="fused", device=cpu)
 

@@ -229,7 +229,7 @@ class DecodePlan:
 def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "auto",
          kernel: Callable | None = None, *, paged: bool = False, step_tokens: int = 1,
          backend: str | None = None, fused: bool = True, tiling: str = "", stages: int = 16,
-         head: str = "xla", device: tuple[str, str] | None = None) -> DecodePlan:
+         head: str = "auto", device: tuple[str, str] | None = None) -> DecodePlan:
     """The decode plan of `cfg` for `batch` sequences of up to `max_len` tokens (module
     docstring). Call it outside jit: it lays the weights out for the path once.
 
@@ -241,7 +241,8 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     Pallas kernel (`pallas_kernels.head`, "kernel") or, on the megakernel path, inside the
     megakernel ("fused": its table streams right behind the last layer's weights; a tied
     table is kept twice, once with the norm's gain folded in); "auto": "fused" where the
-    megakernel runs and takes the vocabulary (`megakernel.fused_head_supported`), else "xla".
+    megakernel runs and the vocabulary is large enough to pay (`megakernel.FUSED_HEAD_MIN_VOCAB`,
+    `fused_head_supported`), else "xla".
     device: (platform, device_kind), the first device's by default.
     """
     if head not in ("auto", "xla", "kernel", "fused"):
@@ -251,7 +252,8 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     path, line = resolve(cfg, batch, path, platform=platform, device_kind=kind, kernel=kernel,
                          paged=paged, step_tokens=step_tokens)
     if head == "auto":
-        head = "fused" if path == "megakernel" and not megakernel.fused_head_supported(cfg) else "xla"
+        head = ("fused" if path == "megakernel" and cfg.vocab_size >= megakernel.FUSED_HEAD_MIN_VOCAB
+                and not megakernel.fused_head_supported(cfg) else "xla")
     elif head == "fused" and (path != "megakernel" or megakernel.fused_head_supported(cfg)):
         why = megakernel.fused_head_supported(cfg) or f"the megakernel path (this is {path!r})"
         raise ValueError(f"head='fused' runs the output layer inside the megakernel and needs {why}; "

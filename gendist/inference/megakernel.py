@@ -62,6 +62,12 @@ def supported(cfg: ModelConfig, batch: int) -> str | None:
     return "; ".join(need for lacking, need in needs if lacking) or None
 
 
+# The vocabulary from which `decoder.plan(head="auto")` runs the output layer inside the kernel:
+# at Llama-3's 128,256 rows a step was 1.4% faster so (0.698 against 0.708 ms at
+# Llama-3.2-1B's shape), at 256 rows no faster (benchmarks/decode.md).
+FUSED_HEAD_MIN_VOCAB = 32_000
+
+
 def fused_head_supported(cfg: ModelConfig) -> str | None:
     """None when the output layer can run inside the kernel (`step(head="fused")`), else
     what the model lacks."""

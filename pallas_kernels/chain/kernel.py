@@ -118,7 +118,7 @@ def _window_rows(kmax: int) -> int:
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                  norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
                  prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-                 head=None):
+                 head=None, inflight: int = 1):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
@@ -274,11 +274,14 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                     **dense, **poll))
             plgpu.commit_smem()  # the window's rows, for the tensor core
 
-        def ring_steps(acc, jt, nk, b_chunk, a_transposed=False, release_first=False):
+        def ring_steps(acc, jt, nk, b_chunk, a_transposed=False, run=None):
             """acc += the sum over ring steps jt..jt+nk-1 of slot tile (A, or its transpose)
-            times b_chunk(kk) [8, 64] seen transposed (B), two products in flight: each step
-            frees the slot of the step before it (at kk = 0 only if release_first: that step
-            belongs to the same run of products). The last slot stays the caller's to free."""
+            times b_chunk(kk) [8, 64] seen transposed (B), `inflight` + 1 products in flight:
+            each step frees the slot of the step `inflight` before it if that step belongs to
+            the same run of products (ring steps from `run`, jt by default). The run's last
+            `inflight` slots stay the caller's to free (`release_tail`)."""
+            run = jt if run is None else run
+
             @pl.loop(0, nk)
             def _(kk):
                 j = jt + kk
@@ -286,9 +289,15 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 plgpu.barrier_wait(full.at[slot])
                 a = w_smem.at[slot].transpose((1, 0)) if a_transposed else w_smem.at[slot]
                 plgpu.wgmma(acc, a, b_chunk(kk).transpose((1, 0)))
-                plgpu.wgmma_wait(1)  # step j - 1's product is done: its slot is free
-                release = lambda: plgpu.barrier_arrive(free.at[lax.rem(j + st - 1, st)])  # noqa: E731
-                release() if release_first else pl.when(kk > 0)(release)
+                plgpu.wgmma_wait(inflight)  # step j - inflight's product is done: its slot is free
+                pl.when(j - inflight >= run)(
+                    lambda: plgpu.barrier_arrive(free.at[lax.rem(j + st - inflight, st)]))
+
+        def release_tail(run, end):
+            """After `wgmma_wait(0)`: the slots of a run's (ring steps run..end-1) last
+            `inflight` steps, which `ring_steps` left."""
+            for d in range(1, inflight + 1):
+                pl.when(end - d >= run)(lambda d=d: plgpu.barrier_arrive(free.at[lax.rem(end - d, st)]))
 
         def ring_dot(jt, nk, b_chunk, a_transposed=False, cols=1):
             """Columns 0..cols-1 of the sum over ring steps jt..jt+nk-1 (nk >= 1) of slot tile
@@ -296,7 +305,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             def k_loop(acc):
                 ring_steps(acc, jt, nk, b_chunk, a_transposed)
                 plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(free.at[lax.rem(jt + nk - 1, st)])
+                release_tail(jt, jt + nk)
                 return acc[...]
 
             acc = pl.run_scoped(k_loop, plgpu.ACC((T, 8), jnp.float32))
@@ -310,12 +319,11 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             def body(*accs):
                 for i, acc in enumerate(accs):
                     def tile(i=i, acc=acc):  # (called at once: binds this tile's values)
-                        ring_steps(acc, jt + i * nk, nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)],
-                                   release_first=i > 0)
+                        ring_steps(acc, jt + i * nk, nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)], run=jt)
                     pl.when(i < count)(tile) if i else tile()
 
                 plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(free.at[lax.rem(jt + count * nk - 1, st)])
+                release_tail(jt, jt + count * nk)
                 for i, acc in enumerate(accs):
                     def out(i=i, acc=acc):
                         acc_smem.at[i][...] = column(acc[...])
@@ -545,12 +553,12 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
-                                             "group", "prefetch", "tiles", "norm_sums", "packed"))
+                                             "group", "prefetch", "tiles", "norm_sums", "packed", "inflight"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
                prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-               w_head=None):
+               w_head=None, inflight: int = 1):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
@@ -594,7 +602,12 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     logits before the final norm's factor rsqrt(mean(x_L^2) + eps), which the caller applies
     (`gendist.inference.megakernel.step`). Its weight tiles stream into the ring right behind
     the last layer's, so the table's read overlaps the last handovers (`plan.head_product`:
-    its split)."""
+    its split).
+
+    inflight: the tensor-core products a block leaves running behind the one it has just
+    issued before it frees a ring slot (1: the one before; a product of a 64 x 64 weight tile
+    and an 8-row chunk is short and its latency, not its work, sets the pace of a block that
+    has tiles waiting in its ring)."""
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
     attn = None
@@ -638,11 +651,14 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     if packed and tag(L - 1) > 0xFFFF:
         raise ValueError(f"chain_mgpu: packed=True tags words with 16 bits: {L} layers are too many; "
                          "use packed=False.")
+    if not 1 <= inflight < min(stages, 8):
+        raise ValueError(f"chain_mgpu: inflight={inflight}: want 1 to {min(stages, 8) - 1} wgmma products "
+                         "left in flight behind the one just issued (fewer than the ring's stages).")
     if prefetch < 0:
         raise ValueError(f"chain_mgpu: prefetch={prefetch}: want 0 (off) or the weight tiles a block "
                          "asks of L2 ahead of its ring.")
     out = _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace, group,
-                       prefetch, tiles, norm_sums, packed, head)
+                       prefetch, tiles, norm_sums, packed, head, inflight)
     if head is None:
         return out
     out = list(out)

@@ -71,10 +71,12 @@ paged)
 decode)
     "$PY" experiments/decode_paths.py --out "$OUT"
     "$PY" experiments/head_kernel.py --out "$OUT"
-    # chain@tiles=N: a block's tile pieces N at a time; chain@sums=0: the norms' readers poll
-    # the whole vector, not its square sums; chain@packed=0: pieces one value a word, not two
+    # chain: generate's default (the output layer inside the kernel from 32k tokens), +xla:
+    # XLA's output layer; chain@inflight=N: N tensor-core products left running before a ring
+    # slot is freed; chain@sums=0,packed=0: the norms' readers poll the whole vector, pieces
+    # one value a word
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --reps 3 --out "$OUT" \
-        --variants chain chain@tiles=2 chain@tiles=4 chain@sums=0,packed=0 fast
+        --variants chain chain+xla fast chain@inflight=2 chain@inflight=3 chain@sums=0,packed=0
     "$PY" experiments/trace_chain.py --spare auto --pos 160 --sums 0 1 --packed 0 1 --out "$OUT"
     "$PY" experiments/decode_step_timeline.py --presets 1b 350m llama3.2-1b --out "$OUT" ;;
 decode_tune)

@@ -278,10 +278,8 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             """acc += the sum over ring steps jt..jt+nk-1 of slot tile (A, or its transpose)
             times b_chunk(kk) [8, 64] seen transposed (B), `inflight` + 1 products in flight:
             each step frees the slot of the step `inflight` before it if that step belongs to
-            the same run of products (ring steps from `run`, jt by default). The run's last
-            `inflight` slots stay the caller's to free (`release_tail`)."""
-            run = jt if run is None else run
-
+            the same run of products (ring steps from `run`; None: from jt, this call's). The
+            run's last `inflight` slots stay the caller's to free (`release_tail`)."""
             @pl.loop(0, nk)
             def _(kk):
                 j = jt + kk
@@ -290,13 +288,17 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 a = w_smem.at[slot].transpose((1, 0)) if a_transposed else w_smem.at[slot]
                 plgpu.wgmma(acc, a, b_chunk(kk).transpose((1, 0)))
                 plgpu.wgmma_wait(inflight)  # step j - inflight's product is done: its slot is free
-                pl.when(j - inflight >= run)(
-                    lambda: plgpu.barrier_arrive(free.at[lax.rem(j + st - inflight, st)]))
+                release = lambda: plgpu.barrier_arrive(free.at[lax.rem(j + st - inflight, st)])  # noqa: E731
+                if inflight == 1:  # the step before: this call's unless kk = 0 (then the run's, if given)
+                    release() if run is not None else pl.when(kk > 0)(release)
+                else:
+                    pl.when(j - inflight >= (jt if run is None else run))(release)
 
         def release_tail(run, end):
-            """After `wgmma_wait(0)`: the slots of a run's (ring steps run..end-1) last
-            `inflight` steps, which `ring_steps` left."""
-            for d in range(1, inflight + 1):
+            """After `wgmma_wait(0)`: the slots of a run's (ring steps run..end-1, end > run)
+            last `inflight` steps, which `ring_steps` left."""
+            plgpu.barrier_arrive(free.at[lax.rem(end - 1, st)])
+            for d in range(2, inflight + 1):
                 pl.when(end - d >= run)(lambda d=d: plgpu.barrier_arrive(free.at[lax.rem(end - d, st)]))
 
         def ring_dot(jt, nk, b_chunk, a_transposed=False, cols=1):
@@ -319,7 +321,8 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             def body(*accs):
                 for i, acc in enumerate(accs):
                     def tile(i=i, acc=acc):  # (called at once: binds this tile's values)
-                        ring_steps(acc, jt + i * nk, nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)], run=jt)
+                        ring_steps(acc, jt + i * nk, nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)],
+                                   run=jt if i else None)
                     pl.when(i < count)(tile) if i else tile()
 
                 plgpu.wgmma_wait(0)

@@ -101,7 +101,8 @@ def test_generate_config_checks_the_path():
 def test_a_hopper_plan_holds_the_kernel_and_its_weights():
     """What "auto" builds for the megakernel on a Hopper GPU (laid out here, not run): the
     Mosaic GPU kernel by default, the stacked norm-folded matrices beside the decode layout,
-    and its cache; `kernel=` replaces the kernel."""
+    and its cache; `kernel=` replaces the kernel; from 32k tokens the output layer runs inside
+    the kernel, and the plan's line says so."""
     params = transformer.init_params(MHA, 0)
     p = decoder.plan(MHA, params, 1, 100, device=("gpu", H200))
     assert (p.path, p.kernel, p.line) == ("megakernel", chain_mgpu,
@@ -114,6 +115,10 @@ def test_a_hopper_plan_holds_the_kernel_and_its_weights():
     gqa = decoder.plan(GQA, transformer.init_params(GQA, 0), 1, 100, device=("gpu", H200))
     assert gqa.path == "megakernel" and gqa.params["chain"][0].shape == (2, 128 + 2 * 64, 128)
     assert gqa.make_cache().kv.shape == (2, 2, 1, 128, 64)  # the kv heads only
+    big = dataclasses.replace(MHA, vocab_size=mk.FUSED_HEAD_MIN_VOCAB)
+    fused = decoder.plan(big, transformer.init_params(big, 0), 1, 100, device=("gpu", H200))
+    assert fused.head == "fused" and fused.line == (
+        "decode: megakernel (batch 1, NVIDIA H200), the output layer inside the kernel")
     fast = decoder.plan(WIDE, transformer.init_params(WIDE, 0), 1, 100, device=("gpu", H200))
     assert (fast.path, fast.backend) == ("fast", "pallas")  # the paged kernel on a GPU
 

@@ -258,6 +258,8 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
         why = megakernel.fused_head_supported(cfg) or f"the megakernel path (this is {path!r})"
         raise ValueError(f"head='fused' runs the output layer inside the megakernel and needs {why}; "
                          "use head='auto' or 'xla'.")
+    if head == "fused":
+        line += ", the output layer inside the kernel"
     if path == "megakernel" and kernel is None:
         kernel = chain_mgpu
     return DecodePlan(layout(cfg, params, path, head), cfg, path, line, batch, max_len,

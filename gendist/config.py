@@ -15,6 +15,8 @@ from typing import Literal, get_args
 # How a model decodes (`gendist.inference.decoder`): "auto" picks the fastest that runs.
 DecodePath = Literal["auto", "megakernel", "fast", "reference"]
 DECODE_PATHS: tuple[str, ...] = get_args(DecodePath)
+DecodeHead = Literal["auto", "xla", "kernel", "fused"]
+DECODE_HEADS: tuple[str, ...] = get_args(DecodeHead)
 
 
 @dataclass(frozen=True)
@@ -301,6 +303,7 @@ class GenerateConfig:
     seed: int = 0  # sampling seed
     eos_id: int = -1  # stop a sequence at this token (-1 = never)
     path: DecodePath = "auto"  # decode path: auto (fastest that runs), megakernel, fast, reference
+    head: DecodeHead = "auto"  # output layer: auto, xla, kernel (Pallas), fused (inside the megakernel)
 
     def __post_init__(self):
         _check_unless_deferred(self)
@@ -311,6 +314,8 @@ class GenerateConfig:
         if self.path not in DECODE_PATHS:
             raise ValueError(f"generate.path={self.path!r}; choose one of "
                              f"{', '.join(DECODE_PATHS)}.")
+        if self.head not in DECODE_HEADS:
+            raise ValueError(f"generate.head={self.head!r}; choose one of {', '.join(DECODE_HEADS)}.")
 
 
 @dataclass(frozen=True)

@@ -93,9 +93,11 @@ def test_a_path_that_cannot_run_says_why_and_the_fix(cfg, batch, path, kw, messa
 
 
 def test_generate_config_checks_the_path():
-    assert GenerateConfig().path == "auto"
+    assert GenerateConfig().path == "auto" and GenerateConfig().head == "auto"
     with pytest.raises(ValueError, match=re.escape("generate.path='fastest'; choose one of")):
         GenerateConfig(path="fastest")
+    with pytest.raises(ValueError, match=re.escape("generate.head='inside'; choose one of auto, xla")):
+        GenerateConfig(head="inside")
 
 
 def test_a_hopper_plan_holds_the_kernel_and_its_weights():

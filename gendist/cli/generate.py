@@ -173,7 +173,8 @@ def _model_dir_config(model_dir: str, flag: str, base):
 
 def sample(model_cfg, params, tok, g: GenerateConfig, prompts: list[str]) -> list[str]:
     """Continuations of `prompts` with a tokenizer (stops at g.eos_id, else the tokenizer's),
-    decoded on `g.path` (`decoder.plan`); the path line and the decode speed go to stderr."""
+    decoded on `g.path` with `g.head`'s output layer (`decoder.plan`); the path line and the
+    decode speed go to stderr."""
     import time
 
     import jax
@@ -185,7 +186,7 @@ def sample(model_cfg, params, tok, g: GenerateConfig, prompts: list[str]) -> lis
     eos = g.eos_id if g.eos_id >= 0 or tok.eos_id is None else tok.eos_id
     prompt_BT, len_B = pad_prompts(check_prompt(model_cfg, tok, g, prompts))
     B, T = prompt_BT.shape
-    plan = decoder.plan(model_cfg, params, B, T + g.max_new_tokens, g.path)
+    plan = decoder.plan(model_cfg, params, B, T + g.max_new_tokens, g.path, head=g.head)
     print(plan.line, file=sys.stderr, flush=True)
     args = (plan, jnp.asarray(prompt_BT), jnp.asarray(len_B), jax.random.key(g.seed))
     t0 = time.perf_counter()

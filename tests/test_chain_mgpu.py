@@ -157,6 +157,17 @@ ATTENTION = {"350m": (1024, 2816, 16, 16, 64), "1b": (2048, 5632, 16, 16, 128),
              "llama3.2-1b": (2048, 8192, 32, 8, 64), "gqa8-hd128": (1024, 2048, 8, 1, 128)}
 
 
+def attention_specs(shape: str):
+    """The kernel's inputs with attention as shapes (`lowered_for_sm90`): two layers of
+    `ATTENTION[shape]`, a cache of 320 positions, one position, the angles of one."""
+    D, F, NQ, K, hd = ATTENTION[shape]
+    N1 = D + 2 * K * hd
+    S = jax.ShapeDtypeStruct
+    return (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
+            S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16),
+            S((2, 2, K, 320, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
+
+
 @pytest.mark.parametrize("shape,norm_eps,group", [("350m", None, None), ("1b", 1e-5, None),
                                                   ("llama3.2-1b", 1e-5, None), ("llama3.2-1b", 1e-5, 4),
                                                   ("gqa8-hd128", 1e-5, None)])
@@ -166,10 +177,7 @@ def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps, group):
     scores and combines its group's query heads (labels a head) and stores their outputs."""
     D, F, NQ, K, hd = ATTENTION[shape]
     N1 = D + 2 * K * hd
-    S = jax.ShapeDtypeStruct
-    args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
-            S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16),
-            S((2, 2, K, 320, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
+    args = attention_specs(shape)
     text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps, group=group), *args)
     group = cm.attention_group(D, N1, F, 132, hd, K, group)  # chain_mgpu's
     for s in ("ROPE_K", f"ROPE_Q{group - 1}", f"SMAX_L{group - 1}", f"SP_L{group - 1}", "CMB_E",
@@ -186,13 +194,9 @@ def test_the_output_layer_lowers_inside_the_kernel(vocab):
     """w_head: the kernel with the output layer passes Mosaic GPU's checks for sm90 (the
     table's tiles through the ring, z's TMA stores) and gives z [sk, V] fp32, sk as
     `plan.head_product` chooses; a table whose rows are not whole tiles is refused."""
-    D, F, NQ, K, hd = ATTENTION["llama3.2-1b"]
-    N1 = D + 2 * K * hd
-    S = jax.ShapeDtypeStruct
-    args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
-            S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16),
-            S((2, 2, K, 320, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
-    head = S((vocab, D), jnp.bfloat16)
+    D = ATTENTION["llama3.2-1b"][0]
+    args = attention_specs("llama3.2-1b")
+    head = jax.ShapeDtypeStruct((vocab, D), jnp.bfloat16)
     out = jax.eval_shape(lambda *a: cm.chain_mgpu(*a[:-1], blocks=132, norm_eps=1e-5, w_head=a[-1]), *args, head)
     assert out[2].shape == (plan.head_product(vocab, D, 132).split.sk, vocab) and out[2].dtype == jnp.float32
     text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a[:-1], blocks=132, norm_eps=1e-5, w_head=a[-1]),
@@ -207,12 +211,7 @@ def test_the_output_layer_lowers_inside_the_kernel(vocab):
 def test_prefetch_asks_l2_for_the_tiles_ahead(prefetch):
     """prefetch=N: the producer asks L2 for weight tiles (`prefetch.global.L2`, 64-bit
     addresses); 0 emits none. A negative count is refused."""
-    D, F, NQ, K, hd = ATTENTION["1b"]
-    N1 = D + 2 * K * hd
-    S = jax.ShapeDtypeStruct
-    args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
-            S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16),
-            S((2, 2, K, 320, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
+    args = attention_specs("1b")
     text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=1e-5, prefetch=prefetch), *args)
     assert ("prefetch.global.L2" in text) == (prefetch > 0)
     with pytest.raises(ValueError, match="prefetch=-1"):

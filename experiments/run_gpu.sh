@@ -77,7 +77,8 @@ decode)
     # one value a word
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --reps 3 --out "$OUT" \
         --variants chain chain+xla fast chain@inflight=2 chain@inflight=3 chain@sums=0,packed=0
-    "$PY" experiments/trace_chain.py --spare auto --pos 160 --sums 0 1 --packed 0 1 --out "$OUT"
+    "$PY" experiments/trace_chain.py --spare auto --pos 160 --inflight 1 2 3 --out "$OUT"
+    "$PY" experiments/trace_chain.py --presets llama3.2-1b --pos 160 --vocab 128256 --out "$OUT/head"
     "$PY" experiments/decode_step_timeline.py --presets 1b 350m llama3.2-1b --out "$OUT" ;;
 decode_tune)
     # one preset a call fits the 10-minute limit: ~20 candidates of ~7 s (compile + 256 tokens)

@@ -11,18 +11,24 @@ over layers:
   cost on the critical path); **work** = the last block done minus the last block's input;
 * the attention head's own steps (gather, RoPE, scores, softmax, P.V + combine + words), the
   median head, from its SM clock;
-* the layer's period (the last block's q|k|v input, layer to layer).
+* the layer's period (the last block's q|k|v input, layer to layer);
+* with --vocab V, the output layer inside the kernel (`w_head`, a random [V, D] table): its
+  handover (its last block's input after the last layer's last down piece) and its work, and
+  the table's bytes over that work (the rate it was read at).
 
-Writes trace_chain.json and trace_<preset>_spare<0|1|auto>[_group<N>][_tiles<N>][_nosums][_unpacked].png (a layer's
-timeline, block by block) to --out. --spare 0 1 auto traces the cost model's splits with o
+Writes trace_chain.json and
+trace_<preset>_spare<0|1|auto>[_group<N>][_tiles<N>][_nosums][_unpacked][_inflight<N>][_vocab<V>].png
+(a layer's timeline, block by block) to --out. --spare 0 1 auto traces the cost model's splits with o
 over every block, over the blocks that do not attend, and the kernel's measured choice
 (`plan.tuned`: the default), in the same process; --group N auto does the same for the query
 heads an attention block takes, --tiles 1 4 for the tile pieces a block makes at a time,
 --sums 0 1 for RMSNorm readers polling the vector (0) or its square sums (1, `norm_sums`, the
-default), --packed 0 1 for pieces a value a word (0) or two (1, `packed`, the default).
+default), --packed 0 1 for pieces a value a word (0) or two (1, `packed`, the default),
+--inflight 1 2 for the tensor-core products a block leaves running before it frees a ring slot.
 
     python3 experiments/trace_chain.py --spare 0 auto --out $OUT       # one H200
     python3 experiments/trace_chain.py --presets llama3.2-1b --group 4 auto --out $OUT
+    python3 experiments/trace_chain.py --presets llama3.2-1b --vocab 128256 --inflight 1 2 3 --out $OUT
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -106,8 +113,12 @@ def analyse(raw, L: int) -> dict:
             steps[s] = float(np.median(d)) / ghz / 1e3
             prev = s
     total = ns[written].max() - ns[written].min()
+    head = {}
+    if ok("head_out")[:, L - 1].any():  # the output layer, after the last layer
+        head = dict(handover=(last("head_in", L - 1) - last("down_out", L - 1)) / 1e3,
+                    work=(last("head_out", L - 1) - last("head_in", L - 1)) / 1e3)
     return dict(us_per_layer_median=median, attention_steps_us=steps, sm_ghz=ghz,
-                kernel_us_from_stamps=float(total) / 1e3)
+                kernel_us_from_stamps=float(total) / 1e3, head_us=head)
 
 
 def plot(raw, L: int, path: str, title: str):
@@ -159,6 +170,11 @@ def main():
     ap.add_argument("--packed", nargs="+", type=int, default=[1], choices=[0, 1],
                     help="1 (the kernel's default): the pieces two values a word (chain_mgpu's "
                          "packed); 0: one; each traced")
+    ap.add_argument("--inflight", nargs="+", type=int, default=[1],
+                    help="tensor-core products a block leaves running before it frees a ring slot "
+                         "(chain_mgpu's inflight), each traced")
+    ap.add_argument("--vocab", type=int, default=0,
+                    help="with V > 0, the output layer inside the kernel: a random [V, D] table")
     ap.add_argument("--pos", type=int, default=160)
     ap.add_argument("--capacity", type=int, default=320)
     ap.add_argument("--stages", type=int, default=16)
@@ -167,9 +183,9 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for name, spare, group, tiles, sums, packed in (
-            (n, s, g, t, u, k) for n in args.presets for s in args.spare for g in args.group
-            for t in args.tiles for u in args.sums for k in args.packed):
+    for name, spare, group, tiles, sums, packed, inflight in (
+            (n, s, g, t, u, k, i) for n in args.presets for s in args.spare for g in args.group
+            for t in args.tiles for u in args.sums for k in args.packed for i in args.inflight):
         m = preset(name).model
         D, F, L, K = m.d_model, m.d_ff, m.num_layers, m.num_kv_heads
         x0, *ws = weights(D, D + 2 * K * m.head_dim, F, L)  # q|k|v rows: q, then K heads of k and v
@@ -181,10 +197,16 @@ def main():
         if tiles != 1:
             kw["tiles"] = tiles
         kw.update(norm_sums=bool(sums), packed=bool(packed))
-        f = jax.jit(lambda *a, kw=kw: cm.chain_mgpu(*a, stages=args.stages, norm_eps=1e-5, trace=True, **kw))
+        if inflight != 1:
+            kw["inflight"] = inflight
+        head = ()
+        if args.vocab:
+            head = (jax.random.normal(jax.random.key(3), (args.vocab, D), jnp.float32).astype(jnp.bfloat16),)
+        f = jax.jit(lambda *a, kw=kw: cm.chain_mgpu(*a[:8], stages=args.stages, norm_eps=1e-5, trace=True,
+                                                    w_head=a[8] if len(a) > 8 else None, **kw))
         results = []
         for _ in range(args.calls + 1):  # the first compiles
-            out = f(x0, *ws, *att)
+            out = f(x0, *ws, *att, *head)
             results.append(analyse(jax.device_get(out[-1]), L))
         raw = jax.device_get(out[-1])
         results = results[1:]
@@ -192,21 +214,30 @@ def main():
         med = {k: float(np.median([r["us_per_layer_median"][k] for r in results])) for k in keys}
         steps = {k: float(np.median([r["attention_steps_us"][k] for r in results]))
                  for k in results[0]["attention_steps_us"]}
-        row = dict(preset=name, spare=spare, group=group, tiles=tiles, sums=sums, packed=packed, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
-                   us_per_layer_median=med, attention_steps_us=steps,
+        head_us = {k: float(np.median([r["head_us"][k] for r in results])) for k in results[0]["head_us"]}
+        if head_us:
+            head_us["table_TBps"] = args.vocab * D * 2 / head_us["work"] / 1e6
+        row = dict(preset=name, spare=spare, group=group, tiles=tiles, sums=sums, packed=packed, inflight=inflight,
+                   vocab=args.vocab, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
+                   us_per_layer_median=med, attention_steps_us=steps, head_us=head_us,
                    kernel_us_from_stamps=[r["kernel_us_from_stamps"] for r in results],
                    sm_ghz=results[-1]["sm_ghz"])
         rows.append(row)
-        print(f"{name} (spare={spare}, group={group}, tiles={tiles}, sums={sums}, packed={packed}): {L} layers, pos {args.pos}; kernel (stamps) "
+        print(f"{name} (spare={spare}, group={group}, tiles={tiles}, sums={sums}, packed={packed}, "
+              f"inflight={inflight}): {L} layers, pos {args.pos}; kernel (stamps) "
               f"{np.median(row['kernel_us_from_stamps']):.1f} us; SM {row['sm_ghz']:.2f} GHz", flush=True)
         for k in ("qkv", "att", "o", "gu", "down"):
             if k + "_work" in med:
                 print(f"  {k:5s} handover {med[k + '_handover']:6.2f} us   work {med[k + '_work']:6.2f} us")
         print(f"  period {med.get('period', float('nan')):6.2f} us a layer")
+        if head_us:
+            print(f"  output layer: handover {head_us['handover']:6.2f} us   work {head_us['work']:7.2f} us "
+                  f"({head_us['table_TBps']:.2f} TB/s of table)")
         print("  head's steps (median, us): " + ", ".join(f"{k[4:]} {v:.2f}" for k, v in steps.items()),
               flush=True)
         tag = (f"{name}_spare{spare}" + ("" if group == "auto" else f"_group{group}")
-               + ("" if tiles == 1 else f"_tiles{tiles}") + ("" if sums else "_nosums") + ("" if packed else "_unpacked"))
+               + ("" if tiles == 1 else f"_tiles{tiles}") + ("" if sums else "_nosums") + ("" if packed else "_unpacked")
+               + ("" if inflight == 1 else f"_inflight{inflight}") + (f"_vocab{args.vocab}" if args.vocab else ""))
         plot(raw, L, os.path.join(args.out, f"trace_{tag}.png"),
              f"chain_mgpu {name}, layer {L // 2}, pos {args.pos}, spare={spare}, group={group}, "
              f"tiles={tiles}")

@@ -776,7 +776,8 @@ def test_benchmark_dry_run_on_the_cpu(tmp_path):
 
 def test_trace_analysis_recovers_a_known_schedule():
     """experiments/trace_chain.py's critical path from synthetic stamps (a 10 us layer with
-    known handovers and work, the 32-bit timer wrapping mid-kernel): every segment back."""
+    known handovers and work, the 32-bit timer wrapping mid-kernel, then the output layer in
+    the last layer's points): every segment back."""
     tc = experiment("trace_chain")
     NB, L, P = 24, 4, len(cm.TRACE_POINTS)
     sched = dict(qkv=(0, 1, 2), att=(2, 2.5, 4.5), o=(4.6, 5.2, 6), gu=(6, 6.5, 8), down=(8, 8.4, 9.5))
@@ -791,7 +792,12 @@ def test_trace_analysis_recovers_a_known_schedule():
                 for k, v in zip(names, (start, inp, done), strict=True):
                     us = l * 10 + v
                     raw[b, l, cm.TRACE_POINTS.index(k)] = [(t0 + int(us * 1000)) % 2**32, int(us * 1800) + 7]
+    for b in range(NB - 6):  # the output layer's blocks, after the last layer's down
+        for k, us in zip(("head", "head_in", "head_out"), (40.2, 41.0, 47.5 + 0.1 * b), strict=True):
+            raw[b, L - 1, cm.TRACE_POINTS.index(k)] = [(t0 + int(us * 1000)) % 2**32, int(us * 1800) + 7]
     got = tc.analyse(raw.astype(np.uint32).view(np.int32), L)
+    assert got["head_us"]["handover"] == pytest.approx(41.0 - 39.5, abs=2e-3)
+    assert got["head_us"]["work"] == pytest.approx(47.5 + 0.1 * (NB - 7) - 41.0, abs=2e-3)
     med = got["us_per_layer_median"]
     want = dict(qkv_handover=1.5, qkv_work=1.0, att_handover=0.5, att_work=2.0, o_handover=0.7,
                 o_work=0.8, gu_handover=0.5, gu_work=1.5, down_handover=0.4, down_work=1.1, period=10.0)

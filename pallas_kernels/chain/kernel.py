@@ -90,10 +90,11 @@ from pallas_kernels.chain.plan import (
 SCORE_GROUP = 4  # K tiles whose score products are in flight at once
 # Trace points a layer (`chain_mgpu(trace=True)`): product i's start, input gathered and
 # pieces written at 3 i .. 3 i + 2 (qkv, o, gu, down), then the attention head's start,
-# q|k|v gathered, rotated, scores, softmax, output written.
+# q|k|v gathered, rotated, scores, softmax, output written; then, in the last layer's only,
+# the output layer's (`w_head`) start, input gathered and last tile stored.
 TRACE_POINTS = ("qkv", "qkv_in", "qkv_out", "o", "o_in", "o_out", "gu", "gu_in", "gu_out",
                 "down", "down_in", "down_out", "att", "att_in", "att_rope", "att_scores",
-                "att_softmax", "att_out")
+                "att_softmax", "att_out", "head", "head_in", "head_out")
 
 
 def column(acc_T8, g: int = 0):
@@ -241,11 +242,13 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
 
             @pl.when(active)
             def _():
+                tr(L - 1, "head")
                 groups, _, _ = input_spec("final", L - 1, 0, prods, lay, F)
                 for reads in product_reads(hp, k0, k1, words(groups)):
                     pl.when(reads.chunks[0] < k1)(functools.partial(
                         cw.gather, ll, init_ref, x_win, groups, reads, out="bf16", use_init=False))
                 plgpu.commit_smem()
+                tr(L - 1, "head_in")
                 gk = b // hp.split.st
 
                 @pl.loop(0, t1 - t0)
@@ -258,6 +261,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                     plgpu.copy_smem_to_gmem(buf, z_ref.at[pl.ds(gk * hp.N + (t0 + i) * T, T)])
 
                 plgpu.wait_smem_to_gmem(0)
+                tr(L - 1, "head_out")
 
         def gather(l, p, k0, k1, gt):
             """The window's rows for chunks k0..k1-1 of product p's input: two chunks a pass,

@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_floor import run_case  # noqa: E402
 
 from pallas_kernels.chain import attention as ca  # noqa: E402
-from pallas_kernels.chain import kernel as cm  # noqa: E402
 from pallas_kernels.chain import plan  # noqa: E402
+from pallas_kernels.chain import resolve as cr  # noqa: E402
 
 NAMES = ("qkv", "o", "gu", "down")
 
@@ -143,7 +143,7 @@ def main():
     D, F, hd, K = cfg.d_model, cfg.d_ff, cfg.head_dim, cfg.num_kv_heads
     N1, NQ = D + 2 * K * hd, D // hd
     blocks = sm_count()
-    default = cm.attention_group(D, N1, F, blocks, hd, K)  # the kernel's choice
+    default = cr.attention_group(D, N1, F, blocks, hd, K)  # the kernel's choice
     groups = (None,) + tuple(g for g in range(1, ca.group_of(NQ, K) + 1)  # None: the default
                              if (NQ // K) % g == 0 and g != default)
     warm_gpu()

@@ -19,6 +19,7 @@ from pallas_kernels._mgpu import on_sm90
 from pallas_kernels.chain import attention as ca
 from pallas_kernels.chain import kernel as cm
 from pallas_kernels.chain import plan
+from pallas_kernels.chain import resolve as cr
 from pallas_kernels.chain import xla as cx
 
 ON_SM90 = jax.default_backend() == "gpu" and on_sm90()
@@ -179,7 +180,7 @@ def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps, group):
     N1 = D + 2 * K * hd
     args = attention_specs(shape)
     text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps, group=group), *args)
-    group = cm.attention_group(D, N1, F, 132, hd, K, group)  # chain_mgpu's
+    group = cr.attention_group(D, N1, F, 132, hd, K, group)  # chain_mgpu's
     for s in ("ROPE_K", f"ROPE_Q{group - 1}", f"SMAX_L{group - 1}", f"SP_L{group - 1}", "CMB_E",
               "LLH_0", "cvt.f32.bf16", "st.global.b16", "LAB_G"):
         assert s in text, s
@@ -312,7 +313,7 @@ def test_measured_choices_fit_their_shape(key):
     spare; other shapes get the cost model's, o on every block, the default group."""
     D, N1, F, blocks, hd = key
     splits, spare, _ = plan.tuned(*key)
-    heads = D // hd // cm.attention_group(D, N1, F, blocks, hd, (N1 - D) // (2 * hd))
+    heads = D // hd // cr.attention_group(D, N1, F, blocks, hd, (N1 - D) // (2 * hd))
     prods = plan.products(D, N1, F, blocks, True, splits, att_blocks=heads if spare else 0)
     named = {n for n, *_ in splits}
     assert {p.name: (p.split.sk, p.split.st) for p in prods if p.name in named} == \

@@ -2,6 +2,8 @@
 kernel (Hopper, sm90).
 
     kernel.py     the kernel (`chain_mgpu`)
+    resolve.py    a call's inputs checked and its options resolved for the shape, and the
+                  shared memory it takes
     xla.py        its math in XLA (`reference`) and the RMSNorm gains folded into the
                   weights it reads (`fold_norms`)
     attention.py  its attention phase: one block a head, between q|k|v and the output product

@@ -55,17 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import (
-    SMEM_LIMIT,
-    WGMMA,
-    launch,
-    prefetch_rows_l2,
-    sm_count,
-    smem_bytes,
-    stamp,
-    tiled_smem,
-    zero_words,
-)
+from pallas_kernels._mgpu import WGMMA, launch, prefetch_rows_l2, stamp, tiled_smem, zero_words
 from pallas_kernels.chain import attention as ca
 from pallas_kernels.chain import words as cw
 from pallas_kernels.chain.plan import (
@@ -73,19 +63,17 @@ from pallas_kernels.chain.plan import (
     REGIONS,
     Reads,
     T,
-    head_product,
     head_reads,
     init_words,
     input_spec,
     layout,
     piece_word,
     product_reads,
-    products,
     rect,
     region,
     tag,
-    tuned,
 )
+from pallas_kernels.chain.resolve import resolve, window_rows
 
 SCORE_GROUP = 4  # K tiles whose score products are in flight at once
 # Trace points a layer (`chain_mgpu(trace=True)`): product i's start, input gathered and
@@ -108,12 +96,6 @@ def words(groups) -> int:
     """LL words a lane polls a pass for an input read from `groups` (`input_spec`'s): a
     packed group's half (a lane pair shares its words, `words.gather`)."""
     return sum(-(-g.count // 2) if g.packed else g.count for g in groups)
-
-
-def _window_rows(kmax: int) -> int:
-    """Rows of the bf16 input window: chunk i is the 8-row tile at row 8 i (its row 0 the
-    values, rows 1-7 whatever they hold: they reach only accumulator columns never read)."""
-    return 8 * kmax
 
 
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
@@ -488,7 +470,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             plgpu.SMEM((GB, T), jnp.float32),  # a chunk of each query head's output
         )
     scratch = (
-        tiled_smem((_window_rows(kmax), KC), jnp.bfloat16),  # the input window
+        tiled_smem((window_rows(kmax), KC), jnp.bfloat16),  # the input window
         tiled_smem((st, T, KC), jnp.bfloat16),  # the weight ring
         plgpu.SMEM((TG, T), jnp.float32),  # TG tiles' 64 outputs, for their LL words
         plgpu.SMEM((T,), jnp.float32),  # the final chunk
@@ -512,51 +494,6 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
     return launch(kernel, args, out_type=out_type, scratch=scratch, grid=(NB,),
                   grid_names=("b",), num_threads=2, interpret=False, manual_barriers=True,
                   name="decode_chain")
-
-
-def smem_need(kmax: int, stages: int, tiles: int = 1) -> int:
-    return smem_bytes(((_window_rows(kmax), KC), jnp.bfloat16), ((stages, T, KC), jnp.bfloat16),
-                      ((tiles, T), jnp.float32), ((T,), jnp.float32), ((4,), jnp.float32))
-
-
-def check(x0_D, w_qkv, w_o, w_gu, w_down):
-    """Raises a ValueError naming what does not fit; returns (L, D, N1, F)."""
-    shapes = tuple(a.shape for a in (x0_D, w_qkv, w_o, w_gu, w_down))
-    wrong = ValueError(f"chain_mgpu: x0 {shapes[0]}, w_qkv {shapes[1]}, w_o {shapes[2]}, w_gu "
-                       f"{shapes[3]}, w_down {shapes[4]}: want [D], [L, N1, D], [L, D, D], "
-                       "[L, 2F, D], [L, D, F] with N1 >= D.")
-    if [len(s) for s in shapes] != [1, 3, 3, 3, 3]:
-        raise wrong
-    (D,), (L, N1, D1), (L2, D2, D3), (L3, G, D4), (L4, D5, F) = shapes
-    if len({L, L2, L3, L4}) != 1 or len({D, D1, D2, D3, D4, D5}) != 1 or G != 2 * F or N1 < D:
-        raise wrong
-    if D % T or N1 % T or F % T:
-        raise ValueError(f"chain_mgpu: D={D}, N1={N1}, F={F} must be multiples of {T}.")
-    if any(jnp.dtype(w.dtype) != jnp.bfloat16 for w in (w_qkv, w_o, w_gu, w_down)):
-        raise ValueError("chain_mgpu: the weights must be bf16.")
-    return L, D, N1, F
-
-
-def check_attention(kv, pos, rope, L: int, D: int, N1: int):
-    """Raises a ValueError naming what does not fit the attention phase; returns (H, S, hd)."""
-    if kv.ndim != 5 or kv.shape[0] != L or kv.shape[1] != 2:
-        raise ValueError(f"chain_mgpu: kv {kv.shape}: want [L={L}, 2, heads, capacity, head_dim].")
-    H, S, hd = kv.shape[2:]
-    if D % hd or (D // hd) % H or N1 != D + 2 * H * hd:
-        raise ValueError(f"chain_mgpu: kv heads {H} x head_dim {hd}: want D={D} a multiple of "
-                         f"head_dim (D / head_dim query heads), kv heads dividing the query heads "
-                         f"and N1={N1} equal to D + 2 kv_heads head_dim (q|k|v of grouped-query "
-                         "attention; 3 D for multi-head).")
-    if hd % T or S % T:
-        raise ValueError(f"chain_mgpu: head_dim={hd} and capacity={S} must be multiples of {T}.")
-    if jnp.dtype(kv.dtype) != jnp.bfloat16:
-        raise ValueError("chain_mgpu: the kv cache must be bf16.")
-    if pos.shape != (1,) or not (rope.shape == (hd,) or (rope.ndim == 2 and rope.shape[0] >= S
-                                                          and rope.shape[1] == hd)):
-        raise ValueError(f"chain_mgpu: pos {pos.shape}, rope {rope.shape}: want [1] (int32) and "
-                         f"[head_dim={hd}] (cos | sin of the new token's angles) or a table "
-                         f"[rows >= capacity={S}, head_dim={hd}] of every position's.")
-    return H, S, hd
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
@@ -615,73 +552,14 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     issued before it frees a ring slot (1: the one before; a product of a 64 x 64 weight tile
     and an 8-row chunk is short and its latency, not its work, sets the pace of a block that
     has tiles waiting in its ring)."""
-    L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
-    NB = blocks or sm_count()
-    attn = None
-    if kv is not None:
-        H, S, hd = check_attention(kv, pos, rope, L, D, N1)
-        attn = (kv, pos.astype(jnp.int32), rope.astype(jnp.float32))
-        best_splits, best_spare, _ = tuned(D, N1, F, NB, hd)
-        per_kv = D // hd // H
-        group = attention_group(D, N1, F, NB, hd, H, group)
-        if not (1 <= group <= 8 and per_kv % group == 0):
-            raise ValueError(f"chain_mgpu: group={group}: want a divisor of the {per_kv} query heads "
-                             "a kv head serves, at most 8.")
-    else:
-        group, best_splits, best_spare = 1, (), False
-    heads = D // hd // group if attn is not None else 0  # attention blocks
-    splits = best_splits if splits is None else splits
-    att_blocks = heads if (best_spare if spare is None else spare) else 0
-    if att_blocks >= NB:
-        raise ValueError(f"chain_mgpu: {att_blocks} attention blocks leave none of blocks={NB} "
-                         "for o; use spare=False or more blocks.")
-    prods = products(D, N1, F, NB, attention=attn is not None, splits=splits, att_blocks=att_blocks)
-    head = None
-    if w_head is not None:
-        if w_head.ndim != 2 or w_head.shape[1] != D or w_head.shape[0] % T or w_head.dtype != jnp.bfloat16:
-            raise ValueError(f"chain_mgpu: w_head {w_head.shape} {w_head.dtype}: want [V, D={D}] bf16 "
-                             f"with V a multiple of {T}; leave the output layer to XLA otherwise.")
-        head = (w_head, head_product(w_head.shape[0], D, NB))
-    kmax = max(p.kmax() for p in prods + ((head[1],) if head else ()))
-    need = (smem_need(kmax, stages, tiles) + (0 if attn is None else attention_smem(S, hd, group))
-            + (2 * T * 4 if head else 0))
-    if need > SMEM_LIMIT - 2048:
-        raise ValueError(f"chain_mgpu: stages={stages} needs {need} bytes of shared memory; use fewer.")
-    if norm_eps is not None and D % 128:
-        raise ValueError(f"chain_mgpu: norms need D={D} to be a multiple of 128.")
-    if attn is not None and (kmax < hd // T or heads > NB):
-        raise ValueError(f"chain_mgpu: head_dim={hd} needs a window of {hd // T} chunks (has "
-                         f"{kmax}) and {heads} attention blocks at most blocks={NB}.")
-    if not 1 <= tiles <= 8:
-        raise ValueError(f"chain_mgpu: tiles={tiles}: want 1 to 8 tile pieces a block makes at a "
-                         "time (one accumulator each).")
-    if packed and tag(L - 1) > 0xFFFF:
-        raise ValueError(f"chain_mgpu: packed=True tags words with 16 bits: {L} layers are too many; "
-                         "use packed=False.")
-    if not 1 <= inflight < min(stages, 8):
-        raise ValueError(f"chain_mgpu: inflight={inflight}: want 1 to {min(stages, 8) - 1} wgmma products "
-                         "left in flight behind the one just issued (fewer than the ring's stages).")
-    if prefetch < 0:
-        raise ValueError(f"chain_mgpu: prefetch={prefetch}: want 0 (off) or the weight tiles a block "
-                         "asks of L2 ahead of its ring.")
-    out = _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages, NB, norm_eps, attn, trace, group,
-                       prefetch, tiles, norm_sums, packed, head, inflight)
-    if head is None:
+    c = resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, stages=stages, blocks=blocks,
+                norm_eps=norm_eps, splits=splits, spare=spare, group=group, prefetch=prefetch,
+                tiles=tiles, packed=packed, w_head=w_head, inflight=inflight)
+    out = _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, c.prods, stages, c.blocks, norm_eps, c.attn, trace,
+                       c.group, prefetch, tiles, norm_sums, packed, c.head, inflight)
+    if c.head is None:
         return out
     out = list(out)
-    z_at = 1 + (attn is not None)
-    out[z_at] = out[z_at].reshape(head[1].split.sk, -1)
+    z_at = 1 + (c.attn is not None)
+    out[z_at] = out[z_at].reshape(c.head[1].split.sk, -1)
     return tuple(out)
-
-
-def attention_group(D: int, N1: int, F: int, blocks: int, head_dim: int, kv_heads: int,
-                    group: int | None = None) -> int:
-    """The query heads an attention block takes: `group` if given, else the shape's measured
-    choice (`plan.tuned`), else `attention.default_group`."""
-    return group or tuned(D, N1, F, blocks, head_dim)[2] or ca.default_group(D // head_dim, kv_heads, blocks)
-
-
-def attention_smem(S: int, hd: int, group: int = 1) -> int:
-    return smem_bytes(((8 * (S // T), KC), jnp.bfloat16), ((group, S // T, T), jnp.float32),
-                      (((group + 2) * hd,), jnp.float32), ((group * ca.RED,), jnp.float32),
-                      ((hd,), jnp.float32), ((group, T), jnp.float32))

@@ -1,0 +1,153 @@
+"""`chain_mgpu`'s inputs checked and its options resolved for a shape (plain Python on
+shapes): what one call of the decode megakernel runs (`Call`), and the shared memory it takes.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from pallas_kernels._mgpu import SMEM_LIMIT, sm_count, smem_bytes
+from pallas_kernels.chain import attention as ca
+from pallas_kernels.chain.plan import KC, T, head_product, products, tag, tuned
+
+
+def window_rows(kmax: int) -> int:
+    """Rows of the bf16 input window: chunk i is the 8-row tile at row 8 i (its row 0 the
+    values, rows 1-7 whatever they hold: they reach only accumulator columns never read)."""
+    return 8 * kmax
+
+
+def smem_need(kmax: int, stages: int, tiles: int = 1) -> int:
+    """Bytes of the kernel's own shared memory (`kernel._kernel_call`'s scratch without the
+    attention's and the output layer's): the input window, the ring, the tiles' outputs."""
+    return smem_bytes(((window_rows(kmax), KC), jnp.bfloat16), ((stages, T, KC), jnp.bfloat16),
+                      ((tiles, T), jnp.float32), ((T,), jnp.float32), ((4,), jnp.float32))
+
+
+def check(x0_D, w_qkv, w_o, w_gu, w_down):
+    """Raises a ValueError naming what does not fit; returns (L, D, N1, F)."""
+    shapes = tuple(a.shape for a in (x0_D, w_qkv, w_o, w_gu, w_down))
+    wrong = ValueError(f"chain_mgpu: x0 {shapes[0]}, w_qkv {shapes[1]}, w_o {shapes[2]}, w_gu "
+                       f"{shapes[3]}, w_down {shapes[4]}: want [D], [L, N1, D], [L, D, D], "
+                       "[L, 2F, D], [L, D, F] with N1 >= D.")
+    if [len(s) for s in shapes] != [1, 3, 3, 3, 3]:
+        raise wrong
+    (D,), (L, N1, D1), (L2, D2, D3), (L3, G, D4), (L4, D5, F) = shapes
+    if len({L, L2, L3, L4}) != 1 or len({D, D1, D2, D3, D4, D5}) != 1 or G != 2 * F or N1 < D:
+        raise wrong
+    if D % T or N1 % T or F % T:
+        raise ValueError(f"chain_mgpu: D={D}, N1={N1}, F={F} must be multiples of {T}.")
+    if any(jnp.dtype(w.dtype) != jnp.bfloat16 for w in (w_qkv, w_o, w_gu, w_down)):
+        raise ValueError("chain_mgpu: the weights must be bf16.")
+    return L, D, N1, F
+
+
+def check_attention(kv, pos, rope, L: int, D: int, N1: int):
+    """Raises a ValueError naming what does not fit the attention phase; returns (H, S, hd)."""
+    if kv.ndim != 5 or kv.shape[0] != L or kv.shape[1] != 2:
+        raise ValueError(f"chain_mgpu: kv {kv.shape}: want [L={L}, 2, heads, capacity, head_dim].")
+    H, S, hd = kv.shape[2:]
+    if D % hd or (D // hd) % H or N1 != D + 2 * H * hd:
+        raise ValueError(f"chain_mgpu: kv heads {H} x head_dim {hd}: want D={D} a multiple of "
+                         f"head_dim (D / head_dim query heads), kv heads dividing the query heads "
+                         f"and N1={N1} equal to D + 2 kv_heads head_dim (q|k|v of grouped-query "
+                         "attention; 3 D for multi-head).")
+    if hd % T or S % T:
+        raise ValueError(f"chain_mgpu: head_dim={hd} and capacity={S} must be multiples of {T}.")
+    if jnp.dtype(kv.dtype) != jnp.bfloat16:
+        raise ValueError("chain_mgpu: the kv cache must be bf16.")
+    if pos.shape != (1,) or not (rope.shape == (hd,) or (rope.ndim == 2 and rope.shape[0] >= S
+                                                          and rope.shape[1] == hd)):
+        raise ValueError(f"chain_mgpu: pos {pos.shape}, rope {rope.shape}: want [1] (int32) and "
+                         f"[head_dim={hd}] (cos | sin of the new token's angles) or a table "
+                         f"[rows >= capacity={S}, head_dim={hd}] of every position's.")
+    return H, S, hd
+
+
+class Call(NamedTuple):
+    """What one `chain_mgpu` call runs: the chain's sizes, the blocks, the attention inputs
+    (kv, pos, rope cast) or None, the query heads an attention block takes, the layer's
+    products with their splits and the output layer (w_head, its product) or None."""
+
+    L: int
+    D: int
+    N1: int
+    F: int
+    blocks: int
+    attn: tuple | None
+    group: int
+    prods: tuple
+    head: tuple | None
+
+
+def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, stages: int, blocks: int | None,
+            norm_eps: float | None, splits: tuple | None, spare: bool | None, group: int | None,
+            prefetch: int, tiles: int, packed: bool, w_head, inflight: int) -> Call:
+    """`chain_mgpu`'s inputs checked and its options resolved for their shape (the measured
+    splits, o's blocks and the attention group where not given, `plan.tuned`); a ValueError
+    names whatever does not fit, and the fix."""
+    L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
+    NB = blocks or sm_count()
+    attn = None
+    if kv is not None:
+        H, S, hd = check_attention(kv, pos, rope, L, D, N1)
+        attn = (kv, pos.astype(jnp.int32), rope.astype(jnp.float32))
+        best_splits, best_spare, _ = tuned(D, N1, F, NB, hd)
+        per_kv = D // hd // H
+        group = attention_group(D, N1, F, NB, hd, H, group)
+        if not (1 <= group <= 8 and per_kv % group == 0):
+            raise ValueError(f"chain_mgpu: group={group}: want a divisor of the {per_kv} query heads "
+                             "a kv head serves, at most 8.")
+    else:
+        group, best_splits, best_spare = 1, (), False
+    heads = D // hd // group if attn is not None else 0  # attention blocks
+    splits = best_splits if splits is None else splits
+    att_blocks = heads if (best_spare if spare is None else spare) else 0
+    if att_blocks >= NB:
+        raise ValueError(f"chain_mgpu: {att_blocks} attention blocks leave none of blocks={NB} "
+                         "for o; use spare=False or more blocks.")
+    prods = products(D, N1, F, NB, attention=attn is not None, splits=splits, att_blocks=att_blocks)
+    head = None
+    if w_head is not None:
+        if w_head.ndim != 2 or w_head.shape[1] != D or w_head.shape[0] % T or w_head.dtype != jnp.bfloat16:
+            raise ValueError(f"chain_mgpu: w_head {w_head.shape} {w_head.dtype}: want [V, D={D}] bf16 "
+                             f"with V a multiple of {T}; leave the output layer to XLA otherwise.")
+        head = (w_head, head_product(w_head.shape[0], D, NB))
+    kmax = max(p.kmax() for p in prods + ((head[1],) if head else ()))
+    need = (smem_need(kmax, stages, tiles) + (0 if attn is None else attention_smem(S, hd, group))
+            + (2 * T * 4 if head else 0))
+    if need > SMEM_LIMIT - 2048:
+        raise ValueError(f"chain_mgpu: stages={stages} needs {need} bytes of shared memory; use fewer.")
+    if norm_eps is not None and D % 128:
+        raise ValueError(f"chain_mgpu: norms need D={D} to be a multiple of 128.")
+    if attn is not None and (kmax < hd // T or heads > NB):
+        raise ValueError(f"chain_mgpu: head_dim={hd} needs a window of {hd // T} chunks (has "
+                         f"{kmax}) and {heads} attention blocks at most blocks={NB}.")
+    if not 1 <= tiles <= 8:
+        raise ValueError(f"chain_mgpu: tiles={tiles}: want 1 to 8 tile pieces a block makes at a "
+                         "time (one accumulator each).")
+    if packed and tag(L - 1) > 0xFFFF:
+        raise ValueError(f"chain_mgpu: packed=True tags words with 16 bits: {L} layers are too many; "
+                         "use packed=False.")
+    if not 1 <= inflight < min(stages, 8):
+        raise ValueError(f"chain_mgpu: inflight={inflight}: want 1 to {min(stages, 8) - 1} wgmma products "
+                         "left in flight behind the one just issued (fewer than the ring's stages).")
+    if prefetch < 0:
+        raise ValueError(f"chain_mgpu: prefetch={prefetch}: want 0 (off) or the weight tiles a block "
+                         "asks of L2 ahead of its ring.")
+    return Call(L, D, N1, F, NB, attn, group, prods, head)
+
+
+def attention_group(D: int, N1: int, F: int, blocks: int, head_dim: int, kv_heads: int,
+                    group: int | None = None) -> int:
+    """The query heads an attention block takes: `group` if given, else the shape's measured
+    choice (`plan.tuned`), else `attention.default_group`."""
+    return group or tuned(D, N1, F, blocks, head_dim)[2] or ca.default_group(D // head_dim, kv_heads, blocks)
+
+
+def attention_smem(S: int, hd: int, group: int = 1) -> int:
+    """Bytes of the attention phase's shared memory (`kernel._kernel_call`'s att_scratch)."""
+    return smem_bytes(((8 * (S // T), KC), jnp.bfloat16), ((group, S // T, T), jnp.float32),
+                      (((group + 2) * hd,), jnp.float32), ((group * ca.RED,), jnp.float32),
+                      ((hd,), jnp.float32), ((group, T), jnp.float32))

@@ -60,6 +60,7 @@ from gendist.timing import call_times, read_only_tbps, result_path, warm_gpu
 from pallas_kernels.chain import chain_mgpu
 
 VARIANTS = ("fast", "fast_unfused", "fast_xla", "reference", "chain")
+HEADS = {"head": "kernel", "xla": "xla", "fused": "fused"}  # a variant's +suffix: decoder.plan's head
 
 
 def step_bytes(cfg, dparams, batch: int, prompt: int, new: int) -> tuple[int, int]:
@@ -134,7 +135,7 @@ def chain_options(option: str):
 def case_plan(cfg, params, batch: int, variant: str, max_len: int) -> decoder.DecodePlan:
     """The decode plan of a variant (`params` already laid out for its path)."""
     variant, _, extra = variant.partition("+")
-    head = dict(head=dict(head="kernel"), fused=dict(head="fused"), xla=dict(head="xla")).get(extra, {})
+    head = {"head": HEADS[extra]} if extra else {}
     kind, _, option = variant.partition("@")
     if kind == "reference":
         return decoder.plan(dataclasses.replace(cfg, scan_unroll=cfg.num_layers), params, batch,
@@ -214,8 +215,8 @@ def main():
         cases.append((p, int(b), v))
     for _, _, v in cases:
         base, _, extra = v.partition("+")
-        if (base not in VARIANTS and not base.startswith(("fast@", "chain@"))) or extra not in (
-                "", "head", "xla", "fused") or (extra == "fused" and not base.startswith("chain")):
+        if (base not in VARIANTS and not base.startswith(("fast@", "chain@"))) or (
+                extra and extra not in HEADS) or (extra == "fused" and not base.startswith("chain")):
             raise SystemExit(f"variant {v!r}: choose one of {VARIANTS}, fast@<tiling> or "
                              "chain@<stages>, optionally with +head or +xla (+fused: chain only)")
     current, params = None, {}

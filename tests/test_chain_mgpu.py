@@ -620,7 +620,7 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
             active, t0, t1, k0, k1 = plan.rect(hp, b)
             if not active:
                 continue
-            x = {c: bf16(read("final", L - 1, 0, c, False)) for c in range(k0, k1)}
+            x = {c: bf16(read("head", L - 1, 0, c, False)) for c in range(k0, k1)}
             for t in range(t0, t1):
                 gk = b // hp.split.st
                 assert np.isnan(z[gk, t * 64:(t + 1) * 64]).all()

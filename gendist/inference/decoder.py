@@ -38,7 +38,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from gendist.config import DECODE_PATHS, ModelConfig
+from gendist.config import DECODE_HEADS, DECODE_PATHS, ModelConfig
 from gendist.inference import decode_block, decode_layout, megakernel
 from gendist.inference.cache import ContiguousKVCache, KVCache
 from gendist.inference.layer_cache import LayerKVCache
@@ -245,7 +245,7 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     `fused_head_supported`), else "xla".
     device: (platform, device_kind), the first device's by default.
     """
-    if head not in ("auto", "xla", "kernel", "fused"):
+    if head not in DECODE_HEADS:
         raise ValueError(f"head={head!r}; choose 'auto', 'xla' (XLA's output layer), 'kernel' "
                          "(pallas_kernels.head) or 'fused' (inside the megakernel).")
     platform, kind = device or this_device()

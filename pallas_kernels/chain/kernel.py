@@ -216,8 +216,8 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                     issue(L * per_layer + q, wh_ref.at[pl.ds(t * T, T), pl.ds(k * KC, KC)])
 
         def consume_head():
-            """x_L's chunks k0..k1-1 (the last down's pieces and H_{L-1}, as the final
-            chunk's), then each tile's sum over them, to z at chunk group gk's piece of the
+            """x_L's chunks k0..k1-1 (`gather`: the last down's pieces and H_{L-1}, as the
+            final chunks are read), then each tile's sum over them, to z at chunk group gk's piece of the
             tile: two shared buffers, a tile's TMA store in flight while the next is summed."""
             active, t0, t1, k0, k1 = rect(hp, b)
             nk = k1 - k0
@@ -225,11 +225,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             @pl.when(active)
             def _():
                 tr(L - 1, "head")
-                groups, _, _ = input_spec("final", L - 1, 0, prods, lay, F)
-                for reads in product_reads(hp, k0, k1, words(groups)):
-                    pl.when(reads.chunks[0] < k1)(functools.partial(
-                        cw.gather, ll, init_ref, x_win, groups, reads, out="bf16", use_init=False))
-                plgpu.commit_smem()
+                gather(L - 1, hp, k0, k1, 0)
                 tr(L - 1, "head_in")
                 gk = b // hp.split.st
 

@@ -406,6 +406,7 @@ def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False
         gate = pieces(gu, base(l, "gu"), tag(l))  # up's pieces follow gate's F / T tiles
         norm = (base(l, "Hss" if sums else "H"), False, tag(l)) if norms else None
         return [gate, gate._replace(is_b=True, base_word=gate.base_word + (F // T) * gate.stride)], {}, norm
-    if name == "final":  # x_L = H_{L-1} + the last down's pieces (l = L - 1)
+    if name in ("final", "head"):  # x_L = H_{L-1} + the last down's pieces (l = L - 1): the
+        # kernel's output and the output layer's input
         return [pieces(down, base(l, "down"), tag(l)), vector(base(l, "H"), tag(l))], {}, None
     raise ValueError(f"input_spec: no product {name!r}")

@@ -32,8 +32,9 @@ SHAPES = {"350m": (1024, 2816, 16, 16, 64), "1b": (2048, 5632, 16, 16, 128),
           "llama3.2-1b": (2048, 8192, 32, 8, 64)}
 
 
-OPTIONS = ("norm_sums", "packed", "head")  # chain_mgpu's boolean options --options may name; head:
-# the output layer inside the kernel (w_head, Llama-3's 128,256-row table)
+OPTIONS = ("norm_sums", "packed", "head", "state")  # chain_mgpu's boolean options --options may name;
+# head: the output layer inside the kernel (w_head, Llama-3's 128,256-row table); state: the words
+# kept between calls (state=...)
 
 
 def compile_one(name: str, aot: bool, tiles: int, options: str = ""):
@@ -61,13 +62,16 @@ def compile_one(name: str, aot: bool, tiles: int, options: str = ""):
     args = (spec((D,), jnp.float32), spec((2, N1, D)), spec((2, D, D)), spec((2, 2 * F, D)), spec((2, D, F)),
             spec((2, 2, K, 320, hd)), spec((1,), jnp.int32), spec((hd,), jnp.float32))
     chosen = set(filter(None, options.split("+")))
-    flags = {o: o in chosen for o in OPTIONS if o != "head"}
+    flags = {o: o in chosen for o in OPTIONS if o not in ("head", "state")}
+    opts = dict(blocks=132, norm_eps=1e-5, tiles=tiles, **flags)
+    extra = {}
     if "head" in chosen:
-        args += (spec((128256, D)),)
-    f = jax.jit(lambda *a: cm.chain_mgpu(*a[:8], blocks=132, norm_eps=1e-5, tiles=tiles,
-                                         w_head=a[8] if len(a) > 8 else None, **flags))
+        extra["w_head"] = spec((128256, D))
+    if "state" in chosen:
+        extra["state"] = spec((cm.state_size(*args, **opts),), jnp.int32)
+    f = jax.jit(lambda a, e: cm.chain_mgpu(*a, **opts, **e))
     print("kernel:", cm.__file__, flush=True)
-    f.trace(*args).lower(lowering_platforms=("cuda",)).compile()
+    f.trace(args, extra).lower(lowering_platforms=("cuda",)).compile()
 
 
 def report(text: str) -> dict:

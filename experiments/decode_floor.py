@@ -31,7 +31,9 @@ not named split as the cost model does (`chain@16,spare=0,down=22x6`, a candidat
 sweep of splits in whole steps); with neither, the kernel's measured choice for the shape,
 `plan.tuned`); a suffix picks the final norm and the output layer (`decoder.plan`'s head;
 none: its default): `+xla` XLA's, `+head` (`chain+head`, `fast+head`) one kernel
-(`pallas_kernels.head`), `+fused` (`chain+fused`) inside the megakernel. Each row also carries the kernels one loop iteration
+(`pallas_kernels.head`), `+fused` (`chain+fused`) inside the megakernel; `+state` (chain
+only, with or after the head's: `chain+fused+state`) keeps the kernel's words between steps
+and has it write the cache (`decoder.plan(kernel_state=True)`). Each row also carries the kernels one loop iteration
 launches, by kind, read from the compiled HLO, and with `--profile` the device time per
 kind of the first case of each preset. Writes `decode_floor_<device>.json` after every case.
 """
@@ -134,8 +136,8 @@ def chain_options(option: str):
 
 def case_plan(cfg, params, batch: int, variant: str, max_len: int) -> decoder.DecodePlan:
     """The decode plan of a variant (`params` already laid out for its path)."""
-    variant, _, extra = variant.partition("+")
-    head = {"head": HEADS[extra]} if extra else {}
+    variant, *extras = variant.split("+")
+    head = dict(head=HEADS[extras[0]]) if extras and extras[0] in HEADS else {}  # the head's suffix first
     kind, _, option = variant.partition("@")
     if kind == "reference":
         return decoder.plan(dataclasses.replace(cfg, scan_unroll=cfg.num_layers), params, batch,
@@ -143,7 +145,7 @@ def case_plan(cfg, params, batch: int, variant: str, max_len: int) -> decoder.De
     if kind == "chain":  # one persistent kernel a step (chain@OPTS: the module docstring's)
         stages, kernel = chain_options(option)
         return decoder.plan(cfg, params, batch, max_len, "megakernel", kernel=kernel, stages=stages,
-                            **head)
+                            kernel_state="state" in extras, **head)
     return decoder.plan(cfg, params, batch, max_len, "fast",
                         backend="xla" if kind == "fast_xla" else None,
                         fused=kind != "fast_unfused", tiling=option, **head)
@@ -214,11 +216,12 @@ def main():
         p, b, v = spec.split(":")
         cases.append((p, int(b), v))
     for _, _, v in cases:
-        base, _, extra = v.partition("+")
+        base, *extras = v.split("+")
         if (base not in VARIANTS and not base.startswith(("fast@", "chain@"))) or (
-                extra and extra not in HEADS) or (extra == "fused" and not base.startswith("chain")):
+                set(extras) - set(HEADS) - {"state"} or set(extras[1:]) & set(HEADS)) or (
+                {"fused", "state"} & set(extras) and not base.startswith("chain")):
             raise SystemExit(f"variant {v!r}: choose one of {VARIANTS}, fast@<tiling> or "
-                             "chain@<stages>, optionally with +head or +xla (+fused: chain only)")
+                             "chain@<stages>, optionally with +head or +xla (+fused, +state: chain only)")
     current, params = None, {}
     for name, batch, variant in cases:
         if time.perf_counter() - t_start > args.budget_s:

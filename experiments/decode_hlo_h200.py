@@ -19,7 +19,8 @@ Variants: `reference` (stacked weights, one stacked cache, the layer scan unroll
 says, e.g. `fast@bk128_sp1_w4_st3`), `fast_unfused` (fast without the fused kernels: XLA's norms and RoPE, the
 paged kernel), `fast_xla` (fast with jnp attention over all max_len slots), `chain` (the
 megakernel path at batch 1; `chain+xla`, `chain+fused`: its output layer in XLA or inside
-the kernel, none: `decoder.plan`'s default). (`decode_hlo_h200_fold.json` came from a `fast` that folded the
+the kernel, none: `decoder.plan`'s default; `+state`: the kernel keeps its words between
+steps and writes the cache, `decoder.plan(kernel_state=True)`). (`decode_hlo_h200_fold.json` came from a `fast` that folded the
 norms' gains into the next matrices, an option since removed: docs/decisions.md.)
 
 Autotuning needs a device, so GEMM configurations (batch > 1) are XLA's defaults, not what
@@ -99,10 +100,11 @@ def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep
     cfg = preset(name).model
     S = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep)  # noqa: E731
     raw = jax.eval_shape(lambda: transformer.init_params(cfg, 0))
-    base, _, head = variant.partition("+")
+    base, *flags = variant.split("+")
+    head = next((f for f in flags if f != "state"), None)
     kind, _, tiling = base.partition("@")
     if kind == "chain":
-        opts = dict(path="megakernel", **(dict(head=head) if head else {}))
+        opts = dict(path="megakernel", kernel_state="state" in flags, **(dict(head=head) if head else {}))
     elif kind == "reference":
         cfg = dataclasses.replace(cfg, scan_unroll=cfg.num_layers)
         opts = dict(path="reference")

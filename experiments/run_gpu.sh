@@ -71,12 +71,12 @@ paged)
 decode)
     "$PY" experiments/decode_paths.py --out "$OUT"
     "$PY" experiments/head_kernel.py --out "$OUT"
-    # chain: generate's default (the output layer inside the kernel from 32k tokens), +xla:
-    # XLA's output layer; chain@inflight=N: N tensor-core products left running before a ring
-    # slot is freed; chain@sums=0,packed=0: the norms' readers poll the whole vector, pieces
-    # one value a word
+    # chain: generate's default (the output layer inside the kernel from 32k tokens); +state:
+    # the kernel's words kept between steps (+fused+state: and the output layer inside at any
+    # vocabulary); chain@inflight=N: N tensor-core products left running before a ring slot
+    # is freed
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --reps 3 --out "$OUT" \
-        --variants chain chain+xla fast chain@inflight=2 chain@inflight=3 chain@sums=0,packed=0
+        --variants chain chain+state chain+fused+state fast chain@inflight=2+state chain@inflight=3+state
     "$PY" experiments/trace_chain.py --spare auto --pos 160 --inflight 1 2 3 --out "$OUT"
     "$PY" experiments/trace_chain.py --presets llama3.2-1b --pos 160 --vocab 128256 --out "$OUT/head"
     "$PY" experiments/decode_step_timeline.py --presets 1b 350m llama3.2-1b --out "$OUT" ;;

@@ -208,6 +208,33 @@ def test_the_output_layer_lowers_inside_the_kernel(vocab):
         cm.chain_mgpu(*inputs(128, 192, 128, 1), w_head=jnp.zeros((100, 128), jnp.bfloat16))
 
 
+def test_a_kept_state_lowers_with_the_cache_and_words_in_place():
+    """state=...: the kernel takes its words from the call before and the cache, and gives
+    both back written in place (outputs aliased to those inputs), the last block out
+    advancing the epoch with one acquire-release add; still no fence. A state of another
+    size, or one without a cache, is refused."""
+    args = attention_specs("llama3.2-1b")
+    n = cm.state_size(*args, blocks=132, norm_eps=1e-5)
+    prods = plan.products(2048, 3072, 8192, 132, attention=True, splits=plan.tuned(2048, 3072, 8192, 132, 64)[0],
+                          att_blocks=32 if plan.tuned(2048, 3072, 8192, 132, 64)[1] else 0)
+    assert n == 2 * plan.REGIONS * plan.layout(prods, 2048, True, True).layer_words + 2
+    st = jax.ShapeDtypeStruct((n,), jnp.int32)
+    f = lambda *a: cm.chain_mgpu(*a[:-1], blocks=132, norm_eps=1e-5, state=a[-1])  # noqa: E731
+    out = jax.eval_shape(f, *args, st)
+    assert [o.shape for o in out] == [(2048,), args[5].shape, (n,)]
+    text = lowered_for_sm90(f, *args, st)
+    aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d)\], operand_index = (\d+)", text)
+    assert sorted(aliases) == [("1", "5"), ("2", "8")]  # kv (input 5) and the state (input 8)
+    assert "atom.acq_rel.gpu.global.add.u32" in text
+    for s in ("fence.acq", "fence.proxy.async.global", "red.release"):
+        assert s not in text, s
+    assert_polls_are_the_warps(text)
+    with pytest.raises(ValueError, match=f"want int32 \\[{n}\\]"):
+        jax.eval_shape(f, *args, jax.ShapeDtypeStruct((n - 2,), jnp.int32))
+    with pytest.raises(ValueError, match="pass kv, pos and rope"):
+        cm.chain_mgpu(*inputs(128, 192, 128, 1), state=jnp.zeros((8,), jnp.int32))
+
+
 @pytest.mark.parametrize("prefetch", [0, 16])
 def test_prefetch_asks_l2_for_the_tiles_ahead(prefetch):
     """prefetch=N: the producer asks L2 for weight tiles (`prefetch.global.L2`, 64-bit
@@ -480,6 +507,38 @@ def test_the_output_layer_inside_matches_the_reference_on_the_gpu(preset, vocab,
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
+@pytest.mark.parametrize("preset,head", [("llama3.2-1b", True), ("350m", False)])
+def test_a_kept_state_matches_fresh_words_on_the_gpu(preset, head):
+    """Calls one after another on one state (positions 129, 130, then 129 again: a rollback)
+    give the bits of calls with fresh words, the cache each time that with the new k and v
+    written at the position, and the epoch counts the calls (its count back at 0)."""
+    D, F, NQ, K, hd = ATTENTION[preset]
+    x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, 2)
+    wq_f, wgu_f = cx.fold_norms(wq, wgu, *gains(D, 2))
+    kv, _, rope = attention_inputs(2, D, 320, 129, heads=NQ, kv_heads=K)
+    table = rope_table_around(rope, 129, 320)
+    extra = dict(w_head=cx.fold_head(jax.random.normal(jax.random.key(7), (4096, D)).astype(jnp.bfloat16),
+                                     jnp.ones((D,)))) if head else {}
+    f = jax.jit(lambda x, kv, pos, state: cm.chain_mgpu(x, wq_f, wo, wgu_f, wd, kv, pos, table, norm_eps=1e-5,
+                                                        state=state, **extra))
+    fresh = jax.jit(lambda x, kv, pos: cm.chain_mgpu(x, wq_f, wo, wgu_f, wd, kv, pos, table, norm_eps=1e-5,
+                                                     **extra))
+    state = jnp.zeros((cm.state_size(x0, wq_f, wo, wgu_f, wd, kv, jnp.zeros((1,), jnp.int32), table,
+                                     norm_eps=1e-5, **extra),), jnp.int32)
+    for i, p in enumerate((129, 130, 129)):
+        x, pos = x0 * (1 + 0.1 * i), jnp.array([p], jnp.int32)
+        want_x, kv_new, *want_z = fresh(x, kv, pos)
+        got_x, got_kv, *got_z, state = f(x, kv, pos, state)
+        np.testing.assert_array_equal(np.asarray(got_x), np.asarray(want_x))
+        for a, b in zip(got_z, want_z, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        want_kv = jax.lax.dynamic_update_slice(kv, kv_new[:, :, :, None], (0, 0, 0, p, 0))
+        np.testing.assert_array_equal(np.asarray(got_kv, np.float32), np.asarray(want_kv, np.float32))
+        kv = got_kv
+        assert int(state[-2]) == i + 1 and int(state[-1]) == 0
+
+
 def unpack(pairs):
     """The values and tags of packed LL words (int32 pairs [n, 2]) as the kernel's readers
     take them apart (`words.gather`): [n, 2] float64 and [n]."""
@@ -502,7 +561,7 @@ def test_packed_words_keep_two_values_and_a_tag():
 
 
 def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att_blocks=0, group=None,
-            sums=False, packed=False, w_head=None):
+            sums=False, packed=False, w_head=None, state=None):
     """The kernel's data flow in numpy, through the kernel's own decomposition (`rect`), word
     layout (`layout`, `init_words`, `piece_word`) and input wiring (`input_spec`): each
     active block gathers its chunks (summing pieces, the residual, SwiGLU), rounds them to
@@ -516,7 +575,10 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
     values a word, each rounded as `plan.pack` rounds it (`chain_mgpu(packed=True)`). Returns
     x_L (and kv_new). w_head [V, D]: then also z [sk, V], the output layer's pieces as the
     kernel's blocks make them (`plan.head_product`'s rectangles over x_L's chunks read as
-    the final chunks are), each written once."""
+    the final chunks are), each written once. state: a dict of the LL words' values and tags
+    and the epoch, kept from one call to the next (`chain_mgpu(state=...)`, empty before the
+    first): words are tagged with the call's epoch, a word may be overwritten only when it
+    holds the call before's (or nothing, or its own two layers back), and the epoch advances."""
     L, N1, D = wq.shape
     F = wd.shape[2]
     new = []
@@ -524,7 +586,9 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
                           att_blocks=att_blocks)
     lay = plan.layout(prods, D, attention=att is not None, packed=packed)
     assert lay.packed == packed and lay.piece_words == (32 if packed else 64)
-    init = np.asarray(plan.init_words(x0, prods, lay)).reshape(-1, 2)
+    epoch = state.setdefault("epoch", 0) if state is not None else 0
+    tag = lambda l: plan.tag(l, epoch)  # noqa: E731
+    init = np.asarray(plan.init_words(x0, prods, lay, epoch)).reshape(-1, 2)
     assert init.shape[0] == lay.init_words
     init_vals = np.zeros((lay.init_words, 2))  # a word's values (the second: packed words')
     init_vals[:, 0] = init[:, 0].view(np.float32)
@@ -534,16 +598,21 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
     vals = np.zeros((plan.REGIONS * lay.layer_words, 2))
     use_sums = sums
     tags = np.zeros(plan.REGIONS * lay.layer_words, int)
+    if state is not None:  # the words of the calls before
+        vals, tags = state.setdefault("vals", vals), state.setdefault("tags", tags)
 
     def write(w0, n, values, l, two=False):
         """n values from word w0 (two: two a word, rounded as the kernel's packed words)."""
         k = n // 2 if two else n
-        assert np.isin(tags[w0:w0 + k], [0, plan.tag(l) - plan.REGIONS]).all(), (w0, l)  # not too early
+        old = tags[w0:w0 + k]
+        before = (old - 2) // 256 == (epoch - 1) % plan.EPOCHS  # the call before's (its epoch's)
+        assert (np.isin(old, [0, tag(l) - plan.REGIONS]) | before).all(), (w0, l)  # not too early
+        assert (old != tag(l)).all(), (w0, l)  # nor a word a reader polling early would take
         if two:
-            vals[w0:w0 + k] = unpack(plan.pack(np.asarray(values, np.float32).reshape(-1, 2), plan.tag(l)))[0]
+            vals[w0:w0 + k] = unpack(plan.pack(np.asarray(values, np.float32).reshape(-1, 2), tag(l)))[0]
         else:
             vals[w0:w0 + k, 0] = values
-        tags[w0:w0 + k] = plan.tag(l)
+        tags[w0:w0 + k] = tag(l)
     W = {"qkv": wq, "o": wo, "gu": wgu, "down": wd}
     W = {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in W.items()}
     bf16 = lambda v: np.asarray(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731
@@ -557,14 +626,14 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
 
     def read(name, l, gt, c, use_init):
         groups, dense, norm = plan.input_spec(name, l, gt, prods, lay, F, norm_eps is not None,
-                                              att is not None, use_sums)
+                                              att is not None, use_sums, epoch)
         sums = [np.zeros(64), np.zeros(64)]
         for count, stride, is_b, base_word, init_ok, want, two in groups:
             for j in range(count):
                 sums[is_b] += words(int(base_word) + c * stride + j * (32 if two else 64), 64, init_ok, use_init,
                                     want, two)
         if dense and bool(dense["dense_on"]):
-            assert int(dense["dense_tag"]) == plan.tag(l)
+            assert int(dense["dense_tag"]) == tag(l)
             write(int(dense["dense_base"]) + c * 64, 64, sums[0], l)
             assert ("dense_ss" in dense) == use_sums
             if use_sums:  # a warp's 32 values a word
@@ -599,7 +668,7 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
                 GB = group or ca.group_of(NQ, H)
                 for a in range(NQ // GB):  # attention block a: query heads a GB .. (a + 1) GB - 1
                     j = a * GB // (NQ // H)  # their kv head
-                    words_ = cm.words(plan.input_spec("att", l, 0, prods, lay, F)[0])
+                    words_ = cm.words(plan.input_spec("att", l, 0, prods, lay, F, epoch=epoch)[0])
                     slot = {s: read("att", l, 0, c, l == 0)
                             for r in plan.head_reads(D, a, hd, words_, H, GB) for c, s in r.expand()}
                     assert sorted(slot) == list(range((GB + 2) * nc))
@@ -627,6 +696,8 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
                 z[gk, t * 64:(t + 1) * 64] = sum(Wh[t * 64:(t + 1) * 64, c * 64:(c + 1) * 64] @ x[c]
                                                  for c in range(k0, k1))
         assert not np.isnan(z).any()
+    if state is not None:  # the last block out advances the epoch
+        state["epoch"] = (epoch + 1) % plan.EPOCHS
     if att is None:
         return x_L if z is None else (x_L, z)
     kv_new = np.zeros((L, 2, att[0].shape[2], att[0].shape[4]))
@@ -713,6 +784,29 @@ def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, 
     want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
+
+
+@pytest.mark.parametrize("L,blocks,packed,first_epoch", [(3, 20, True, 0), (2, 132, False, 254)])
+def test_a_kept_state_serves_call_after_call(L, blocks, packed, first_epoch):
+    """chain_mgpu(state=...)'s words outlive the call: through the kernel's wiring, calls one
+    after another on one state (positions 70, 71, then 70 again: a rollback; the epoch
+    wrapping round) each read only words of their own epoch, overwrite only the call
+    before's (or their own from two layers back) and give the reference's x_L and new k, v."""
+    D, N1, F = 256, 768, 512
+    state = dict(epoch=first_epoch)
+    for i, pos in enumerate((70, 71, 70)):
+        x0, wq, wo, wgu, wd = inputs(D, N1, F, L, seed=i)
+        att = attention_inputs(L, D, 128, pos, heads=2)
+        g = gains(D, L)
+        wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
+        got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, att=att, att_blocks=2,
+                              sums=True, packed=packed, state=state)
+        want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
+        want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
+        assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+        assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
+        assert state["epoch"] == (first_epoch + i + 1) % plan.EPOCHS
+    assert ((state["tags"] - 2) // 256 == (first_epoch + 2) % plan.EPOCHS).sum() > 0
 
 
 @pytest.mark.parametrize("D,hd,kv_heads,blocks,group,options", [
@@ -807,9 +901,10 @@ def test_trace_analysis_recovers_a_known_schedule():
     assert got["sm_ghz"] == pytest.approx(1.8, rel=1e-3)
 
 
-def test_step_variants_name_their_kernel_options():
+def test_step_variants_name_their_kernel_options(monkeypatch):
     """decode_floor's `chain@OPTS`: ring slots, spare, splits, group, prefetch, tiles, inflight, sums and packed reach the kernel; none given
-    leaves the kernel its measured choice; a bad option names the ones there are."""
+    leaves the kernel its measured choice; a bad option names the ones there are; the
+    suffixes reach the plan (`+fused+state`: the output layer inside, the words kept)."""
     df = experiment("decode_floor")
     stages, kernel = df.chain_options("12,spare=0,qkv=16x8,o=8x14")
     assert stages == 12 and kernel.func is cm.chain_mgpu
@@ -824,6 +919,12 @@ def test_step_variants_name_their_kernel_options():
     assert df.chain_options("inflight=2")[1].keywords == dict(inflight=2)
     with pytest.raises(ValueError, match=re.escape("inflight=N, sums=0|1, packed=0|1 or NAME=SKxST")):
         df.chain_options("16,mlp=2x4")
+    asked = []  # what a variant asks the front door for
+    monkeypatch.setattr(df.decoder, "plan", lambda *a, **kw: asked.append(kw))
+    df.case_plan(None, None, 1, "chain@20+fused+state", 64)
+    df.case_plan(None, None, 1, "chain", 64)
+    assert asked[0]["stages"] == 20 and asked[0]["head"] == "fused" and asked[0]["kernel_state"] is True
+    assert "head" not in asked[1] and asked[1]["kernel_state"] is False
 
 
 def test_the_tuner_finds_an_interaction_and_proposes_splits_that_fit():

@@ -60,8 +60,8 @@ def _generate(params, prompt, new, **kw):
                              max_new_tokens=new, sp=GREEDY, **kw)
 
 
-def _plan(params, max_len, kernel=KERNEL, cfg=CFG, head="xla"):
-    return decoder.plan(cfg, params, 1, max_len, "megakernel", kernel, head=head)
+def _plan(params, max_len, kernel=KERNEL, cfg=CFG, head="xla", kernel_state=False):
+    return decoder.plan(cfg, params, 1, max_len, "megakernel", kernel, head=head, kernel_state=kernel_state)
 
 
 @pytest.mark.parametrize("prompt_len,gqa", [(5, False), (70, False), (70, True)])
@@ -85,6 +85,22 @@ def test_chain_steps_with_the_head_kernel_give_the_models_logits(params, head):
     assert got.max() <= 2 * model.max(), (got, model)
 
 
+def test_greedy_steps_skip_the_output_layers_factor(params):
+    """order_only=True (what greedy `generate` asks for): with the output layer inside the
+    kernel a step's logits come without the final norm's positive factor, the same ones
+    scaled, so the same argmax; with XLA's output layer they are the logits."""
+    prompt = jnp.arange(1, 9, dtype=jnp.int32)[None]
+    for head in ("fused", "xla"):
+        plan = _plan(params, 16, head=head)
+        _, cache = plan.prefill(prompt, jnp.array([8], jnp.int32), plan.make_cache())
+        full, _ = plan.step(jnp.array([3], jnp.int32), cache)
+        order, _ = plan.step(jnp.array([3], jnp.int32), cache, order_only=True)
+        ratio = np.asarray(full, np.float64) / np.asarray(order, np.float64)
+        np.testing.assert_allclose(ratio, ratio.flat[0], rtol=1e-5)
+        assert (ratio.flat[0] != 1.0) == (head == "fused") and ratio.flat[0] > 0
+        assert int(jnp.argmax(full)) == int(jnp.argmax(order))
+
+
 def test_the_head_choice_follows_the_path(params):
     """head="auto" (the default) puts the output layer inside the megakernel where it runs
     and the vocabulary is large (its folded table laid out once), XLA's elsewhere; "fused"
@@ -100,12 +116,12 @@ def test_the_head_choice_follows_the_path(params):
         decoder.plan(CFG, params, 1, 16, "reference", head="fused", device=cpu)
 
 
-def _teacher_forced(cfg, params, prompt_len, kernel=KERNEL, head="xla"):
+def _teacher_forced(cfg, params, prompt_len, kernel=KERNEL, head="xla", kernel_state=False):
     """The relative errors [10] of 10 teacher-forced steps' logits through the chain, and of
     the model's own bf16 forward, against the model's fp32 forward (same bf16-rounded weights)."""
     rng = np.random.default_rng(prompt_len)
     tokens = jnp.asarray(rng.integers(0, 256, (1, prompt_len + 10)), jnp.int32)
-    plan = _plan(params, prompt_len + 10, kernel, cfg=cfg, head=head)
+    plan = _plan(params, prompt_len + 10, kernel, cfg=cfg, head=head, kernel_state=kernel_state)
     logits, cache = plan.prefill(tokens[:, :prompt_len], jnp.array([prompt_len], jnp.int32),
                                  plan.make_cache())
     assert isinstance(cache, mk.ChainCache)
@@ -123,14 +139,16 @@ def _teacher_forced(cfg, params, prompt_len, kernel=KERNEL, head="xla"):
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Mosaic GPU kernel at Llama-3.2-1B's widths: an sm90 GPU only")
-@pytest.mark.parametrize("head", ["xla", "kernel", "fused"])
-def test_llama_widths_step_through_the_kernel_on_the_gpu(head):
+@pytest.mark.parametrize("head,kernel_state", [("xla", False), ("kernel", False), ("fused", False),
+                                               ("fused", True)])
+def test_llama_widths_step_through_the_kernel_on_the_gpu(head, kernel_state):
     """Llama-3.2-1B's widths (32 query / 8 kv heads of 64, d_ff 8192, vocabulary 128256,
     llama3 RoPE scaling), 2 of its 16 layers, random weights: teacher-forced steps through
     the Mosaic GPU kernel give logits within twice the model's own bf16 error (with XLA's
-    output layer, with the head kernel and with the output layer inside the megakernel)."""
+    output layer, with the head kernel and with the output layer inside the megakernel;
+    also with the kernel's words kept between steps)."""
     cfg = dataclasses.replace(preset("llama3.2-1b").model, num_layers=2, attention="xla")
-    got, model = _teacher_forced(cfg, transformer.init_params(cfg, 1), 100, None, head)
+    got, model = _teacher_forced(cfg, transformer.init_params(cfg, 1), 100, None, head, kernel_state)
     assert got.max() <= 2 * model.max(), (got, model)
 
 
@@ -159,6 +177,37 @@ def test_chain_cache_holds_what_the_model_wrote(params):
     got, want = np.asarray(cache.kv[:, :, :, :9], np.float32), np.asarray(ref_cache.kv[:, :, :, :9], np.float32)
     np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max())
     assert not np.asarray(cache.kv[:, :, :, 9:]).any()  # nothing written past the length
+
+
+def test_a_kept_kernel_state_decodes_the_same_tokens(params):
+    """kernel_state=True: the cache carries the kernel's words from step to step and the
+    kernel writes the new k and v (the reference writes them as the step would), and the
+    plan says so; greedy tokens are those of fresh words each step, also after a rollback
+    (on an sm90 GPU through the kernel itself). Off the megakernel path it is refused."""
+    prompt = jnp.arange(3, 20, dtype=jnp.int32)[None]
+    plans = [_plan(params, 64, kernel_state=k) for k in (False, True)]
+    assert plans[1].line.endswith("its words kept between steps")
+    cache = plans[1].make_cache()
+    assert cache.state is not None and cache.state.dtype == jnp.int32 and not cache.state.any()
+    outs = [G.generate(p, prompt, jnp.array([17], jnp.int32), jax.random.key(0), max_new_tokens=16,
+                       sp=GREEDY)[0] for p in plans]
+    np.testing.assert_array_equal(np.asarray(outs[1]), np.asarray(outs[0]))
+    caches = []
+    for p in plans:  # three rejected drafts, a rollback, then three tokens
+        _, c = p.prefill(prompt, jnp.array([17], jnp.int32), p.make_cache())
+        for t in (200, 201, 202):
+            _, c = p.step(jnp.array([t], jnp.int32), c)
+        c = c.rollback(jnp.array([17], jnp.int32))
+        got = []
+        for t in (5, 6, 7):
+            logits, c = p.step(jnp.array([t], jnp.int32), c)
+            got.append(np.asarray(logits))
+        caches.append((got, np.asarray(c.kv[:, :, :, :20], np.float32)))
+    for a, b in zip(caches[1][0], caches[0][0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(caches[1][1], caches[0][1])
+    with pytest.raises(ValueError, match="kernel_state=True keeps the megakernel's words"):
+        decoder.plan(CFG, params, 1, 16, "reference", kernel_state=True, device=("cpu", "cpu"))
 
 
 def test_unsupported_models_say_why():

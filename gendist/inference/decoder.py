@@ -160,6 +160,7 @@ class DecodePlan:
     tiling: str = dataclasses.field(default="", metadata=dict(static=True))
     stages: int = dataclasses.field(default=16, metadata=dict(static=True))  # the kernel's ring
     head: str = dataclasses.field(default="xla", metadata=dict(static=True))  # output layer
+    kernel_state: bool = dataclasses.field(default=False, metadata=dict(static=True))  # kept words
 
     def make_cache(self, batch: int | None = None, max_len: int | None = None) -> KVCache:
         """An empty cache of this path for `batch` sequences of up to `max_len` tokens (the
@@ -171,7 +172,8 @@ class DecodePlan:
         if self.path == "megakernel":
             if batch != 1:
                 raise ValueError(f"the megakernel's cache holds one sequence, not {batch}.")
-            return megakernel.ChainCache.create(cfg, max_len, self.stages)
+            cache = megakernel.ChainCache.create(cfg, max_len, self.stages)
+            return cache.with_state(cfg, self.params, self.kernel, self.head) if self.kernel_state else cache
         if self.path == "fast":
             return LayerKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
                                        cfg.head_dim, dt, backend=self.backend, fused=self.fused,
@@ -191,15 +193,16 @@ class DecodePlan:
                                    dtype=DTYPES[cfg.dtype], backend=self.backend, active=active,
                                    per_layer=self.path == "fast", share_pages=share_pages)
 
-    def forward(self, tokens_BT, pos_BT, cache):
+    def forward(self, tokens_BT, pos_BT, cache, order_only: bool = False):
         """fp32 logits [B, T, V] of tokens at positions pos_BT, and the cache with their keys
-        and values written (its lengths are the caller's)."""
+        and values written (its lengths are the caller's). order_only: only the logits'
+        order a row matters (greedy): a path may return them times a positive factor."""
         if self.path == "reference":
             logits_BTV, cache = transformer.forward(self.cfg, self.params, tokens_BT, pos_BT, cache)
         elif self.path == "megakernel" and tokens_BT.shape[1] == 1:
             logits_BV, cache = megakernel.step(self.cfg, self.params, tokens_BT[:, 0],
                                                pos_BT[:, 0], cache, self.kernel,
-                                               head=self.head)
+                                               head=self.head, order_only=order_only)
             return logits_BV[:, None], cache
         else:  # fast, and the megakernel's prompts (XLA attention over its cache)
             logits_BTV, cache = decode_block.forward(self.cfg, self.params, tokens_BT, pos_BT,
@@ -215,10 +218,10 @@ class DecodePlan:
         last_BV = jnp.take_along_axis(logits_BTV, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
         return last_BV, cache.rollback(cache.lengths + prompt_len_B)
 
-    def step(self, tokens_B, cache):
+    def step(self, tokens_B, cache, order_only: bool = False):
         """One token per sequence at its own position (its cached length): (logits [B, V],
-        the cache one token longer)."""
-        logits_BTV, cache = self.forward(tokens_B[:, None], cache.lengths[:, None], cache)
+        the cache one token longer); order_only as for `forward`."""
+        logits_BTV, cache = self.forward(tokens_B[:, None], cache.lengths[:, None], cache, order_only)
         return logits_BTV[:, 0], cache.advance(jnp.ones_like(cache.lengths))
 
     def with_params(self, params: dict) -> DecodePlan:
@@ -229,7 +232,8 @@ class DecodePlan:
 def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "auto",
          kernel: Callable | None = None, *, paged: bool = False, step_tokens: int = 1,
          backend: str | None = None, fused: bool = True, tiling: str = "", stages: int = 16,
-         head: str = "auto", device: tuple[str, str] | None = None) -> DecodePlan:
+         head: str = "auto", kernel_state: bool = False,
+         device: tuple[str, str] | None = None) -> DecodePlan:
     """The decode plan of `cfg` for `batch` sequences of up to `max_len` tokens (module
     docstring). Call it outside jit: it lays the weights out for the path once.
 
@@ -242,7 +246,9 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     megakernel ("fused": its table streams right behind the last layer's weights; a tied
     table is kept twice, once with the norm's gain folded in); "auto": "fused" where the
     megakernel runs and the vocabulary is large enough to pay (`megakernel.FUSED_HEAD_MIN_VOCAB`,
-    `fused_head_supported`), else "xla".
+    `fused_head_supported`), else "xla". kernel_state: the megakernel's caches keep its
+    words from step to step and it writes the new k and v itself
+    (`megakernel.ChainCache.with_state`: two kernels fewer a step).
     device: (platform, device_kind), the first device's by default.
     """
     if head not in DECODE_HEADS:
@@ -262,6 +268,11 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
         line += ", the output layer inside the kernel"
     if path == "megakernel" and kernel is None:
         kernel = chain_mgpu
+    if kernel_state and path != "megakernel":
+        raise ValueError(f"kernel_state=True keeps the megakernel's words between steps; this plan's path "
+                         f"is {path!r}: leave kernel_state=False.")
+    if kernel_state:
+        line += ", its words kept between steps"
     return DecodePlan(layout(cfg, params, path, head), cfg, path, line, batch, max_len,
                       attention_backend(cfg, platform, backend), kernel, fused, tiling, stages,
-                      head)
+                      head, kernel_state)

@@ -63,7 +63,7 @@ def generate(plan: decoder.DecodePlan, prompt_BT, prompt_len_B, key, *, max_new_
 
     def body(carry):
         i, tok_B, cache, out_BN, done_B, count_B, key = carry
-        logits_BV, cache = plan.step(tok_B, cache)
+        logits_BV, cache = plan.step(tok_B, cache, order_only=sp.greedy)  # greedy: the argmax
         if not sp.greedy:  # greedy draws nothing: no key split (a kernel a step) in the loop
             key, sub = jax.random.split(key)
         else:

@@ -4,9 +4,11 @@ residual adds in `pallas_kernels.chain`.
 A decode step at batch 1 reads every weight once, and on an H200 the step of XLA's fast path
 is ~230 small kernels that each pay a ramp and a tail (`benchmarks/decode.md`). Here the
 step is: the embedding row (XLA), the chain kernel over all layers (RMSNorms folded into the
-weights, q|k|v, attention over the cache, o, gate|up, SwiGLU, down, the residual adds), one
-in-place update writing every layer's new k and v at the step's position, and the final
-norm, the output layer and sampling (XLA).
+weights, q|k|v, attention over the cache, o, gate|up, SwiGLU, down, the residual adds; from
+32k tokens the output layer too), one in-place update writing every layer's new k and v at
+the step's position, and the final norm, the output layer and sampling (XLA). With a kept
+state (`ChainCache.with_state`) the kernel writes the new k and v itself and nothing zeroes
+its words between steps.
 
 The decode front door (`decoder.plan(..., path="megakernel")`) puts the pieces together:
 `chain_params` once (it keeps the decode layout for the prompt and adds the stacked,
@@ -32,12 +34,19 @@ from pallas_kernels.chain import xla as cx
 
 
 def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: float, stages: int = 16,
-                    w_head=None):
+                    w_head=None, state=None, new_state: bool = False):
     """`chain_mgpu`'s result from its own inputs (norm gains folded) by `cx.reference`: the
-    kernel's math in XLA, for any device (stages, the kernel's ring depth, changes nothing)."""
+    kernel's math in XLA, for any device (stages, the kernel's ring depth, changes nothing).
+    With a state (which it keeps as given; new_state: two zero words) the cache comes back
+    with the new k and v written, as the kernel's does."""
     ones = jnp.ones((w_qkv.shape[0], x0_D.shape[0]), jnp.float32)
-    return cx.reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, norms=(ones, ones), eps=norm_eps,
-                        w_head=w_head)
+    out = cx.reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, norms=(ones, ones), eps=norm_eps,
+                       w_head=w_head)
+    if state is None and not new_state:
+        return out
+    x_D, kv_new, *z = out
+    kv = jax.lax.dynamic_update_slice(kv, kv_new[:, :, :, None, :], (0, 0, 0, pos[0], 0))
+    return (x_D, kv, *z, jnp.zeros((2,), jnp.int32) if new_state else state)
 
 
 def supported(cfg: ModelConfig, batch: int) -> str | None:
@@ -111,12 +120,13 @@ class ChainCache(KVCache):
     """One sequence's keys and values as the chain kernel reads them: kv [L, 2, K, S, hd]
     (K kv heads; zeroed: rows at and past the length must be finite), S a multiple of 64;
     rope [S, hd]: every position's angles (`rope_table`), of which the kernel reads its
-    step's row."""
+    step's row; state: None, or the kernel's words kept from step to step (`with_state`)."""
 
     kv: jax.Array
     lengths: jax.Array  # [1] int32
     rope: jax.Array  # [S, hd] fp32
     stages: int = dataclasses.field(default=16, metadata=dict(static=True))  # the kernel's ring slots
+    state: jax.Array | None = None  # the kernel's words between steps (`chain_mgpu(state=...)`)
 
     @classmethod
     def create(cls, cfg: ModelConfig, max_len: int, stages: int = 16):
@@ -124,6 +134,18 @@ class ChainCache(KVCache):
         shape = (cfg.num_layers, 2, cfg.num_kv_heads, S, cfg.head_dim)
         return cls(jnp.zeros(shape, jnp.bfloat16), jnp.zeros((1,), jnp.int32), rope_table(cfg, S),
                    stages)
+
+    def with_state(self, cfg: ModelConfig, params: dict, kernel, head: str = "xla") -> ChainCache:
+        """This cache with a fresh state for `kernel` (zeros of the size it takes for these
+        weights, this cache and the output layer `head`, `step`'s): its steps then keep the
+        kernel's words from one to the next and the kernel writes the new k and v in place, so
+        that no kernel of a step zeroes the words or writes the cache."""
+        x0 = jax.ShapeDtypeStruct((cfg.d_model,), jnp.float32)
+        pos = jax.ShapeDtypeStruct((1,), jnp.int32)
+        extra = dict(w_head=params["chain_head"]) if head == "fused" else {}
+        out = jax.eval_shape(lambda *a: kernel(*a, norm_eps=cfg.norm_eps, stages=self.stages, new_state=True,
+                                               **extra), x0, *params["chain"], self.kv, pos, self.rope)
+        return dataclasses.replace(self, state=jnp.zeros(out[-1].shape, jnp.int32))
 
     def layer_state(self):
         return self.kv
@@ -148,22 +170,35 @@ def rope_table(cfg: ModelConfig, rows: int):
 
 
 def step(cfg: ModelConfig, params: dict, tokens_B, pos_B, cache: ChainCache, kernel,
-         head: str = "xla"):
+         head: str = "xla", order_only: bool = False):
     """One token at position pos_B through `kernel` (`kernel.chain_mgpu` or `chain_reference`):
     (fp32 logits [1, V], the cache with every layer's new k and v written at pos_B; its
     lengths are the caller's, as for a forward). `head`: the final norm and the output layer
     as XLA's ops ("xla"), one kernel after this one ("kernel", `decode_block.head_logits`) or
     inside it ("fused": the kernel reads `chain_params(head=True)`'s table right behind the
-    last layer and returns the logits' pieces before the norm's factor, applied here)."""
+    last layer and returns the logits' pieces before the norm's factor, applied here).
+    order_only: the caller needs only the logits' order (greedy decoding's argmax), so the
+    fused output layer's positive factor is left out (a kernel less a step). With the
+    cache's state (`ChainCache.with_state`) the kernel keeps its words and writes the new k
+    and v itself."""
     x0 = decode_block.embed(params, tokens_B[:, None], cfg)[0, 0].astype(jnp.float32)
     extra = dict(w_head=params["chain_head"]) if head == "fused" else {}
-    x_D, kv_new, *z_KV = kernel(x0, *params["chain"], cache.kv, pos_B, cache.rope, norm_eps=cfg.norm_eps,
-                                stages=cache.stages, **extra)
-    kv = jax.lax.dynamic_update_slice(cache.kv, kv_new[:, :, :, None, :], (0, 0, 0, pos_B[0], 0))
-    if head == "fused":  # the norm's factor of x_L as the model rounds it (bf16)
-        x = x_D.astype(cache.kv.dtype).astype(jnp.float32)
-        logits = (z_KV[0].sum(axis=0) * jax.lax.rsqrt(jnp.mean(x * x) + cfg.norm_eps))[None]
+    if cache.state is not None:
+        extra["state"] = cache.state
+    x_D, kv, *out = kernel(x0, *params["chain"], cache.kv, pos_B, cache.rope, norm_eps=cfg.norm_eps,
+                           stages=cache.stages, **extra)
+    if cache.state is not None:  # the kernel wrote the cache
+        *out, state = out
+        cache = dataclasses.replace(cache, kv=kv, state=state)
+    else:
+        cache = dataclasses.replace(cache, kv=jax.lax.dynamic_update_slice(
+            cache.kv, kv[:, :, :, None, :], (0, 0, 0, pos_B[0], 0)))
+    if head == "fused":
+        logits = out[0].sum(axis=0)[None]
+        if not order_only:  # the norm's factor of x_L as the model rounds it (bf16)
+            x = x_D.astype(cache.kv.dtype).astype(jnp.float32)
+            logits = logits * jax.lax.rsqrt(jnp.mean(x * x) + cfg.norm_eps)
     else:
         logits = decode_block.head_logits(params, x_D.astype(cache.kv.dtype)[None, None], cfg,
                                           kernel=head == "kernel")[:, 0]
-    return logits.astype(jnp.float32), dataclasses.replace(cache, kv=kv)
+    return logits.astype(jnp.float32), cache

@@ -38,7 +38,10 @@ weights run ahead across phases and layers. The LL words live in a global semaph
 to region l % 2, overwritten two layers later (`plan.tag`: why that is safe).
 Every poll traps after `_mgpu.SPIN_LIMIT` tries: a word never written is a CUDA error, not
 a hung GPU. (The zeroing is a memset of the array each call: ~4 MB at 1b; a region a layer
-would be 44 MB, written again by the words themselves: ~4% of a step's bytes.)
+would be 44 MB, written again by the words themselves: ~4% of a step's bytes.) A decode loop
+can keep the words instead (`state`): each call's tags carry its epoch, which the last block
+out advances, so nothing zeroes them, and the kernel writes the new k and v into the cache
+itself; a step is then two XLA kernels shorter.
 
 GPU only (the words are moved by inline PTX, which Mosaic GPU's interpreter does not run);
 `xla.reference` is the same math in XLA; `plan` holds the decomposition, the word layout
@@ -101,16 +104,21 @@ def words(groups) -> int:
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                  norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
                  prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-                 head=None, inflight: int = 1):
+                 head=None, inflight: int = 1, state=None):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
     (of one kv head) a block. head: None or (w_head [V, D] bf16, its `plan.head_product`):
-    the output layer after the last layer, its pieces [sk V] fp32 an output."""
+    the output layer after the last layer, its pieces [sk V] fp32 an output. state: None
+    (the LL words zeroed each call, the new k and v an output) or the words kept between
+    calls (int32 [`state_size`]): the kernel reads and writes them and writes the new k and v
+    into kv in place, and the result ends in (kv, state) after the call."""
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     lay = layout(prods, D, attn is not None, packed)
-    init = init_words(x0_D, prods, lay)
+    n_ll = 2 * REGIONS * lay.layer_words  # int32 words of the LL words; then the epoch and its count
+    kept = state is not None
+    init = init_words(x0_D, prods, lay, state[n_ll] if kept else 0)
     NB, st, TG = blocks, stages, tiles
     w_head, hp = head if head is not None else (None, None)
     kmax = max(p.kmax() for p in prods + ((hp,) if hp is not None else ()))
@@ -137,18 +145,23 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         return n, before
 
     def kernel(*refs):
-        n_in = 5 + (3 if attn is not None else 0) + (hp is not None)
+        n_in = 5 + (3 if attn is not None else 0) + (hp is not None) + kept
         init_ref, wq_ref, wo_ref, wgu_ref, wd_ref = refs[:5]
         kv_ref, pos_ref, rope_ref = refs[5:8] if attn is not None else (None,) * 3
-        wh_ref = refs[n_in - 1] if hp is not None else None
-        n_out = 1 + (attn is not None) + (hp is not None) + trace
-        y_ref, kvn_ref = (refs[n_in], None) if attn is None else refs[n_in:n_in + 2]
-        z_ref = refs[n_in + 1 + (attn is not None)] if hp is not None else None
+        wh_ref = refs[n_in - 1 - kept] if hp is not None else None
+        kv_out = attn is not None and not kept  # the new k and v as an output
+        n_out = 1 + kv_out + (hp is not None) + trace
+        y_ref, kvn_ref = (refs[n_in], None) if not kv_out else refs[n_in:n_in + 2]
+        z_ref = refs[n_in + 1 + kv_out] if hp is not None else None
         trace_ref = refs[n_in + n_out - 1] if trace else None
         (x_win, w_smem, acc_smem, out_smem, norm_smem, full, free, z_smem,
          p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar, heads_smem) = refs[n_in + n_out:]
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
-        ll = pl.get_global(plgpu.SemaphoreType.REGULAR((2 * REGIONS * lay.layer_words,)))
+        if kept:  # the words of the calls before, and this call's epoch (`plan.tag`)
+            ll = refs[n_in - 1]
+            epoch = ll[n_ll]
+        else:
+            ll, epoch = pl.get_global(plgpu.SemaphoreType.REGULAR((n_ll,))), 0
         w_refs = dict(qkv=wq_ref, o=wo_ref, gu=wgu_ref, down=wd_ref)
         pos = jnp.clip(pos_ref[0], 0, S - 1) if attn is not None else None  # as the reference
         n_tiles = ca.tiles(pos) if attn is not None else None
@@ -246,7 +259,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             every pass's words polled in one round trip (`product_reads`)."""
             first = l == 0
             groups, dense, norm = input_spec(p.name, l, gt, prods, lay, F, norm_eps is not None,
-                                             attn is not None, norm_sums)
+                                             attn is not None, norm_sums, epoch)
             if norm is not None:  # the first round also polls the norm's vector (its partials)
                 dense = dict(dense, norm_ref=norm_smem, norm=(norm_eps, D), sums=norm_sums)
             for i, reads in enumerate(product_reads(p, k0, k1, words(groups))):
@@ -317,7 +330,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             pl.run_scoped(body, *[plgpu.ACC((T, 8), jnp.float32)] * TG)
             plgpu.commit_smem()
             # tile t's piece lies sk pieces (sk T words) after tile t - 1's
-            cw.ll_store_rows(ll, acc_smem, piece_word(p, l, tg, gk, lay), tag(l), TG, p.split.sk * lay.piece_words,
+            cw.ll_store_rows(ll, acc_smem, piece_word(p, l, tg, gk, lay), tag(l, epoch), TG, p.split.sk * lay.piece_words,
                              count, packed=lay.packed)
 
         def consume(l, p):  # layer l's product p: its input, then its tiles' pieces, TG at a time
@@ -378,7 +391,8 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
             @pl.when(h < A)
             def _():
                 tr(l, "att")
-                groups, _, norm = input_spec("att", l, 0, prods, lay, F, norm_eps is not None, sums=norm_sums)
+                groups, _, norm = input_spec("att", l, 0, prods, lay, F, norm_eps is not None, sums=norm_sums,
+                                             epoch=epoch)
                 dense, poll = {}, {}
                 if norm is not None:  # the first pass also polls x_l (the norm's partials)
                     dense = dict(norm_ref=norm_smem, norm=(norm_eps, D), sums=norm_sums)
@@ -387,8 +401,12 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                     cw.gather(ll, init_ref, stage_smem, groups, reads, out="f32", use_init=False,
                                        **dense, **(poll if i == 0 else {}))
                 tr(l, "att_in")
-                row = (l * 2 * H + j_kv) * hd  # the kv head's new k in kv_new [L, 2, H, hd]
-                ca.rope_new(stage_smem, x_win, kvn_ref, rope_smem, red_smem, row, row + H * hd, hd, GB)
+                if kept:  # the kv head's new k and v in the cache [L, 2, H, S, hd], row pos
+                    row = ((l * 2 * H + j_kv) * S + pos) * hd
+                    ca.rope_new(stage_smem, x_win, kv_ref, rope_smem, red_smem, row, row + H * S * hd, hd, GB)
+                else:  # in kv_new [L, 2, H, hd]
+                    row = (l * 2 * H + j_kv) * hd
+                    ca.rope_new(stage_smem, x_win, kvn_ref, rope_smem, red_smem, row, row + H * hd, hd, GB)
                 plgpu.commit_smem()  # q in the window, for the tensor core
                 tr(l, "att_rope")
 
@@ -406,7 +424,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                     plgpu.commit_smem()
                     ca.combine(heads_smem, stage_smem, red_smem, (GB + 1) * hd + c * T, scale_log2, GB)
                     cw.ll_store_heads(ll, heads_smem, region(l, lay) + lay.offsets["att"] + h * GB * hd + c * T,
-                                      tag(l), GB, hd)
+                                      tag(l, epoch), GB, hd)
                 tr(l, "att_out")
 
         def every_phase(step, step_att):  # every layer's phases, in order
@@ -447,12 +465,15 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
 
             @pl.when(b < D // T)
             def _final():  # chunk b of x_L, to y
-                groups, _, _ = input_spec("final", L - 1, 0, prods, lay, F)
+                groups, _, _ = input_spec("final", L - 1, 0, prods, lay, F, epoch=epoch)
                 cw.gather(ll, init_ref, out_smem, groups, Reads((b, b), (0, 0), b + 1, 1), out="f32",
                                    use_init=0)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_smem, y_ref.at[pl.ds(b * T, T)])
                 plgpu.wait_smem_to_gmem(0)
+
+            if kept:  # after every read of this call's epoch: the last block out advances it
+                cw.close_call(ll, n_ll, NB)
 
     att_scratch = (None,) * 7
     if attn is not None:
@@ -475,30 +496,37 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         plgpu.Barrier(num_barriers=st),  # slot free again
         plgpu.SMEM((2, T), jnp.float32) if hp is not None else None,  # the head's tiles, to z
     ) + att_scratch
-    out_type = jax.ShapeDtypeStruct((D,), jnp.float32)
+    out_type = (jax.ShapeDtypeStruct((D,), jnp.float32),)
     args = (init, w_qkv, w_o, w_gu, w_down)
     if attn is not None:
-        out_type = (out_type, jax.ShapeDtypeStruct((L, 2, H, hd), jnp.bfloat16))
-        args += tuple(attn)
+        out_type += (jax.ShapeDtypeStruct((L, 2, H, hd), jnp.bfloat16),) if not kept else ()
+        kv = jax.new_ref(attn[0]) if kept else attn[0]  # kept: the kernel writes the new k, v in it
+        args += (kv, *attn[1:])
     if hp is not None:
-        out_type = (*(out_type if attn is not None else (out_type,)),
-                    jax.ShapeDtypeStruct((hp.split.sk * hp.N,), jnp.float32))
+        out_type += (jax.ShapeDtypeStruct((hp.split.sk * hp.N,), jnp.float32),)
         args += (w_head,)
+    if kept:
+        state = jax.new_ref(state)
+        args += (state,)
     if trace:
-        out_type = (*(out_type if attn is not None else (out_type,)),
-                    jax.ShapeDtypeStruct((NB, L, len(TRACE_POINTS), 2), jnp.int32))
-    return launch(kernel, args, out_type=out_type, scratch=scratch, grid=(NB,),
-                  grid_names=("b",), num_threads=2, interpret=False, manual_barriers=True,
-                  name="decode_chain")
+        out_type += (jax.ShapeDtypeStruct((NB, L, len(TRACE_POINTS), 2), jnp.int32),)
+    out = launch(kernel, args, out_type=out_type[0] if len(out_type) == 1 else out_type, scratch=scratch,
+                 grid=(NB,), grid_names=("b",), num_threads=2, interpret=False, manual_barriers=True,
+                 name="decode_chain")
+    if not kept:
+        return out
+    out = tuple(out) if len(out_type) > 1 else (out,)
+    return (*out, jax.freeze(kv), jax.freeze(state))
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
-                                             "group", "prefetch", "tiles", "norm_sums", "packed", "inflight"))
+                                             "group", "prefetch", "tiles", "norm_sums", "packed", "inflight",
+                                             "new_state"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
                prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-               w_head=None, inflight: int = 1):
+               w_head=None, inflight: int = 1, state=None, new_state: bool = False):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
@@ -547,15 +575,37 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     inflight: the tensor-core products a block leaves running behind the one it has just
     issued before it frees a ring slot (1: the one before; a product of a 64 x 64 weight tile
     and an 8-row chunk is short and its latency, not its work, sets the pace of a block that
-    has tiles waiting in its ring)."""
+    has tiles waiting in its ring).
+
+    state: the kernel's words kept from the call before (int32 [`state_size(...)`], zeros
+    before the first; new_state=True makes them), so that no kernel before this one zeroes
+    them: each call's words carry its epoch (`plan.tag`), which the last block out advances.
+    Then the kernel also writes the new k and v into kv at row pos (in place, where kv's
+    buffer can be given: a decode loop's cache) and the result is (x_L, kv with them,
+    [z], [trace], state), kv in kv_new's place. A state serves one cache and one set of
+    options (its size is theirs)."""
     c = resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, stages=stages, blocks=blocks,
                 norm_eps=norm_eps, splits=splits, spare=spare, group=group, prefetch=prefetch,
-                tiles=tiles, packed=packed, w_head=w_head, inflight=inflight)
+                tiles=tiles, packed=packed, w_head=w_head, inflight=inflight,
+                kept=state is not None or new_state)
+    size = c.state_words
+    if new_state:
+        state = jnp.zeros((size,), jnp.int32)
+    elif state is not None and (state.shape != (size,) or state.dtype != jnp.int32):
+        raise ValueError(f"chain_mgpu: state {state.shape} {state.dtype}: want int32 [{size}] for these shapes "
+                         "and options (make one with new_state=True).")
     out = _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, c.prods, stages, c.blocks, norm_eps, c.attn, trace,
-                       c.group, prefetch, tiles, norm_sums, packed, c.head, inflight)
-    if c.head is None:
-        return out
-    out = list(out)
-    z_at = 1 + (c.attn is not None)
-    out[z_at] = out[z_at].reshape(c.head[1].split.sk, -1)
-    return tuple(out)
+                       c.group, prefetch, tiles, norm_sums, packed, c.head, inflight, state)
+    out = list(out) if isinstance(out, tuple) else [out]
+    if state is not None:  # (y, [z], [trace], kv, state) -> (y, kv, [z], [trace], state)
+        out.insert(1, out.pop(-2))
+    if c.head is not None:
+        z_at = 1 + (c.attn is not None)
+        out[z_at] = out[z_at].reshape(c.head[1].split.sk, -1)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def state_size(*inputs, **options) -> int:
+    """The int32 words of `chain_mgpu(*inputs, **options, state=...)`'s state (inputs as
+    arrays or shapes): the LL words of two layers' regions, the epoch and its count."""
+    return jax.eval_shape(lambda *a: chain_mgpu(*a, **options, new_state=True), *inputs)[-1].shape[0]

@@ -304,15 +304,23 @@ def layout(prods, D: int, attention: bool = False, packed: bool = False) -> Layo
 
 
 REGIONS = 2  # layer l's words live in region l % REGIONS, overwritten two layers later
+EPOCHS = 256  # the calls a kept state's tags tell apart (`tag`'s epoch, bits 8-15)
+MAX_LAYERS = 254  # layer l's tags keep l + 2 below bit 8
 
 
-def tag(l):
-    """The tag of layer l's words (l may be traced): l + 2, so that the host's words, which
-    stand in for layer -1, carry 1 and a word left from layer l - 2 in the same region (or
-    the zeroed memory) never passes for layer l's. Two regions are enough: every write of
-    layer l + 2 depends, through the attention of every head, on all of x_{l+1}, which no
-    block computes before it has read all of its layer-l words."""
-    return l + 2
+def tag(l, epoch=0):
+    """The tag of layer l's words (l, epoch ints or traced): l + 2 + 256 epoch, so that the
+    host's words, which stand in for layer -1, carry 1 + 256 epoch and a word left from layer
+    l - 2 in the same region (or the zeroed memory) never passes for layer l's. Two regions
+    are enough: every write of layer l + 2 depends, through the attention of every head, on
+    all of x_{l+1}, which no block computes before it has read all of its layer-l words.
+
+    epoch (< EPOCHS; 0 where the words are zeroed each call): the call's, where the words
+    outlive it (`chain_mgpu(state=...)`): a word left from the call before carries the
+    other epoch, and every word a call reads it also writes (once a layer of its region), so
+    none from two calls back is left."""
+    t = l + 2
+    return t if isinstance(epoch, int) and epoch == 0 else t + 256 * epoch
 
 
 def region(l, lay: Layout):
@@ -320,16 +328,17 @@ def region(l, lay: Layout):
     return (l % REGIONS) * lay.layer_words
 
 
-def init_words(x0_D, prods, lay: Layout):
+def init_words(x0_D, prods, lay: Layout, epoch=0):
     """The host-written words for layer -1, as int32 pairs [init_words, 2]: zero down pieces
-    (packed as the layout says), x_0 and its square sums, each tagged tag(-1) = 1."""
+    (packed as the layout says), x_0 and its square sums, each tagged tag(-1, epoch) (1 at
+    epoch 0)."""
     def plain(vals):  # a value a word: its fp32 bits, then the tag
         bits = lax.bitcast_convert_type(vals, jnp.int32)
-        return jnp.stack([bits, jnp.full_like(bits, tag(-1))], axis=-1)
+        return jnp.stack([bits, jnp.full_like(bits, tag(-1, epoch))], axis=-1)
 
     x0 = x0_D.astype(jnp.float32)
     if lay.packed:  # the down pieces: zeros, two a word or one
-        down = pack(jnp.zeros((lay.init_H, 2), jnp.float32), tag(-1))
+        down = pack(jnp.zeros((lay.init_H, 2), jnp.float32), tag(-1, epoch))
     else:
         down = plain(jnp.zeros((lay.init_H,), jnp.float32))
     return jnp.concatenate([down, plain(x0), plain((x0.reshape(-1, SS) ** 2).sum(axis=1))]).reshape(-1)
@@ -357,7 +366,7 @@ class Source(NamedTuple):
 
 
 def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False,
-               attention: bool = False, sums: bool = False):
+               attention: bool = False, sums: bool = False, epoch=0):
     """Where product `name` of layer l reads its input chunk c (block in tile group gt):
     (groups, dense, norm). groups: [`Source`]: a product's pieces (count sk, one a chunk
     group, stride sk pieces) or a dense vector (count 1, stride 64). dense: where (and with which tag) the readers of tile group 0 write the input's sum (A's)
@@ -366,18 +375,19 @@ def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False
     (x_l for the q|k|v output that o reads, h_l for gate|up's), else None. attention: o
     reads the attention phase's output (`attention_spec` says what that phase reads). sums:
     the norm's readers read the vector's square sums (D / SS words: Xss, Hss) instead of the
-    vector, and the dense vector's writers write them (dense's `dense_ss`). Works on ints
-    (tests) and traced values (the kernel)."""
+    vector, and the dense vector's writers write them (dense's `dense_ss`). epoch: the
+    call's (`tag`). Works on ints (tests) and traced values (the kernel)."""
     qkv, o, gu, down = prods
     P, packed = lay.piece_words, lay.packed  # words a piece, and whether two values share one
 
     def base(layer, name):
         return region(layer, lay) + lay.offsets[name]
 
+    tg = lambda layer: tag(layer, epoch)  # noqa: E731
     first = l == 0
     x_l = jnp.where(first, lay.init_H, base(l, "X"))  # X_0 is the host's x_0 (tag 1)
     x_ss = jnp.where(first, lay.init_ss, base(l, "Xss"))  # and so are its square sums
-    x_tag = jnp.where(first, tag(-1), tag(l))
+    x_tag = jnp.where(first, tg(-1), tg(l))
 
     def ss(vector):  # the dense writers' square sums, with sums
         return dict(dense_ss=base(l, vector + "ss")) if sums else {}
@@ -390,23 +400,23 @@ def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False
         return Source(1, 64, False, base_word, init_ok, tag_)
 
     if name == "qkv":  # x_l = H_{l-1} + the previous down's pieces; X_l dense
-        groups = [pieces(down, jnp.where(first, lay.init_down, base(l - 1, "down")), tag(l - 1), True),
-                  vector(jnp.where(first, lay.init_H, base(l - 1, "H")), tag(l - 1), True)]
-        return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0), dense_tag=tag(l), **ss("X")), None
+        groups = [pieces(down, jnp.where(first, lay.init_down, base(l - 1, "down")), tg(l - 1), True),
+                  vector(jnp.where(first, lay.init_H, base(l - 1, "H")), tg(l - 1), True)]
+        return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0), dense_tag=tg(l), **ss("X")), None
     if name == "o" and attention:  # the attention phase's output, dense
-        return [vector(base(l, "att"), tag(l))], {}, None
+        return [vector(base(l, "att"), tg(l))], {}, None
     if name in ("o", "att"):  # qkv's pieces (times x_l's RMSNorm factor): o without
         # attention reads the q part; the attention phase reads a head's q, k and v
         norm = (x_ss if sums else x_l, True, x_tag) if norms else None
-        return [pieces(qkv, base(l, "qkv"), tag(l))], {}, norm
+        return [pieces(qkv, base(l, "qkv"), tg(l))], {}, norm
     if name == "gu":  # h_l = X_l + o's pieces; H_l dense
-        groups = [pieces(o, base(l, "o"), tag(l)), vector(x_l, x_tag, True)]
-        return groups, dict(dense_base=base(l, "H"), dense_on=gt == 0, dense_tag=tag(l), **ss("H")), None
+        groups = [pieces(o, base(l, "o"), tg(l)), vector(x_l, x_tag, True)]
+        return groups, dict(dense_base=base(l, "H"), dense_on=gt == 0, dense_tag=tg(l), **ss("H")), None
     if name == "down":  # silu(gate) * up from gate|up's pieces (times h_l's RMSNorm factor)
-        gate = pieces(gu, base(l, "gu"), tag(l))  # up's pieces follow gate's F / T tiles
-        norm = (base(l, "Hss" if sums else "H"), False, tag(l)) if norms else None
+        gate = pieces(gu, base(l, "gu"), tg(l))  # up's pieces follow gate's F / T tiles
+        norm = (base(l, "Hss" if sums else "H"), False, tg(l)) if norms else None
         return [gate, gate._replace(is_b=True, base_word=gate.base_word + (F // T) * gate.stride)], {}, norm
     if name in ("final", "head"):  # x_L = H_{L-1} + the last down's pieces (l = L - 1): the
         # kernel's output and the output layer's input
-        return [pieces(down, base(l, "down"), tag(l)), vector(base(l, "H"), tag(l))], {}, None
+        return [pieces(down, base(l, "down"), tg(l)), vector(base(l, "H"), tg(l))], {}, None
     raise ValueError(f"input_spec: no product {name!r}")

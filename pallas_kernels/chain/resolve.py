@@ -9,7 +9,17 @@ import jax.numpy as jnp
 
 from pallas_kernels._mgpu import SMEM_LIMIT, sm_count, smem_bytes
 from pallas_kernels.chain import attention as ca
-from pallas_kernels.chain.plan import KC, T, head_product, products, tag, tuned
+from pallas_kernels.chain.plan import (
+    KC,
+    MAX_LAYERS,
+    REGIONS,
+    T,
+    head_product,
+    layout,
+    products,
+    tag,
+    tuned,
+)
 
 
 def window_rows(kmax: int) -> int:
@@ -68,7 +78,8 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
 class Call(NamedTuple):
     """What one `chain_mgpu` call runs: the chain's sizes, the blocks, the attention inputs
     (kv, pos, rope cast) or None, the query heads an attention block takes, the layer's
-    products with their splits and the output layer (w_head, its product) or None."""
+    products with their splits, the output layer (w_head, its product) or None, and the
+    int32 words of a kept state (`chain_mgpu(state=...)`)."""
 
     L: int
     D: int
@@ -79,11 +90,12 @@ class Call(NamedTuple):
     group: int
     prods: tuple
     head: tuple | None
+    state_words: int
 
 
 def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, stages: int, blocks: int | None,
             norm_eps: float | None, splits: tuple | None, spare: bool | None, group: int | None,
-            prefetch: int, tiles: int, packed: bool, w_head, inflight: int) -> Call:
+            prefetch: int, tiles: int, packed: bool, w_head, inflight: int, kept: bool = False) -> Call:
     """`chain_mgpu`'s inputs checked and its options resolved for their shape (the measured
     splits, o's blocks and the attention group where not given, `plan.tuned`); a ValueError
     names whatever does not fit, and the fix."""
@@ -136,7 +148,17 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, stages: int, block
     if prefetch < 0:
         raise ValueError(f"chain_mgpu: prefetch={prefetch}: want 0 (off) or the weight tiles a block "
                          "asks of L2 ahead of its ring.")
-    return Call(L, D, N1, F, NB, attn, group, prods, head)
+    if kept and attn is None:
+        raise ValueError("chain_mgpu: state keeps the words of a decode loop's calls and writes the new k "
+                         "and v into the cache: pass kv, pos and rope, or leave state=None.")
+    if kept and L > MAX_LAYERS:
+        raise ValueError(f"chain_mgpu: a kept state tags words with the layer in 8 bits: {L} layers are "
+                         f"more than {MAX_LAYERS}; leave state=None.")
+    if kept and kv.size >= 2 ** 31:
+        raise ValueError(f"chain_mgpu: the kernel writes the new k and v at 32-bit offsets into kv "
+                         f"{kv.shape}, which is too large; leave state=None.")
+    words = 2 * REGIONS * layout(prods, D, attn is not None, packed).layer_words + 2
+    return Call(L, D, N1, F, NB, attn, group, prods, head, words)
 
 
 def attention_group(D: int, N1: int, F: int, blocks: int, head_dim: int, kv_heads: int,

@@ -15,7 +15,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith
 
 from pallas_kernels._mgpu import SPIN_GUARD, const_i32, lane, ptr32, ptr64, warp_retry
-from pallas_kernels.chain.plan import KC, SS, T
+from pallas_kernels.chain.plan import EPOCHS, KC, SS, T
 
 X_TRANSFORMS = (plgpu.TilingTransform((8, KC)), plgpu.SwizzleTransform(2 * KC))
 
@@ -381,3 +381,25 @@ def ll_store_heads(ll_ref, src_smem, word, tag, heads: int, head_dim: int):
     """`heads` query heads' 64 outputs of one chunk as LL words (`ll_store_rows`): src_smem
     [heads, 64], head g's to words word + g head_dim + i."""
     ll_store_rows(ll_ref, src_smem, word, tag, heads, head_dim)
+
+
+def close_call(state_ref, word: int, blocks: int):
+    """The end of a block's part in a call that keeps its words (`chain_mgpu(state=...)`):
+    lane 0 counts the block out (an acquire-release add, gpu scope, on int32 word + 1 of
+    state_ref), and the block that counts `blocks` resets the count and advances the epoch
+    (int32 `word`) to the next (mod `plan.EPOCHS`), which the next call's blocks read. Every
+    block read the epoch before it counted itself out, so none of this call's reads the next
+    one. Ends in nothing: call it last. GPU only (inline PTX)."""
+    ptx = ("{ .reg .pred p, q; .reg .u32 old, e; mov.u32 old, 0; setp.eq.u32 p, $1, 0;"
+           " @p atom.acq_rel.gpu.global.add.u32 old, [$0+4], 1;"
+           f" setp.eq.and.u32 q, old, {blocks - 1}, p;"
+           f" @q ld.relaxed.gpu.global.u32 e, [$0]; @q add.u32 e, e, 1; @q and.b32 e, e, {EPOCHS - 1};"
+           " @q st.relaxed.gpu.global.u32 [$0+4], 0; @q st.relaxed.gpu.global.u32 [$0], e; }")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def op(_, r):
+        i64 = ir.IntegerType.get_signless(64)
+        at = arith.addi(ptr64(r), mgpu.utils.c(4 * word, i64))
+        mgpu.utils.inline_ptx(ptx, at, lane(), has_side_effects=True)
+
+    op(state_ref)

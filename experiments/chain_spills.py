@@ -34,7 +34,8 @@ SHAPES = {"350m": (1024, 2816, 16, 16, 64), "1b": (2048, 5632, 16, 16, 128),
 
 OPTIONS = ("norm_sums", "packed", "head", "state")  # chain_mgpu's boolean options --options may name;
 # head: the output layer inside the kernel (w_head, Llama-3's 128,256-row table); state: the words
-# kept between calls (state=...)
+# kept between calls and x_0 read from the embedding table (state=..., embed=...: the decode
+# loop's form, `decoder.plan(kernel_state=True)`)
 
 
 def compile_one(name: str, aot: bool, tiles: int, options: str = ""):
@@ -68,7 +69,9 @@ def compile_one(name: str, aot: bool, tiles: int, options: str = ""):
     if "head" in chosen:
         extra["w_head"] = spec((128256, D))
     if "state" in chosen:
-        extra["state"] = spec((cm.state_size(*args, **opts),), jnp.int32)
+        extra["embed"] = (spec((128256, D)), spec((1,), jnp.int32))
+        extra["state"] = spec((cm.state_size(None, *args[1:], **opts, embed=extra["embed"]),), jnp.int32)
+        args = (None, *args[1:])
     f = jax.jit(lambda a, e: cm.chain_mgpu(*a, **opts, **e))
     print("kernel:", cm.__file__, flush=True)
     f.trace(args, extra).lower(lowering_platforms=("cuda",)).compile()

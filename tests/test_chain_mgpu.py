@@ -208,31 +208,48 @@ def test_the_output_layer_lowers_inside_the_kernel(vocab):
         cm.chain_mgpu(*inputs(128, 192, 128, 1), w_head=jnp.zeros((100, 128), jnp.bfloat16))
 
 
-def test_a_kept_state_lowers_with_the_cache_and_words_in_place():
+@pytest.mark.parametrize("embed", [False, True])
+def test_a_kept_state_lowers_with_the_cache_and_words_in_place(embed):
     """state=...: the kernel takes its words from the call before and the cache, and gives
     both back written in place (outputs aliased to those inputs), the last block out
-    advancing the epoch with one acquire-release add; still no fence. A state of another
-    size, or one without a cache, is refused."""
+    advancing the epoch with one acquire-release add; still no fence. embed: x_0 read from
+    the token's embedding row (a read-only bf16 load), its words in the state after the LL
+    words. A state of another size, or one without a cache, is refused."""
     args = attention_specs("llama3.2-1b")
-    n = cm.state_size(*args, blocks=132, norm_eps=1e-5)
-    prods = plan.products(2048, 3072, 8192, 132, attention=True, splits=plan.tuned(2048, 3072, 8192, 132, 64)[0],
-                          att_blocks=32 if plan.tuned(2048, 3072, 8192, 132, 64)[1] else 0)
-    assert n == 2 * plan.REGIONS * plan.layout(prods, 2048, True, True).layer_words + 2
+    lead, extra = args[:1], {}
+    if embed:
+        lead = (jax.ShapeDtypeStruct((128256, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32))
+    n = cm.state_size(None if embed else args[0], *args[1:], blocks=132, norm_eps=1e-5,
+                      **(dict(embed=lead) if embed else {}))
+    splits, spare, _ = plan.tuned(2048, 3072, 8192, 132, 64)
+    prods = plan.products(2048, 3072, 8192, 132, attention=True, splits=splits, att_blocks=32 if spare else 0)
+    lay = plan.layout(prods, 2048, True, True)
+    assert n == plan.state_words(plan.kept_layout(lay) if embed else lay)
+    assert n == 2 * plan.REGIONS * lay.layer_words + 2 + (2 * lay.init_words if embed else 0)
     st = jax.ShapeDtypeStruct((n,), jnp.int32)
-    f = lambda *a: cm.chain_mgpu(*a[:-1], blocks=132, norm_eps=1e-5, state=a[-1])  # noqa: E731
-    out = jax.eval_shape(f, *args, st)
+
+    def f(*a):
+        if embed:
+            return cm.chain_mgpu(None, *a[2:-1], blocks=132, norm_eps=1e-5, state=a[-1], embed=a[:2])
+        return cm.chain_mgpu(*a[:-1], blocks=132, norm_eps=1e-5, state=a[-1])
+
+    out = jax.eval_shape(f, *lead, *args[1:], st)
     assert [o.shape for o in out] == [(2048,), args[5].shape, (n,)]
-    text = lowered_for_sm90(f, *args, st)
+    text = lowered_for_sm90(f, *lead, *args[1:], st)
     aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d)\], operand_index = (\d+)", text)
-    assert sorted(aliases) == [("1", "5"), ("2", "8")]  # kv (input 5) and the state (input 8)
+    assert sorted(aliases) == [("1", "5"), ("2", "9" if embed else "8")]  # kv (input 5) and the state (last)
     assert "atom.acq_rel.gpu.global.add.u32" in text
+    assert ("ld.global.nc.b16" in text) == embed
     for s in ("fence.acq", "fence.proxy.async.global", "red.release"):
         assert s not in text, s
     assert_polls_are_the_warps(text)
     with pytest.raises(ValueError, match=f"want int32 \\[{n}\\]"):
-        jax.eval_shape(f, *args, jax.ShapeDtypeStruct((n - 2,), jnp.int32))
+        jax.eval_shape(f, *lead, *args[1:], jax.ShapeDtypeStruct((n - 2,), jnp.int32))
     with pytest.raises(ValueError, match="pass kv, pos and rope"):
         cm.chain_mgpu(*inputs(128, 192, 128, 1), state=jnp.zeros((8,), jnp.int32))
+    with pytest.raises(ValueError, match="embed=\\(table, token\\) writes x_0's words into the kept state"):
+        cm.chain_mgpu(None, *args[1:], blocks=132, embed=lead if embed else (jnp.zeros((8, 2048), jnp.bfloat16),
+                                                                             jnp.zeros((1,), jnp.int32)))
 
 
 @pytest.mark.parametrize("prefetch", [0, 16])
@@ -508,33 +525,48 @@ def test_the_output_layer_inside_matches_the_reference_on_the_gpu(preset, vocab,
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
-@pytest.mark.parametrize("preset,head", [("llama3.2-1b", True), ("350m", False)])
-def test_a_kept_state_matches_fresh_words_on_the_gpu(preset, head):
+@pytest.mark.parametrize("preset,head,embed", [("llama3.2-1b", True, False), ("350m", False, False),
+                                               ("llama3.2-1b", True, True), ("1b", False, True)])
+def test_a_kept_state_matches_fresh_words_on_the_gpu(preset, head, embed):
     """Calls one after another on one state (positions 129, 130, then 129 again: a rollback)
     give the bits of calls with fresh words, the cache each time that with the new k and v
-    written at the position, and the epoch counts the calls (its count back at 0)."""
+    written at the position, and the epoch counts the calls (its count back at 0). embed:
+    x_0 is a token's row the kernel reads (its square sums summed in another order than
+    XLA's: within 1e-5)."""
     D, F, NQ, K, hd = ATTENTION[preset]
     x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, 2)
     wq_f, wgu_f = cx.fold_norms(wq, wgu, *gains(D, 2))
     kv, _, rope = attention_inputs(2, D, 320, 129, heads=NQ, kv_heads=K)
-    table = rope_table_around(rope, 129, 320)
+    angles = rope_table_around(rope, 129, 320)
     extra = dict(w_head=cx.fold_head(jax.random.normal(jax.random.key(7), (4096, D)).astype(jnp.bfloat16),
                                      jnp.ones((D,)))) if head else {}
-    f = jax.jit(lambda x, kv, pos, state: cm.chain_mgpu(x, wq_f, wo, wgu_f, wd, kv, pos, table, norm_eps=1e-5,
+    f = jax.jit(lambda x, kv, pos, state: cm.chain_mgpu(x, wq_f, wo, wgu_f, wd, kv, pos, angles, norm_eps=1e-5,
                                                         state=state, **extra))
-    fresh = jax.jit(lambda x, kv, pos: cm.chain_mgpu(x, wq_f, wo, wgu_f, wd, kv, pos, table, norm_eps=1e-5,
+    fresh = jax.jit(lambda x, kv, pos: cm.chain_mgpu(x, wq_f, wo, wgu_f, wd, kv, pos, angles, norm_eps=1e-5,
                                                      **extra))
-    state = jnp.zeros((cm.state_size(x0, wq_f, wo, wgu_f, wd, kv, jnp.zeros((1,), jnp.int32), table,
+    state = jnp.zeros((cm.state_size(x0, wq_f, wo, wgu_f, wd, kv, jnp.zeros((1,), jnp.int32), angles,
                                      norm_eps=1e-5, **extra),), jnp.int32)
+    emb = jax.random.normal(jax.random.key(9), (1000, D), jnp.float32).astype(jnp.bfloat16)
+    if embed:
+        f = jax.jit(lambda token, kv, pos, state: cm.chain_mgpu(None, wq_f, wo, wgu_f, wd, kv, pos, angles,
+                                                                norm_eps=1e-5, state=state,
+                                                                embed=(emb, token), **extra))
+        state = jnp.zeros((cm.state_size(None, wq_f, wo, wgu_f, wd, kv, jnp.zeros((1,), jnp.int32), angles,
+                                         norm_eps=1e-5, embed=(emb, jnp.zeros((1,), jnp.int32)),
+                                         **extra),), jnp.int32)
+    same = (lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())) if embed else (
+        np.testing.assert_array_equal)
     for i, p in enumerate((129, 130, 129)):
-        x, pos = x0 * (1 + 0.1 * i), jnp.array([p], jnp.int32)
+        token = jnp.array([7 + 300 * i], jnp.int32)
+        x = emb[token[0]].astype(jnp.float32) if embed else x0 * (1 + 0.1 * i)
+        pos = jnp.array([p], jnp.int32)
         want_x, kv_new, *want_z = fresh(x, kv, pos)
-        got_x, got_kv, *got_z, state = f(x, kv, pos, state)
-        np.testing.assert_array_equal(np.asarray(got_x), np.asarray(want_x))
+        got_x, got_kv, *got_z, state = f(token if embed else x, kv, pos, state)
+        same(np.asarray(got_x), np.asarray(want_x))
         for a, b in zip(got_z, want_z, strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            same(np.asarray(a), np.asarray(b))
         want_kv = jax.lax.dynamic_update_slice(kv, kv_new[:, :, :, None], (0, 0, 0, p, 0))
-        np.testing.assert_array_equal(np.asarray(got_kv, np.float32), np.asarray(want_kv, np.float32))
+        same(np.asarray(got_kv, np.float32), np.asarray(want_kv, np.float32))
         kv = got_kv
         assert int(state[-2]) == i + 1 and int(state[-1]) == 0
 
@@ -561,7 +593,7 @@ def test_packed_words_keep_two_values_and_a_tag():
 
 
 def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att_blocks=0, group=None,
-            sums=False, packed=False, w_head=None, state=None):
+            sums=False, packed=False, w_head=None, state=None, embed=False):
     """The kernel's data flow in numpy, through the kernel's own decomposition (`rect`), word
     layout (`layout`, `init_words`, `piece_word`) and input wiring (`input_spec`): each
     active block gathers its chunks (summing pieces, the residual, SwiGLU), rounds them to
@@ -578,7 +610,10 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
     the final chunks are), each written once. state: a dict of the LL words' values and tags
     and the epoch, kept from one call to the next (`chain_mgpu(state=...)`, empty before the
     first): words are tagged with the call's epoch, a word may be overwritten only when it
-    holds the call before's (or nothing, or its own two layers back), and the epoch advances."""
+    holds the call before's (or nothing, or its own two layers back), and the epoch advances.
+    embed (with a state): the host's words lie in the state after the LL words
+    (`plan.kept_layout`), x_0's and its square sums written at the call's start with its
+    tag, the down pieces the zeros the state began with (`chain_mgpu(embed=...)`)."""
     L, N1, D = wq.shape
     F = wd.shape[2]
     new = []
@@ -595,11 +630,22 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
     init_tags = init[:, 1].copy()
     if packed:  # the down pieces
         init_vals[:lay.init_H], init_tags[:lay.init_H] = unpack(init[:lay.init_H])
-    vals = np.zeros((plan.REGIONS * lay.layer_words, 2))
+    n_words = plan.REGIONS * lay.layer_words
+    if embed:  # the host's words in the state: the kernel writes x_0's, the down pieces stay 0
+        assert state is not None
+        lay = plan.kept_layout(lay)
+        n_words += lay.init_words
+    vals = np.zeros((n_words, 2))
     use_sums = sums
-    tags = np.zeros(plan.REGIONS * lay.layer_words, int)
+    tags = np.zeros(n_words, int)
     if state is not None:  # the words of the calls before
         vals, tags = state.setdefault("vals", vals), state.setdefault("tags", tags)
+    if embed:  # read where the LL words are read (`init_ref` is the state)
+        init_vals, init_tags = vals, tags
+        x = np.asarray(x0, np.float32)
+        for w0, words_ in ((lay.init_H, x), (lay.init_ss, (x.reshape(-1, plan.SS) ** 2).sum(axis=1))):
+            assert (tags[w0:w0 + words_.size] != tag(-1)).all()  # none a reader could take early
+            vals[w0:w0 + words_.size, 0], tags[w0:w0 + words_.size] = words_, tag(-1)
 
     def write(w0, n, values, l, two=False):
         """n values from word w0 (two: two a word, rounded as the kernel's packed words)."""
@@ -786,12 +832,14 @@ def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, 
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
 
 
-@pytest.mark.parametrize("L,blocks,packed,first_epoch", [(3, 20, True, 0), (2, 132, False, 254)])
-def test_a_kept_state_serves_call_after_call(L, blocks, packed, first_epoch):
+@pytest.mark.parametrize("L,blocks,packed,first_epoch,embed", [
+    (3, 20, True, 0, False), (2, 132, False, 254, False), (3, 20, True, 0, True), (2, 132, True, 254, True)])
+def test_a_kept_state_serves_call_after_call(L, blocks, packed, first_epoch, embed):
     """chain_mgpu(state=...)'s words outlive the call: through the kernel's wiring, calls one
     after another on one state (positions 70, 71, then 70 again: a rollback; the epoch
     wrapping round) each read only words of their own epoch, overwrite only the call
-    before's (or their own from two layers back) and give the reference's x_L and new k, v."""
+    before's (or their own from two layers back) and give the reference's x_L and new k, v;
+    also with x_0's words written into the state by the kernel (embed)."""
     D, N1, F = 256, 768, 512
     state = dict(epoch=first_epoch)
     for i, pos in enumerate((70, 71, 70)):
@@ -800,7 +848,7 @@ def test_a_kept_state_serves_call_after_call(L, blocks, packed, first_epoch):
         g = gains(D, L)
         wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
         got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, att=att, att_blocks=2,
-                              sums=True, packed=packed, state=state)
+                              sums=True, packed=packed, state=state, embed=embed)
         want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
         want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
         assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)

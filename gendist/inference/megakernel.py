@@ -34,11 +34,14 @@ from pallas_kernels.chain import xla as cx
 
 
 def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: float, stages: int = 16,
-                    w_head=None, state=None, new_state: bool = False):
+                    w_head=None, state=None, new_state: bool = False, embed=None):
     """`chain_mgpu`'s result from its own inputs (norm gains folded) by `cx.reference`: the
     kernel's math in XLA, for any device (stages, the kernel's ring depth, changes nothing).
     With a state (which it keeps as given; new_state: two zero words) the cache comes back
-    with the new k and v written, as the kernel's does."""
+    with the new k and v written, as the kernel's does; embed=(table, token): x_0 is the
+    token's row (clamped)."""
+    if embed is not None:
+        x0_D = jnp.take(embed[0], embed[1][0], axis=0, mode="clip").astype(jnp.float32)
     ones = jnp.ones((w_qkv.shape[0], x0_D.shape[0]), jnp.float32)
     out = cx.reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, norms=(ones, ones), eps=norm_eps,
                        w_head=w_head)
@@ -138,13 +141,14 @@ class ChainCache(KVCache):
     def with_state(self, cfg: ModelConfig, params: dict, kernel, head: str = "xla") -> ChainCache:
         """This cache with a fresh state for `kernel` (zeros of the size it takes for these
         weights, this cache and the output layer `head`, `step`'s): its steps then keep the
-        kernel's words from one to the next and the kernel writes the new k and v in place, so
-        that no kernel of a step zeroes the words or writes the cache."""
-        x0 = jax.ShapeDtypeStruct((cfg.d_model,), jnp.float32)
-        pos = jax.ShapeDtypeStruct((1,), jnp.int32)
+        kernel's words from one to the next, and the kernel reads the token's embedding row
+        and writes the new k and v in place, so that no kernel of a step zeroes the words,
+        builds x_0's or writes the cache."""
+        one = jax.ShapeDtypeStruct((1,), jnp.int32)
         extra = dict(w_head=params["chain_head"]) if head == "fused" else {}
-        out = jax.eval_shape(lambda *a: kernel(*a, norm_eps=cfg.norm_eps, stages=self.stages, new_state=True,
-                                               **extra), x0, *params["chain"], self.kv, pos, self.rope)
+        out = jax.eval_shape(lambda token, *a: kernel(None, *a, norm_eps=cfg.norm_eps, stages=self.stages,
+                                                      new_state=True, embed=(params["embed"], token), **extra),
+                             one, *params["chain"], self.kv, one, self.rope)
         return dataclasses.replace(self, state=jnp.zeros(out[-1].shape, jnp.int32))
 
     def layer_state(self):
@@ -179,12 +183,13 @@ def step(cfg: ModelConfig, params: dict, tokens_B, pos_B, cache: ChainCache, ker
     last layer and returns the logits' pieces before the norm's factor, applied here).
     order_only: the caller needs only the logits' order (greedy decoding's argmax), so the
     fused output layer's positive factor is left out (a kernel less a step). With the
-    cache's state (`ChainCache.with_state`) the kernel keeps its words and writes the new k
-    and v itself."""
-    x0 = decode_block.embed(params, tokens_B[:, None], cfg)[0, 0].astype(jnp.float32)
+    cache's state (`ChainCache.with_state`) the kernel keeps its words, reads the token's
+    embedding row and writes the new k and v itself."""
     extra = dict(w_head=params["chain_head"]) if head == "fused" else {}
-    if cache.state is not None:
-        extra["state"] = cache.state
+    if cache.state is not None:  # the kernel reads the token's row itself
+        x0, extra = None, dict(extra, state=cache.state, embed=(params["embed"], tokens_B))
+    else:
+        x0 = decode_block.embed(params, tokens_B[:, None], cfg)[0, 0].astype(jnp.float32)
     x_D, kv, *out = kernel(x0, *params["chain"], cache.kv, pos_B, cache.rope, norm_eps=cfg.norm_eps,
                            stages=cache.stages, **extra)
     if cache.state is not None:  # the kernel wrote the cache

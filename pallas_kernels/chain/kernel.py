@@ -40,8 +40,8 @@ Every poll traps after `_mgpu.SPIN_LIMIT` tries: a word never written is a CUDA 
 a hung GPU. (The zeroing is a memset of the array each call: ~4 MB at 1b; a region a layer
 would be 44 MB, written again by the words themselves: ~4% of a step's bytes.) A decode loop
 can keep the words instead (`state`): each call's tags carry its epoch, which the last block
-out advances, so nothing zeroes them, and the kernel writes the new k and v into the cache
-itself; a step is then two XLA kernels shorter.
+out advances, so nothing zeroes them; the kernel then writes the new k and v into the cache
+itself and (`embed`) reads the token's embedding row: a step is three XLA kernels shorter.
 
 GPU only (the words are moved by inline PTX, which Mosaic GPU's interpreter does not run);
 `xla.reference` is the same math in XLA; `plan` holds the decomposition, the word layout
@@ -69,11 +69,13 @@ from pallas_kernels.chain.plan import (
     head_reads,
     init_words,
     input_spec,
+    kept_layout,
     layout,
     piece_word,
     product_reads,
     rect,
     region,
+    state_words,
     tag,
 )
 from pallas_kernels.chain.resolve import resolve, window_rows
@@ -104,7 +106,7 @@ def words(groups) -> int:
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                  norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
                  prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-                 head=None, inflight: int = 1, state=None):
+                 head=None, inflight: int = 1, state=None, embed=None):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
@@ -112,13 +114,21 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
     the output layer after the last layer, its pieces [sk V] fp32 an output. state: None
     (the LL words zeroed each call, the new k and v an output) or the words kept between
     calls (int32 [`state_size`]): the kernel reads and writes them and writes the new k and v
-    into kv in place, and the result ends in (kv, state) after the call."""
+    into kv in place, and the result ends in (kv, state) after the call. embed: None (x_0 is
+    x0_D) or, with a state, (table [V, D] bf16, token [1] int32): x_0 is the token's row,
+    which the kernel reads and writes as the host's words itself (`kept_layout`)."""
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
-    lay = layout(prods, D, attn is not None, packed)
-    n_ll = 2 * REGIONS * lay.layer_words  # int32 words of the LL words; then the epoch and its count
     kept = state is not None
-    init = init_words(x0_D, prods, lay, state[n_ll] if kept else 0)
+    lay = layout(prods, D, attn is not None, packed)
+    if embed is not None:  # the host's words in the state, after the LL words
+        lay = kept_layout(lay)
+    epoch_at = state_words(lay) - 2  # the kept state's epoch (int32; its count the next)
+    n_ll = 2 * REGIONS * lay.layer_words  # the LL words' int32s
+    if embed is None:
+        first_in = init_words(x0_D, prods, lay, state[epoch_at] if kept else 0)
+    else:
+        first_in = embed[0]
     NB, st, TG = blocks, stages, tiles
     w_head, hp = head if head is not None else (None, None)
     kmax = max(p.kmax() for p in prods + ((hp,) if hp is not None else ()))
@@ -144,24 +154,27 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 n = n + jnp.where(ca.head_of(b, NB) < A, ca.items(pos, hd), 0)
         return n, before
 
+    kv_out = attn is not None and not kept  # the new k and v as an output
+    names = (("table" if embed is not None else "init", "wq", "wo", "wgu", "wd")
+             + (("kv", "pos", "rope") if attn is not None else ()) + (("wh",) if hp is not None else ())
+             + (("token",) if embed is not None else ()) + (("state",) if kept else ())
+             + ("y",) + (("kvn",) if kv_out else ()) + (("z",) if hp is not None else ())
+             + (("trace",) if trace else ()))
+
     def kernel(*refs):
-        n_in = 5 + (3 if attn is not None else 0) + (hp is not None) + kept
-        init_ref, wq_ref, wo_ref, wgu_ref, wd_ref = refs[:5]
-        kv_ref, pos_ref, rope_ref = refs[5:8] if attn is not None else (None,) * 3
-        wh_ref = refs[n_in - 1 - kept] if hp is not None else None
-        kv_out = attn is not None and not kept  # the new k and v as an output
-        n_out = 1 + kv_out + (hp is not None) + trace
-        y_ref, kvn_ref = (refs[n_in], None) if not kv_out else refs[n_in:n_in + 2]
-        z_ref = refs[n_in + 1 + kv_out] if hp is not None else None
-        trace_ref = refs[n_in + n_out - 1] if trace else None
+        r = dict(zip(names, refs[:len(names)], strict=True))
+        wq_ref, wo_ref, wgu_ref, wd_ref = (r[k] for k in ("wq", "wo", "wgu", "wd"))
+        kv_ref, pos_ref, rope_ref, wh_ref = (r.get(k) for k in ("kv", "pos", "rope", "wh"))
+        y_ref, kvn_ref, z_ref, trace_ref = (r.get(k) for k in ("y", "kvn", "z", "trace"))
         (x_win, w_smem, acc_smem, out_smem, norm_smem, full, free, z_smem,
-         p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar, heads_smem) = refs[n_in + n_out:]
+         p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar, heads_smem) = refs[len(names):]
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
         if kept:  # the words of the calls before, and this call's epoch (`plan.tag`)
-            ll = refs[n_in - 1]
-            epoch = ll[n_ll]
+            ll = r["state"]
+            epoch = ll[epoch_at]
         else:
             ll, epoch = pl.get_global(plgpu.SemaphoreType.REGULAR((n_ll,))), 0
+        init_ref = ll if embed is not None else r["init"]  # the host's words
         w_refs = dict(qkv=wq_ref, o=wo_ref, gu=wgu_ref, down=wd_ref)
         pos = jnp.clip(pos_ref[0], 0, S - 1) if attn is not None else None  # as the reference
         n_tiles = ca.tiles(pos) if attn is not None else None
@@ -452,6 +465,10 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         def _consumer():
             if trace:  # every point of this block zero, so that points never reached read 0
                 zero_words(trace_ref, b * L * n_pts * 2, L * n_pts * 2)
+            if embed is not None:  # x_0's chunk b and its square sums as the host's words
+                token = jnp.clip(r["token"][0], 0, r["table"].shape[0] - 1)  # as XLA's lookup clamps
+                pl.when(b < D // T)(lambda: cw.embed_words(ll, r["table"], token, b, lay.init_H,
+                                                           lay.init_ss, tag(-1, epoch)))
             if attn is not None:
                 @pl.when(h < A)
                 def _():  # the angles, once (every layer rotates by the same ones)
@@ -473,7 +490,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 plgpu.wait_smem_to_gmem(0)
 
             if kept:  # after every read of this call's epoch: the last block out advances it
-                cw.close_call(ll, n_ll, NB)
+                cw.close_call(ll, epoch_at, NB)
 
     att_scratch = (None,) * 7
     if attn is not None:
@@ -497,7 +514,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
         plgpu.SMEM((2, T), jnp.float32) if hp is not None else None,  # the head's tiles, to z
     ) + att_scratch
     out_type = (jax.ShapeDtypeStruct((D,), jnp.float32),)
-    args = (init, w_qkv, w_o, w_gu, w_down)
+    args = (first_in, w_qkv, w_o, w_gu, w_down)
     if attn is not None:
         out_type += (jax.ShapeDtypeStruct((L, 2, H, hd), jnp.bfloat16),) if not kept else ()
         kv = jax.new_ref(attn[0]) if kept else attn[0]  # kept: the kernel writes the new k, v in it
@@ -505,6 +522,8 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
     if hp is not None:
         out_type += (jax.ShapeDtypeStruct((hp.split.sk * hp.N,), jnp.float32),)
         args += (w_head,)
+    if embed is not None:
+        args += (embed[1],)
     if kept:
         state = jax.new_ref(state)
         args += (state,)
@@ -526,7 +545,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
                prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-               w_head=None, inflight: int = 1, state=None, new_state: bool = False):
+               w_head=None, inflight: int = 1, state=None, new_state: bool = False, embed=None):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
@@ -583,11 +602,16 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     Then the kernel also writes the new k and v into kv at row pos (in place, where kv's
     buffer can be given: a decode loop's cache) and the result is (x_L, kv with them,
     [z], [trace], state), kv in kv_new's place. A state serves one cache and one set of
-    options (its size is theirs)."""
+    options (its size is theirs). embed: with a state, (table [V, D] bf16, token [1] int32)
+    instead of x0_D (None): x_0 is the token's row (clamped to the table), which the kernel
+    reads itself and writes as the host's words into the state (`plan.kept_layout`), so that
+    no kernel before it builds them."""
+    if (x0_D is None) == (embed is None):
+        raise ValueError("chain_mgpu: give x0_D or embed=(table, token), one of them.")
     c = resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, stages=stages, blocks=blocks,
                 norm_eps=norm_eps, splits=splits, spare=spare, group=group, prefetch=prefetch,
                 tiles=tiles, packed=packed, w_head=w_head, inflight=inflight,
-                kept=state is not None or new_state)
+                kept=state is not None or new_state, embed=embed)
     size = c.state_words
     if new_state:
         state = jnp.zeros((size,), jnp.int32)
@@ -595,7 +619,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
         raise ValueError(f"chain_mgpu: state {state.shape} {state.dtype}: want int32 [{size}] for these shapes "
                          "and options (make one with new_state=True).")
     out = _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, c.prods, stages, c.blocks, norm_eps, c.attn, trace,
-                       c.group, prefetch, tiles, norm_sums, packed, c.head, inflight, state)
+                       c.group, prefetch, tiles, norm_sums, packed, c.head, inflight, state, c.embed)
     out = list(out) if isinstance(out, tuple) else [out]
     if state is not None:  # (y, [z], [trace], kv, state) -> (y, kv, [z], [trace], state)
         out.insert(1, out.pop(-2))

@@ -260,7 +260,10 @@ class Layout:
     attention its dense output A_l (o's input, "att"). `init` is the layout of the
     host-written words standing in for layer -1: the down pieces (zeros), H_{-1} = x_0 and
     x_0's square sums (at init_ss). piece_words: the words of one 64-value piece, 64 (a value
-    a word: its fp32 and its 32-bit tag) or 32 (`packed`: two values a word, `pack`)."""
+    a word: its fp32 and its 32-bit tag) or 32 (`packed`: two values a word, `pack`).
+    init_down_tag: None (the host's words are an input, all tagged tag(-1, epoch)) or 0
+    (`kept_layout`: they lie in the kernel's state after the LL words, the down pieces zeros
+    never written, which the readers take as they are)."""
 
     offsets: dict
     layer_words: int
@@ -269,6 +272,7 @@ class Layout:
     init_words: int
     init_ss: int
     piece_words: int = T
+    init_down_tag: int | None = None
 
     @property
     def packed(self) -> bool:
@@ -306,6 +310,21 @@ def layout(prods, D: int, attention: bool = False, packed: bool = False) -> Layo
 REGIONS = 2  # layer l's words live in region l % REGIONS, overwritten two layers later
 EPOCHS = 256  # the calls a kept state's tags tell apart (`tag`'s epoch, bits 8-15)
 MAX_LAYERS = 254  # layer l's tags keep l + 2 below bit 8
+
+
+def kept_layout(lay: Layout) -> Layout:
+    """`lay` with the host's words in the kernel's kept state, right after the LL words of the
+    two regions (`chain_mgpu(embed=...)`: the kernel writes x_0 and its square sums there each
+    call; the down pieces stay the zeros the state was made with, tag 0)."""
+    at = REGIONS * lay.layer_words
+    return dataclasses.replace(lay, init_down=at + lay.init_down, init_H=at + lay.init_H,
+                               init_ss=at + lay.init_ss, init_down_tag=0)
+
+
+def state_words(lay: Layout) -> int:
+    """int32 words of a kept state (`chain_mgpu(state=...)`): the LL words of the regions,
+    the host's words where `kept_layout` puts them there, then the epoch and its count."""
+    return 2 * REGIONS * lay.layer_words + (2 * lay.init_words if lay.init_down_tag is not None else 0) + 2
 
 
 def tag(l, epoch=0):
@@ -400,7 +419,8 @@ def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False
         return Source(1, 64, False, base_word, init_ok, tag_)
 
     if name == "qkv":  # x_l = H_{l-1} + the previous down's pieces; X_l dense
-        groups = [pieces(down, jnp.where(first, lay.init_down, base(l - 1, "down")), tg(l - 1), True),
+        down_tag = tg(l - 1) if lay.init_down_tag is None else jnp.where(first, lay.init_down_tag, tg(l - 1))
+        groups = [pieces(down, jnp.where(first, lay.init_down, base(l - 1, "down")), down_tag, True),
                   vector(jnp.where(first, lay.init_H, base(l - 1, "H")), tg(l - 1), True)]
         return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0), dense_tag=tg(l), **ss("X")), None
     if name == "o" and attention:  # the attention phase's output, dense

@@ -12,11 +12,12 @@ from pallas_kernels.chain import attention as ca
 from pallas_kernels.chain.plan import (
     KC,
     MAX_LAYERS,
-    REGIONS,
     T,
     head_product,
+    kept_layout,
     layout,
     products,
+    state_words,
     tag,
     tuned,
 )
@@ -36,7 +37,10 @@ def smem_need(kmax: int, stages: int, tiles: int = 1) -> int:
 
 
 def check(x0_D, w_qkv, w_o, w_gu, w_down):
-    """Raises a ValueError naming what does not fit; returns (L, D, N1, F)."""
+    """Raises a ValueError naming what does not fit; returns (L, D, N1, F). x0_D None: x_0
+    comes from an embedding table (`chain_mgpu(embed=...)`), D from the weights."""
+    if x0_D is None:
+        x0_D = jnp.zeros((w_o.shape[-1] if w_o.ndim == 3 else 0,), jnp.float32)
     shapes = tuple(a.shape for a in (x0_D, w_qkv, w_o, w_gu, w_down))
     wrong = ValueError(f"chain_mgpu: x0 {shapes[0]}, w_qkv {shapes[1]}, w_o {shapes[2]}, w_gu "
                        f"{shapes[3]}, w_down {shapes[4]}: want [D], [L, N1, D], [L, D, D], "
@@ -79,7 +83,8 @@ class Call(NamedTuple):
     """What one `chain_mgpu` call runs: the chain's sizes, the blocks, the attention inputs
     (kv, pos, rope cast) or None, the query heads an attention block takes, the layer's
     products with their splits, the output layer (w_head, its product) or None, and the
-    int32 words of a kept state (`chain_mgpu(state=...)`)."""
+    int32 words of a kept state (`chain_mgpu(state=...)`), and the embedding (table, token as
+    int32) x_0 is read from, or None."""
 
     L: int
     D: int
@@ -91,11 +96,13 @@ class Call(NamedTuple):
     prods: tuple
     head: tuple | None
     state_words: int
+    embed: tuple | None
 
 
 def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, stages: int, blocks: int | None,
             norm_eps: float | None, splits: tuple | None, spare: bool | None, group: int | None,
-            prefetch: int, tiles: int, packed: bool, w_head, inflight: int, kept: bool = False) -> Call:
+            prefetch: int, tiles: int, packed: bool, w_head, inflight: int, kept: bool = False,
+            embed=None) -> Call:
     """`chain_mgpu`'s inputs checked and its options resolved for their shape (the measured
     splits, o's blocks and the attention group where not given, `plan.tuned`); a ValueError
     names whatever does not fit, and the fix."""
@@ -157,8 +164,21 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, stages: int, block
     if kept and kv.size >= 2 ** 31:
         raise ValueError(f"chain_mgpu: the kernel writes the new k and v at 32-bit offsets into kv "
                          f"{kv.shape}, which is too large; leave state=None.")
-    words = 2 * REGIONS * layout(prods, D, attn is not None, packed).layer_words + 2
-    return Call(L, D, N1, F, NB, attn, group, prods, head, words)
+    if embed is not None:
+        if not kept:
+            raise ValueError("chain_mgpu: embed=(table, token) writes x_0's words into the kept state: "
+                             "pass state=..., or x0_D.")
+        table, token = embed
+        if table.ndim != 2 or table.shape[1] != D or table.dtype != jnp.bfloat16 or token.shape != (1,):
+            raise ValueError(f"chain_mgpu: embed table {table.shape} {table.dtype}, token {token.shape}: "
+                             f"want [V, D={D}] bf16 and [1] int32.")
+        if table.size >= 2 ** 32:
+            raise ValueError(f"chain_mgpu: the embedding table {table.shape} is read at 32-bit offsets; "
+                             "pass x0_D instead.")
+        embed = (table, token.astype(jnp.int32))
+    lay = layout(prods, D, attn is not None, packed)
+    words = state_words(kept_layout(lay) if embed is not None else lay)
+    return Call(L, D, N1, F, NB, attn, group, prods, head, words, embed)
 
 
 def attention_group(D: int, N1: int, F: int, blocks: int, head_dim: int, kv_heads: int,

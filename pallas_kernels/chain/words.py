@@ -403,3 +403,45 @@ def close_call(state_ref, word: int, blocks: int):
         mgpu.utils.inline_ptx(ptx, at, lane(), has_side_effects=True)
 
     op(state_ref)
+
+
+def embed_words(ll_ref, table_ref, token, chunk, x_word: int, ss_word: int, tag):
+    """x_0's chunk `chunk` as the host's words, from row `token` (traced; in the table) of the
+    embedding table (`chain_mgpu(embed=...)`): lanes 0-63 read table[token, 64 chunk + lane]
+    (bf16), store its fp32 as the LL word x_word + 64 chunk + lane, and lane 0 of each of
+    their warps the warp's sum of squares as word ss_word + 2 chunk + warp (`SS` values a
+    word, summed as the dense vectors' writers sum them), all tagged `tag`. Ends in a
+    warpgroup barrier. GPU only (inline PTX)."""
+    D = table_ref.shape[1]
+    assert SS == 32 and T == 64, "one warp a square-sum word, two a chunk"
+    ptx = ("{ .reg .pred p, l0; .reg .b16 h; .reg .f32 x, s, t; .reg .b32 w, bits; .reg .u32 ln, col, e;"
+           " .reg .u64 a; .reg .b64 d;"
+           " mov.u32 ln, $4; and.b32 col, ln, 63; setp.lt.u32 p, ln, 64;"
+           f" mad.lo.u32 e, $1, {D}, col; mad.wide.u32 a, e, 2, $0;"
+           " ld.global.nc.b16 h, [a]; cvt.f32.bf16 x, h;"
+           " mov.b32 w, x; mov.b64 d, {w, $3};"
+           " mul.wide.u32 a, col, 8; add.u64 a, a, $2; @p st.relaxed.gpu.global.b64 [a], d;"
+           " mul.f32 s, x, x; " + _warp_sum("s", "bits", "t")
+           + " and.b32 e, ln, 31; setp.eq.u32 l0, e, 0; and.pred l0, l0, p;"
+           " mov.b32 w, s; mov.b64 d, {w, $3}; shr.u32 e, ln, 5; mul.wide.u32 a, e, 8; add.u64 a, a, $5;"
+           " @l0 st.relaxed.gpu.global.b64 [a], d; }")
+    splat = plgpu.Layout.WG_SPLAT
+
+    @plgpu.inline_mgpu(arg_types=((plgpu.RefType(), plgpu.RefType()), [splat, splat, splat]))
+    def op(_, refs, vals):
+        ll, table = refs
+        i64 = ir.IntegerType.get_signless(64)
+        row, c, t = (v.registers[()] for v in vals)
+        base = arith.muli(c, const_i32(T))
+
+        def word(ptr, index, scale):
+            return arith.addi(ptr, arith.muli(arith.extui(i64, index), mgpu.utils.c(scale, i64)))
+
+        x_at = word(ptr64(ll), arith.addi(base, const_i32(x_word)), 8)
+        ss_at = word(ptr64(ll), arith.addi(arith.muli(c, const_i32(2)), const_i32(ss_word)), 8)
+        mgpu.utils.inline_ptx(ptx, word(ptr64(table), base, 2), row, x_at, t, lane(), ss_at,
+                              has_side_effects=True)
+        mgpu.utils.warpgroup_barrier()
+
+    op((ll_ref, table_ref), [jnp.asarray(token, jnp.int32), jnp.asarray(chunk, jnp.int32),
+                             jnp.asarray(tag, jnp.int32)])

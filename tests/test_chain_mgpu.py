@@ -214,9 +214,10 @@ def test_a_kept_state_lowers_with_the_cache_and_words_in_place(embed):
     both back written in place (outputs aliased to those inputs), the last block out
     advancing the epoch with one acquire-release add; still no fence. embed: x_0 read from
     the token's embedding row (a read-only bf16 load), its words in the state after the LL
-    words. A state of another size, or one without a cache, is refused."""
+    words, and (advance) pos moved on in place too. A state of another size, or one without a
+    cache, is refused."""
     args = attention_specs("llama3.2-1b")
-    lead, extra = args[:1], {}
+    lead = args[:1]
     if embed:
         lead = (jax.ShapeDtypeStruct((128256, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32))
     n = cm.state_size(None if embed else args[0], *args[1:], blocks=132, norm_eps=1e-5,
@@ -230,14 +231,16 @@ def test_a_kept_state_lowers_with_the_cache_and_words_in_place(embed):
 
     def f(*a):
         if embed:
-            return cm.chain_mgpu(None, *a[2:-1], blocks=132, norm_eps=1e-5, state=a[-1], embed=a[:2])
+            return cm.chain_mgpu(None, *a[2:-1], blocks=132, norm_eps=1e-5, state=a[-1], embed=a[:2],
+                                 advance=True)
         return cm.chain_mgpu(*a[:-1], blocks=132, norm_eps=1e-5, state=a[-1])
 
     out = jax.eval_shape(f, *lead, *args[1:], st)
-    assert [o.shape for o in out] == [(2048,), args[5].shape, (n,)]
+    assert [o.shape for o in out] == [(2048,), args[5].shape, (n,)] + [(1,)] * embed
     text = lowered_for_sm90(f, *lead, *args[1:], st)
     aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d)\], operand_index = (\d+)", text)
-    assert sorted(aliases) == [("1", "5"), ("2", "9" if embed else "8")]  # kv (input 5) and the state (last)
+    # kv (input 5), the state (the last input) and with advance pos (input 6)
+    assert sorted(int(i) for _, i in aliases) == ([5, 6, 9] if embed else [5, 8])
     assert "atom.acq_rel.gpu.global.add.u32" in text
     assert ("ld.global.nc.b16" in text) == embed
     for s in ("fence.acq", "fence.proxy.async.global", "red.release"):
@@ -247,6 +250,8 @@ def test_a_kept_state_lowers_with_the_cache_and_words_in_place(embed):
         jax.eval_shape(f, *lead, *args[1:], jax.ShapeDtypeStruct((n - 2,), jnp.int32))
     with pytest.raises(ValueError, match="pass kv, pos and rope"):
         cm.chain_mgpu(*inputs(128, 192, 128, 1), state=jnp.zeros((8,), jnp.int32))
+    with pytest.raises(ValueError, match="advance=True moves pos on"):
+        cm.chain_mgpu(*args, blocks=132, advance=True)
     with pytest.raises(ValueError, match="embed=\\(table, token\\) writes x_0's words into the kept state"):
         cm.chain_mgpu(None, *args[1:], blocks=132, embed=lead if embed else (jnp.zeros((8, 2048), jnp.bfloat16),
                                                                              jnp.zeros((1,), jnp.int32)))
@@ -532,7 +537,7 @@ def test_a_kept_state_matches_fresh_words_on_the_gpu(preset, head, embed):
     give the bits of calls with fresh words, the cache each time that with the new k and v
     written at the position, and the epoch counts the calls (its count back at 0). embed:
     x_0 is a token's row the kernel reads (its square sums summed in another order than
-    XLA's: within 1e-5)."""
+    XLA's: within 1e-5), and the kernel moves the position on (advance)."""
     D, F, NQ, K, hd = ATTENTION[preset]
     x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, 2)
     wq_f, wgu_f = cx.fold_norms(wq, wgu, *gains(D, 2))
@@ -550,7 +555,7 @@ def test_a_kept_state_matches_fresh_words_on_the_gpu(preset, head, embed):
     if embed:
         f = jax.jit(lambda token, kv, pos, state: cm.chain_mgpu(None, wq_f, wo, wgu_f, wd, kv, pos, angles,
                                                                 norm_eps=1e-5, state=state,
-                                                                embed=(emb, token), **extra))
+                                                                embed=(emb, token), advance=True, **extra))
         state = jnp.zeros((cm.state_size(None, wq_f, wo, wgu_f, wd, kv, jnp.zeros((1,), jnp.int32), angles,
                                          norm_eps=1e-5, embed=(emb, jnp.zeros((1,), jnp.int32)),
                                          **extra),), jnp.int32)
@@ -562,6 +567,9 @@ def test_a_kept_state_matches_fresh_words_on_the_gpu(preset, head, embed):
         pos = jnp.array([p], jnp.int32)
         want_x, kv_new, *want_z = fresh(x, kv, pos)
         got_x, got_kv, *got_z, state = f(token if embed else x, kv, pos, state)
+        if embed:  # advance: the position moved on
+            *got_z, state, pos_next = (*got_z, state)
+            assert int(pos_next[0]) == p + 1
         same(np.asarray(got_x), np.asarray(want_x))
         for a, b in zip(got_z, want_z, strict=True):
             same(np.asarray(a), np.asarray(b))

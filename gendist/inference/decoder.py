@@ -221,6 +221,9 @@ class DecodePlan:
     def step(self, tokens_B, cache, order_only: bool = False):
         """One token per sequence at its own position (its cached length): (logits [B, V],
         the cache one token longer); order_only as for `forward`."""
+        if self.path == "megakernel" and self.kernel_state:  # the kernel moves the length on
+            return megakernel.step(self.cfg, self.params, tokens_B, cache.lengths, cache, self.kernel,
+                                   head=self.head, order_only=order_only, advance=True)
         logits_BTV, cache = self.forward(tokens_B[:, None], cache.lengths[:, None], cache, order_only)
         return logits_BTV[:, 0], cache.advance(jnp.ones_like(cache.lengths))
 

@@ -34,12 +34,12 @@ from pallas_kernels.chain import xla as cx
 
 
 def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: float, stages: int = 16,
-                    w_head=None, state=None, new_state: bool = False, embed=None):
+                    w_head=None, state=None, new_state: bool = False, embed=None, advance: bool = False):
     """`chain_mgpu`'s result from its own inputs (norm gains folded) by `cx.reference`: the
     kernel's math in XLA, for any device (stages, the kernel's ring depth, changes nothing).
     With a state (which it keeps as given; new_state: two zero words) the cache comes back
     with the new k and v written, as the kernel's does; embed=(table, token): x_0 is the
-    token's row (clamped)."""
+    token's row (clamped); advance: pos + 1 last."""
     if embed is not None:
         x0_D = jnp.take(embed[0], embed[1][0], axis=0, mode="clip").astype(jnp.float32)
     ones = jnp.ones((w_qkv.shape[0], x0_D.shape[0]), jnp.float32)
@@ -49,7 +49,7 @@ def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: 
         return out
     x_D, kv_new, *z = out
     kv = jax.lax.dynamic_update_slice(kv, kv_new[:, :, :, None, :], (0, 0, 0, pos[0], 0))
-    return (x_D, kv, *z, jnp.zeros((2,), jnp.int32) if new_state else state)
+    return (x_D, kv, *z, jnp.zeros((2,), jnp.int32) if new_state else state) + ((pos + 1,) if advance else ())
 
 
 def supported(cfg: ModelConfig, batch: int) -> str | None:
@@ -174,7 +174,7 @@ def rope_table(cfg: ModelConfig, rows: int):
 
 
 def step(cfg: ModelConfig, params: dict, tokens_B, pos_B, cache: ChainCache, kernel,
-         head: str = "xla", order_only: bool = False):
+         head: str = "xla", order_only: bool = False, advance: bool = False):
     """One token at position pos_B through `kernel` (`kernel.chain_mgpu` or `chain_reference`):
     (fp32 logits [1, V], the cache with every layer's new k and v written at pos_B; its
     lengths are the caller's, as for a forward). `head`: the final norm and the output layer
@@ -184,17 +184,23 @@ def step(cfg: ModelConfig, params: dict, tokens_B, pos_B, cache: ChainCache, ker
     order_only: the caller needs only the logits' order (greedy decoding's argmax), so the
     fused output layer's positive factor is left out (a kernel less a step). With the
     cache's state (`ChainCache.with_state`) the kernel keeps its words, reads the token's
-    embedding row and writes the new k and v itself."""
+    embedding row and writes the new k and v itself, and with advance (pos_B the cache's
+    length) it also moves the length on by one: the cache comes back one token longer."""
     extra = dict(w_head=params["chain_head"]) if head == "fused" else {}
     if cache.state is not None:  # the kernel reads the token's row itself
         x0, extra = None, dict(extra, state=cache.state, embed=(params["embed"], tokens_B))
+        if advance:
+            extra["advance"] = True
+    elif advance:
+        raise ValueError("megakernel.step: advance=True needs a cache with the kernel's state "
+                         "(ChainCache.with_state); advance the cache outside.")
     else:
         x0 = decode_block.embed(params, tokens_B[:, None], cfg)[0, 0].astype(jnp.float32)
     x_D, kv, *out = kernel(x0, *params["chain"], cache.kv, pos_B, cache.rope, norm_eps=cfg.norm_eps,
                            stages=cache.stages, **extra)
-    if cache.state is not None:  # the kernel wrote the cache
-        *out, state = out
-        cache = dataclasses.replace(cache, kv=kv, state=state)
+    if cache.state is not None:  # the kernel wrote the cache (and with advance its length)
+        *out, state, lengths = out if advance else (*out, cache.lengths)
+        cache = dataclasses.replace(cache, kv=kv, state=state, lengths=lengths)
     else:
         cache = dataclasses.replace(cache, kv=jax.lax.dynamic_update_slice(
             cache.kv, kv[:, :, :, None, :], (0, 0, 0, pos_B[0], 0)))

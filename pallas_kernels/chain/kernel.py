@@ -41,7 +41,8 @@ a hung GPU. (The zeroing is a memset of the array each call: ~4 MB at 1b; a regi
 would be 44 MB, written again by the words themselves: ~4% of a step's bytes.) A decode loop
 can keep the words instead (`state`): each call's tags carry its epoch, which the last block
 out advances, so nothing zeroes them; the kernel then writes the new k and v into the cache
-itself and (`embed`) reads the token's embedding row: a step is three XLA kernels shorter.
+itself, (`embed`) reads the token's embedding row and (`advance`) moves the cache's length on:
+a step is four XLA kernels shorter.
 
 GPU only (the words are moved by inline PTX, which Mosaic GPU's interpreter does not run);
 `xla.reference` is the same math in XLA; `plan` holds the decomposition, the word layout
@@ -106,7 +107,7 @@ def words(groups) -> int:
 def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                  norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
                  prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-                 head=None, inflight: int = 1, state=None, embed=None):
+                 head=None, inflight: int = 1, state=None, embed=None, advance: bool = False):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
@@ -116,7 +117,9 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
     calls (int32 [`state_size`]): the kernel reads and writes them and writes the new k and v
     into kv in place, and the result ends in (kv, state) after the call. embed: None (x_0 is
     x0_D) or, with a state, (table [V, D] bf16, token [1] int32): x_0 is the token's row,
-    which the kernel reads and writes as the host's words itself (`kept_layout`)."""
+    which the kernel reads and writes as the host's words itself (`kept_layout`). advance:
+    with a state, the last block out also adds one to pos (in place), which then follows
+    (kv, state) in the result."""
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     kept = state is not None
@@ -490,7 +493,7 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
                 plgpu.wait_smem_to_gmem(0)
 
             if kept:  # after every read of this call's epoch: the last block out advances it
-                cw.close_call(ll, epoch_at, NB)
+                cw.close_call(ll, epoch_at, NB, pos_ref if advance else None)
 
     att_scratch = (None,) * 7
     if attn is not None:
@@ -518,7 +521,8 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
     if attn is not None:
         out_type += (jax.ShapeDtypeStruct((L, 2, H, hd), jnp.bfloat16),) if not kept else ()
         kv = jax.new_ref(attn[0]) if kept else attn[0]  # kept: the kernel writes the new k, v in it
-        args += (kv, *attn[1:])
+        pos = jax.new_ref(attn[1]) if advance else attn[1]  # advance: and pos + 1
+        args += (kv, pos, attn[2])
     if hp is not None:
         out_type += (jax.ShapeDtypeStruct((hp.split.sk * hp.N,), jnp.float32),)
         args += (w_head,)
@@ -535,17 +539,18 @@ def _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int
     if not kept:
         return out
     out = tuple(out) if len(out_type) > 1 else (out,)
-    return (*out, jax.freeze(kv), jax.freeze(state))
+    return (*out, jax.freeze(kv), jax.freeze(state)) + ((jax.freeze(pos),) if advance else ())
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
                                              "group", "prefetch", "tiles", "norm_sums", "packed", "inflight",
-                                             "new_state"))
+                                             "new_state", "advance"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
                prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-               w_head=None, inflight: int = 1, state=None, new_state: bool = False, embed=None):
+               w_head=None, inflight: int = 1, state=None, new_state: bool = False, embed=None,
+               advance: bool = False):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
@@ -605,9 +610,13 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     options (its size is theirs). embed: with a state, (table [V, D] bf16, token [1] int32)
     instead of x0_D (None): x_0 is the token's row (clamped to the table), which the kernel
     reads itself and writes as the host's words into the state (`plan.kept_layout`), so that
-    no kernel before it builds them."""
+    no kernel before it builds them. advance: with a state, the kernel also adds one to pos
+    (the cache length it decodes at) and the result ends in pos + 1, after the state."""
     if (x0_D is None) == (embed is None):
         raise ValueError("chain_mgpu: give x0_D or embed=(table, token), one of them.")
+    if advance and state is None and not new_state:
+        raise ValueError("chain_mgpu: advance=True moves pos on at the end of a call that keeps a state: "
+                         "pass state=..., or advance pos outside.")
     c = resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, stages=stages, blocks=blocks,
                 norm_eps=norm_eps, splits=splits, spare=spare, group=group, prefetch=prefetch,
                 tiles=tiles, packed=packed, w_head=w_head, inflight=inflight,
@@ -619,10 +628,11 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
         raise ValueError(f"chain_mgpu: state {state.shape} {state.dtype}: want int32 [{size}] for these shapes "
                          "and options (make one with new_state=True).")
     out = _kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, c.prods, stages, c.blocks, norm_eps, c.attn, trace,
-                       c.group, prefetch, tiles, norm_sums, packed, c.head, inflight, state, c.embed)
+                       c.group, prefetch, tiles, norm_sums, packed, c.head, inflight, state, c.embed,
+                       advance)
     out = list(out) if isinstance(out, tuple) else [out]
-    if state is not None:  # (y, [z], [trace], kv, state) -> (y, kv, [z], [trace], state)
-        out.insert(1, out.pop(-2))
+    if state is not None:  # (y, [z], [trace], kv, state[, pos]) -> (y, kv, [z], [trace], state[, pos])
+        out.insert(1, out.pop(-2 - advance))
     if c.head is not None:
         z_at = 1 + (c.attn is not None)
         out[z_at] = out[z_at].reshape(c.head[1].split.sk, -1)
@@ -632,4 +642,5 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
 def state_size(*inputs, **options) -> int:
     """The int32 words of `chain_mgpu(*inputs, **options, state=...)`'s state (inputs as
     arrays or shapes): the LL words of two layers' regions, the epoch and its count."""
+    options = {k: v for k, v in options.items() if k != "advance"}
     return jax.eval_shape(lambda *a: chain_mgpu(*a, **options, new_state=True), *inputs)[-1].shape[0]

@@ -10,6 +10,11 @@ the output layer, sampling) is what the step pays on top of its layers. Run besi
 
     python3 experiments/decode_step_timeline.py --presets 1b 350m llama3.2-1b --out $OUT
 
+`--kernel-state 0 1` runs each preset also with the kernel's state kept between steps
+(`decoder.plan(kernel_state=True)`: no words' zeroing, x_0's words, cache update or length
+add outside the kernel), `--head fused` with the output layer inside the kernel at any
+vocabulary.
+
 The profiler adds a little to each launch, so the gaps here are upper bounds. Writes
 `decode_step_timeline_<device>.json`.
 """
@@ -96,10 +101,10 @@ def fused_ops(hlo_text: str, name: str) -> str:
     return ""
 
 
-def run(name: str, path: str, prompt: int, new: int) -> dict:
+def run(name: str, path: str, prompt: int, new: int, kernel_state: bool = False, head: str = "auto") -> dict:
     cfg = preset(name).model
     params = transformer.init_params(cfg, 0)
-    plan = decoder.plan(cfg, params, 1, prompt + new, path)
+    plan = decoder.plan(cfg, params, 1, prompt + new, path, kernel_state=kernel_state, head=head)
     tokens = jax.random.randint(jax.random.key(0), (1, prompt), 0, cfg.vocab_size)
     lens = jnp.full((1,), prompt, jnp.int32)
     gen = jax.jit(functools.partial(generate, max_new_tokens=new, sp=SamplingParams(temperature=0.0)))
@@ -117,7 +122,8 @@ def run(name: str, path: str, prompt: int, new: int) -> dict:
     if len(its) < 4:
         raise SystemExit(f"{name} {path}: {len(its)} iterations found by the kernel name {anchor!r} "
                          f"among {len(events)} events")
-    res = {"preset": name, "path": path, "line": plan.line, **timeline(its)}
+    res = {"preset": name, "path": path, "kernel_state": kernel_state, "head": plan.head, "line": plan.line,
+           **timeline(its)}
     hlo = compiled.as_text()
     for r in res["rows"]:
         r["ops"] = fused_ops(hlo, r["name"])
@@ -135,6 +141,9 @@ def main():
     ap.add_argument("--paths", nargs="+", default=["megakernel"], choices=sorted(ANCHOR))
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--kernel-state", type=int, nargs="+", default=[0], choices=[0, 1],
+                    help="1: the megakernel keeps its state between steps (decoder.plan(kernel_state=True))")
+    ap.add_argument("--head", default="auto", choices=["auto", "xla", "fused"], help="decoder.plan's head")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
     args = ap.parse_args()
     warm_gpu()
@@ -143,8 +152,9 @@ def main():
     path = result_path(args.out, "decode_step_timeline")
     for name in args.presets:
         for p in args.paths:
-            res["runs"].append(run(name, p, args.prompt, args.new_tokens))
-            path.write_text(json.dumps(res, indent=1))
+            for kept in args.kernel_state:
+                res["runs"].append(run(name, p, args.prompt, args.new_tokens, bool(kept), args.head))
+                path.write_text(json.dumps(res, indent=1))
     print("wrote", path)
 
 

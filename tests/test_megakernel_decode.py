@@ -238,12 +238,14 @@ def test_rolled_back_chain_cache_decodes_as_a_fresh_one(params):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_a_grouped_query_llama_checkpoint_decodes_through_the_megakernel(tmp_path):
+@pytest.mark.parametrize("kernel_state", [False, True])
+def test_a_grouped_query_llama_checkpoint_decodes_through_the_megakernel(tmp_path, kernel_state):
     """A Llama checkpoint in the Hugging Face layout (2 query heads a kv head, head_dim 64,
     llama3 RoPE scaling, tied embeddings), loaded by `gendist.hf`: its greedy tokens through
     the megakernel (the kernel's XLA reference on a CPU, the kernel on an sm90 GPU) are the
     reference path's, the first is the Hugging Face forward's (NumPy, float64) argmax, and
-    each step's logits are within twice the model's own bf16 error of that forward's."""
+    each step's logits are within twice the model's own bf16 error of that forward's; also
+    with the kernel's state kept between steps."""
     hf_cfg = llama_config(vocab=96, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=128,
                           rope_scaling=LLAMA3)
     weights = random_weights(hf_cfg, seed=3)
@@ -256,14 +258,16 @@ def test_a_grouped_query_llama_checkpoint_decodes_through_the_megakernel(tmp_pat
         cfg, params, jnp.asarray(prompt)[None], jnp.array([prompt.size], jnp.int32), jax.random.key(0),
         max_new_tokens=8, sp=GREEDY, **kw)
     want, _ = run(path="reference")
-    got, count = run(path="megakernel", kernel=KERNEL)
+    plan = decoder.plan(cfg, params, 1, prompt.size + 8, "megakernel", KERNEL, kernel_state=kernel_state)
+    got, count = G.generate(plan, jnp.asarray(prompt)[None], jnp.array([prompt.size], jnp.int32),
+                            jax.random.key(0), max_new_tokens=8, sp=GREEDY)
     assert int(count[0]) == 8
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     ids = np.concatenate([prompt, np.asarray(got)[0]])[None]
     exact = hf_llama_logits(hf_cfg, weights, ids)[0, prompt.size - 1:-1]
     assert int(np.asarray(got)[0, 0]) == int(exact[0].argmax())
     # the steps' logits against Hugging Face's, within twice the model's own bf16 error
-    plan = decoder.plan(cfg, params, 1, ids.shape[1], "megakernel", KERNEL)
+    plan = decoder.plan(cfg, params, 1, ids.shape[1], "megakernel", KERNEL, kernel_state=kernel_state)
     logits, cache = plan.prefill(jnp.asarray(prompt)[None], jnp.array([prompt.size], jnp.int32), plan.make_cache())
     steps = [logits[0]]
     for t in ids[0, prompt.size:-1]:

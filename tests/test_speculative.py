@@ -184,16 +184,17 @@ CFG_MK = ModelConfig(d_model=128, num_layers=2, num_heads=2, num_kv_heads=2, hea
                      d_ff=192, max_seq_len=96, dtype="bfloat16")  # the megakernel's kind
 
 
-@pytest.mark.parametrize("gamma", [1, 3])
-def test_greedy_with_a_megakernel_draft_equals_plain_greedy(models, gamma):
+@pytest.mark.parametrize("gamma,kernel_state", [(1, False), (3, False), (3, True)])
+def test_greedy_with_a_megakernel_draft_equals_plain_greedy(models, gamma, kernel_state):
     """The draft decodes one token a call through the megakernel (its XLA reference here),
-    its cache rolled back over rejected drafts every round: the tokens are plain greedy's."""
+    its cache rolled back over rejected drafts every round: the tokens are plain greedy's;
+    also with the kernel's state kept from call to call."""
     tp, _, pb, lb = models
     n = 10
     dp = transformer.init_params(CFG_MK, 4)
     on_sm90 = decoder.hopper(decoder.this_device()[1])  # the kernel itself, else its XLA math
     draft = lm(CFG_MK, dp, "draft-megakernel", "megakernel",
-               kernel=None if on_sm90 else mk.chain_reference)
+               kernel=None if on_sm90 else mk.chain_reference, kernel_state=kernel_state)
     out, count, stats = speculative_generate(
         lm(CFG_T, tp, "target"), tp, draft, dp, pb[:1], lb[:1], jax.random.key(0),
         max_new_tokens=n, sp=SamplingParams(temperature=0.0), spec=SpecConfig(gamma=gamma))

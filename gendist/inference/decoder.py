@@ -173,7 +173,7 @@ class DecodePlan:
             if batch != 1:
                 raise ValueError(f"the megakernel's cache holds one sequence, not {batch}.")
             cache = megakernel.ChainCache.create(cfg, max_len, self.stages)
-            return cache.with_state(cfg, self.params, self.kernel, self.head) if self.kernel_state else cache
+            return cache.with_state(cfg, self.kernel, self.head) if self.kernel_state else cache
         if self.path == "fast":
             return LayerKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
                                        cfg.head_dim, dt, backend=self.backend, fused=self.fused,
@@ -251,7 +251,7 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     megakernel runs and the vocabulary is large enough to pay (`megakernel.FUSED_HEAD_MIN_VOCAB`,
     `fused_head_supported`), else "xla". kernel_state: the megakernel's caches keep its
     words from step to step and it writes the new k and v itself
-    (`megakernel.ChainCache.with_state`: two kernels fewer a step).
+    (`megakernel.ChainCache.with_state`: four kernels fewer a step).
     device: (platform, device_kind), the first device's by default.
     """
     if head not in DECODE_HEADS:

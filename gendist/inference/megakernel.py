@@ -138,17 +138,21 @@ class ChainCache(KVCache):
         return cls(jnp.zeros(shape, jnp.bfloat16), jnp.zeros((1,), jnp.int32), rope_table(cfg, S),
                    stages)
 
-    def with_state(self, cfg: ModelConfig, params: dict, kernel, head: str = "xla") -> ChainCache:
-        """This cache with a fresh state for `kernel` (zeros of the size it takes for these
-        weights, this cache and the output layer `head`, `step`'s): its steps then keep the
-        kernel's words from one to the next, and the kernel reads the token's embedding row
-        and writes the new k and v in place, so that no kernel of a step zeroes the words,
-        builds x_0's or writes the cache."""
+    def with_state(self, cfg: ModelConfig, kernel, head: str = "xla") -> ChainCache:
+        """This cache with a fresh state for `kernel` (zeros of the size it takes for `cfg`'s
+        weights, as `chain_params` lays them out, this cache and the output layer `head`,
+        `step`'s): its steps then keep the kernel's words from one to the next, and the kernel
+        reads the token's embedding row and writes the new k and v in place, so that no
+        kernel of a step zeroes the words, builds x_0's or writes the cache."""
+        L, D, F, V = cfg.num_layers, cfg.d_model, cfg.d_ff, cfg.vocab_size
+        bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+        chain = (bf16(L, D + 2 * cfg.num_kv_heads * cfg.head_dim, D), bf16(L, D, D), bf16(L, 2 * F, D),
+                 bf16(L, D, F))
         one = jax.ShapeDtypeStruct((1,), jnp.int32)
-        extra = dict(w_head=params["chain_head"]) if head == "fused" else {}
-        out = jax.eval_shape(lambda token, *a: kernel(None, *a, norm_eps=cfg.norm_eps, stages=self.stages,
-                                                      new_state=True, embed=(params["embed"], token), **extra),
-                             one, *params["chain"], self.kv, one, self.rope)
+        extra = dict(w_head=bf16(V, D)) if head == "fused" else {}
+        out = jax.eval_shape(lambda token, table, *a, **kw: kernel(
+            None, *a, norm_eps=cfg.norm_eps, stages=self.stages, new_state=True, embed=(table, token), **kw),
+            one, bf16(V, D), *chain, self.kv, one, self.rope, **extra)
         return dataclasses.replace(self, state=jnp.zeros(out[-1].shape, jnp.int32))
 
     def layer_state(self):

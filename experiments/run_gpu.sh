@@ -23,6 +23,7 @@
 #                   (and the float8 transpose kernel against XLA's transpose)
 #   serving         continuous batching vs static batching on one request trace    benchmarks/serving.md
 #   speculative     speculative decoding, 1b target, batch 1, over the megakernel  benchmarks/speculative.md
+#                   (KERNEL_STATE=1: the megakernel's state kept between steps)
 #   pipeline        1F1B in phases on two GPUs against one GPU                     benchmarks/pipeline.md
 #   collectives     NCCL collectives' bus bandwidth over all GPUs                  benchmarks/collectives.md
 #   two_gpu         every parallel form on two GPUs beside one GPU                 -
@@ -55,7 +56,10 @@ tests)
         tests/test_decode_kernels.py tests/test_megakernel_decode.py
     JAX_PLATFORMS=cuda "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_fp8.py -k kernel ;;
 chain_tests)
-    JAX_PLATFORMS=cuda "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_chain_mgpu.py -k gpu ;;
+    JAX_PLATFORMS=cuda "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_chain_mgpu.py -k gpu
+    # the decode front door through the kernel itself (on a CPU these run its XLA reference)
+    JAX_PLATFORMS=cuda "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_megakernel_decode.py \
+        "tests/test_speculative.py::test_greedy_with_a_megakernel_draft_equals_plain_greedy" ;;
 attention)
     # compiled first, the order turned each round, best of 4 rounds; ours_no_ds: the backward
     # without dS in global memory (the form at 16k, where dS would exceed its 4 GiB cap)
@@ -94,7 +98,8 @@ serving)
 speculative)
     "$PY" experiments/speculative_speedup.py --target 1b --steps 1100 --seq-len 256 --batch-size 32 \
         --draft-width 1024 --draft-layers 2 --draft-round-steps 300 --draft-rounds 5 --gammas 4 6 \
-        --batches 1 --temperatures 0 1 --prompts-b1 2 --new-tokens 128 --tag _1b --out "$OUT" ;;
+        --batches 1 --temperatures 0 1 --prompts-b1 2 --new-tokens 128 --tag _1b ${KERNEL_STATE:+--kernel-state} \
+        --out "$OUT" ;;
 pipeline)
     "$PY" experiments/pipeline_speed.py --variants one_gpu pp2_1f1b-phased_m16 \
         pp2_1f1b-phased_m16_b96_savemm pp2_1f1b-phased_m16_b128_savemm --out "$OUT" ;;

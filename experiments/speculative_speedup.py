@@ -124,6 +124,9 @@ def main():
                     help="the draft's val loss stays at least this far above the target's")
     ap.add_argument("--adaptive", action="store_true", help="also adaptive γ (max γ + 2)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no row after this")
+    ap.add_argument("--kernel-state", action="store_true",
+                    help="plans on the megakernel path keep the kernel's state between steps "
+                         "(decoder.plan(kernel_state=True)): the plain target's and the draft's")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
     args = ap.parse_args()
@@ -184,9 +187,14 @@ def main():
         # The decode plans of each batch, laid out once: plain target and draft, and the
         # target verifying up to g_max + 1 tokens a call (LMs for speculative decoding).
         n_max = 32 + args.new_tokens + g_max + 1
-        plans_of[B] = dict(target=decoder.plan(tm, tp, B, n_max),
-                           draft=decoder.plan(dm, dp, B, n_max),
-                           verify=decoder.plan(tm, tp, B, n_max, step_tokens=g_max + 1))
+        def plan(cfg, params, **kw):
+            p = decoder.plan(cfg, params, B, n_max, **kw)  # noqa: B023 (called at once)
+            if args.kernel_state and p.path == "megakernel":
+                p = decoder.plan(cfg, params, B, n_max, kernel_state=True, **kw)  # noqa: B023
+            return p
+
+        plans_of[B] = dict(target=plan(tm, tp), draft=plan(dm, dp),
+                           verify=plan(tm, tp, step_tokens=g_max + 1))
         res["paths"][B] = {k: p.line for k, p in plans_of[B].items()}
         # Batch 1 is measured over several prompts (times and counts summed): one prompt's
         # acceptance rate varies a lot with its text.

@@ -206,7 +206,7 @@ def test_a_kept_kernel_state_decodes_the_same_tokens(params):
     for a, b in zip(caches[1][0], caches[0][0], strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(caches[1][1], caches[0][1])
-    with pytest.raises(ValueError, match="kernel_state=True keeps the megakernel's words"):
+    with pytest.raises(ValueError, match="kernel_state=True keeps the megakernel's state"):
         decoder.plan(CFG, params, 1, 16, "reference", kernel_state=True, device=("cpu", "cpu"))
 
 

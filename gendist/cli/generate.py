@@ -186,7 +186,8 @@ def sample(model_cfg, params, tok, g: GenerateConfig, prompts: list[str]) -> lis
     eos = g.eos_id if g.eos_id >= 0 or tok.eos_id is None else tok.eos_id
     prompt_BT, len_B = pad_prompts(check_prompt(model_cfg, tok, g, prompts))
     B, T = prompt_BT.shape
-    plan = decoder.plan(model_cfg, params, B, T + g.max_new_tokens, g.path, head=g.head)
+    plan = decoder.plan(model_cfg, params, B, T + g.max_new_tokens, g.path, head=g.head,
+                        kernel_state=g.kernel_state)
     print(plan.line, file=sys.stderr, flush=True)
     args = (plan, jnp.asarray(prompt_BT), jnp.asarray(len_B), jax.random.key(g.seed))
     t0 = time.perf_counter()

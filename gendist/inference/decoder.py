@@ -272,8 +272,9 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     if path == "megakernel" and kernel is None:
         kernel = chain_mgpu
     if kernel_state and path != "megakernel":
-        raise ValueError(f"kernel_state=True keeps the megakernel's words between steps; this plan's path "
-                         f"is {path!r}: leave kernel_state=False.")
+        raise ValueError(f"kernel_state=True keeps the megakernel's state between steps "
+                         f"(generate.kernel_state); this plan's path is {path!r}: decode on the "
+                         "megakernel path (a Hopper GPU, batch 1) or leave it False.")
     if kernel_state:
         line += ", its words kept between steps"
     return DecodePlan(layout(cfg, params, path, head), cfg, path, line, batch, max_len,

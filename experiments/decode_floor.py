@@ -23,7 +23,8 @@ for its ring slots, `spare=0|1` to split o over every block or over those that d
 `group=N` for N query heads an attention block (grouped-query attention), `prefetch=N` for
 each block's weight tiles asked of L2 N ahead of its ring, `tiles=N` for the tile pieces a
 block makes at a time (one accumulator each, one drain and one LL store for them), `inflight=N`
-for the tensor-core products a block leaves running before it frees a ring slot, `sums=0`
+for the tensor-core products a block leaves running before it frees a ring slot, `blocks=N`
+for a grid of N blocks (one an SM; the GPU's SM count by default), `sums=0`
 for RMSNorm readers that poll the whole vector, not its square sums (`norm_sums`; on by
 default), `packed=0` for pieces one value a word, not two (`packed`; on by default),
 `NAME=SKxST` to split product NAME (qkv, o, gu, down) as given: with spare or a split, the products
@@ -118,7 +119,7 @@ def chain_options(option: str):
             stages = int(name)
         elif name == "spare":
             kw["spare"] = value not in ("0", "false", "False")
-        elif name in ("group", "prefetch", "tiles", "inflight"):
+        elif name in ("group", "prefetch", "tiles", "inflight", "blocks"):
             kw[name] = int(value)
         elif name in ("sums", "packed"):
             kw["norm_sums" if name == "sums" else name] = value not in ("0", "false", "False")
@@ -127,8 +128,8 @@ def chain_options(option: str):
             splits.append((name, int(sk), int(st)))
         else:
             raise ValueError(f"chain@{option}: option {opt!r}; use a ring size (16), spare=0, group=N, "
-                             "prefetch=N, tiles=N, inflight=N, sums=0|1, packed=0|1 or NAME=SKxST for NAME "
-                             "in qkv, o, gu, down.")
+                             "prefetch=N, tiles=N, inflight=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST "
+                             "for NAME in qkv, o, gu, down.")
     if "spare" in kw or splits:  # a candidate: the cost model's splits where none is given
         kw["splits"] = tuple(splits)
     return stages, functools.partial(chain_mgpu, **kw)

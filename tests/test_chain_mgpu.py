@@ -973,7 +973,8 @@ def test_step_variants_name_their_kernel_options(monkeypatch):
     assert df.chain_options("tiles=4,sums=1,packed=1")[1].keywords == dict(tiles=4, norm_sums=True, packed=True)
     assert df.chain_options("sums=0,packed=0")[1].keywords == dict(norm_sums=False, packed=False)
     assert df.chain_options("inflight=2")[1].keywords == dict(inflight=2)
-    with pytest.raises(ValueError, match=re.escape("inflight=N, sums=0|1, packed=0|1 or NAME=SKxST")):
+    assert df.chain_options("blocks=66")[1].keywords == dict(blocks=66)
+    with pytest.raises(ValueError, match=re.escape("inflight=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST")):
         df.chain_options("16,mlp=2x4")
     asked = []  # what a variant asks the front door for
     monkeypatch.setattr(df.decoder, "plan", lambda *a, **kw: asked.append(kw))

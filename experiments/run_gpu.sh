@@ -83,7 +83,7 @@ decode)
         --variants chain chain+state chain+fused+state fast chain@inflight=2+state chain@inflight=3+state \
         --extra 350m:1:chain@blocks=66+state 350m:1:chain@blocks=100+state
     "$PY" experiments/trace_chain.py --spare auto --pos 160 --inflight 1 2 3 --out "$OUT"
-    "$PY" experiments/trace_chain.py --presets llama3.2-1b --pos 160 --vocab 128256 --out "$OUT/head"
+    "$PY" experiments/trace_chain.py --presets llama3.2-1b --pos 160 --vocab 128256 --state 0 1 --out "$OUT/head"
     "$PY" experiments/decode_step_timeline.py --presets 1b 350m llama3.2-1b --kernel-state 0 1 --out "$OUT" ;;
 decode_tune)
     # one preset a call fits the 10-minute limit: ~20 candidates of ~7 s (compile + 256 tokens)

@@ -17,14 +17,16 @@ over layers:
   the table's bytes over that work (the rate it was read at).
 
 Writes trace_chain.json and
-trace_<preset>_spare<0|1|auto>[_group<N>][_tiles<N>][_nosums][_unpacked][_inflight<N>][_vocab<V>].png
+trace_<preset>_spare<0|1|auto>[_group<N>][_tiles<N>][_nosums][_unpacked][_inflight<N>][_vocab<V>][_state].png
 (a layer's timeline, block by block) to --out. --spare 0 1 auto traces the cost model's splits with o
 over every block, over the blocks that do not attend, and the kernel's measured choice
 (`plan.tuned`: the default), in the same process; --group N auto does the same for the query
 heads an attention block takes, --tiles 1 4 for the tile pieces a block makes at a time,
 --sums 0 1 for RMSNorm readers polling the vector (0) or its square sums (1, `norm_sums`, the
 default), --packed 0 1 for pieces a value a word (0) or two (1, `packed`, the default),
---inflight 1 2 for the tensor-core products a block leaves running before it frees a ring slot.
+--inflight 1 2 for the tensor-core products a block leaves running before it frees a ring slot,
+--state 0 1 for the kernel with fresh words each call and with the decode loop's kept state
+(x_0 read from an embedding table at the kernel's start, the words and the epoch kept).
 
     python3 experiments/trace_chain.py --spare 0 auto --out $OUT       # one H200
     python3 experiments/trace_chain.py --presets llama3.2-1b --group 4 auto --out $OUT
@@ -173,6 +175,9 @@ def main():
     ap.add_argument("--inflight", nargs="+", type=int, default=[1],
                     help="tensor-core products a block leaves running before it frees a ring slot "
                          "(chain_mgpu's inflight), each traced")
+    ap.add_argument("--state", nargs="+", type=int, default=[0], choices=[0, 1],
+                    help="1: the kernel keeps its state from call to call and reads x_0 from an "
+                         "embedding table (chain_mgpu(state=..., embed=...), the decode loop's kept form)")
     ap.add_argument("--vocab", type=int, default=0,
                     help="with V > 0, the output layer inside the kernel: a random [V, D] table")
     ap.add_argument("--pos", type=int, default=160)
@@ -183,9 +188,10 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for name, spare, group, tiles, sums, packed, inflight in (
-            (n, s, g, t, u, k, i) for n in args.presets for s in args.spare for g in args.group
-            for t in args.tiles for u in args.sums for k in args.packed for i in args.inflight):
+    for name, spare, group, tiles, sums, packed, inflight, kept in (
+            (n, s, g, t, u, k, i, e) for n in args.presets for s in args.spare for g in args.group
+            for t in args.tiles for u in args.sums for k in args.packed for i in args.inflight
+            for e in args.state):
         m = preset(name).model
         D, F, L, K = m.d_model, m.d_ff, m.num_layers, m.num_kv_heads
         x0, *ws = weights(D, D + 2 * K * m.head_dim, F, L)  # q|k|v rows: q, then K heads of k and v
@@ -204,9 +210,21 @@ def main():
             head = (jax.random.normal(jax.random.key(3), (args.vocab, D), jnp.float32).astype(jnp.bfloat16),)
         f = jax.jit(lambda *a, kw=kw: cm.chain_mgpu(*a[:8], stages=args.stages, norm_eps=1e-5, trace=True,
                                                     w_head=a[8] if len(a) > 8 else None, **kw))
+        if kept:  # x_0 is row 7 of a table; the state goes from each call to the next
+            table = x0.astype(jnp.bfloat16)[None].repeat(8, 0)
+            token = jnp.array([7], jnp.int32)
+            kw.update(embed=(table, token))
+            state = jnp.zeros((cm.state_size(None, *ws, *att, norm_eps=1e-5, stages=args.stages,
+                                             w_head=head[0] if head else None, **kw),), jnp.int32)
+            step = jax.jit(lambda state, *a, kw=kw: cm.chain_mgpu(
+                None, *a[:7], stages=args.stages, norm_eps=1e-5, trace=True, state=state,
+                w_head=a[7] if len(a) > 7 else None, **kw))
         results = []
         for _ in range(args.calls + 1):  # the first compiles
-            out = f(x0, *ws, *att, *head)
+            if kept:
+                *out, state = step(state, *ws, *att, *head)
+            else:
+                out = f(x0, *ws, *att, *head)
             results.append(analyse(jax.device_get(out[-1]), L))
         raw = jax.device_get(out[-1])
         results = results[1:]
@@ -218,13 +236,14 @@ def main():
         if head_us:
             head_us["table_TBps"] = args.vocab * D * 2 / head_us["work"] / 1e6
         row = dict(preset=name, spare=spare, group=group, tiles=tiles, sums=sums, packed=packed, inflight=inflight,
+                   state=kept,
                    vocab=args.vocab, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
                    us_per_layer_median=med, attention_steps_us=steps, head_us=head_us,
                    kernel_us_from_stamps=[r["kernel_us_from_stamps"] for r in results],
                    sm_ghz=results[-1]["sm_ghz"])
         rows.append(row)
         print(f"{name} (spare={spare}, group={group}, tiles={tiles}, sums={sums}, packed={packed}, "
-              f"inflight={inflight}): {L} layers, pos {args.pos}; kernel (stamps) "
+              f"inflight={inflight}, state={kept}): {L} layers, pos {args.pos}; kernel (stamps) "
               f"{np.median(row['kernel_us_from_stamps']):.1f} us; SM {row['sm_ghz']:.2f} GHz", flush=True)
         for k in ("qkv", "att", "o", "gu", "down"):
             if k + "_work" in med:
@@ -237,7 +256,8 @@ def main():
               flush=True)
         tag = (f"{name}_spare{spare}" + ("" if group == "auto" else f"_group{group}")
                + ("" if tiles == 1 else f"_tiles{tiles}") + ("" if sums else "_nosums") + ("" if packed else "_unpacked")
-               + ("" if inflight == 1 else f"_inflight{inflight}") + (f"_vocab{args.vocab}" if args.vocab else ""))
+               + ("" if inflight == 1 else f"_inflight{inflight}") + (f"_vocab{args.vocab}" if args.vocab else "")
+               + ("_state" if kept else ""))
         plot(raw, L, os.path.join(args.out, f"trace_{tag}.png"),
              f"chain_mgpu {name}, layer {L // 2}, pos {args.pos}, spare={spare}, group={group}, "
              f"tiles={tiles}")

@@ -33,8 +33,9 @@ sweep of splits in whole steps); with neither, the kernel's measured choice for 
 `plan.tuned`); a suffix picks the final norm and the output layer (`decoder.plan`'s head;
 none: its default): `+xla` XLA's, `+head` (`chain+head`, `fast+head`) one kernel
 (`pallas_kernels.head`), `+fused` (`chain+fused`) inside the megakernel; `+state` (chain
-only, with or after the head's: `chain+fused+state`) keeps the kernel's words between steps
-and has it write the cache (`decoder.plan(kernel_state=True)`). Each row also carries the kernels one loop iteration
+only, with or after the head's: `chain+fused+state`) keeps the kernel's state between steps
+(`decoder.plan(kernel_state=True)`), `+fresh` does not (False; neither: the plan's default,
+`megakernel.KEEP_STATE`). Each row also carries the kernels one loop iteration
 launches, by kind, read from the compiled HLO, and with `--profile` the device time per
 kind of the first case of each preset. Writes `decode_floor_<device>.json` after every case.
 """
@@ -146,7 +147,8 @@ def case_plan(cfg, params, batch: int, variant: str, max_len: int) -> decoder.De
     if kind == "chain":  # one persistent kernel a step (chain@OPTS: the module docstring's)
         stages, kernel = chain_options(option)
         return decoder.plan(cfg, params, batch, max_len, "megakernel", kernel=kernel, stages=stages,
-                            kernel_state="state" in extras, **head)
+                            kernel_state=True if "state" in extras else False if "fresh" in extras else None,
+                            **head)
     return decoder.plan(cfg, params, batch, max_len, "fast",
                         backend="xla" if kind == "fast_xla" else None,
                         fused=kind != "fast_unfused", tiling=option, **head)
@@ -219,10 +221,11 @@ def main():
     for _, _, v in cases:
         base, *extras = v.split("+")
         if (base not in VARIANTS and not base.startswith(("fast@", "chain@"))) or (
-                set(extras) - set(HEADS) - {"state"} or set(extras[1:]) & set(HEADS)) or (
-                {"fused", "state"} & set(extras) and not base.startswith("chain")):
+                set(extras) - set(HEADS) - {"state", "fresh"} or set(extras[1:]) & set(HEADS)) or (
+                {"fused", "state", "fresh"} & set(extras) and not base.startswith("chain")):
             raise SystemExit(f"variant {v!r}: choose one of {VARIANTS}, fast@<tiling> or "
-                             "chain@<stages>, optionally with +head or +xla (+fused, +state: chain only)")
+                             "chain@<stages>, optionally with +head or +xla (+fused, +state, +fresh: chain "
+                             "only)")
     current, params = None, {}
     for name, batch, variant in cases:
         if time.perf_counter() - t_start > args.budget_s:

@@ -75,12 +75,12 @@ paged)
 decode)
     "$PY" experiments/decode_paths.py --out "$OUT"
     "$PY" experiments/head_kernel.py --out "$OUT"
-    # chain: generate's default (the output layer inside the kernel from 32k tokens); +state:
-    # the kernel's words kept between steps (+fused+state: and the output layer inside at any
-    # vocabulary); chain@inflight=N: N tensor-core products left running before a ring slot
+    # chain+fresh: the kernel's words fresh each step (the output layer inside the kernel from
+    # 32k tokens); +state: its state kept between steps (+fused+state: and the output layer
+    # inside at any vocabulary); chain@inflight=N: N tensor-core products left running before a ring slot
     # is freed; chain@blocks=N: a grid of N blocks (fewer sources a handover at 350m)
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --reps 3 --out "$OUT" \
-        --variants chain chain+state chain+fused+state fast chain@inflight=2+state chain@inflight=3+state \
+        --variants chain+fresh chain+state chain+fused+state fast chain@inflight=2+state chain@inflight=3+state \
         --extra 350m:1:chain@blocks=66+state 350m:1:chain@blocks=100+state
     "$PY" experiments/trace_chain.py --spare auto --pos 160 --inflight 1 2 3 --out "$OUT"
     "$PY" experiments/trace_chain.py --presets llama3.2-1b --pos 160 --vocab 128256 --state 0 1 --out "$OUT/head"

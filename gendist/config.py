@@ -304,7 +304,7 @@ class GenerateConfig:
     eos_id: int = -1  # stop a sequence at this token (-1 = never)
     path: DecodePath = "auto"  # decode path: auto (fastest that runs), megakernel, fast, reference
     head: DecodeHead = "auto"  # output layer: auto, xla, kernel (Pallas), fused (inside the megakernel)
-    kernel_state: bool = False  # the megakernel keeps its state between steps (path megakernel)
+    kernel_state: bool | None = None  # the megakernel keeps its state between steps (None: its default)
 
     def __post_init__(self):
         _check_unless_deferred(self)

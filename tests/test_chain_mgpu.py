@@ -981,7 +981,9 @@ def test_step_variants_name_their_kernel_options(monkeypatch):
     df.case_plan(None, None, 1, "chain@20+fused+state", 64)
     df.case_plan(None, None, 1, "chain", 64)
     assert asked[0]["stages"] == 20 and asked[0]["head"] == "fused" and asked[0]["kernel_state"] is True
-    assert "head" not in asked[1] and asked[1]["kernel_state"] is False
+    assert "head" not in asked[1] and asked[1]["kernel_state"] is None  # the plan's default
+    df.case_plan(None, None, 1, "chain+fresh", 64)
+    assert asked[2]["kernel_state"] is False
 
 
 def test_the_tuner_finds_an_interaction_and_proposes_splits_that_fit():

@@ -94,7 +94,7 @@ def test_a_path_that_cannot_run_says_why_and_the_fix(cfg, batch, path, kw, messa
 
 def test_generate_config_checks_the_path():
     assert GenerateConfig().path == "auto" and GenerateConfig().head == "auto"
-    assert GenerateConfig().kernel_state is False  # until a GPU run shows it faster
+    assert GenerateConfig().kernel_state is None  # the plan's default (`megakernel.KEEP_STATE`)
     with pytest.raises(ValueError, match=re.escape("generate.path='fastest'; choose one of")):
         GenerateConfig(path="fastest")
     with pytest.raises(ValueError, match=re.escape("generate.head='inside'; choose one of auto, xla")):

@@ -186,7 +186,8 @@ def test_a_kept_kernel_state_decodes_the_same_tokens(params):
     (on an sm90 GPU through the kernel itself). Off the megakernel path it is refused."""
     prompt = jnp.arange(3, 20, dtype=jnp.int32)[None]
     plans = [_plan(params, 64, kernel_state=k) for k in (False, True)]
-    assert plans[1].line.endswith("its words kept between steps")
+    assert plans[1].line.endswith("its state kept between steps")
+    assert plans[0].kernel_state is False and _plan(params, 64, kernel_state=None).kernel_state is mk.KEEP_STATE
     cache = plans[1].make_cache()
     assert cache.state is not None and cache.state.dtype == jnp.int32 and not cache.state.any()
     outs = [G.generate(p, prompt, jnp.array([17], jnp.int32), jax.random.key(0), max_new_tokens=16,

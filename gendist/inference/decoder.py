@@ -235,7 +235,7 @@ class DecodePlan:
 def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "auto",
          kernel: Callable | None = None, *, paged: bool = False, step_tokens: int = 1,
          backend: str | None = None, fused: bool = True, tiling: str = "", stages: int = 16,
-         head: str = "auto", kernel_state: bool = False,
+         head: str = "auto", kernel_state: bool | None = None,
          device: tuple[str, str] | None = None) -> DecodePlan:
     """The decode plan of `cfg` for `batch` sequences of up to `max_len` tokens (module
     docstring). Call it outside jit: it lays the weights out for the path once.
@@ -250,8 +250,9 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     table is kept twice, once with the norm's gain folded in); "auto": "fused" where the
     megakernel runs and the vocabulary is large enough to pay (`megakernel.FUSED_HEAD_MIN_VOCAB`,
     `fused_head_supported`), else "xla". kernel_state: the megakernel's caches keep its
-    words from step to step and it writes the new k and v itself
-    (`megakernel.ChainCache.with_state`: four kernels fewer a step).
+    state from step to step: its words, x_0's and the cache written by the kernel
+    (`megakernel.ChainCache.with_state`: four kernels fewer a step); None: where the
+    megakernel runs, `megakernel.KEEP_STATE`'s choice.
     device: (platform, device_kind), the first device's by default.
     """
     if head not in DECODE_HEADS:
@@ -271,12 +272,14 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
         line += ", the output layer inside the kernel"
     if path == "megakernel" and kernel is None:
         kernel = chain_mgpu
-    if kernel_state and path != "megakernel":
+    if kernel_state is None:
+        kernel_state = path == "megakernel" and megakernel.KEEP_STATE
+    elif kernel_state and path != "megakernel":
         raise ValueError(f"kernel_state=True keeps the megakernel's state between steps "
                          f"(generate.kernel_state); this plan's path is {path!r}: decode on the "
                          "megakernel path (a Hopper GPU, batch 1) or leave it False.")
     if kernel_state:
-        line += ", its words kept between steps"
+        line += ", its state kept between steps"
     return DecodePlan(layout(cfg, params, path, head), cfg, path, line, batch, max_len,
                       attention_backend(cfg, platform, backend), kernel, fused, tiling, stages,
                       head, kernel_state)

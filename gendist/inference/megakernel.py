@@ -80,6 +80,12 @@ def supported(cfg: ModelConfig, batch: int) -> str | None:
 FUSED_HEAD_MIN_VOCAB = 32_000
 
 
+# Whether `decoder.plan(kernel_state=None)` keeps the kernel's state between steps where the
+# megakernel runs: not until a GPU run has timed it (compiled, a step is 4 XLA kernels shorter:
+# benchmarks/decode.md).
+KEEP_STATE = False
+
+
 def fused_head_supported(cfg: ModelConfig) -> str | None:
     """None when the output layer can run inside the kernel (`step(head="fused")`), else
     what the model lacks."""

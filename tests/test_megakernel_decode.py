@@ -183,7 +183,9 @@ def test_a_kept_kernel_state_decodes_the_same_tokens(params):
     """kernel_state=True: the cache carries the kernel's words from step to step and the
     kernel writes the new k and v (the reference writes them as the step would), and the
     plan says so; greedy tokens are those of fresh words each step, also after a rollback
-    (on an sm90 GPU through the kernel itself). Off the megakernel path it is refused."""
+    (on an sm90 GPU through the kernel itself, where x_0's square sums are summed in another
+    order than XLA's: logits and cache rows within 1e-5 and a bf16 step). Off the megakernel
+    path it is refused."""
     prompt = jnp.arange(3, 20, dtype=jnp.int32)[None]
     plans = [_plan(params, 64, kernel_state=k) for k in (False, True)]
     assert plans[1].line.endswith("its state kept between steps")
@@ -205,8 +207,14 @@ def test_a_kept_kernel_state_decodes_the_same_tokens(params):
             got.append(np.asarray(logits))
         caches.append((got, np.asarray(c.kv[:, :, :, :20], np.float32)))
     for a, b in zip(caches[1][0], caches[0][0], strict=True):
-        np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(caches[1][1], caches[0][1])
+        if ON_SM90:
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+        else:
+            np.testing.assert_array_equal(a, b)
+    if ON_SM90:  # a bf16 rounding step at most
+        np.testing.assert_allclose(caches[1][1], caches[0][1], rtol=2 ** -7, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(caches[1][1], caches[0][1])
     with pytest.raises(ValueError, match="kernel_state=True keeps the megakernel's state"):
         decoder.plan(CFG, params, 1, 16, "reference", kernel_state=True, device=("cpu", "cpu"))
 

@@ -419,8 +419,9 @@ def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False
         return Source(1, 64, False, base_word, init_ok, tag_)
 
     if name == "qkv":  # x_l = H_{l-1} + the previous down's pieces; X_l dense
+        down_word = jnp.where(first, lay.init_down, base(l - 1, "down"))
         down_tag = tg(l - 1) if lay.init_down_tag is None else jnp.where(first, lay.init_down_tag, tg(l - 1))
-        groups = [pieces(down, jnp.where(first, lay.init_down, base(l - 1, "down")), down_tag, True),
+        groups = [pieces(down, down_word, down_tag, True),
                   vector(jnp.where(first, lay.init_H, base(l - 1, "H")), tg(l - 1), True)]
         return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0), dense_tag=tg(l), **ss("X")), None
     if name == "o" and attention:  # the attention phase's output, dense

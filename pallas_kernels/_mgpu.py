@@ -243,11 +243,16 @@ def ptr64(ref):
     return llvm.ptrtoint(ir.IntegerType.get_signless(64), mgpu.utils.memref_ptr(ref))
 
 
+def gmem_address(base_i64, index_i32, scale: int):
+    """The global-memory address base + scale * index as a 64-bit integer (an inline PTX
+    operand): base a 64-bit address (`ptr64`), index an unsigned 32-bit element index."""
+    i64 = ir.IntegerType.get_signless(64)
+    return arith.addi(base_i64, arith.muli(arith.extui(i64, index_i32), mgpu.utils.c(scale, i64)))
+
+
 def _word_address(base_ptr, index_i32, scale: int):
     """The integer address base + scale * index (global memory: 64-bit)."""
-    i64 = ir.IntegerType.get_signless(64)
-    base = llvm.ptrtoint(i64, base_ptr)
-    return arith.addi(base, arith.muli(arith.extui(i64, index_i32), mgpu.utils.c(scale, i64)))
+    return gmem_address(llvm.ptrtoint(ir.IntegerType.get_signless(64), base_ptr), index_i32, scale)
 
 
 def _smem_address(ref, index_i32, scale: int = 4):

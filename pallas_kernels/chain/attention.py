@@ -42,10 +42,9 @@ import math
 import jax.numpy as jnp
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith
 
-from pallas_kernels._mgpu import const_i32, lane, ptr32, ptr64
+from pallas_kernels._mgpu import const_i32, gmem_address, lane, ptr32, ptr64
 from pallas_kernels.chain.words import X_TRANSFORMS, f32_hex
 
 LOG2E = math.log2(math.e)
@@ -161,13 +160,9 @@ def rope_new(stage_smem, win_smem, kv_new_ref, rope_smem, red_smem, k_word, v_wo
     @plgpu.inline_mgpu(arg_types=(ref_types, [splat, splat]))
     def op(_, refs, words):
         stage, win, kvn, rope, red = refs
-        i64 = ir.IntegerType.get_signless(64)
         base = ptr64(kvn)
-
-        def at(word):
-            return arith.addi(base, arith.muli(arith.extui(i64, word.registers[()]), mgpu.utils.c(2, i64)))
-
-        mgpu.utils.inline_ptx(ptx, ptr32(stage), ptr32(win), at(words[0]), at(words[1]), ptr32(rope),
+        k_at, v_at = (gmem_address(base, w.registers[()], 2) for w in words)
+        mgpu.utils.inline_ptx(ptx, ptr32(stage), ptr32(win), k_at, v_at, ptr32(rope),
                               ptr32(red), lane(), has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
 

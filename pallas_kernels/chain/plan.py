@@ -339,7 +339,7 @@ def tag(l, epoch=0):
     other epoch, and every word a call reads it also writes (once a layer of its region), so
     none from two calls back is left."""
     t = l + 2
-    return t if isinstance(epoch, int) and epoch == 0 else t + 256 * epoch
+    return t if isinstance(epoch, int) and epoch == 0 else t + 256 * epoch  # no add of 0 in the PTX
 
 
 def region(l, lay: Layout):

@@ -14,7 +14,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith
 
-from pallas_kernels._mgpu import SPIN_GUARD, const_i32, lane, ptr32, ptr64, warp_retry
+from pallas_kernels._mgpu import SPIN_GUARD, const_i32, gmem_address, lane, ptr32, ptr64, warp_retry
 from pallas_kernels.chain.plan import EPOCHS, KC, SS, T
 
 X_TRANSFORMS = (plgpu.TilingTransform((8, KC)), plgpu.SwizzleTransform(2 * KC))
@@ -283,7 +283,6 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     @plgpu.inline_mgpu(arg_types=(ref_types, [splat] * len(traced)))
     def op(_, rs, vals):
         ll, init, dst = rs[:3]
-        i64 = ir.IntegerType.get_signless(64)
         v = [x.registers[()] for x in vals]
         c_lo, c_hi, s_lo, s_hi, limit, init_flag = v[:6]
         ng = len(ordered)
@@ -297,7 +296,7 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
         from_init = arith.cmpi(arith.CmpIPredicate.ne, init_flag, const_i32(0))
 
         def addr(ptr, word):
-            return arith.addi(ptr, arith.muli(arith.extui(i64, word), mgpu.utils.c(8, i64)))
+            return gmem_address(ptr, word, 8)
 
         addrs, want = [], []
         half = arith.divui(col, const_i32(2))  # a packed piece's word of this lane's column
@@ -435,16 +434,11 @@ def embed_words(ll_ref, table_ref, token, chunk, x_word: int, ss_word: int, tag)
     @plgpu.inline_mgpu(arg_types=((plgpu.RefType(), plgpu.RefType()), [splat, splat, splat]))
     def op(_, refs, vals):
         ll, table = refs
-        i64 = ir.IntegerType.get_signless(64)
         row, c, t = (v.registers[()] for v in vals)
         base = arith.muli(c, const_i32(T))
-
-        def word(ptr, index, scale):
-            return arith.addi(ptr, arith.muli(arith.extui(i64, index), mgpu.utils.c(scale, i64)))
-
-        x_at = word(ptr64(ll), arith.addi(base, const_i32(x_word)), 8)
-        ss_at = word(ptr64(ll), arith.addi(arith.muli(c, const_i32(2)), const_i32(ss_word)), 8)
-        mgpu.utils.inline_ptx(ptx, word(ptr64(table), base, 2), row, x_at, t, lane(), ss_at,
+        x_at = gmem_address(ptr64(ll), arith.addi(base, const_i32(x_word)), 8)
+        ss_at = gmem_address(ptr64(ll), arith.addi(arith.muli(c, const_i32(2)), const_i32(ss_word)), 8)
+        mgpu.utils.inline_ptx(ptx, gmem_address(ptr64(table), base, 2), row, x_at, t, lane(), ss_at,
                               has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
 

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels._mgpu import sm_count  # noqa: E402
-from pallas_kernels.chain import kernel as cm  # noqa: E402
+from pallas_kernels.chain import call as cc  # noqa: E402
 from pallas_kernels.chain import plan  # noqa: E402
 from pallas_kernels.chain import xla as cx  # noqa: E402
 
@@ -108,7 +108,7 @@ def main():
                    splits={p.name: [p.split.sk, p.split.st] for p in prods})
         fns = {"xla": ref, "read_only_sum": jax.jit(lambda *ws: sum(jnp.sum(w, dtype=jnp.float32) for w in ws))}
         if not args.dry:
-            ours = functools.partial(cm.chain_mgpu, stages=args.stages, norm_eps=eps)
+            ours = functools.partial(cc.chain_mgpu, stages=args.stages, norm_eps=eps)
             got = ours(x0, *kernel_ws, *att)
             if att:
                 got, got_kv = got

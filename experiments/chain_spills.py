@@ -47,6 +47,7 @@ def compile_one(name: str, aot: bool, tiles: int, options: str = ""):
     import jax
     import jax.numpy as jnp
 
+    from pallas_kernels.chain import call as cc
     from pallas_kernels.chain import kernel as cm
 
     sharding = {}
@@ -70,9 +71,9 @@ def compile_one(name: str, aot: bool, tiles: int, options: str = ""):
         extra["w_head"] = spec((128256, D))
     if "state" in chosen:
         extra["embed"] = (spec((128256, D)), spec((1,), jnp.int32))
-        extra["state"] = spec((cm.state_size(None, *args[1:], **opts, embed=extra["embed"]),), jnp.int32)
+        extra["state"] = spec((cc.state_size(None, *args[1:], **opts, embed=extra["embed"]),), jnp.int32)
         args = (None, *args[1:])
-    f = jax.jit(lambda a, e: cm.chain_mgpu(*a, **opts, **e))
+    f = jax.jit(lambda a, e: cc.chain_mgpu(*a, **opts, **e))
     print("kernel:", cm.__file__, flush=True)
     f.trace(args, extra).lower(lowering_platforms=("cuda",)).compile()
 

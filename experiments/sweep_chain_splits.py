@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_chain_mgpu import PRESETS, attention_inputs, norm_gains, weights  # noqa: E402
 
-from pallas_kernels.chain import kernel as cm  # noqa: E402
+from pallas_kernels.chain import call as cc  # noqa: E402
 from pallas_kernels.chain import plan  # noqa: E402
 from pallas_kernels.chain import xla as cx  # noqa: E402
 
@@ -60,7 +60,7 @@ def main():
         for splits in VARIANTS[name][:args.variants or None]:
             prods = plan.products(D, N1, F, 132, attention=True, splits=splits)
             label = " ".join(f"{p.name} {p.split.sk}x{p.split.st}" for p in prods)
-            f = jax.jit(functools.partial(cm.chain_mgpu, norm_eps=1e-5, splits=splits))
+            f = jax.jit(functools.partial(cc.chain_mgpu, norm_eps=1e-5, splits=splits))
             try:
                 got = np.asarray(f(x0, *kws, *att)[0], np.float64)
             except Exception as e:  # noqa: BLE001 (a split the kernel cannot take: say so, go on)

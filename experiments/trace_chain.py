@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_chain_mgpu import attention_inputs, weights  # noqa: E402
 
 from gendist.presets import preset  # noqa: E402
+from pallas_kernels.chain import call as cc  # noqa: E402
 from pallas_kernels.chain import kernel as cm  # noqa: E402
 
 PRESETS = ("350m", "1b", "llama3.2-1b")
@@ -205,26 +206,20 @@ def main():
         kw.update(norm_sums=bool(sums), packed=bool(packed))
         if inflight != 1:
             kw["inflight"] = inflight
-        head = ()
-        if args.vocab:
-            head = (jax.random.normal(jax.random.key(3), (args.vocab, D), jnp.float32).astype(jnp.bfloat16),)
-        f = jax.jit(lambda *a, kw=kw: cm.chain_mgpu(*a[:8], stages=args.stages, norm_eps=1e-5, trace=True,
-                                                    w_head=a[8] if len(a) > 8 else None, **kw))
+        w_head = (jax.random.normal(jax.random.key(3), (args.vocab, D), jnp.float32).astype(jnp.bfloat16)
+                  if args.vocab else None)
+        kw.update(stages=args.stages, norm_eps=1e-5)
+        x0_in, state = x0, None
         if kept:  # x_0 is row 7 of a table; the state goes from each call to the next
-            table = x0.astype(jnp.bfloat16)[None].repeat(8, 0)
-            token = jnp.array([7], jnp.int32)
-            kw.update(embed=(table, token))
-            state = jnp.zeros((cm.state_size(None, *ws, *att, norm_eps=1e-5, stages=args.stages,
-                                             w_head=head[0] if head else None, **kw),), jnp.int32)
-            step = jax.jit(lambda state, *a, kw=kw: cm.chain_mgpu(
-                None, *a[:7], stages=args.stages, norm_eps=1e-5, trace=True, state=state,
-                w_head=a[7] if len(a) > 7 else None, **kw))
+            kw["embed"] = (x0.astype(jnp.bfloat16)[None].repeat(8, 0), jnp.array([7], jnp.int32))
+            x0_in, state = None, jnp.zeros((cc.state_size(None, *ws, *att, w_head=w_head, **kw),), jnp.int32)
+        f = jax.jit(lambda state, w_head, *a, kw=kw: cc.chain_mgpu(*a, trace=True, state=state, w_head=w_head,
+                                                                    **kw))
         results = []
         for _ in range(args.calls + 1):  # the first compiles
+            out = f(state, w_head, x0_in, *ws, *att)
             if kept:
-                *out, state = step(state, *ws, *att, *head)
-            else:
-                out = f(x0, *ws, *att, *head)
+                *out, state = out
             results.append(analyse(jax.device_get(out[-1]), L))
         raw = jax.device_get(out[-1])
         results = results[1:]

@@ -17,6 +17,7 @@ from helpers import experiment, lowered_for_sm90
 
 from pallas_kernels._mgpu import on_sm90
 from pallas_kernels.chain import attention as ca
+from pallas_kernels.chain import call as cc
 from pallas_kernels.chain import kernel as cm
 from pallas_kernels.chain import plan
 from pallas_kernels.chain import resolve as cr
@@ -120,7 +121,7 @@ def test_lowers_for_sm90_with_no_fence(preset, norm_eps, tiles, sums, packed):
     S = jax.ShapeDtypeStruct
     args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
             S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16))
-    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps, tiles=tiles,
+    text = lowered_for_sm90(lambda *a: cc.chain_mgpu(*a, blocks=132, norm_eps=norm_eps, tiles=tiles,
                                                      norm_sums=sums, packed=packed), *args)
     per_tile = 32 if packed else 64  # words a tile's piece: more than 128 a store take a lane two passes
     assert ("LLH_1:" in text) == (tiles * per_tile > 128) and ("setp.lt.u32 p, e, $5" in text) == (tiles > 1)
@@ -179,7 +180,7 @@ def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps, group):
     D, F, NQ, K, hd = ATTENTION[shape]
     N1 = D + 2 * K * hd
     args = attention_specs(shape)
-    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=norm_eps, group=group), *args)
+    text = lowered_for_sm90(lambda *a: cc.chain_mgpu(*a, blocks=132, norm_eps=norm_eps, group=group), *args)
     group = cr.attention_group(D, N1, F, 132, hd, K, group)  # chain_mgpu's
     for s in ("ROPE_K", f"ROPE_Q{group - 1}", f"SMAX_L{group - 1}", f"SP_L{group - 1}", "CMB_E",
               "LLH_0", "cvt.f32.bf16", "st.global.b16", "LAB_G"):
@@ -198,14 +199,14 @@ def test_the_output_layer_lowers_inside_the_kernel(vocab):
     D = ATTENTION["llama3.2-1b"][0]
     args = attention_specs("llama3.2-1b")
     head = jax.ShapeDtypeStruct((vocab, D), jnp.bfloat16)
-    out = jax.eval_shape(lambda *a: cm.chain_mgpu(*a[:-1], blocks=132, norm_eps=1e-5, w_head=a[-1]), *args, head)
+    out = jax.eval_shape(lambda *a: cc.chain_mgpu(*a[:-1], blocks=132, norm_eps=1e-5, w_head=a[-1]), *args, head)
     assert out[2].shape == (plan.head_product(vocab, D, 132).split.sk, vocab) and out[2].dtype == jnp.float32
-    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a[:-1], blocks=132, norm_eps=1e-5, w_head=a[-1]),
+    text = lowered_for_sm90(lambda *a: cc.chain_mgpu(*a[:-1], blocks=132, norm_eps=1e-5, w_head=a[-1]),
                             *args, head)
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
     assert_polls_are_the_warps(text)
     with pytest.raises(ValueError, match="w_head"):
-        cm.chain_mgpu(*inputs(128, 192, 128, 1), w_head=jnp.zeros((100, 128), jnp.bfloat16))
+        cc.chain_mgpu(*inputs(128, 192, 128, 1), w_head=jnp.zeros((100, 128), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("embed", [False, True])
@@ -220,7 +221,7 @@ def test_a_kept_state_lowers_with_the_cache_and_words_in_place(embed):
     lead = args[:1]
     if embed:
         lead = (jax.ShapeDtypeStruct((128256, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32))
-    n = cm.state_size(None if embed else args[0], *args[1:], blocks=132, norm_eps=1e-5,
+    n = cc.state_size(None if embed else args[0], *args[1:], blocks=132, norm_eps=1e-5,
                       **(dict(embed=lead) if embed else {}))
     splits, spare, _ = plan.tuned(2048, 3072, 8192, 132, 64)
     prods = plan.products(2048, 3072, 8192, 132, attention=True, splits=splits, att_blocks=32 if spare else 0)
@@ -231,9 +232,9 @@ def test_a_kept_state_lowers_with_the_cache_and_words_in_place(embed):
 
     def f(*a):
         if embed:
-            return cm.chain_mgpu(None, *a[2:-1], blocks=132, norm_eps=1e-5, state=a[-1], embed=a[:2],
+            return cc.chain_mgpu(None, *a[2:-1], blocks=132, norm_eps=1e-5, state=a[-1], embed=a[:2],
                                  advance=True)
-        return cm.chain_mgpu(*a[:-1], blocks=132, norm_eps=1e-5, state=a[-1])
+        return cc.chain_mgpu(*a[:-1], blocks=132, norm_eps=1e-5, state=a[-1])
 
     out = jax.eval_shape(f, *lead, *args[1:], st)
     assert [o.shape for o in out] == [(2048,), args[5].shape, (n,)] + [(1,)] * embed
@@ -249,11 +250,11 @@ def test_a_kept_state_lowers_with_the_cache_and_words_in_place(embed):
     with pytest.raises(ValueError, match=f"want int32 \\[{n}\\]"):
         jax.eval_shape(f, *lead, *args[1:], jax.ShapeDtypeStruct((n - 2,), jnp.int32))
     with pytest.raises(ValueError, match="pass kv, pos and rope"):
-        cm.chain_mgpu(*inputs(128, 192, 128, 1), state=jnp.zeros((8,), jnp.int32))
+        cc.chain_mgpu(*inputs(128, 192, 128, 1), state=jnp.zeros((8,), jnp.int32))
     with pytest.raises(ValueError, match="advance=True moves pos on"):
-        cm.chain_mgpu(*args, blocks=132, advance=True)
+        cc.chain_mgpu(*args, blocks=132, advance=True)
     with pytest.raises(ValueError, match="embed=\\(table, token\\) writes x_0's words into the kept state"):
-        cm.chain_mgpu(None, *args[1:], blocks=132, embed=lead if embed else (jnp.zeros((8, 2048), jnp.bfloat16),
+        cc.chain_mgpu(None, *args[1:], blocks=132, embed=lead if embed else (jnp.zeros((8, 2048), jnp.bfloat16),
                                                                              jnp.zeros((1,), jnp.int32)))
 
 
@@ -262,10 +263,10 @@ def test_prefetch_asks_l2_for_the_tiles_ahead(prefetch):
     """prefetch=N: the producer asks L2 for weight tiles (`prefetch.global.L2`, 64-bit
     addresses); 0 emits none. A negative count is refused."""
     args = attention_specs("1b")
-    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=1e-5, prefetch=prefetch), *args)
+    text = lowered_for_sm90(lambda *a: cc.chain_mgpu(*a, blocks=132, norm_eps=1e-5, prefetch=prefetch), *args)
     assert ("prefetch.global.L2" in text) == (prefetch > 0)
     with pytest.raises(ValueError, match="prefetch=-1"):
-        cm.chain_mgpu(*inputs(64, 192, 128, 1), prefetch=-1)
+        cc.chain_mgpu(*inputs(64, 192, 128, 1), prefetch=-1)
 
 
 @pytest.mark.parametrize("attention", [False, True])
@@ -279,7 +280,7 @@ def test_trace_lowers_with_its_points(attention):
     if attention:
         args += [S((2, 2, 16, 320, 64), jnp.bfloat16), S((1,), jnp.int32), S((64,), jnp.float32)]
     for trace in (False, True):
-        f = lambda *a, trace=trace: cm.chain_mgpu(*a, blocks=132, norm_eps=1e-5, trace=trace)  # noqa: E731
+        f = lambda *a, trace=trace: cc.chain_mgpu(*a, blocks=132, norm_eps=1e-5, trace=trace)  # noqa: E731
         text = lowered_for_sm90(f, *args)
         assert ("%globaltimer" in text) == trace and ("ZW_L" in text) == trace
         if trace:
@@ -373,27 +374,27 @@ def test_measured_choices_fit_their_shape(key):
 def test_bad_inputs_name_the_field():
     x0, wq, wo, wgu, wd = inputs(64, 192, 128, 1)
     with pytest.raises(ValueError, match="want"):
-        cm.chain_mgpu(x0, wq, wo, wgu[:, :64], wd)
+        cc.chain_mgpu(x0, wq, wo, wgu[:, :64], wd)
     with pytest.raises(ValueError, match="multiples of 64"):
-        cm.chain_mgpu(x0[:32], wq[:, :, :32], wo[:, :32, :32], wgu[:, :, :32], wd[:, :32])
+        cc.chain_mgpu(x0[:32], wq[:, :, :32], wo[:, :32, :32], wgu[:, :, :32], wd[:, :32])
     with pytest.raises(ValueError, match="bf16"):
-        cm.chain_mgpu(x0, wq.astype(jnp.float32), wo, wgu, wd)
+        cc.chain_mgpu(x0, wq.astype(jnp.float32), wo, wgu, wd)
     with pytest.raises(ValueError, match="stages=40"):
-        cm.chain_mgpu(x0, wq, wo, wgu, wd, stages=40, blocks=132)
+        cc.chain_mgpu(x0, wq, wo, wgu, wd, stages=40, blocks=132)
     with pytest.raises(ValueError, match="tiles=9: want 1 to 8"):
-        cm.chain_mgpu(x0, wq, wo, wgu, wd, tiles=9, blocks=132)
+        cc.chain_mgpu(x0, wq, wo, wgu, wd, tiles=9, blocks=132)
     many = [jax.ShapeDtypeStruct((65535, *a.shape[1:]), a.dtype) for a in (wq, wo, wgu, wd)]
     with pytest.raises(ValueError, match="16 bits: 65535 layers"):  # packed words' tags
-        jax.eval_shape(lambda *w: cm.chain_mgpu(x0, *w, packed=True, blocks=132), *many)
+        jax.eval_shape(lambda *w: cc.chain_mgpu(x0, *w, packed=True, blocks=132), *many)
     kv, pos, rope = attention_inputs(1, 64, 128, 3, heads=1)
     with pytest.raises(ValueError, match="N1=256 equal to D \\+ 2 kv_heads head_dim"):
-        cm.chain_mgpu(*inputs(64, 256, 128, 1), kv, pos, rope)
+        cc.chain_mgpu(*inputs(64, 256, 128, 1), kv, pos, rope)
     with pytest.raises(ValueError, match="capacity=100"):
-        cm.chain_mgpu(x0, wq, wo, wgu, wd, kv[:, :, :, :100], pos, rope)
+        cc.chain_mgpu(x0, wq, wo, wgu, wd, kv[:, :, :, :100], pos, rope)
     with pytest.raises(ValueError, match="want \\[L=1, 2"):
-        cm.chain_mgpu(x0, wq, wo, wgu, wd, kv[0], pos, rope)
+        cc.chain_mgpu(x0, wq, wo, wgu, wd, kv[0], pos, rope)
     with pytest.raises(ValueError, match="group=3: want a divisor of the 4 query heads"):
-        cm.chain_mgpu(*gqa_inputs(512, 64, 2, 128, 1), *attention_inputs(1, 512, 128, 3, heads=8, kv_heads=2),
+        cc.chain_mgpu(*gqa_inputs(512, 64, 2, 128, 1), *attention_inputs(1, 512, 128, 3, heads=8, kv_heads=2),
                       group=3)
 
 
@@ -414,11 +415,11 @@ def test_matches_the_reference_on_the_gpu(preset, layers, norms, tiles, sums, pa
     if norms:
         g = gains(D, layers)
         wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
-        got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5, tiles=tiles, norm_sums=sums, packed=packed,
+        got = cc.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5, tiles=tiles, norm_sums=sums, packed=packed,
                             inflight=inflight)
         want = cx.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5)
     else:
-        got = cm.chain_mgpu(x0, wq, wo, wgu, wd, tiles=tiles, packed=packed)
+        got = cc.chain_mgpu(x0, wq, wo, wgu, wd, tiles=tiles, packed=packed)
         want = cx.reference(x0, wq, wo, wgu, wd)
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
@@ -435,7 +436,7 @@ def test_packed_pieces_with_odd_piece_counts_on_the_gpu(norms):
     splits = (("gu", 3, 40), ("o", 1, 16))
     g = gains(D, 2) if norms else None
     wq_f, wgu_f = cx.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
-    got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5 if norms else None, splits=splits, packed=True)
+    got = cc.chain_mgpu(x0, wq_f, wo, wgu_f, wd, norm_eps=1e-5 if norms else None, splits=splits, packed=True)
     want = cx.reference(x0, wq, wo, wgu, wd, norms=g, eps=1e-5)
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
@@ -467,7 +468,7 @@ def test_a_table_of_angles_is_read_at_the_position():
     other = cx.reference(x0, wq, wo, wgu, wd, kv, pos, table.at[70].set(table[71]))
     assert not np.array_equal(np.asarray(other[1]), np.asarray(want[1]))
     with pytest.raises(ValueError, match="a table"):
-        cm.chain_mgpu(x0, wq, wo, wgu, wd, kv, pos, table[:100])
+        cc.chain_mgpu(x0, wq, wo, wgu, wd, kv, pos, table[:100])
 
 
 def gqa_inputs(D, hd, kv_heads, F, L, seed=0):
@@ -497,7 +498,7 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, 
         att = (*att[:2], rope_table_around(att[2], 129, 320))
     g = gains(D, layers) if norms else None
     wq_f, wgu_f = cx.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
-    got, got_kv = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5 if norms else None,
+    got, got_kv = cc.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5 if norms else None,
                                 tiles=tiles, norm_sums=sums, packed=packed, inflight=inflight)
     want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
@@ -519,8 +520,8 @@ def test_the_output_layer_inside_matches_the_reference_on_the_gpu(preset, vocab,
     table = cx.fold_head(jax.random.normal(jax.random.key(7), (vocab, D), jnp.float32).astype(jnp.bfloat16),
                          g[0][0])
     att = attention_inputs(2, D, 320, 129, heads=NQ, kv_heads=K) if attention else ()
-    got = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5, w_head=table)
-    plain = cm.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5)
+    got = cc.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5, w_head=table)
+    plain = cc.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5)
     want = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5, w_head=table)
     z, want_z = np.asarray(got[-1], np.float64).sum(axis=0), np.asarray(want[-1][0], np.float64)
     assert np.linalg.norm(z - want_z) <= 1e-2 * np.linalg.norm(want_z)
@@ -545,18 +546,18 @@ def test_a_kept_state_matches_fresh_words_on_the_gpu(preset, head, embed):
     angles = rope_table_around(rope, 129, 320)
     extra = dict(w_head=cx.fold_head(jax.random.normal(jax.random.key(7), (4096, D)).astype(jnp.bfloat16),
                                      jnp.ones((D,)))) if head else {}
-    f = jax.jit(lambda x, kv, pos, state: cm.chain_mgpu(x, wq_f, wo, wgu_f, wd, kv, pos, angles, norm_eps=1e-5,
+    f = jax.jit(lambda x, kv, pos, state: cc.chain_mgpu(x, wq_f, wo, wgu_f, wd, kv, pos, angles, norm_eps=1e-5,
                                                         state=state, **extra))
-    fresh = jax.jit(lambda x, kv, pos: cm.chain_mgpu(x, wq_f, wo, wgu_f, wd, kv, pos, angles, norm_eps=1e-5,
+    fresh = jax.jit(lambda x, kv, pos: cc.chain_mgpu(x, wq_f, wo, wgu_f, wd, kv, pos, angles, norm_eps=1e-5,
                                                      **extra))
-    state = jnp.zeros((cm.state_size(x0, wq_f, wo, wgu_f, wd, kv, jnp.zeros((1,), jnp.int32), angles,
+    state = jnp.zeros((cc.state_size(x0, wq_f, wo, wgu_f, wd, kv, jnp.zeros((1,), jnp.int32), angles,
                                      norm_eps=1e-5, **extra),), jnp.int32)
     emb = jax.random.normal(jax.random.key(9), (1000, D), jnp.float32).astype(jnp.bfloat16)
     if embed:
-        f = jax.jit(lambda token, kv, pos, state: cm.chain_mgpu(None, wq_f, wo, wgu_f, wd, kv, pos, angles,
+        f = jax.jit(lambda token, kv, pos, state: cc.chain_mgpu(None, wq_f, wo, wgu_f, wd, kv, pos, angles,
                                                                 norm_eps=1e-5, state=state,
                                                                 embed=(emb, token), advance=True, **extra))
-        state = jnp.zeros((cm.state_size(None, wq_f, wo, wgu_f, wd, kv, jnp.zeros((1,), jnp.int32), angles,
+        state = jnp.zeros((cc.state_size(None, wq_f, wo, wgu_f, wd, kv, jnp.zeros((1,), jnp.int32), angles,
                                          norm_eps=1e-5, embed=(emb, jnp.zeros((1,), jnp.int32)),
                                          **extra),), jnp.int32)
     same = (lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())) if embed else (
@@ -908,7 +909,7 @@ def test_the_default_group_spreads_the_heads_while_the_blocks_suffice():
     args = (S((D,), jnp.float32), S((2, N1, D), jnp.bfloat16), S((2, D, D), jnp.bfloat16),
             S((2, 2 * F, D), jnp.bfloat16), S((2, D, F), jnp.bfloat16),
             S((2, 2, K, 128, hd), jnp.bfloat16), S((1,), jnp.int32), S((hd,), jnp.float32))
-    text = lowered_for_sm90(lambda *a: cm.chain_mgpu(*a, blocks=132, norm_eps=1e-5), *args)
+    text = lowered_for_sm90(lambda *a: cc.chain_mgpu(*a, blocks=132, norm_eps=1e-5), *args)
     assert "ROPE_Q0" in text and "ROPE_Q1:" not in text  # one query head a block
 
 
@@ -963,7 +964,7 @@ def test_step_variants_name_their_kernel_options(monkeypatch):
     suffixes reach the plan (`+fused+state`: the output layer inside, the words kept)."""
     df = experiment("decode_floor")
     stages, kernel = df.chain_options("12,spare=0,qkv=16x8,o=8x14")
-    assert stages == 12 and kernel.func is cm.chain_mgpu
+    assert stages == 12 and kernel.func is cc.chain_mgpu
     assert kernel.keywords == dict(spare=False, splits=(("qkv", 16, 8), ("o", 8, 14)))
     assert df.chain_options("")[1].keywords == {} and df.chain_options("20")[1].keywords == {}
     assert df.chain_options("spare=1")[1].keywords == dict(spare=True, splits=())  # over the cost model

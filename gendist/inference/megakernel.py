@@ -14,7 +14,7 @@ The decode front door (`decoder.plan(..., path="megakernel")`) puts the pieces t
 `chain_params` once (it keeps the decode layout for the prompt and adds the stacked,
 norm-folded matrices the kernel reads), a `ChainCache`, the prompt through the decode block
 (`ChainCache.attend`, XLA attention over this cache) and each one-token step through `step`
-with the kernel it is given (`kernel.chain_mgpu` on a Hopper GPU; `chain_reference`, its
+with the kernel it is given (`chain.chain_mgpu` on a Hopper GPU; `chain_reference`, its
 math in XLA, anywhere). `supported` says what a model and batch need besides the GPU.
 A rolled-back cache (speculative decoding) needs nothing more: the kernel and the prompt's
 attention read only the rows up to the query's position, and the rows past it stay finite.
@@ -185,7 +185,7 @@ def rope_table(cfg: ModelConfig, rows: int):
 
 def step(cfg: ModelConfig, params: dict, tokens_B, pos_B, cache: ChainCache, kernel,
          head: str = "xla", order_only: bool = False, advance: bool = False):
-    """One token at position pos_B through `kernel` (`kernel.chain_mgpu` or `chain_reference`):
+    """One token at position pos_B through `kernel` (`chain.chain_mgpu` or `chain_reference`):
     (fp32 logits [1, V], the cache with every layer's new k and v written at pos_B; its
     lengths are the caller's, as for a forward). `head`: the final norm and the output layer
     as XLA's ops ("xla"), one kernel after this one ("kernel", `decode_block.head_logits`) or

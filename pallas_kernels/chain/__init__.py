@@ -1,7 +1,8 @@
 """The batch-1 decode megakernel: every layer of a decode step in one persistent Mosaic GPU
 kernel (Hopper, sm90).
 
-    kernel.py     the kernel (`chain_mgpu`)
+    call.py       its entry point (`chain_mgpu`): options, the kept state, the results
+    kernel.py     the kernel itself
     resolve.py    a call's inputs checked and its options resolved for the shape, and the
                   shared memory it takes
     xla.py        its math in XLA (`reference`) and the RMSNorm gains folded into the
@@ -13,7 +14,7 @@ kernel (Hopper, sm90).
 `gendist.inference.megakernel` decodes through it.
 """
 
-from pallas_kernels.chain.kernel import chain_mgpu
+from pallas_kernels.chain.call import chain_mgpu
 from pallas_kernels.chain.xla import fold_norms, reference
 
 __all__ = ["chain_mgpu", "fold_norms", "reference"]

@@ -30,7 +30,7 @@ def window_rows(kmax: int) -> int:
 
 
 def smem_need(kmax: int, stages: int, tiles: int = 1) -> int:
-    """Bytes of the kernel's own shared memory (`kernel._kernel_call`'s scratch without the
+    """Bytes of the kernel's own shared memory (`kernel.kernel_call`'s scratch without the
     attention's and the output layer's): the input window, the ring, the tiles' outputs."""
     return smem_bytes(((window_rows(kmax), KC), jnp.bfloat16), ((stages, T, KC), jnp.bfloat16),
                       ((tiles, T), jnp.float32), ((T,), jnp.float32), ((4,), jnp.float32))
@@ -39,9 +39,8 @@ def smem_need(kmax: int, stages: int, tiles: int = 1) -> int:
 def check(x0_D, w_qkv, w_o, w_gu, w_down):
     """Raises a ValueError naming what does not fit; returns (L, D, N1, F). x0_D None: x_0
     comes from an embedding table (`chain_mgpu(embed=...)`), D from the weights."""
-    if x0_D is None:
-        x0_D = jnp.zeros((w_o.shape[-1] if w_o.ndim == 3 else 0,), jnp.float32)
-    shapes = tuple(a.shape for a in (x0_D, w_qkv, w_o, w_gu, w_down))
+    x0_shape = x0_D.shape if x0_D is not None else w_o.shape[-1:]
+    shapes = (x0_shape, *(a.shape for a in (w_qkv, w_o, w_gu, w_down)))
     wrong = ValueError(f"chain_mgpu: x0 {shapes[0]}, w_qkv {shapes[1]}, w_o {shapes[2]}, w_gu "
                        f"{shapes[3]}, w_down {shapes[4]}: want [D], [L, N1, D], [L, D, D], "
                        "[L, 2F, D], [L, D, F] with N1 >= D.")
@@ -189,7 +188,7 @@ def attention_group(D: int, N1: int, F: int, blocks: int, head_dim: int, kv_head
 
 
 def attention_smem(S: int, hd: int, group: int = 1) -> int:
-    """Bytes of the attention phase's shared memory (`kernel._kernel_call`'s att_scratch)."""
+    """Bytes of the attention phase's shared memory (`kernel.kernel_call`'s att_scratch)."""
     return smem_bytes(((8 * (S // T), KC), jnp.bfloat16), ((group, S // T, T), jnp.float32),
                       (((group + 2) * hd,), jnp.float32), ((group * ca.RED,), jnp.float32),
                       ((hd,), jnp.float32), ((group, T), jnp.float32))

@@ -1,4 +1,4 @@
-"""The decode chain megakernel's math in XLA (any device): what `kernel.chain_mgpu` computes,
+"""The decode chain megakernel's math in XLA (any device): what `chain.chain_mgpu` computes,
 for its tests and for decoding where the kernel does not run, and the RMSNorm gains folded
 into the weights it reads."""
 from __future__ import annotations

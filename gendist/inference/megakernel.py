@@ -7,8 +7,9 @@ step is: the embedding row (XLA), the chain kernel over all layers (RMSNorms fol
 weights, q|k|v, attention over the cache, o, gate|up, SwiGLU, down, the residual adds; from
 32k tokens the output layer too), one in-place update writing every layer's new k and v at
 the step's position, and the final norm, the output layer and sampling (XLA). With a kept
-state (`ChainCache.with_state`) the kernel writes the new k and v itself and nothing zeroes
-its words between steps.
+state (`ChainCache.with_state`) the kernel also reads the token's embedding row, writes the
+new k and v and moves the cache's length on itself, and nothing zeroes its words between
+steps.
 
 The decode front door (`decoder.plan(..., path="megakernel")`) puts the pieces together:
 `chain_params` once (it keeps the decode layout for the prompt and adds the stacked,

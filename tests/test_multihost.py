@@ -174,8 +174,12 @@ def test_killed_process_ends_the_other_and_rerun_resumes(tmp_path, two_process, 
     # XLA names the lost task "1" or "/job:jax_worker/replica:0/task:1", by version.
     assert re.search(r"[Tt]ask[ :]1\b[^\n]*heartbeat|stopped sending heartbeats\):\s*\S*1\b",
                      log), log[-3000:]
-    assert "a collective with the other processes failed" in log, log[-3000:]
-    assert "last complete checkpoint is step 4" in log, log[-3000:]
+    # Which ends the survivor is a race: its collective with the dead peer fails (gendist's
+    # handler names the last checkpoint), or it waits on a peer that never joins until the
+    # coordination service's heartbeat check ends the process from C++ (no Python runs).
+    ours = "a collective with the other processes failed" in log
+    assert ours or "JAX distributed service detected fatal errors" in log, log[-3000:]
+    assert not ours or "last complete checkpoint is step 4" in log, log[-3000:]
     assert Checkpointer(out / "checkpoints").latest_step() == 4
     rc, log = launch(out, *args)
     assert rc == 0, log[-4000:]

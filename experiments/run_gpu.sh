@@ -56,9 +56,10 @@ tests)
         tests/test_decode_kernels.py tests/test_megakernel_decode.py
     JAX_PLATFORMS=cuda "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_fp8.py -k kernel ;;
 chain_tests)
-    JAX_PLATFORMS=cuda "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_chain_mgpu.py -k gpu
+    # -v: a line a test as it ends, so a run cut short still says which passed and which failed
+    JAX_PLATFORMS=cuda "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_chain_mgpu.py -k gpu
     # the decode front door through the kernel itself (on a CPU these run its XLA reference)
-    JAX_PLATFORMS=cuda "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_megakernel_decode.py \
+    JAX_PLATFORMS=cuda "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_megakernel_decode.py \
         "tests/test_speculative.py::test_greedy_with_a_megakernel_draft_equals_plain_greedy" ;;
 attention)
     # compiled first, the order turned each round, best of 4 rounds; ours_no_ds: the backward

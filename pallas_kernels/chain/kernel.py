@@ -105,9 +105,9 @@ def words(groups) -> int:
 
 
 def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
-                 norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
-                 prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-                 head=None, inflight: int = 1, state=None, embed=None, advance: bool = False):
+                norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
+                prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
+                head=None, inflight: int = 1, state=None, embed=None, advance: bool = False):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads

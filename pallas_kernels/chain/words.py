@@ -295,29 +295,26 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
         ll_p, init_p = ptr64(ll), ptr64(init)
         from_init = arith.cmpi(arith.CmpIPredicate.ne, init_flag, const_i32(0))
 
-        def addr(ptr, word):
-            return gmem_address(ptr, word, 8)
-
         addrs, want = [], []
         half = arith.divui(col, const_i32(2))  # a packed piece's word of this lane's column
         for g, base, t in zip(ordered, bases, tags, strict=True):
             first = arith.addi(arith.addi(base, arith.muli(chunk, const_i32(g.stride))), half if g.packed else col)
             ptr = arith.select(from_init, init_p, ll_p) if g.init_ok else ll_p
-            addrs.append(addr(ptr, first))
+            addrs.append(gmem_address(ptr, first, 8))
             want.append(t)
         operands = addrs + want
         if dense:
             dbase, don, dtag = v[6 + 2 * ng:6 + 2 * ng + 3]
-            operands += [addr(ll_p, arith.addi(arith.addi(dbase, arith.muli(chunk, const_i32(64))), col)), don,
-                         dtag]
+            dword = arith.addi(arith.addi(dbase, arith.muli(chunk, const_i32(64))), col)
+            operands += [gmem_address(ll_p, dword, 8), don, dtag]
             if dense_ss is not None:  # word 2 chunk + col / 32: this lane's warp's
                 ss_word = arith.addi(arith.muli(chunk, const_i32(T // SS)), arith.divui(col, const_i32(SS)))
-                operands.append(addr(ll_p, arith.addi(v[6 + 2 * ng + 3], ss_word)))
+                operands.append(gmem_address(ll_p, arith.addi(v[6 + 2 * ng + 3], ss_word), 8))
         if per_lane:
             nb_, nfrom_, ntag_ = v[n_dense:]
             nptr = arith.select(arith.cmpi(arith.CmpIPredicate.ne, nfrom_, const_i32(0)), init_p, ll_p)
             first_word = nb_ if n_sums else arith.addi(nb_, lane_)  # square sums: word 0 (the PTX adds the lane)
-            operands += [addr(nptr, first_word), ntag_, mgpu.utils.warpgroup_barrier_idx(sync=False), lane_]
+            operands += [gmem_address(nptr, first_word, 8), ntag_, mgpu.utils.warpgroup_barrier_idx(sync=False), lane_]
         if norm:
             operands.append(ptr32(rs[3]))
         dst_p = ptr32(dst)

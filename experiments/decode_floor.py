@@ -120,7 +120,7 @@ def chain_options(option: str):
             stages = int(name)
         elif name == "spare":
             kw["spare"] = value not in ("0", "false", "False")
-        elif name in ("group", "prefetch", "tiles", "inflight", "blocks"):
+        elif name in ("group", "prefetch", "tiles", "inflight", "loads", "blocks"):
             kw[name] = int(value)
         elif name in ("sums", "packed"):
             kw["norm_sums" if name == "sums" else name] = value not in ("0", "false", "False")
@@ -129,7 +129,7 @@ def chain_options(option: str):
             splits.append((name, int(sk), int(st)))
         else:
             raise ValueError(f"chain@{option}: option {opt!r}; use a ring size (16), spare=0, group=N, "
-                             "prefetch=N, tiles=N, inflight=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST "
+                             "prefetch=N, tiles=N, inflight=N, loads=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST "
                              "for NAME in qkv, o, gu, down.")
     if "spare" in kw or splits:  # a candidate: the cost model's splits where none is given
         kw["splits"] = tuple(splits)

@@ -12,12 +12,14 @@ over layers:
 * the attention head's own steps (gather, RoPE, scores, softmax, P.V + combine + words), the
   median head, from its SM clock;
 * the layer's period (the last block's q|k|v input, layer to layer);
+* for q|k|v, gate|up and down, each reader's own handover (`after_sources`: its input after
+  the last of the blocks it reads from), the last call's;
 * with --vocab V, the output layer inside the kernel (`w_head`, a random [V, D] table): its
   handover (its last block's input after the last layer's last down piece) and its work, and
   the table's bytes over that work (the rate it was read at).
 
 Writes trace_chain.json and
-trace_<preset>_spare<0|1|auto>[_group<N>][_tiles<N>][_nosums][_unpacked][_inflight<N>][_vocab<V>][_state].png
+trace_<preset>_spare<0|1|auto>[_group<N>][_tiles<N>][_nosums][_unpacked][_inflight<N>][_loads<N>][_vocab<V>][_state].png
 (a layer's timeline, block by block) to --out. --spare 0 1 auto traces the cost model's splits with o
 over every block, over the blocks that do not attend, and the kernel's measured choice
 (`plan.tuned`: the default), in the same process; --group N auto does the same for the query
@@ -25,6 +27,7 @@ heads an attention block takes, --tiles 1 4 for the tile pieces a block makes at
 --sums 0 1 for RMSNorm readers polling the vector (0) or its square sums (1, `norm_sums`, the
 default), --packed 0 1 for pieces a value a word (0) or two (1, `packed`, the default),
 --inflight 1 2 for the tensor-core products a block leaves running before it frees a ring slot,
+--loads 0 4 8 for the weight tiles a block keeps in flight (0: the ring's free slots),
 --state 0 1 for the kernel with fresh words each call and with the decode loop's kept state
 (x_0 read from an embedding table at the kernel's start, the words and the epoch kept).
 
@@ -50,6 +53,8 @@ from bench_chain_mgpu import attention_inputs, weights  # noqa: E402
 from gendist.presets import preset  # noqa: E402
 from pallas_kernels.chain import call as cc  # noqa: E402
 from pallas_kernels.chain import kernel as cm  # noqa: E402
+from pallas_kernels.chain.plan import T, rect  # noqa: E402
+from pallas_kernels.chain.resolve import resolve  # noqa: E402
 
 PRESETS = ("350m", "1b", "llama3.2-1b")
 PRODUCTS = ("qkv", "o", "gu", "down")
@@ -124,6 +129,50 @@ def analyse(raw, L: int) -> dict:
                 kernel_us_from_stamps=float(total) / 1e3, head_us=head)
 
 
+def writers(p) -> dict:
+    """Tile t of product p -> the blocks that write its pieces (`plan.rect`)."""
+    out = {}
+    for b in range(p.split.sk * p.split.st):
+        _, t0, t1, _, _ = rect(p, b)
+        for t in range(t0, t1):
+            out.setdefault(t, []).append(b)
+    return out
+
+
+def after_sources(raw, L: int, prods) -> dict:
+    """For q|k|v, gate|up and down, each reader block's own handover: its input stamp minus
+    the last finish among the blocks that write the pieces it reads (the previous down's,
+    o's, gate|up's gate and up tiles; the dense vectors beside them are written earlier).
+    Median over blocks and layers 1 .. L-2 (µs); the share of readers that began to poll
+    only after their sources had finished, and those readers' median gather (input stamp
+    minus their product's start: the poll alone, with every word already written)."""
+    ns, _, written = _relative(raw)
+    idx = {n: i for i, n in enumerate(cm.TRACE_POINTS)}
+    qkv, o, gu, down = prods
+    F_tiles = gu.N // 2 // T  # gate's tiles; up's follow
+    cases = dict(qkv=(qkv, down, -1, ()), gu=(gu, o, 0, ()), down=(down, gu, 0, (F_tiles,)))
+    out = {}
+    for name, (p, src, dl, offsets) in cases.items():
+        w = writers(src)
+        gaps, late, alone = [], [], []
+        for l in range(1, L - 1):
+            for b in range(p.split.sk * p.split.st):
+                _, _, _, k0, k1 = rect(p, b)
+                blocks = {s for c in range(k0, k1) for off in (0, *offsets) for s in w[c + off]}
+                if not written[b, l, idx[name + "_in"]]:
+                    continue
+                ready = max(ns[s, l + dl, idx[src.name + "_out"]] for s in blocks)
+                start, got = ns[b, l, idx[name]], ns[b, l, idx[name + "_in"]]
+                gaps.append(got - ready)
+                late.append(start >= ready)
+                if late[-1]:
+                    alone.append(got - start)
+        out[name] = dict(input_after_sources_us=float(np.median(gaps)) / 1e3,
+                         polled_after_sources=float(np.mean(late)),
+                         gather_alone_us=float(np.median(alone)) / 1e3 if alone else float("nan"))
+    return out
+
+
 def plot(raw, L: int, path: str, title: str):
     import matplotlib  # noqa: PLC0415
 
@@ -176,6 +225,9 @@ def main():
     ap.add_argument("--inflight", nargs="+", type=int, default=[1],
                     help="tensor-core products a block leaves running before it frees a ring slot "
                          "(chain_mgpu's inflight), each traced")
+    ap.add_argument("--loads", nargs="+", type=int, default=[0],
+                    help="weight tiles a block keeps in flight at most (chain_mgpu's loads; 0: "
+                         "as many as the ring's free slots), each traced")
     ap.add_argument("--state", nargs="+", type=int, default=[0], choices=[0, 1],
                     help="1: the kernel keeps its state from call to call and reads x_0 from an "
                          "embedding table (chain_mgpu(state=..., embed=...), the decode loop's kept form)")
@@ -189,10 +241,10 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for name, spare, group, tiles, sums, packed, inflight, kept in (
-            (n, s, g, t, u, k, i, e) for n in args.presets for s in args.spare for g in args.group
+    for name, spare, group, tiles, sums, packed, inflight, loads, kept in (
+            (n, s, g, t, u, k, i, c, e) for n in args.presets for s in args.spare for g in args.group
             for t in args.tiles for u in args.sums for k in args.packed for i in args.inflight
-            for e in args.state):
+            for c in args.loads for e in args.state):
         m = preset(name).model
         D, F, L, K = m.d_model, m.d_ff, m.num_layers, m.num_kv_heads
         x0, *ws = weights(D, D + 2 * K * m.head_dim, F, L)  # q|k|v rows: q, then K heads of k and v
@@ -206,6 +258,8 @@ def main():
         kw.update(norm_sums=bool(sums), packed=bool(packed))
         if inflight != 1:
             kw["inflight"] = inflight
+        if loads:
+            kw["loads"] = loads
         w_head = (jax.random.normal(jax.random.key(3), (args.vocab, D), jnp.float32).astype(jnp.bfloat16)
                   if args.vocab else None)
         kw.update(stages=args.stages, norm_eps=1e-5)
@@ -223,6 +277,12 @@ def main():
             results.append(analyse(jax.device_get(out[-1]), L))
         raw = jax.device_get(out[-1])
         results = results[1:]
+        opts = {k: v for k, v in kw.items() if k not in ("stages", "norm_eps", "norm_sums", "embed")}
+        prods = resolve(x0_in, *ws, *att, stages=args.stages, blocks=None, norm_eps=1e-5,
+                        splits=opts.pop("splits", None), spare=opts.pop("spare", None),
+                        group=opts.pop("group", None), prefetch=0, w_head=w_head, kept=kept,
+                        embed=kw.get("embed"), **{"tiles": 1, "packed": True, "inflight": 1, **opts}).prods
+        sources = after_sources(raw, L, prods)  # the last call's
         keys = results[0]["us_per_layer_median"].keys()
         med = {k: float(np.median([r["us_per_layer_median"][k] for r in results])) for k in keys}
         steps = {k: float(np.median([r["attention_steps_us"][k] for r in results]))
@@ -231,19 +291,22 @@ def main():
         if head_us:
             head_us["table_TBps"] = args.vocab * D * 2 / head_us["work"] / 1e6
         row = dict(preset=name, spare=spare, group=group, tiles=tiles, sums=sums, packed=packed, inflight=inflight,
-                   state=kept,
+                   loads=loads, state=kept, sources=sources,
                    vocab=args.vocab, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
                    us_per_layer_median=med, attention_steps_us=steps, head_us=head_us,
                    kernel_us_from_stamps=[r["kernel_us_from_stamps"] for r in results],
                    sm_ghz=results[-1]["sm_ghz"])
         rows.append(row)
         print(f"{name} (spare={spare}, group={group}, tiles={tiles}, sums={sums}, packed={packed}, "
-              f"inflight={inflight}, state={kept}): {L} layers, pos {args.pos}; kernel (stamps) "
+              f"inflight={inflight}, loads={loads}, state={kept}): {L} layers, pos {args.pos}; kernel (stamps) "
               f"{np.median(row['kernel_us_from_stamps']):.1f} us; SM {row['sm_ghz']:.2f} GHz", flush=True)
         for k in ("qkv", "att", "o", "gu", "down"):
             if k + "_work" in med:
                 print(f"  {k:5s} handover {med[k + '_handover']:6.2f} us   work {med[k + '_work']:6.2f} us")
         print(f"  period {med.get('period', float('nan')):6.2f} us a layer")
+        print("  a reader's input after its own sources (median us; share that began to poll after them): "
+              + ", ".join(f"{k} {v['input_after_sources_us']:.2f} ({v['polled_after_sources']:.0%}; "
+                          f"their poll alone {v['gather_alone_us']:.2f})" for k, v in sources.items()))
         if head_us:
             print(f"  output layer: handover {head_us['handover']:6.2f} us   work {head_us['work']:7.2f} us "
                   f"({head_us['table_TBps']:.2f} TB/s of table)")
@@ -251,7 +314,8 @@ def main():
               flush=True)
         tag = (f"{name}_spare{spare}" + ("" if group == "auto" else f"_group{group}")
                + ("" if tiles == 1 else f"_tiles{tiles}") + ("" if sums else "_nosums") + ("" if packed else "_unpacked")
-               + ("" if inflight == 1 else f"_inflight{inflight}") + (f"_vocab{args.vocab}" if args.vocab else "")
+               + ("" if inflight == 1 else f"_inflight{inflight}") + (f"_loads{loads}" if loads else "")
+               + (f"_vocab{args.vocab}" if args.vocab else "")
                + ("_state" if kept else ""))
         plot(raw, L, os.path.join(args.out, f"trace_{tag}.png"),
              f"chain_mgpu {name}, layer {L // 2}, pos {args.pos}, spare={spare}, group={group}, "

@@ -209,6 +209,20 @@ def test_the_output_layer_lowers_inside_the_kernel(vocab):
         cc.chain_mgpu(*inputs(128, 192, 128, 1), w_head=jnp.zeros((100, 128), jnp.bfloat16))
 
 
+def test_capped_loads_lower_and_a_bad_cap_is_refused():
+    """loads=N: the producer waits for the tile N steps back to land before it asks for the
+    next (an mbarrier wait more in its loop), which passes Mosaic GPU's checks for sm90 and
+    changes the kernel; a cap of the ring's stages or more, or below 0, is refused."""
+    args = attention_specs("350m")
+    lower = lambda loads: lowered_for_sm90(  # noqa: E731
+        lambda *a: cc.chain_mgpu(*a, blocks=132, norm_eps=1e-5, loads=loads), *args)
+    capped, free = lower(4), lower(0)
+    assert capped.count("stablehlo.custom_call @mosaic_gpu") == 1 and capped != free
+    for bad in (-1, 16):
+        with pytest.raises(ValueError, match=f"loads={bad}: want 0"):
+            cc.chain_mgpu(*inputs(128, 192, 128, 1), loads=bad)
+
+
 @pytest.mark.parametrize("embed", [False, True])
 def test_a_kept_state_lowers_with_the_cache_and_words_in_place(embed):
     """state=...: the kernel takes its words from the call before and the cache, and gives
@@ -474,6 +488,20 @@ def test_a_table_of_angles_is_read_at_the_position():
 def gqa_inputs(D, hd, kv_heads, F, L, seed=0):
     """The chain's weights for grouped-query attention: q|k|v [L, D + 2 kv_heads hd, D]."""
     return inputs(D, D + 2 * kv_heads * hd, F, L, seed)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
+@pytest.mark.parametrize("preset,loads", [("350m", 4), ("llama3.2-1b", 2)])
+def test_capped_loads_give_the_bits_of_the_uncapped_kernel_on_the_gpu(preset, loads):
+    """loads changes only when the weight tiles are asked for, not what is summed in which
+    order: the output and the new k and v are the uncapped kernel's, bit for bit."""
+    D, F, NQ, K, hd = ATTENTION[preset]
+    x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, 3)
+    att = attention_inputs(3, D, 320, 129, heads=NQ, kv_heads=K)
+    wq_f, wgu_f = cx.fold_norms(wq, wgu, *gains(D, 3))
+    run = lambda n: cc.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5, loads=n)  # noqa: E731
+    for a, b in zip(run(loads), run(0), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
@@ -958,8 +986,47 @@ def test_trace_analysis_recovers_a_known_schedule():
     assert got["sm_ghz"] == pytest.approx(1.8, rel=1e-3)
 
 
+def test_trace_finds_each_readers_own_sources():
+    """trace_chain.after_sources: a reader's input stamp against the last finish among the
+    blocks that write the pieces it reads (the previous layer's down for q|k|v, o for
+    gate|up, gate's and up's tiles for down), not against the product's last writer. Synthetic
+    stamps: writers finish at staggered times, each reader's input a known delay after its
+    own sources (q|k|v 0.3 µs, gate|up 0.5, down 0.9); half the down readers begin to poll
+    after their sources."""
+    tc = experiment("trace_chain")
+    NB, L, P = 16, 4, len(cm.TRACE_POINTS)
+    prods = plan.products(256, 768, 512, NB)
+    delay = dict(qkv=0.3, gu=0.5, down=0.9)
+    ns = np.zeros((NB, L, P))
+    at = lambda name: cm.TRACE_POINTS.index(name)  # noqa: E731
+    rng = np.random.default_rng(0)
+    for l in range(L):
+        for p in prods:
+            ns[:, l, at(p.name + "_out")] = l * 100 + 10 * prods.index(p) + rng.uniform(0, 5, NB)
+    for l in range(1, L - 1):
+        for name, src, dl, offs in (("qkv", prods[3], -1, (0,)), ("gu", prods[1], 0, (0,)),
+                                    ("down", prods[2], 0, (0, prods[2].N // 2 // 64))):
+            p = prods[("qkv", "o", "gu", "down").index(name)]
+            w = tc.writers(src)
+            for b in range(p.split.sk * p.split.st):
+                k0, k1 = plan.rect(p, b)[3:]
+                ready = max(ns[s, l + dl, at(src.name + "_out")] for c in range(k0, k1) for o in offs
+                            for s in w[c + o])
+                ns[b, l, at(name + "_in")] = ready + delay[name]
+                ns[b, l, at(name)] = ready + (0.1 if name == "down" and b % 2 else -1.0)
+    raw = np.zeros((NB, L, P, 2), np.int64)
+    raw[..., 0] = (ns * 1000).astype(np.int64) + 1000
+    raw[..., 1] = raw[..., 0]
+    got = tc.after_sources(raw.astype(np.int32), L, prods)
+    for name, d in delay.items():
+        assert got[name]["input_after_sources_us"] == pytest.approx(d, abs=2e-3), name
+    assert got["qkv"]["polled_after_sources"] == 0.0 and got["down"]["polled_after_sources"] == 0.5
+    assert got["down"]["gather_alone_us"] == pytest.approx(0.8, abs=2e-3)  # began 0.1 after its sources
+
+
 def test_step_variants_name_their_kernel_options(monkeypatch):
-    """decode_floor's `chain@OPTS`: ring slots, spare, splits, group, prefetch, tiles, inflight, sums and packed reach the kernel; none given
+    """decode_floor's `chain@OPTS`: ring slots, spare, splits, group, prefetch, tiles, inflight,
+    loads, sums and packed reach the kernel; none given
     leaves the kernel its measured choice; a bad option names the ones there are; the
     suffixes reach the plan (`+fused+state`: the output layer inside, the words kept)."""
     df = experiment("decode_floor")
@@ -974,8 +1041,9 @@ def test_step_variants_name_their_kernel_options(monkeypatch):
     assert df.chain_options("tiles=4,sums=1,packed=1")[1].keywords == dict(tiles=4, norm_sums=True, packed=True)
     assert df.chain_options("sums=0,packed=0")[1].keywords == dict(norm_sums=False, packed=False)
     assert df.chain_options("inflight=2")[1].keywords == dict(inflight=2)
+    assert df.chain_options("loads=4")[1].keywords == dict(loads=4)
     assert df.chain_options("blocks=66")[1].keywords == dict(blocks=66)
-    with pytest.raises(ValueError, match=re.escape("inflight=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST")):
+    with pytest.raises(ValueError, match=re.escape("inflight=N, loads=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST")):
         df.chain_options("16,mlp=2x4")
     asked = []  # what a variant asks the front door for
     monkeypatch.setattr(df.decoder, "plan", lambda *a, **kw: asked.append(kw))

@@ -14,13 +14,13 @@ from pallas_kernels.chain.resolve import resolve
 
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
                                              "group", "prefetch", "tiles", "norm_sums", "packed", "inflight",
-                                             "new_state", "advance"))
+                                             "loads", "new_state", "advance"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
                prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-               w_head=None, inflight: int = 1, state=None, new_state: bool = False, embed=None,
-               advance: bool = False):
+               w_head=None, inflight: int = 1, loads: int = 0, state=None, new_state: bool = False,
+               embed=None, advance: bool = False):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
@@ -71,6 +71,12 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     and an 8-row chunk is short and its latency, not its work, sets the pace of a block that
     has tiles waiting in its ring).
 
+    loads: the weight tiles a block's producer keeps in flight at most (it waits for the
+    tile `loads` before to land before it asks for the next); 0: as many as the ring has
+    free slots. A ring refilling after a handover otherwise puts up to 16 tiles a block
+    (17 MB over 132 blocks, ~4 µs of the stream) in the memory system's queues at once, in
+    front of the LL polls of the next handover.
+
     state: the kernel's words kept from the call before (int32 [`state_size(...)`], zeros
     before the first; new_state=True makes them), so that no kernel before this one zeroes
     them: each call's words carry its epoch (`plan.tag`), which the last block out advances.
@@ -89,7 +95,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
                          "pass state=..., or advance pos outside.")
     c = resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, stages=stages, blocks=blocks,
                 norm_eps=norm_eps, splits=splits, spare=spare, group=group, prefetch=prefetch,
-                tiles=tiles, packed=packed, w_head=w_head, inflight=inflight,
+                tiles=tiles, packed=packed, w_head=w_head, inflight=inflight, loads=loads,
                 kept=state is not None or new_state, embed=embed)
     size = c.state_words
     if new_state:
@@ -99,7 +105,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
                          "and options (make one with new_state=True).")
     out = kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, c.prods, stages, c.blocks, norm_eps, c.attn, trace,
                        c.group, prefetch, tiles, norm_sums, packed, c.head, inflight, state, c.embed,
-                       advance)
+                       advance, loads)
     out = list(out) if isinstance(out, tuple) else [out]
     if state is not None:  # (y, [z], [trace], kv, state[, pos]) -> (y, kv, [z], [trace], state[, pos])
         out.insert(1, out.pop(-2 - advance))

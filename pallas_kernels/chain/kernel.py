@@ -107,7 +107,8 @@ def words(groups) -> int:
 def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                 norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
                 prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-                head=None, inflight: int = 1, state=None, embed=None, advance: bool = False):
+                head=None, inflight: int = 1, state=None, embed=None, advance: bool = False,
+                loads: int = 0):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
@@ -119,7 +120,8 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
     x0_D) or, with a state, (table [V, D] bf16, token [1] int32): x_0 is the token's row,
     which the kernel reads and writes as the host's words itself (`kept_layout`). advance:
     with a state, the last block out also adds one to pos (in place), which then follows
-    (kv, state) in the result."""
+    (kv, state) in the result. loads: the weight tiles the producer keeps in flight at most
+    (0: as many as the ring's free slots; `chain_mgpu`'s)."""
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     kept = state is not None
@@ -193,6 +195,8 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
         def issue(j, src):  # ring step j: the tile src into its slot
             slot = lax.rem(j, st)
             pl.when(j >= st)(lambda: plgpu.barrier_wait(free.at[slot]))
+            if loads:  # at most `loads` tiles in flight: step j - loads has landed
+                pl.when(j >= loads)(lambda: plgpu.barrier_wait(full.at[lax.rem(j - loads, st)]))
             plgpu.copy_gmem_to_smem(src, w_smem.at[slot], full.at[slot])
 
         def produce(l, p):  # layer l's product p: its weight tiles into the ring

@@ -100,8 +100,8 @@ class Call(NamedTuple):
 
 def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, stages: int, blocks: int | None,
             norm_eps: float | None, splits: tuple | None, spare: bool | None, group: int | None,
-            prefetch: int, tiles: int, packed: bool, w_head, inflight: int, kept: bool = False,
-            embed=None) -> Call:
+            prefetch: int, tiles: int, packed: bool, w_head, inflight: int, loads: int = 0,
+            kept: bool = False, embed=None) -> Call:
     """`chain_mgpu`'s inputs checked and its options resolved for their shape (the measured
     splits, o's blocks and the attention group where not given, `plan.tuned`); a ValueError
     names whatever does not fit, and the fix."""
@@ -151,6 +151,9 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, stages: int, block
     if not 1 <= inflight < min(stages, 8):
         raise ValueError(f"chain_mgpu: inflight={inflight}: want 1 to {min(stages, 8) - 1} wgmma products "
                          "left in flight behind the one just issued (fewer than the ring's stages).")
+    if not 0 <= loads < stages:
+        raise ValueError(f"chain_mgpu: loads={loads}: want 0 (as many weight tiles in flight as the "
+                         f"ring has free slots) or 1 to {stages - 1} (fewer than the ring's stages).")
     if prefetch < 0:
         raise ValueError(f"chain_mgpu: prefetch={prefetch}: want 0 (off) or the weight tiles a block "
                          "asks of L2 ahead of its ring.")

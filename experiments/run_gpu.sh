@@ -16,7 +16,8 @@
 #                   where a megakernel layer's time goes (trace); what a step
 #                   runs besides the kernel (timeline)
 #   handovers       the megakernel with its weight tiles in flight capped (loads),  benchmarks/decode.md
-#                   in whole steps and traced (each reader's wait after its sources)
+#                   in whole steps and traced (each reader's wait after its sources),
+#                   and traced without its RMSNorms
 #   decode_tune     the megakernel's product splits searched in whole steps     benchmarks/decode.md
 #                   (PRESETS="llama3.2-1b 350m": which; OPTIONS="tiles=2": every
 #                   candidate's further options; prints the plan.MEASURED entry)
@@ -92,7 +93,9 @@ handovers)
     JAX_PLATFORMS=cuda "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_chain_mgpu.py -k "capped_loads"
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --reps 3 --out "$OUT" \
         --variants chain chain@loads=4 chain@loads=6 chain@loads=8 fast
-    "$PY" experiments/trace_chain.py --presets 350m llama3.2-1b --pos 160 --loads 0 4 8 --out "$OUT" ;;
+    "$PY" experiments/trace_chain.py --presets 350m llama3.2-1b --pos 160 --loads 0 4 8 --out "$OUT"
+    # without the RMSNorms: is down's slow poll the norm factor's (every reader polls the same words)?
+    "$PY" experiments/trace_chain.py --presets 350m llama3.2-1b --pos 160 --norms 0 --out "$OUT/nonorms" ;;
 decode_tune)
     # one preset a call fits the 10-minute limit: ~20 candidates of ~7 s (compile + 256 tokens)
     for p in ${PRESETS:-llama3.2-1b}; do

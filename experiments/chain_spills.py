@@ -32,10 +32,11 @@ SHAPES = {"350m": (1024, 2816, 16, 16, 64), "1b": (2048, 5632, 16, 16, 128),
           "llama3.2-1b": (2048, 8192, 32, 8, 64)}
 
 
-OPTIONS = ("norm_sums", "packed", "head", "state")  # chain_mgpu's boolean options --options may name;
+OPTIONS = ("norm_sums", "packed", "head", "state", "early")  # chain_mgpu's boolean options --options may name;
 # head: the output layer inside the kernel (w_head, Llama-3's 128,256-row table); state: the words
 # kept between calls and x_0 read from the embedding table (state=..., embed=...: the decode
-# loop's form, `decoder.plan(kernel_state=True)`)
+# loop's form, `decoder.plan(kernel_state=True)`); early: early_norm. NAME=N sets an integer
+# option (loads=4)
 
 
 def compile_one(name: str, aot: bool, tiles: int, options: str = ""):
@@ -64,8 +65,11 @@ def compile_one(name: str, aot: bool, tiles: int, options: str = ""):
     args = (spec((D,), jnp.float32), spec((2, N1, D)), spec((2, D, D)), spec((2, 2 * F, D)), spec((2, D, F)),
             spec((2, 2, K, 320, hd)), spec((1,), jnp.int32), spec((hd,), jnp.float32))
     chosen = set(filter(None, options.split("+")))
-    flags = {o: o in chosen for o in OPTIONS if o not in ("head", "state")}
-    opts = dict(blocks=132, norm_eps=1e-5, tiles=tiles, **flags)
+    numbers = {k: int(v) for k, eq, v in (c.partition("=") for c in chosen) if eq}
+    flags = {o: o in chosen for o in OPTIONS if o not in ("head", "state", "early")}
+    opts = dict(blocks=132, norm_eps=1e-5, tiles=tiles, **flags, **numbers)
+    if "early" in chosen:
+        opts["early_norm"] = True
     extra = {}
     if "head" in chosen:
         extra["w_head"] = spec((128256, D))
@@ -97,7 +101,8 @@ def main():
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tiles", nargs="*", type=int, default=[1], help="chain_mgpu(tiles=...) values")
     parser.add_argument("--options", nargs="*", default=[""],
-                        help=f"option sets, each compiled: '' (none: each False) or some of {OPTIONS} joined by +")
+                        help=f"option sets, each compiled: '' (none: each False) or some of {OPTIONS} and "
+                             "NAME=N (an integer option: loads=4) joined by +")
     parser.add_argument("--aot", action="store_true", help="deviceless compile for an H200 (no GPU here)")
     parser.add_argument("--out", default=None, help="folder for decode_megakernel_ptxas.json")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -105,7 +110,7 @@ def main():
     if args.one:
         name, tiles, options = args.one.split(":")
         return compile_one(name, args.aot, int(tiles), options)
-    bad = {o for opts in args.options for o in filter(None, opts.split("+"))} - set(OPTIONS)
+    bad = {o for opts in args.options for o in filter(None, opts.split("+")) if "=" not in o} - set(OPTIONS)
     if bad:
         sys.exit(f"--options: {sorted(bad)} unknown; use some of {OPTIONS} joined by +")
     rows = []

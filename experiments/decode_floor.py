@@ -23,7 +23,9 @@ for its ring slots, `spare=0|1` to split o over every block or over those that d
 `group=N` for N query heads an attention block (grouped-query attention), `prefetch=N` for
 each block's weight tiles asked of L2 N ahead of its ring, `tiles=N` for the tile pieces a
 block makes at a time (one accumulator each, one drain and one LL store for them), `inflight=N`
-for the tensor-core products a block leaves running before it frees a ring slot, `blocks=N`
+for the tensor-core products a block leaves running before it frees a ring slot, `loads=N`
+for the weight tiles a block keeps in flight at most, `early=1` for down's readers polling
+their RMSNorm factor during gate|up (`early_norm`), `blocks=N`
 for a grid of N blocks (one an SM; the GPU's SM count by default), `sums=0`
 for RMSNorm readers that poll the whole vector, not its square sums (`norm_sums`; on by
 default), `packed=0` for pieces one value a word, not two (`packed`; on by default),
@@ -122,14 +124,14 @@ def chain_options(option: str):
             kw["spare"] = value not in ("0", "false", "False")
         elif name in ("group", "prefetch", "tiles", "inflight", "loads", "blocks"):
             kw[name] = int(value)
-        elif name in ("sums", "packed"):
-            kw["norm_sums" if name == "sums" else name] = value not in ("0", "false", "False")
+        elif name in ("sums", "packed", "early"):
+            kw[{"sums": "norm_sums", "early": "early_norm"}.get(name, name)] = value not in ("0", "false", "False")
         elif name in ("qkv", "o", "gu", "down"):
             sk, _, st = value.partition("x")
             splits.append((name, int(sk), int(st)))
         else:
             raise ValueError(f"chain@{option}: option {opt!r}; use a ring size (16), spare=0, group=N, "
-                             "prefetch=N, tiles=N, inflight=N, loads=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST "
+                             "prefetch=N, tiles=N, inflight=N, loads=N, blocks=N, sums=0|1, packed=0|1, early=0|1 or NAME=SKxST "
                              "for NAME in qkv, o, gu, down.")
     if "spare" in kw or splits:  # a candidate: the cost model's splits where none is given
         kw["splits"] = tuple(splits)

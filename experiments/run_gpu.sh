@@ -15,9 +15,10 @@
 #                   steps: megakernel and fast path vs the floor;
 #                   where a megakernel layer's time goes (trace); what a step
 #                   runs besides the kernel (timeline)
-#   handovers       the megakernel with its weight tiles in flight capped (loads),  benchmarks/decode.md
-#                   in whole steps and traced (each reader's wait after its sources),
-#                   and traced without its RMSNorms
+#   handovers       the megakernel with its weight tiles in flight capped (loads)   benchmarks/decode.md
+#                   and down's norm polled during gate|up (early), in whole steps
+#   handovers_trace the same options traced (each reader's wait after its sources),  benchmarks/decode.md
+#                   and the chain traced without its RMSNorms
 #   decode_tune     the megakernel's product splits searched in whole steps     benchmarks/decode.md
 #                   (PRESETS="llama3.2-1b 350m": which; OPTIONS="tiles=2": every
 #                   candidate's further options; prints the plan.MEASURED entry)
@@ -90,10 +91,11 @@ decode)
     "$PY" experiments/trace_chain.py --presets llama3.2-1b --pos 160 --vocab 128256 --state 0 1 --out "$OUT/head"
     "$PY" experiments/decode_step_timeline.py --presets 1b 350m llama3.2-1b --kernel-state 0 1 --out "$OUT" ;;
 handovers)
-    JAX_PLATFORMS=cuda "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_chain_mgpu.py -k "capped_loads"
+    JAX_PLATFORMS=cuda "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_chain_mgpu.py -k "scheduling_options"
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --reps 3 --out "$OUT" \
-        --variants chain chain@loads=4 chain@loads=6 chain@loads=8 fast
-    "$PY" experiments/trace_chain.py --presets 350m llama3.2-1b --pos 160 --loads 0 4 8 --out "$OUT"
+        --variants chain chain@loads=4 chain@loads=8 chain@early=1 chain@early=1,loads=6 fast ;;
+handovers_trace)
+    "$PY" experiments/trace_chain.py --presets 350m llama3.2-1b --pos 160 --loads 0 6 --early 0 1 --out "$OUT"
     # without the RMSNorms: is down's slow poll the norm factor's (every reader polls the same words)?
     "$PY" experiments/trace_chain.py --presets 350m llama3.2-1b --pos 160 --norms 0 --out "$OUT/nonorms" ;;
 decode_tune)

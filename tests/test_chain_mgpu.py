@@ -209,6 +209,23 @@ def test_the_output_layer_lowers_inside_the_kernel(vocab):
         cc.chain_mgpu(*inputs(128, 192, 128, 1), w_head=jnp.zeros((100, 128), jnp.bfloat16))
 
 
+def test_down_norm_polled_early_lowers_and_leaves_downs_gather():
+    """early_norm: h_l's RMSNorm partials polled alone (label LAB_N; after a block's first
+    gate|up tile group and, for a down reader with no gate|up tiles, before its gather: one
+    string in the lowered module, which interns them); down's gather then polls no norm (of
+    the gathers' PTX, only the attention's still does). Without norms the option changes
+    nothing."""
+    args = attention_specs("350m")
+    lower = lambda **kw: lowered_for_sm90(  # noqa: E731
+        lambda *a: cc.chain_mgpu(*a, blocks=132, **kw), *args)
+    early, default = lower(norm_eps=1e-5, early_norm=True), lower(norm_eps=1e-5)
+    assert "LAB_N:" in early and "LAB_N:" not in default
+    in_gathers = lambda t: t.count("LAB_G:") and t.split("LAB_G:")  # noqa: E731
+    assert sum("@nz0 add.f32 s2" in g for g in in_gathers(default)[1:]) == 2  # attention's and down's
+    assert sum("@nz0 add.f32 s2" in g.split("LAB_N:")[0] for g in in_gathers(early)[1:]) == 1
+    assert lower(early_norm=True) == lower()
+
+
 def test_capped_loads_lower_and_a_bad_cap_is_refused():
     """loads=N: the producer waits for the tile N steps back to land before it asks for the
     next (an mbarrier wait more in its loop), which passes Mosaic GPU's checks for sm90 and
@@ -491,16 +508,19 @@ def gqa_inputs(D, hd, kv_heads, F, L, seed=0):
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
-@pytest.mark.parametrize("preset,loads", [("350m", 4), ("llama3.2-1b", 2)])
-def test_capped_loads_give_the_bits_of_the_uncapped_kernel_on_the_gpu(preset, loads):
-    """loads changes only when the weight tiles are asked for, not what is summed in which
-    order: the output and the new k and v are the uncapped kernel's, bit for bit."""
+@pytest.mark.parametrize("preset,options", [
+    ("350m", dict(loads=4)), ("llama3.2-1b", dict(loads=2)), ("350m", dict(early_norm=True)),
+    ("llama3.2-1b", dict(early_norm=True)), ("1b", dict(early_norm=True, loads=6))])
+def test_scheduling_options_give_the_default_kernels_bits_on_the_gpu(preset, options):
+    """loads (when the weight tiles are asked for) and early_norm (when down's readers poll
+    their norm factor) change when things happen, not what is summed in which order: the
+    output and the new k and v are the default kernel's, bit for bit."""
     D, F, NQ, K, hd = ATTENTION[preset]
     x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, 3)
     att = attention_inputs(3, D, 320, 129, heads=NQ, kv_heads=K)
     wq_f, wgu_f = cx.fold_norms(wq, wgu, *gains(D, 3))
-    run = lambda n: cc.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5, loads=n)  # noqa: E731
-    for a, b in zip(run(loads), run(0), strict=True):
+    run = lambda **kw: cc.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5, **kw)  # noqa: E731
+    for a, b in zip(run(**options), run(), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
@@ -1026,7 +1046,7 @@ def test_trace_finds_each_readers_own_sources():
 
 def test_step_variants_name_their_kernel_options(monkeypatch):
     """decode_floor's `chain@OPTS`: ring slots, spare, splits, group, prefetch, tiles, inflight,
-    loads, sums and packed reach the kernel; none given
+    loads, sums, packed and early reach the kernel; none given
     leaves the kernel its measured choice; a bad option names the ones there are; the
     suffixes reach the plan (`+fused+state`: the output layer inside, the words kept)."""
     df = experiment("decode_floor")
@@ -1042,8 +1062,9 @@ def test_step_variants_name_their_kernel_options(monkeypatch):
     assert df.chain_options("sums=0,packed=0")[1].keywords == dict(norm_sums=False, packed=False)
     assert df.chain_options("inflight=2")[1].keywords == dict(inflight=2)
     assert df.chain_options("loads=4")[1].keywords == dict(loads=4)
+    assert df.chain_options("early=1")[1].keywords == dict(early_norm=True)
     assert df.chain_options("blocks=66")[1].keywords == dict(blocks=66)
-    with pytest.raises(ValueError, match=re.escape("inflight=N, loads=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST")):
+    with pytest.raises(ValueError, match=re.escape("loads=N, blocks=N, sums=0|1, packed=0|1, early=0|1 or NAME=SKxST")):
         df.chain_options("16,mlp=2x4")
     asked = []  # what a variant asks the front door for
     monkeypatch.setattr(df.decoder, "plan", lambda *a, **kw: asked.append(kw))

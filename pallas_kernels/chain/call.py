@@ -14,13 +14,13 @@ from pallas_kernels.chain.resolve import resolve
 
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
                                              "group", "prefetch", "tiles", "norm_sums", "packed", "inflight",
-                                             "loads", "new_state", "advance"))
+                                             "loads", "early_norm", "new_state", "advance"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
                prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-               w_head=None, inflight: int = 1, loads: int = 0, state=None, new_state: bool = False,
-               embed=None, advance: bool = False):
+               w_head=None, inflight: int = 1, loads: int = 0, early_norm: bool = False, state=None,
+               new_state: bool = False, embed=None, advance: bool = False):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
@@ -77,6 +77,12 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     (17 MB over 132 blocks, ~4 µs of the stream) in the memory system's queues at once, in
     front of the LL polls of the next handover.
 
+    early_norm: down's readers poll h_l's RMSNorm factor (its square sums, `norm_sums`) right
+    after their first gate|up tile group, while the ring streams the rest of gate|up, instead
+    of in down's gather beside the gate and up pieces (a reader with no gate|up tiles polls it
+    before its gather). The same words and sums, so the same bits; without norms it changes
+    nothing.
+
     state: the kernel's words kept from the call before (int32 [`state_size(...)`], zeros
     before the first; new_state=True makes them), so that no kernel before this one zeroes
     them: each call's words carry its epoch (`plan.tag`), which the last block out advances.
@@ -105,7 +111,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
                          "and options (make one with new_state=True).")
     out = kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, c.prods, stages, c.blocks, norm_eps, c.attn, trace,
                        c.group, prefetch, tiles, norm_sums, packed, c.head, inflight, state, c.embed,
-                       advance, loads)
+                       advance, loads, early_norm)
     out = list(out) if isinstance(out, tuple) else [out]
     if state is not None:  # (y, [z], [trace], kv, state[, pos]) -> (y, kv, [z], [trace], state[, pos])
         out.insert(1, out.pop(-2 - advance))

@@ -108,7 +108,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                 norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
                 prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
                 head=None, inflight: int = 1, state=None, embed=None, advance: bool = False,
-                loads: int = 0):
+                loads: int = 0, early_norm: bool = False):
     """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
@@ -121,7 +121,8 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
     which the kernel reads and writes as the host's words itself (`kept_layout`). advance:
     with a state, the last block out also adds one to pos (in place), which then follows
     (kv, state) in the result. loads: the weight tiles the producer keeps in flight at most
-    (0: as many as the ring's free slots; `chain_mgpu`'s)."""
+    (0: as many as the ring's free slots; `chain_mgpu`'s). early_norm: down's readers poll
+    h_l's RMSNorm factor after their first gate|up tile group, not in down's gather."""
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     kept = state is not None
@@ -274,6 +275,13 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                 plgpu.wait_smem_to_gmem(0)
                 tr(L - 1, "head_out")
 
+        early = early_norm and norm_eps is not None  # down's norm polled during gate|up
+
+        def down_norm(l):  # h_l's RMSNorm partials into norm_smem, for down's gather (`early`)
+            _, _, (word, _, tag_) = input_spec("down", l, 0, prods, lay, F, True, attn is not None,
+                                               norm_sums, epoch)
+            cw.poll_norm(ll, init_ref, norm_smem, word, 0, tag_, D, norm_sums)
+
         def gather(l, p, k0, k1, gt):
             """The window's rows for chunks k0..k1-1 of product p's input: two chunks a pass,
             every pass's words polled in one round trip (`product_reads`)."""
@@ -282,8 +290,10 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                                              attn is not None, norm_sums, epoch)
             if norm is not None:  # the first round also polls the norm's vector (its partials)
                 dense = dict(dense, norm_ref=norm_smem, norm=(norm_eps, D), sums=norm_sums)
+            polled = early and p.name == "down"  # its partials are in norm_smem already
             for i, reads in enumerate(product_reads(p, k0, k1, words(groups))):
-                poll = dict(poll_norm=(norm[0], first, norm[1], norm[2])) if norm is not None and i == 0 else {}
+                poll = (dict(poll_norm=(norm[0], first, norm[1], norm[2]))
+                        if norm is not None and i == 0 and not polled else {})
                 pl.when(reads.chunks[0] < k1)(functools.partial(
                     cw.gather, ll, init_ref, x_win, groups, reads, out="bf16", use_init=first,
                     **dense, **poll))
@@ -359,6 +369,9 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
             j0 = l * per_layer + before[p.name]
 
             tr(l, p.name)
+            down_reads = rect(down, b)[0] if early else None
+            if early and p.name == "down":  # a reader with no gate|up tiles polls the norm here
+                pl.when(down_reads & ~rect(gu, b)[0])(lambda: down_norm(l))
 
             @pl.when(active)
             def _():
@@ -370,6 +383,9 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                 def _(g):
                     tg = t0 + g * TG
                     tile_pieces(l, p, tg, jnp.minimum(t1 - tg, TG), j0 + g * TG * nk, nk, gk)
+                    if early and p.name == "gu":  # down's norm, after the first tile group (whose
+                        # gather wrote h_l's square sums), while the ring streams gate|up's rest
+                        pl.when((g == 0) & down_reads)(lambda: down_norm(l))
                 tr(l, p.name + "_out")
 
         def scores(j0):

@@ -383,8 +383,9 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                 def _(g):
                     tg = t0 + g * TG
                     tile_pieces(l, p, tg, jnp.minimum(t1 - tg, TG), j0 + g * TG * nk, nk, gk)
-                    if early and p.name == "gu":  # down's norm, after the first tile group (whose
-                        # gather wrote h_l's square sums), while the ring streams gate|up's rest
+                    if early and p.name == "gu":  # down's norm after the first tile group, while
+                        # the ring streams gate|up's rest (tile group 0's readers wrote h_l's
+                        # square sums in their gathers, which all the readers did at about once)
                         pl.when((g == 0) & down_reads)(lambda: down_norm(l))
                 tr(l, p.name + "_out")
 

@@ -77,11 +77,12 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     (17 MB over 132 blocks, ~4 µs of the stream) in the memory system's queues at once, in
     front of the LL polls of the next handover.
 
-    early_norm: down's readers poll h_l's RMSNorm factor (its square sums, `norm_sums`) right
-    after their first gate|up tile group, while the ring streams the rest of gate|up, instead
-    of in down's gather beside the gate and up pieces (a reader with no gate|up tiles polls it
-    before its gather). The same words and sums, so the same bits; without norms it changes
-    nothing.
+    early_norm: the readers that scale their input by an RMSNorm's factor poll it during the
+    product before theirs, right after their first tile group of it, while the ring streams
+    its rest: down's readers h_l's during gate|up, the attention blocks x_l's during q|k|v (its
+    square sums, `norm_sums`), instead of in their gathers beside the pieces (a reader with no
+    tiles of the product before polls it before its gather). The same words and sums, so the
+    same bits; without norms it changes nothing.
 
     state: the kernel's words kept from the call before (int32 [`state_size(...)`], zeros
     before the first; new_state=True makes them), so that no kernel before this one zeroes

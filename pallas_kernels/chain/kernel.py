@@ -122,7 +122,8 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
     with a state, the last block out also adds one to pos (in place), which then follows
     (kv, state) in the result. loads: the weight tiles the producer keeps in flight at most
     (0: as many as the ring's free slots; `chain_mgpu`'s). early_norm: down's readers poll
-    h_l's RMSNorm factor after their first gate|up tile group, not in down's gather."""
+    h_l's RMSNorm factor after their first gate|up tile group and the attention blocks x_l's
+    after their first q|k|v tile group, not in their gathers."""
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     kept = state is not None
@@ -275,12 +276,12 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                 plgpu.wait_smem_to_gmem(0)
                 tr(L - 1, "head_out")
 
-        early = early_norm and norm_eps is not None  # down's norm polled during gate|up
+        early = early_norm and norm_eps is not None  # the norms polled during the product before
 
-        def down_norm(l):  # h_l's RMSNorm partials into norm_smem, for down's gather (`early`)
-            _, _, (word, _, tag_) = input_spec("down", l, 0, prods, lay, F, True, attn is not None,
-                                               norm_sums, epoch)
-            cw.poll_norm(ll, init_ref, norm_smem, word, 0, tag_, D, norm_sums)
+        def early_poll(l, name):  # x_l's ("att") or h_l's ("down") RMSNorm partials into norm_smem
+            _, _, (word, init_ok, tag_) = input_spec(name, l, 0, prods, lay, F, True, attn is not None,
+                                                     norm_sums, epoch)
+            cw.poll_norm(ll, init_ref, norm_smem, word, (l == 0) & init_ok, tag_, D, norm_sums)
 
         def gather(l, p, k0, k1, gt):
             """The window's rows for chunks k0..k1-1 of product p's input: two chunks a pass,
@@ -369,9 +370,13 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
             j0 = l * per_layer + before[p.name]
 
             tr(l, p.name)
-            down_reads = rect(down, b)[0] if early else None
+            # with `early`, the norm a later reader needs: h_l's for down's readers during
+            # gate|up, x_l's for the attention blocks during q|k|v
+            needs = (None if not early else rect(down, b)[0] if p.name == "gu"
+                     else (h < A) if p.name == "qkv" and attn is not None else None)
+            norm_of = {"gu": "down", "qkv": "att"}.get(p.name)
             if early and p.name == "down":  # a reader with no gate|up tiles polls the norm here
-                pl.when(down_reads & ~rect(gu, b)[0])(lambda: down_norm(l))
+                pl.when(rect(down, b)[0] & ~rect(gu, b)[0])(lambda: early_poll(l, "down"))
 
             @pl.when(active)
             def _():
@@ -383,10 +388,10 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                 def _(g):
                     tg = t0 + g * TG
                     tile_pieces(l, p, tg, jnp.minimum(t1 - tg, TG), j0 + g * TG * nk, nk, gk)
-                    if early and p.name == "gu":  # down's norm after the first tile group, while
-                        # the ring streams gate|up's rest (tile group 0's readers wrote h_l's
-                        # square sums in their gathers, which all the readers did at about once)
-                        pl.when((g == 0) & down_reads)(lambda: down_norm(l))
+                    if needs is not None:  # after the first tile group, while the ring streams
+                        # the product's rest (its tile group 0's readers wrote the vector's
+                        # square sums in their gathers, which all its readers did at about once)
+                        pl.when((g == 0) & needs)(lambda: early_poll(l, norm_of))
                 tr(l, p.name + "_out")
 
         def scores(j0):
@@ -434,6 +439,9 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
                 if norm is not None:  # the first pass also polls x_l (the norm's partials)
                     dense = dict(norm_ref=norm_smem, norm=(norm_eps, D), sums=norm_sums)
                     poll = dict(poll_norm=(norm[0], l == 0, norm[1], norm[2]))
+                if early:  # x_l's partials polled during q|k|v (here if the block had no q|k|v tiles)
+                    pl.when(~rect(qkv, b)[0])(lambda: early_poll(l, "att"))
+                    poll = {}
                 for i, reads in enumerate(head_reads(D, h, hd, words(groups), H, GB)):  # q, k, v to slots
                     cw.gather(ll, init_ref, stage_smem, groups, reads, out="f32", use_init=False,
                                        **dense, **(poll if i == 0 else {}))

@@ -28,8 +28,8 @@ heads an attention block takes, --tiles 1 4 for the tile pieces a block makes at
 default), --packed 0 1 for pieces a value a word (0) or two (1, `packed`, the default),
 --inflight 1 2 for the tensor-core products a block leaves running before it frees a ring slot,
 --loads 0 4 8 for the weight tiles a block keeps in flight (0: the ring's free slots),
---early 0 1 for down's readers polling their RMSNorm factor in down's gather or during
-gate|up (`early_norm`), --norms 0 1 for the chain without and with its RMSNorms (whose factors the attention's and
+--early 0 1 for the norms' readers polling their factors in their gathers or during the
+product before (`early_norm`), --norms 0 1 for the chain without and with its RMSNorms (whose factors the attention's and
 down's readers poll),
 --state 0 1 for the kernel with fresh words each call and with the decode loop's kept state
 (x_0 read from an embedding table at the kernel's start, the words and the epoch kept).
@@ -232,8 +232,8 @@ def main():
                     help="weight tiles a block keeps in flight at most (chain_mgpu's loads; 0: "
                          "as many as the ring's free slots), each traced")
     ap.add_argument("--early", nargs="+", type=int, default=[0], choices=[0, 1],
-                    help="1: down's readers poll their RMSNorm factor during gate|up "
-                         "(chain_mgpu's early_norm); each traced")
+                    help="1: the norms' readers poll their RMSNorm factors during the product "
+                         "before (chain_mgpu's early_norm); each traced")
     ap.add_argument("--norms", nargs="+", type=int, default=[1], choices=[0, 1],
                     help="1: the RMSNorms (their factors polled by the attention's and down's "
                          "readers); 0: the chain without them (norm_eps=None); each traced")

@@ -57,7 +57,7 @@ from gendist.presets import preset  # noqa: E402
 from pallas_kernels.chain import call as cc  # noqa: E402
 from pallas_kernels.chain import kernel as cm  # noqa: E402
 from pallas_kernels.chain.plan import T, rect  # noqa: E402
-from pallas_kernels.chain.resolve import resolve  # noqa: E402
+from pallas_kernels.chain.resolve import Schedule, resolve  # noqa: E402
 
 PRESETS = ("350m", "1b", "llama3.2-1b")
 PRODUCTS = ("qkv", "o", "gu", "down")
@@ -288,11 +288,11 @@ def main():
             results.append(analyse(jax.device_get(out[-1]), L))
         raw = jax.device_get(out[-1])
         results = results[1:]
-        opts = {k: v for k, v in kw.items() if k not in ("stages", "norm_eps", "norm_sums", "embed", "early_norm")}
-        prods = resolve(x0_in, *ws, *att, stages=args.stages, blocks=None, norm_eps=kw["norm_eps"],
-                        splits=opts.pop("splits", None), spare=opts.pop("spare", None),
-                        group=opts.pop("group", None), prefetch=0, w_head=w_head, kept=kept,
-                        embed=kw.get("embed"), **{"tiles": 1, "packed": True, "inflight": 1, **opts}).prods
+        sched = Schedule(stages=args.stages, tiles=tiles, inflight=inflight, loads=loads, norm_sums=bool(sums),
+                         packed=bool(packed), early_norm=bool(early))
+        prods = resolve(x0_in, *ws, *att, sched, norm_eps=kw["norm_eps"], splits=kw.get("splits"),
+                        spare=kw.get("spare"), group=kw.get("group"), w_head=w_head, kept=kept,
+                        embed=kw.get("embed")).prods
         sources = after_sources(raw, L, prods)  # the last call's
         keys = results[0]["us_per_layer_median"].keys()
         med = {k: float(np.median([r["us_per_layer_median"][k] for r in results])) for k in keys}

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.chain.kernel import kernel_call
-from pallas_kernels.chain.resolve import resolve
+from pallas_kernels.chain.resolve import Schedule, resolve
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
@@ -100,19 +100,18 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     if advance and state is None and not new_state:
         raise ValueError("chain_mgpu: advance=True moves pos on at the end of a call that keeps a state: "
                          "pass state=..., or advance pos outside.")
-    c = resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, stages=stages, blocks=blocks,
-                norm_eps=norm_eps, splits=splits, spare=spare, group=group, prefetch=prefetch,
-                tiles=tiles, packed=packed, w_head=w_head, inflight=inflight, loads=loads,
-                kept=state is not None or new_state, embed=embed)
+    sched = Schedule(stages=stages, tiles=tiles, inflight=inflight, loads=loads, prefetch=prefetch,
+                     norm_sums=norm_sums, packed=packed, early_norm=early_norm, trace=trace)
+    c = resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched, blocks=blocks, norm_eps=norm_eps,
+                splits=splits, spare=spare, group=group, w_head=w_head, kept=state is not None or new_state,
+                embed=embed)
     size = c.state_words
     if new_state:
         state = jnp.zeros((size,), jnp.int32)
     elif state is not None and (state.shape != (size,) or state.dtype != jnp.int32):
         raise ValueError(f"chain_mgpu: state {state.shape} {state.dtype}: want int32 [{size}] for these shapes "
                          "and options (make one with new_state=True).")
-    out = kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, c.prods, stages, c.blocks, norm_eps, c.attn, trace,
-                       c.group, prefetch, tiles, norm_sums, packed, c.head, inflight, state, c.embed,
-                       advance, loads, early_norm)
+    out = kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, c, sched, norm_eps, state, advance)
     out = list(out) if isinstance(out, tuple) else [out]
     if state is not None:  # (y, [z], [trace], kv, state[, pos]) -> (y, kv, [z], [trace], state[, pos])
         out.insert(1, out.pop(-2 - advance))

@@ -79,7 +79,7 @@ from pallas_kernels.chain.plan import (
     state_words,
     tag,
 )
-from pallas_kernels.chain.resolve import window_rows
+from pallas_kernels.chain.resolve import Call, Schedule, window_rows
 
 SCORE_GROUP = 4  # K tiles whose score products are in flight at once
 # Trace points a layer (`chain_mgpu(trace=True)`): product i's start, input gathered and
@@ -104,12 +104,11 @@ def words(groups) -> int:
     return sum(-(-g.count // 2) if g.packed else g.count for g in groups)
 
 
-def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
-                norm_eps: float | None, attn=None, trace: bool = False, group: int = 1,
-                prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-                head=None, inflight: int = 1, state=None, embed=None, advance: bool = False,
-                loads: int = 0, early_norm: bool = False):
-    """attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
+def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, sched: Schedule, norm_eps: float | None,
+                state=None, advance: bool = False):
+    """The kernel of one `chain_mgpu` call, built and launched: what it runs, `call`
+    (`resolve.Call`), and how, `sched` (`resolve.Schedule`). Of the call:
+    attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
     (of one kv head) a block. head: None or (w_head [V, D] bf16, its `plan.head_product`):
@@ -120,10 +119,9 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, prods, stages: int, blocks: int,
     x0_D) or, with a state, (table [V, D] bf16, token [1] int32): x_0 is the token's row,
     which the kernel reads and writes as the host's words itself (`kept_layout`). advance:
     with a state, the last block out also adds one to pos (in place), which then follows
-    (kv, state) in the result. loads: the weight tiles the producer keeps in flight at most
-    (0: as many as the ring's free slots; `chain_mgpu`'s). early_norm: down's readers poll
-    h_l's RMSNorm factor after their first gate|up tile group and the attention blocks x_l's
-    after their first q|k|v tile group, not in their gathers."""
+    (kv, state) in the result. The schedule's options are `chain_mgpu`'s of the same names."""
+    prods, blocks, attn, group, head, embed = call.prods, call.blocks, call.attn, call.group, call.head, call.embed
+    stages, tiles, inflight, loads, prefetch, norm_sums, packed, early_norm, trace = sched
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     kept = state is not None

@@ -1,5 +1,6 @@
 """`chain_mgpu`'s inputs checked and its options resolved for a shape (plain Python on
-shapes): what one call of the decode megakernel runs (`Call`), and the shared memory it takes.
+shapes): what one call of the decode megakernel runs (`Call`), how it runs it (`Schedule`),
+and the shared memory it takes.
 """
 from __future__ import annotations
 
@@ -78,6 +79,25 @@ def check_attention(kv, pos, rope, L: int, D: int, N1: int):
     return H, S, hd
 
 
+class Schedule(NamedTuple):
+    """How the kernel runs a chain, `chain_mgpu`'s options of these names (its docstring):
+    the ring's stages, the tile pieces a block makes at a time, the tensor-core products and
+    the weight tiles it keeps in flight, the L2 prefetch ahead of its ring, the norms' square
+    sums, pieces two values a word, the norms' factors polled during the product before, and
+    the trace points. Only packed (the pieces' rounding) and norm_sums (the squares' order)
+    change the values computed."""
+
+    stages: int = 16
+    tiles: int = 1
+    inflight: int = 1
+    loads: int = 0
+    prefetch: int = 0
+    norm_sums: bool = True
+    packed: bool = True
+    early_norm: bool = False
+    trace: bool = False
+
+
 class Call(NamedTuple):
     """What one `chain_mgpu` call runs: the chain's sizes, the blocks, the attention inputs
     (kv, pos, rope cast) or None, the query heads an attention block takes, the layer's
@@ -98,13 +118,15 @@ class Call(NamedTuple):
     embed: tuple | None
 
 
-def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, stages: int, blocks: int | None,
-            norm_eps: float | None, splits: tuple | None, spare: bool | None, group: int | None,
-            prefetch: int, tiles: int, packed: bool, w_head, inflight: int, loads: int = 0,
-            kept: bool = False, embed=None) -> Call:
+def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
+            blocks: int | None = None, norm_eps: float | None = None, splits: tuple | None = None,
+            spare: bool | None = None, group: int | None = None, w_head=None, kept: bool = False,
+            embed=None) -> Call:
     """`chain_mgpu`'s inputs checked and its options resolved for their shape (the measured
     splits, o's blocks and the attention group where not given, `plan.tuned`); a ValueError
     names whatever does not fit, and the fix."""
+    stages, tiles, inflight, loads, prefetch, packed = (sched.stages, sched.tiles, sched.inflight,
+                                                        sched.loads, sched.prefetch, sched.packed)
     L, D, N1, F = check(x0_D, w_qkv, w_o, w_gu, w_down)
     NB = blocks or sm_count()
     attn = None

@@ -111,7 +111,7 @@ serving)
         --out "$OUT" ;;
 speculative)
     "$PY" experiments/speculative_speedup.py --target 1b --steps 1100 --seq-len 256 --batch-size 32 \
-        --draft-width 1024 --draft-layers 2 --draft-round-steps 300 --draft-rounds 5 --gammas 4 6 \
+        --draft-width 1024 --draft-layers 2 --draft-round-steps 300 --draft-rounds 5 --gammas 4 6 8 10 \
         --batches 1 --temperatures 0 1 --prompts-b1 2 --new-tokens 128 --tag _1b ${KERNEL_STATE:+--kernel-state} \
         --out "$OUT" ;;
 pipeline)

@@ -74,15 +74,16 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     loads: the weight tiles a block's producer keeps in flight at most (it waits for the
     tile `loads` before to land before it asks for the next); 0: as many as the ring has
     free slots. A ring refilling after a handover otherwise puts up to 16 tiles a block
-    (17 MB over 132 blocks, ~4 µs of the stream) in the memory system's queues at once, in
-    front of the LL polls of the next handover.
+    (17 MB over 132 blocks, ~4 µs of the stream) in the memory system's queues at once,
+    where the next handover's LL polls may wait behind them (the hypothesis it tests;
+    benchmarks/decode.md; off until timed).
 
     early_norm: the readers that scale their input by an RMSNorm's factor poll it during the
     product before theirs, right after their first tile group of it, while the ring streams
     its rest: down's readers h_l's during gate|up, the attention blocks x_l's during q|k|v (its
     square sums, `norm_sums`), instead of in their gathers beside the pieces (a reader with no
     tiles of the product before polls it before its gather). The same words and sums, so the
-    same bits; without norms it changes nothing.
+    same bits; without norms it changes nothing. Off until timed.
 
     state: the kernel's words kept from the call before (int32 [`state_size(...)`], zeros
     before the first; new_state=True makes them), so that no kernel before this one zeroes

@@ -368,11 +368,14 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, sched: Schedule, nor
             j0 = l * per_layer + before[p.name]
 
             tr(l, p.name)
-            # with `early`, the norm a later reader needs: h_l's for down's readers during
-            # gate|up, x_l's for the attention blocks during q|k|v
-            needs = (None if not early else rect(down, b)[0] if p.name == "gu"
-                     else (h < A) if p.name == "qkv" and attn is not None else None)
-            norm_of = {"gu": "down", "qkv": "att"}.get(p.name)
+            # with `early`, the norm a later reader of this block needs, polled during this
+            # product: h_l's for down's readers during gate|up, x_l's for the attention blocks
+            # during q|k|v
+            ahead = {}
+            if early:
+                ahead = {"gu": ("down", rect(down, b)[0])}
+                if attn is not None:
+                    ahead["qkv"] = ("att", h < A)
             if early and p.name == "down":  # a reader with no gate|up tiles polls the norm here
                 pl.when(rect(down, b)[0] & ~rect(gu, b)[0])(lambda: early_poll(l, "down"))
 
@@ -386,10 +389,11 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, sched: Schedule, nor
                 def _(g):
                     tg = t0 + g * TG
                     tile_pieces(l, p, tg, jnp.minimum(t1 - tg, TG), j0 + g * TG * nk, nk, gk)
-                    if needs is not None:  # after the first tile group, while the ring streams
+                    if p.name in ahead:  # after the first tile group, while the ring streams
                         # the product's rest (its tile group 0's readers wrote the vector's
                         # square sums in their gathers, which all its readers did at about once)
-                        pl.when((g == 0) & needs)(lambda: early_poll(l, norm_of))
+                        reader, needs = ahead[p.name]
+                        pl.when((g == 0) & needs)(lambda: early_poll(l, reader))
                 tr(l, p.name + "_out")
 
         def scores(j0):

@@ -259,27 +259,20 @@ def main():
         x0, *ws = weights(D, D + 2 * K * m.head_dim, F, L)  # q|k|v rows: q, then K heads of k and v
         (kv, *att), _ = attention_inputs(L, D, args.capacity, args.pos, m.num_heads)
         att = (kv[:, :, :K], *att)
-        kw = {} if spare == "auto" else dict(spare=spare == "1", splits=())
+        sched = Schedule(stages=args.stages, tiles=tiles, inflight=inflight, loads=loads, norm_sums=bool(sums),
+                         packed=bool(packed), early_norm=bool(early), trace=True)
+        kw = {} if spare == "auto" else dict(spare=spare == "1", splits=())  # what the kernel runs
         if group != "auto":
             kw["group"] = int(group)
-        if tiles != 1:
-            kw["tiles"] = tiles
-        kw.update(norm_sums=bool(sums), packed=bool(packed))
-        if inflight != 1:
-            kw["inflight"] = inflight
-        if loads:
-            kw["loads"] = loads
-        if early:
-            kw["early_norm"] = True
         w_head = (jax.random.normal(jax.random.key(3), (args.vocab, D), jnp.float32).astype(jnp.bfloat16)
                   if args.vocab else None)
-        kw.update(stages=args.stages, norm_eps=1e-5 if norms else None)
-        x0_in, state = x0, None
+        kw["norm_eps"] = 1e-5 if norms else None
         if kept:  # x_0 is row 7 of a table; the state goes from each call to the next
             kw["embed"] = (x0.astype(jnp.bfloat16)[None].repeat(8, 0), jnp.array([7], jnp.int32))
-            x0_in, state = None, jnp.zeros((cc.state_size(None, *ws, *att, w_head=w_head, **kw),), jnp.int32)
-        f = jax.jit(lambda state, w_head, *a, kw=kw: cc.chain_mgpu(*a, trace=True, state=state, w_head=w_head,
-                                                                    **kw))
+        opts = {**sched._asdict(), **kw}  # chain_mgpu's keywords
+        x0_in, state = ((None, jnp.zeros((cc.state_size(None, *ws, *att, w_head=w_head, **opts),), jnp.int32))
+                        if kept else (x0, None))
+        f = jax.jit(lambda state, w_head, *a, opts=opts: cc.chain_mgpu(*a, state=state, w_head=w_head, **opts))
         results = []
         for _ in range(args.calls + 1):  # the first compiles
             out = f(state, w_head, x0_in, *ws, *att)
@@ -288,11 +281,7 @@ def main():
             results.append(analyse(jax.device_get(out[-1]), L))
         raw = jax.device_get(out[-1])
         results = results[1:]
-        sched = Schedule(stages=args.stages, tiles=tiles, inflight=inflight, loads=loads, norm_sums=bool(sums),
-                         packed=bool(packed), early_norm=bool(early))
-        prods = resolve(x0_in, *ws, *att, sched, norm_eps=kw["norm_eps"], splits=kw.get("splits"),
-                        spare=kw.get("spare"), group=kw.get("group"), w_head=w_head, kept=kept,
-                        embed=kw.get("embed")).prods
+        prods = resolve(x0_in, *ws, *att, sched, w_head=w_head, kept=kept, **kw).prods
         sources = after_sources(raw, L, prods)  # the last call's
         keys = results[0]["us_per_layer_median"].keys()
         med = {k: float(np.median([r["us_per_layer_median"][k] for r in results])) for k in keys}

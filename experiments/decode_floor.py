@@ -24,7 +24,8 @@ for its ring slots, `spare=0|1` to split o over every block or over those that d
 each block's weight tiles asked of L2 N ahead of its ring, `tiles=N` for the tile pieces a
 block makes at a time (one accumulator each, one drain and one LL store for them), `inflight=N`
 for the tensor-core products a block leaves running before it frees a ring slot, `loads=N`
-for the weight tiles a block keeps in flight at most, `early=1` for the norms' readers polling
+for the weight tiles a block keeps in flight at most (0: the ring's free slots; the default is
+`plan.default_loads`), `early=1` for the norms' readers polling
 their RMSNorm factors during the product before (`early_norm`), `blocks=N`
 for a grid of N blocks (one an SM; the GPU's SM count by default), `sums=0`
 for RMSNorm readers that poll the whole vector, not its square sums (`norm_sums`; on by

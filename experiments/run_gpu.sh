@@ -15,10 +15,10 @@
 #                   steps: megakernel and fast path vs the floor;
 #                   where a megakernel layer's time goes (trace); what a step
 #                   runs besides the kernel (timeline)
-#   handovers       the megakernel with its weight tiles in flight capped (loads)   benchmarks/decode.md
-#                   and down's norm polled during gate|up (early), in whole steps
-#   handovers_trace the same options traced (each reader's wait after its sources),  benchmarks/decode.md
-#                   and the chain traced without its RMSNorms
+#   handovers       the megakernel's weight tiles in flight (loads) and the norms    benchmarks/decode.md
+#                   polled during the product before (early), in whole steps
+#   handovers_trace loads traced: the ring's free slots against the default (each    benchmarks/decode.md
+#                   reader's wait after its sources), and the chain without its RMSNorms
 #   decode_tune     the megakernel's product splits searched in whole steps     benchmarks/decode.md
 #                   (PRESETS="llama3.2-1b 350m": which; OPTIONS="tiles=2": every
 #                   candidate's further options; prints the plan.MEASURED entry)
@@ -92,10 +92,11 @@ decode)
     "$PY" experiments/decode_step_timeline.py --presets 1b 350m llama3.2-1b --kernel-state 0 1 --out "$OUT" ;;
 handovers)
     JAX_PLATFORMS=cuda "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_chain_mgpu.py -k "scheduling_options"
+    # chain: the defaults (plan.default_loads weight tiles in flight); loads=0: as many as the ring's free slots
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --reps 3 --out "$OUT" \
-        --variants chain chain@loads=4 chain@loads=8 chain@early=1 chain@early=1,loads=6 fast ;;
+        --variants chain chain@loads=0 chain@loads=2 chain@loads=4 chain@loads=6 chain@early=1 fast ;;
 handovers_trace)
-    "$PY" experiments/trace_chain.py --presets 350m llama3.2-1b --pos 160 --loads 0 6 --early 0 1 --out "$OUT"
+    "$PY" experiments/trace_chain.py --presets 350m 1b llama3.2-1b --pos 160 --loads 0 auto --out "$OUT"
     # without the RMSNorms: is down's slow poll the norm factor's (every reader polls the same words)?
     "$PY" experiments/trace_chain.py --presets 350m llama3.2-1b --pos 160 --norms 0 --out "$OUT/nonorms" ;;
 decode_tune)

@@ -27,7 +27,8 @@ heads an attention block takes, --tiles 1 4 for the tile pieces a block makes at
 --sums 0 1 for RMSNorm readers polling the vector (0) or its square sums (1, `norm_sums`, the
 default), --packed 0 1 for pieces a value a word (0) or two (1, `packed`, the default),
 --inflight 1 2 for the tensor-core products a block leaves running before it frees a ring slot,
---loads 0 4 8 for the weight tiles a block keeps in flight (0: the ring's free slots),
+--loads 0 4 auto for the weight tiles a block keeps in flight (0: the ring's free slots; auto, the
+default: `plan.default_loads`),
 --early 0 1 for the norms' readers polling their factors in their gathers or during the
 product before (`early_norm`), --norms 0 1 for the chain without and with its RMSNorms (whose factors the attention's and
 down's readers poll),
@@ -228,9 +229,9 @@ def main():
     ap.add_argument("--inflight", nargs="+", type=int, default=[1],
                     help="tensor-core products a block leaves running before it frees a ring slot "
                          "(chain_mgpu's inflight), each traced")
-    ap.add_argument("--loads", nargs="+", type=int, default=[0],
+    ap.add_argument("--loads", nargs="+", type=lambda s: None if s == "auto" else int(s), default=[None],
                     help="weight tiles a block keeps in flight at most (chain_mgpu's loads; 0: "
-                         "as many as the ring's free slots), each traced")
+                         "as many as the ring's free slots; auto: the default for the width), each traced")
     ap.add_argument("--early", nargs="+", type=int, default=[0], choices=[0, 1],
                     help="1: the norms' readers poll their RMSNorm factors during the product "
                          "before (chain_mgpu's early_norm); each traced")
@@ -281,7 +282,9 @@ def main():
             results.append(analyse(jax.device_get(out[-1]), L))
         raw = jax.device_get(out[-1])
         results = results[1:]
-        prods = resolve(x0_in, *ws, *att, sched, w_head=w_head, kept=kept, **kw).prods
+        call = resolve(x0_in, *ws, *att, sched, w_head=w_head, kept=kept, **kw)
+        prods, tag_loads = call.prods, ("" if loads is None else f"_loads{loads}")
+        loads = call.sched.loads  # what ran
         sources = after_sources(raw, L, prods)  # the last call's
         keys = results[0]["us_per_layer_median"].keys()
         med = {k: float(np.median([r["us_per_layer_median"][k] for r in results])) for k in keys}
@@ -314,13 +317,13 @@ def main():
               flush=True)
         tag = (f"{name}_spare{spare}" + ("" if group == "auto" else f"_group{group}")
                + ("" if tiles == 1 else f"_tiles{tiles}") + ("" if sums else "_nosums") + ("" if packed else "_unpacked")
-               + ("" if inflight == 1 else f"_inflight{inflight}") + (f"_loads{loads}" if loads else "")
+               + ("" if inflight == 1 else f"_inflight{inflight}") + tag_loads
                + ("_early" if early else "") + ("" if norms else "_nonorms")
                + (f"_vocab{args.vocab}" if args.vocab else "")
                + ("_state" if kept else ""))
         plot(raw, L, os.path.join(args.out, f"trace_{tag}.png"),
              f"chain_mgpu {name}, layer {L // 2}, pos {args.pos}, spare={spare}, group={group}, "
-             f"tiles={tiles}")
+             f"tiles={tiles}, loads={loads}" + (", early" if early else ""))
         np.save(os.path.join(args.out, f"trace_{tag}.npy"), np.asarray(raw))
     with open(os.path.join(args.out, "trace_chain.json"), "w") as fh:
         json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, fh, indent=1)

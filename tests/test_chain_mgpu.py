@@ -234,9 +234,22 @@ def test_capped_loads_lower_and_a_bad_cap_is_refused():
         lambda *a: cc.chain_mgpu(*a, blocks=132, norm_eps=1e-5, loads=loads), *args)
     capped, free = lower(4), lower(0)
     assert capped.count("stablehlo.custom_call @mosaic_gpu") == 1 and capped != free
+    assert lower(None) == lower(plan.default_loads(1024)) != free  # the default: d 1024's cap
     for bad in (-1, 16):
         with pytest.raises(ValueError, match=f"loads={bad}: want 0"):
             cc.chain_mgpu(*inputs(128, 192, 128, 1), loads=bad)
+
+
+def test_loads_default_to_the_cap_measured_for_the_width():
+    """loads=None (chain_mgpu's default) resolves to `plan.default_loads` of the width; a
+    ring too short to hold that many tiles makes it 0 (the cap would cap nothing); a given
+    cap, 0 included, is kept."""
+    x = inputs(128, 192, 128, 1)
+    loads = lambda **kw: cr.resolve(*x, None, None, None, cr.Schedule(**kw), blocks=132).sched.loads  # noqa: E731
+    assert loads() == plan.default_loads(128) == 2
+    assert loads(stages=2) == 0
+    assert loads(loads=5) == 5 and loads(loads=0) == 0
+    assert plan.default_loads(1024) == 2 and plan.default_loads(2048) == plan.default_loads(4096) == 6
 
 
 @pytest.mark.parametrize("embed", [False, True])

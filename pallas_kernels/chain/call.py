@@ -19,7 +19,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
                prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-               w_head=None, inflight: int = 1, loads: int = 0, early_norm: bool = False, state=None,
+               w_head=None, inflight: int = 1, loads: int | None = None, early_norm: bool = False, state=None,
                new_state: bool = False, embed=None, advance: bool = False):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
@@ -73,17 +73,18 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
 
     loads: the weight tiles a block's producer keeps in flight at most (it waits for the
     tile `loads` before to land before it asks for the next); 0: as many as the ring has
-    free slots. A ring refilling after a handover otherwise puts up to 16 tiles a block
-    (17 MB over 132 blocks, ~4 µs of the stream) in the memory system's queues at once,
-    where the next handover's LL polls may wait behind them (the hypothesis it tests;
-    benchmarks/decode.md; off until timed).
+    free slots; None: `plan.default_loads` (2 at d 1024, 6 at d 2048: measured in whole
+    steps). A ring refilling after a handover otherwise puts up to 16 tiles a block (17 MB
+    over 132 blocks, ~4 µs of the stream) in the memory system's queues at once, where the
+    next handover's polls and first tiles wait behind them (benchmarks/decode.md).
 
     early_norm: the readers that scale their input by an RMSNorm's factor poll it during the
     product before theirs, right after their first tile group of it, while the ring streams
     its rest: down's readers h_l's during gate|up, the attention blocks x_l's during q|k|v (its
     square sums, `norm_sums`), instead of in their gathers beside the pieces (a reader with no
     tiles of the product before polls it before its gather). The same words and sums, so the
-    same bits; without norms it changes nothing. Off until timed.
+    same bits; without norms it changes nothing. Off: timed 0.4-2% slower a step at all three
+    measured shapes, with and without loads (benchmarks/decode.md).
 
     state: the kernel's words kept from the call before (int32 [`state_size(...)`], zeros
     before the first; new_state=True makes them), so that no kernel before this one zeroes
@@ -112,7 +113,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     elif state is not None and (state.shape != (size,) or state.dtype != jnp.int32):
         raise ValueError(f"chain_mgpu: state {state.shape} {state.dtype}: want int32 [{size}] for these shapes "
                          "and options (make one with new_state=True).")
-    out = kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, c, sched, norm_eps, state, advance)
+    out = kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, c, norm_eps, state, advance)
     out = list(out) if isinstance(out, tuple) else [out]
     if state is not None:  # (y, [z], [trace], kv, state[, pos]) -> (y, kv, [z], [trace], state[, pos])
         out.insert(1, out.pop(-2 - advance))

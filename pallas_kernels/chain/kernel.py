@@ -79,7 +79,7 @@ from pallas_kernels.chain.plan import (
     state_words,
     tag,
 )
-from pallas_kernels.chain.resolve import Call, Schedule, window_rows
+from pallas_kernels.chain.resolve import Call, window_rows
 
 SCORE_GROUP = 4  # K tiles whose score products are in flight at once
 # Trace points a layer (`chain_mgpu(trace=True)`): product i's start, input gathered and
@@ -104,10 +104,10 @@ def words(groups) -> int:
     return sum(-(-g.count // 2) if g.packed else g.count for g in groups)
 
 
-def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, sched: Schedule, norm_eps: float | None,
+def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | None,
                 state=None, advance: bool = False):
-    """The kernel of one `chain_mgpu` call, built and launched: what it runs, `call`
-    (`resolve.Call`), and how, `sched` (`resolve.Schedule`). Of the call:
+    """The kernel of one `chain_mgpu` call, built and launched: what it runs and how, `call`
+    (`resolve.Call`, its schedule `call.sched`, `resolve.Schedule`, resolved). Of the call:
     attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
     rope [hd] fp32 (cos | sin of pos's angles) or [R >= S, hd] (row p: position p's)): the
     attention phase (`attention`) of D / hd query heads over H kv heads, `group` query heads
@@ -121,7 +121,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, sched: Schedule, nor
     with a state, the last block out also adds one to pos (in place), which then follows
     (kv, state) in the result. The schedule's options are `chain_mgpu`'s of the same names."""
     prods, blocks, attn, group, head, embed = call.prods, call.blocks, call.attn, call.group, call.head, call.embed
-    stages, tiles, inflight, loads, prefetch, norm_sums, packed, early_norm, trace = sched
+    stages, tiles, inflight, loads, prefetch, norm_sums, packed, early_norm, trace = call.sched
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     kept = state is not None

@@ -144,6 +144,15 @@ MEASURED = {
 }  # Llama-3.2-1B's shape: the defaults (0.696 ms, the best of 20 candidates)
 
 
+def default_loads(D: int) -> int:
+    """The weight tiles a block's producer keeps in flight by default (`chain_mgpu`'s loads)
+    at width D, measured in whole decode steps on an H200 (benchmarks/decode.md, "Weight
+    tiles in flight"): 6 at d 2048 (Llama-3.2-1B's shape and `1b`, 3-6% faster than the
+    ring's 16 free slots; 5-7 within 1%), 2 at d 1024 (`350m`, 9% faster; 1 is 48% slower).
+    Widths between and above take the nearer measured width's; not timed."""
+    return 2 if D <= 1024 else 6
+
+
 def tuned(D: int, N1: int, F: int, blocks: int, head_dim: int) -> tuple[tuple, bool, int | None]:
     """(splits, spare, group) for a shape: `MEASURED`'s, else the cost model's splits with o
     over every block and the default group (((), False, None))."""

@@ -14,6 +14,7 @@ from pallas_kernels.chain.plan import (
     KC,
     MAX_LAYERS,
     T,
+    default_loads,
     head_product,
     kept_layout,
     layout,
@@ -90,7 +91,7 @@ class Schedule(NamedTuple):
     stages: int = 16
     tiles: int = 1
     inflight: int = 1
-    loads: int = 0
+    loads: int | None = None
     prefetch: int = 0
     norm_sums: bool = True
     packed: bool = True
@@ -102,8 +103,9 @@ class Call(NamedTuple):
     """What one `chain_mgpu` call runs: the chain's sizes, the blocks, the attention inputs
     (kv, pos, rope cast) or None, the query heads an attention block takes, the layer's
     products with their splits, the output layer (w_head, its product) or None, and the
-    int32 words of a kept state (`chain_mgpu(state=...)`), and the embedding (table, token as
-    int32) x_0 is read from, or None."""
+    int32 words of a kept state (`chain_mgpu(state=...)`), the embedding (table, token as
+    int32) x_0 is read from, or None, and the schedule with its defaults resolved for the
+    shape (loads None: `plan.default_loads`)."""
 
     L: int
     D: int
@@ -116,6 +118,7 @@ class Call(NamedTuple):
     head: tuple | None
     state_words: int
     embed: tuple | None
+    sched: Schedule
 
 
 def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
@@ -173,6 +176,9 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
     if not 1 <= inflight < min(stages, 8):
         raise ValueError(f"chain_mgpu: inflight={inflight}: want 1 to {min(stages, 8) - 1} wgmma products "
                          "left in flight behind the one just issued (fewer than the ring's stages).")
+    if loads is None:  # the measured default; a cap of the ring's stages or more caps nothing
+        loads = default_loads(D) if default_loads(D) < stages else 0
+        sched = sched._replace(loads=loads)
     if not 0 <= loads < stages:
         raise ValueError(f"chain_mgpu: loads={loads}: want 0 (as many weight tiles in flight as the "
                          f"ring has free slots) or 1 to {stages - 1} (fewer than the ring's stages).")
@@ -202,7 +208,7 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
         embed = (table, token.astype(jnp.int32))
     lay = layout(prods, D, attn is not None, packed)
     words = state_words(kept_layout(lay) if embed is not None else lay)
-    return Call(L, D, N1, F, NB, attn, group, prods, head, words, embed)
+    return Call(L, D, N1, F, NB, attn, group, prods, head, words, embed, sched)
 
 
 def attention_group(D: int, N1: int, F: int, blocks: int, head_dim: int, kv_heads: int,

@@ -133,14 +133,14 @@ def head_product(V: int, D: int, blocks: int) -> Product:
 
 
 # Splits, o's blocks and attention groups measured faster than the cost model's in whole decode
-# steps on an H200 (132 SMs; benchmarks/decode.md, `decode_floor.py --variants chain@...`,
+# steps on an H200 (350m's on an H100: both 132 SMs; benchmarks/decode.md, `decode_floor.py --variants chain@...`,
 # `experiments/tune_chain_splits.py`), by (D, N1, F, blocks, head_dim): (splits over the cost
 # model's, spare, group (None: `attention.default_group`)), with chain_mgpu's default options (the
 # norms' square sums and packed pieces) unless noted. Elsewhere the cost model's splits
 # with o over every block and `attention.default_group`'s query heads an attention block.
 MEASURED = {
     (2048, 6144, 5632, 132, 128): ((("qkv", 16, 8),), False, None),  # 1b: 0.713 ms, not 0.721
-    (1024, 3072, 2816, 132, 64): ((), True, None),  # 350m: 0.356 ms, not 0.365 (before sums, packed)
+    (1024, 3072, 2816, 132, 64): ((("qkv", 4, 24),), False, None),  # 350m: 0.327 ms, not 0.342 (an H100, loads 2)
 }  # Llama-3.2-1B's shape: the defaults (0.696 ms, the best of 20 candidates)
 
 

@@ -32,10 +32,10 @@ SHAPES = {"350m": (1024, 2816, 16, 16, 64), "1b": (2048, 5632, 16, 16, 128),
           "llama3.2-1b": (2048, 8192, 32, 8, 64)}
 
 
-OPTIONS = ("norm_sums", "packed", "head", "state", "early")  # chain_mgpu's boolean options --options may name;
+OPTIONS = ("norm_sums", "packed", "head", "state")  # chain_mgpu's boolean options --options may name;
 # head: the output layer inside the kernel (w_head, Llama-3's 128,256-row table); state: the words
 # kept between calls and x_0 read from the embedding table (state=..., embed=...: the decode
-# loop's form, `decoder.plan(kernel_state=True)`); early: early_norm. NAME=N sets an integer
+# loop's form, `decoder.plan(kernel_state=True)`). NAME=N sets an integer
 # option (loads=4)
 
 
@@ -66,10 +66,8 @@ def compile_one(name: str, aot: bool, tiles: int, options: str = ""):
             spec((2, 2, K, 320, hd)), spec((1,), jnp.int32), spec((hd,), jnp.float32))
     chosen = set(filter(None, options.split("+")))
     numbers = {k: int(v) for k, eq, v in (c.partition("=") for c in chosen) if eq}
-    flags = {o: o in chosen for o in OPTIONS if o not in ("head", "state", "early")}
+    flags = {o: o in chosen for o in OPTIONS if o not in ("head", "state")}
     opts = dict(blocks=132, norm_eps=1e-5, tiles=tiles, **flags, **numbers)
-    if "early" in chosen:
-        opts["early_norm"] = True
     extra = {}
     if "head" in chosen:
         extra["w_head"] = spec((128256, D))

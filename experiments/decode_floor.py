@@ -25,8 +25,7 @@ each block's weight tiles asked of L2 N ahead of its ring, `tiles=N` for the til
 block makes at a time (one accumulator each, one drain and one LL store for them), `inflight=N`
 for the tensor-core products a block leaves running before it frees a ring slot, `loads=N`
 for the weight tiles a block keeps in flight at most (0: the ring's free slots; the default is
-`plan.default_loads`), `early=1` for the norms' readers polling
-their RMSNorm factors during the product before (`early_norm`), `blocks=N`
+`plan.default_loads`), `blocks=N`
 for a grid of N blocks (one an SM; the GPU's SM count by default), `sums=0`
 for RMSNorm readers that poll the whole vector, not its square sums (`norm_sums`; on by
 default), `packed=0` for pieces one value a word, not two (`packed`; on by default),
@@ -125,14 +124,14 @@ def chain_options(option: str):
             kw["spare"] = value not in ("0", "false", "False")
         elif name in ("group", "prefetch", "tiles", "inflight", "loads", "blocks"):
             kw[name] = int(value)
-        elif name in ("sums", "packed", "early"):
-            kw[{"sums": "norm_sums", "early": "early_norm"}.get(name, name)] = value not in ("0", "false", "False")
+        elif name in ("sums", "packed"):
+            kw[{"sums": "norm_sums"}.get(name, name)] = value not in ("0", "false", "False")
         elif name in ("qkv", "o", "gu", "down"):
             sk, _, st = value.partition("x")
             splits.append((name, int(sk), int(st)))
         else:
             raise ValueError(f"chain@{option}: option {opt!r}; use a ring size (16), spare=0, group=N, "
-                             "prefetch=N, tiles=N, inflight=N, loads=N, blocks=N, sums=0|1, packed=0|1, early=0|1 or NAME=SKxST "
+                             "prefetch=N, tiles=N, inflight=N, loads=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST "
                              "for NAME in qkv, o, gu, down.")
     if "spare" in kw or splits:  # a candidate: the cost model's splits where none is given
         kw["splits"] = tuple(splits)

@@ -15,8 +15,7 @@
 #                   steps: megakernel and fast path vs the floor;
 #                   where a megakernel layer's time goes (trace); what a step
 #                   runs besides the kernel (timeline)
-#   handovers       the megakernel's weight tiles in flight (loads) and the norms    benchmarks/decode.md
-#                   polled during the product before (early), in whole steps
+#   handovers       the megakernel's weight tiles in flight (loads), in whole steps  benchmarks/decode.md
 #   handovers_trace loads traced: the ring's free slots against the default (each    benchmarks/decode.md
 #                   reader's wait after its sources), and the chain without its RMSNorms
 #   decode_tune     the megakernel's product splits searched in whole steps     benchmarks/decode.md
@@ -94,7 +93,7 @@ handovers)
     JAX_PLATFORMS=cuda "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_chain_mgpu.py -k "scheduling_options"
     # chain: the defaults (plan.default_loads weight tiles in flight); loads=0: as many as the ring's free slots
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --reps 3 --out "$OUT" \
-        --variants chain chain@loads=0 chain@loads=2 chain@loads=4 chain@loads=6 chain@early=1 fast ;;
+        --variants chain chain@loads=0 chain@loads=2 chain@loads=4 chain@loads=6 fast ;;
 handovers_trace)
     "$PY" experiments/trace_chain.py --presets 350m 1b llama3.2-1b --pos 160 --loads 0 auto --out "$OUT"
     # without the RMSNorms: is down's slow poll the norm factor's (every reader polls the same words)?

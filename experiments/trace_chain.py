@@ -19,7 +19,7 @@ over layers:
   the table's bytes over that work (the rate it was read at).
 
 Writes trace_chain.json and
-trace_<preset>_spare<0|1|auto>[_group<N>][_tiles<N>][_nosums][_unpacked][_inflight<N>][_loads<N>][_early][_nonorms][_vocab<V>][_state].png
+trace_<preset>_spare<0|1|auto>[_group<N>][_tiles<N>][_nosums][_unpacked][_inflight<N>][_loads<N>][_nonorms][_vocab<V>][_state].png
 (a layer's timeline, block by block) to --out. --spare 0 1 auto traces the cost model's splits with o
 over every block, over the blocks that do not attend, and the kernel's measured choice
 (`plan.tuned`: the default), in the same process; --group N auto does the same for the query
@@ -29,8 +29,7 @@ default), --packed 0 1 for pieces a value a word (0) or two (1, `packed`, the de
 --inflight 1 2 for the tensor-core products a block leaves running before it frees a ring slot,
 --loads 0 4 auto for the weight tiles a block keeps in flight (0: the ring's free slots; auto, the
 default: `plan.default_loads`),
---early 0 1 for the norms' readers polling their factors in their gathers or during the
-product before (`early_norm`), --norms 0 1 for the chain without and with its RMSNorms (whose factors the attention's and
+--norms 0 1 for the chain without and with its RMSNorms (whose factors the attention's and
 down's readers poll),
 --state 0 1 for the kernel with fresh words each call and with the decode loop's kept state
 (x_0 read from an embedding table at the kernel's start, the words and the epoch kept).
@@ -232,9 +231,6 @@ def main():
     ap.add_argument("--loads", nargs="+", type=lambda s: None if s == "auto" else int(s), default=[None],
                     help="weight tiles a block keeps in flight at most (chain_mgpu's loads; 0: "
                          "as many as the ring's free slots; auto: the default for the width), each traced")
-    ap.add_argument("--early", nargs="+", type=int, default=[0], choices=[0, 1],
-                    help="1: the norms' readers poll their RMSNorm factors during the product "
-                         "before (chain_mgpu's early_norm); each traced")
     ap.add_argument("--norms", nargs="+", type=int, default=[1], choices=[0, 1],
                     help="1: the RMSNorms (their factors polled by the attention's and down's "
                          "readers); 0: the chain without them (norm_eps=None); each traced")
@@ -251,17 +247,17 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for name, spare, group, tiles, sums, packed, inflight, loads, early, norms, kept in (
-            (n, s, g, t, u, k, i, c, a, m, e) for n in args.presets for s in args.spare for g in args.group
+    for name, spare, group, tiles, sums, packed, inflight, loads, norms, kept in (
+            (n, s, g, t, u, k, i, c, m, e) for n in args.presets for s in args.spare for g in args.group
             for t in args.tiles for u in args.sums for k in args.packed for i in args.inflight
-            for c in args.loads for a in args.early for m in args.norms for e in args.state):
+            for c in args.loads for m in args.norms for e in args.state):
         m = preset(name).model
         D, F, L, K = m.d_model, m.d_ff, m.num_layers, m.num_kv_heads
         x0, *ws = weights(D, D + 2 * K * m.head_dim, F, L)  # q|k|v rows: q, then K heads of k and v
         (kv, *att), _ = attention_inputs(L, D, args.capacity, args.pos, m.num_heads)
         att = (kv[:, :, :K], *att)
         sched = Schedule(stages=args.stages, tiles=tiles, inflight=inflight, loads=loads, norm_sums=bool(sums),
-                         packed=bool(packed), early_norm=bool(early), trace=True)
+                         packed=bool(packed), trace=True)
         kw = {} if spare == "auto" else dict(spare=spare == "1", splits=())  # what the kernel runs
         if group != "auto":
             kw["group"] = int(group)
@@ -294,14 +290,14 @@ def main():
         if head_us:
             head_us["table_TBps"] = args.vocab * D * 2 / head_us["work"] / 1e6
         row = dict(preset=name, spare=spare, group=group, tiles=tiles, sums=sums, packed=packed, inflight=inflight,
-                   loads=loads, early=early, norms=norms, state=kept, sources=sources,
+                   loads=loads, norms=norms, state=kept, sources=sources,
                    vocab=args.vocab, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
                    us_per_layer_median=med, attention_steps_us=steps, head_us=head_us,
                    kernel_us_from_stamps=[r["kernel_us_from_stamps"] for r in results],
                    sm_ghz=results[-1]["sm_ghz"])
         rows.append(row)
         print(f"{name} (spare={spare}, group={group}, tiles={tiles}, sums={sums}, packed={packed}, "
-              f"inflight={inflight}, loads={loads}, early={early}, norms={norms}, state={kept}): {L} layers, pos {args.pos}; kernel (stamps) "
+              f"inflight={inflight}, loads={loads}, norms={norms}, state={kept}): {L} layers, pos {args.pos}; kernel (stamps) "
               f"{np.median(row['kernel_us_from_stamps']):.1f} us; SM {row['sm_ghz']:.2f} GHz", flush=True)
         for k in ("qkv", "att", "o", "gu", "down"):
             if k + "_work" in med:
@@ -318,12 +314,12 @@ def main():
         tag = (f"{name}_spare{spare}" + ("" if group == "auto" else f"_group{group}")
                + ("" if tiles == 1 else f"_tiles{tiles}") + ("" if sums else "_nosums") + ("" if packed else "_unpacked")
                + ("" if inflight == 1 else f"_inflight{inflight}") + tag_loads
-               + ("_early" if early else "") + ("" if norms else "_nonorms")
+               + ("" if norms else "_nonorms")
                + (f"_vocab{args.vocab}" if args.vocab else "")
                + ("_state" if kept else ""))
         plot(raw, L, os.path.join(args.out, f"trace_{tag}.png"),
              f"chain_mgpu {name}, layer {L // 2}, pos {args.pos}, spare={spare}, group={group}, "
-             f"tiles={tiles}, loads={loads}" + (", early" if early else ""))
+             f"tiles={tiles}, loads={loads}")
         np.save(os.path.join(args.out, f"trace_{tag}.npy"), np.asarray(raw))
     with open(os.path.join(args.out, "trace_chain.json"), "w") as fh:
         json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, fh, indent=1)

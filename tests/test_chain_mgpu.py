@@ -209,22 +209,6 @@ def test_the_output_layer_lowers_inside_the_kernel(vocab):
         cc.chain_mgpu(*inputs(128, 192, 128, 1), w_head=jnp.zeros((100, 128), jnp.bfloat16))
 
 
-def test_norms_polled_early_lower_and_leave_the_gathers():
-    """early_norm: the RMSNorms' partials polled alone (label LAB_N; h_l's after a block's
-    first gate|up tile group, x_l's after an attention block's first q|k|v tile group, and
-    each before the gather of a reader with no tiles of the product before: one string in the
-    lowered module, which interns them); no gather polls a norm then (by default the
-    attention's and down's do). Without norms the option changes nothing."""
-    args = attention_specs("350m")
-    lower = lambda **kw: lowered_for_sm90(  # noqa: E731
-        lambda *a: cc.chain_mgpu(*a, blocks=132, **kw), *args)
-    early, default = lower(norm_eps=1e-5, early_norm=True), lower(norm_eps=1e-5)
-    assert "LAB_N:" in early and "LAB_N:" not in default
-    assert sum("@nz0 add.f32 s2" in g for g in default.split("LAB_G:")[1:]) == 2  # attention's and down's
-    assert sum("@nz0 add.f32 s2" in g.split("LAB_N:")[0] for g in early.split("LAB_G:")[1:]) == 0
-    assert lower(early_norm=True) == lower()
-
-
 def test_capped_loads_lower_and_a_bad_cap_is_refused():
     """loads=N: the producer waits for the tile N steps back to land before it asks for the
     next (an mbarrier wait more in its loop), which passes Mosaic GPU's checks for sm90 and
@@ -521,14 +505,13 @@ def gqa_inputs(D, hd, kv_heads, F, L, seed=0):
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
 @pytest.mark.parametrize("preset,options", [
-    ("350m", dict(loads=4)), ("llama3.2-1b", dict(loads=2)), ("350m", dict(early_norm=True)),
-    ("llama3.2-1b", dict(early_norm=True)), ("1b", dict(early_norm=True, loads=6)),
-    ("gqa8-hd128", dict(early_norm=True))])
+    ("350m", dict(loads=0)), ("350m", dict(loads=4)), ("llama3.2-1b", dict(loads=0)),
+    ("llama3.2-1b", dict(loads=2)), ("1b", dict(loads=0)), ("gqa8-hd128", dict(loads=3))])
 def test_scheduling_options_give_the_default_kernels_bits_on_the_gpu(preset, options):
-    """loads (when the weight tiles are asked for) and early_norm (when the attention's and
-    down's readers poll their norm factors) change when things happen, not what is summed in
-    which order: the
-    output and the new k and v are the default kernel's, bit for bit."""
+    """loads (how many weight tiles a block has asked for and not yet received; 0: the ring's
+    free slots, the kernel before the default cap) changes when things happen, not what is
+    summed in which order: the output and the new k and v are the default kernel's, bit for
+    bit."""
     D, F, NQ, K, hd = ATTENTION[preset]
     x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, 3)
     att = attention_inputs(3, D, 320, 129, heads=NQ, kv_heads=K)
@@ -1061,7 +1044,7 @@ def test_trace_finds_each_readers_own_sources():
 
 def test_step_variants_name_their_kernel_options(monkeypatch):
     """decode_floor's `chain@OPTS`: ring slots, spare, splits, group, prefetch, tiles, inflight,
-    loads, sums, packed and early reach the kernel; none given
+    loads, sums and packed reach the kernel; none given
     leaves the kernel its measured choice; a bad option names the ones there are; the
     suffixes reach the plan (`+fused+state`: the output layer inside, the words kept)."""
     df = experiment("decode_floor")
@@ -1077,9 +1060,8 @@ def test_step_variants_name_their_kernel_options(monkeypatch):
     assert df.chain_options("sums=0,packed=0")[1].keywords == dict(norm_sums=False, packed=False)
     assert df.chain_options("inflight=2")[1].keywords == dict(inflight=2)
     assert df.chain_options("loads=4")[1].keywords == dict(loads=4)
-    assert df.chain_options("early=1")[1].keywords == dict(early_norm=True)
     assert df.chain_options("blocks=66")[1].keywords == dict(blocks=66)
-    with pytest.raises(ValueError, match=re.escape("loads=N, blocks=N, sums=0|1, packed=0|1, early=0|1 or NAME=SKxST")):
+    with pytest.raises(ValueError, match=re.escape("loads=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST")):
         df.chain_options("16,mlp=2x4")
     asked = []  # what a variant asks the front door for
     monkeypatch.setattr(df.decoder, "plan", lambda *a, **kw: asked.append(kw))

@@ -14,12 +14,12 @@ from pallas_kernels.chain.resolve import Schedule, resolve
 
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
                                              "group", "prefetch", "tiles", "norm_sums", "packed", "inflight",
-                                             "loads", "early_norm", "new_state", "advance"))
+                                             "loads", "new_state", "advance"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
                prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
-               w_head=None, inflight: int = 1, loads: int | None = None, early_norm: bool = False, state=None,
+               w_head=None, inflight: int = 1, loads: int | None = None, state=None,
                new_state: bool = False, embed=None, advance: bool = False):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
@@ -78,14 +78,6 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     over 132 blocks, ~4 µs of the stream) in the memory system's queues at once, where the
     next handover's polls and first tiles wait behind them (benchmarks/decode.md).
 
-    early_norm: the readers that scale their input by an RMSNorm's factor poll it during the
-    product before theirs, right after their first tile group of it, while the ring streams
-    its rest: down's readers h_l's during gate|up, the attention blocks x_l's during q|k|v (its
-    square sums, `norm_sums`), instead of in their gathers beside the pieces (a reader with no
-    tiles of the product before polls it before its gather). The same words and sums, so the
-    same bits; without norms it changes nothing. Off: timed 0.4-2% slower a step at all three
-    measured shapes, with and without loads (benchmarks/decode.md).
-
     state: the kernel's words kept from the call before (int32 [`state_size(...)`], zeros
     before the first; new_state=True makes them), so that no kernel before this one zeroes
     them: each call's words carry its epoch (`plan.tag`), which the last block out advances.
@@ -103,7 +95,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
         raise ValueError("chain_mgpu: advance=True moves pos on at the end of a call that keeps a state: "
                          "pass state=..., or advance pos outside.")
     sched = Schedule(stages=stages, tiles=tiles, inflight=inflight, loads=loads, prefetch=prefetch,
-                     norm_sums=norm_sums, packed=packed, early_norm=early_norm, trace=trace)
+                     norm_sums=norm_sums, packed=packed, trace=trace)
     c = resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched, blocks=blocks, norm_eps=norm_eps,
                 splits=splits, spare=spare, group=group, w_head=w_head, kept=state is not None or new_state,
                 embed=embed)

@@ -121,7 +121,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
     with a state, the last block out also adds one to pos (in place), which then follows
     (kv, state) in the result. The schedule's options are `chain_mgpu`'s of the same names."""
     prods, blocks, attn, group, head, embed = call.prods, call.blocks, call.attn, call.group, call.head, call.embed
-    stages, tiles, inflight, loads, prefetch, norm_sums, packed, early_norm, trace = call.sched
+    stages, tiles, inflight, loads, prefetch, norm_sums, packed, trace = call.sched
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     kept = state is not None
@@ -274,13 +274,6 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 plgpu.wait_smem_to_gmem(0)
                 tr(L - 1, "head_out")
 
-        early = early_norm and norm_eps is not None  # the norms polled during the product before
-
-        def early_poll(l, name):  # x_l's ("att") or h_l's ("down") RMSNorm partials into norm_smem
-            _, _, (word, init_ok, tag_) = input_spec(name, l, 0, prods, lay, F, True, attn is not None,
-                                                     norm_sums, epoch)
-            cw.poll_norm(ll, init_ref, norm_smem, word, (l == 0) & init_ok, tag_, D, norm_sums)
-
         def gather(l, p, k0, k1, gt):
             """The window's rows for chunks k0..k1-1 of product p's input: two chunks a pass,
             every pass's words polled in one round trip (`product_reads`)."""
@@ -289,10 +282,8 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                                              attn is not None, norm_sums, epoch)
             if norm is not None:  # the first round also polls the norm's vector (its partials)
                 dense = dict(dense, norm_ref=norm_smem, norm=(norm_eps, D), sums=norm_sums)
-            polled = early and p.name == "down"  # its partials are in norm_smem already
             for i, reads in enumerate(product_reads(p, k0, k1, words(groups))):
-                poll = (dict(poll_norm=(norm[0], first, norm[1], norm[2]))
-                        if norm is not None and i == 0 and not polled else {})
+                poll = dict(poll_norm=(norm[0], first, norm[1], norm[2])) if norm is not None and i == 0 else {}
                 pl.when(reads.chunks[0] < k1)(functools.partial(
                     cw.gather, ll, init_ref, x_win, groups, reads, out="bf16", use_init=first,
                     **dense, **poll))
@@ -368,16 +359,6 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             j0 = l * per_layer + before[p.name]
 
             tr(l, p.name)
-            # with `early`, the norm a later reader of this block needs, polled during this
-            # product: h_l's for down's readers during gate|up, x_l's for the attention blocks
-            # during q|k|v
-            ahead = {}
-            if early:
-                ahead = {"gu": ("down", rect(down, b)[0])}
-                if attn is not None:
-                    ahead["qkv"] = ("att", h < A)
-            if early and p.name == "down":  # a reader with no gate|up tiles polls the norm here
-                pl.when(rect(down, b)[0] & ~rect(gu, b)[0])(lambda: early_poll(l, "down"))
 
             @pl.when(active)
             def _():
@@ -389,11 +370,6 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 def _(g):
                     tg = t0 + g * TG
                     tile_pieces(l, p, tg, jnp.minimum(t1 - tg, TG), j0 + g * TG * nk, nk, gk)
-                    if p.name in ahead:  # after the first tile group, while the ring streams
-                        # the product's rest (its tile group 0's readers wrote the vector's
-                        # square sums in their gathers, which all its readers did at about once)
-                        reader, needs = ahead[p.name]
-                        pl.when((g == 0) & needs)(lambda: early_poll(l, reader))
                 tr(l, p.name + "_out")
 
         def scores(j0):
@@ -441,9 +417,6 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 if norm is not None:  # the first pass also polls x_l (the norm's partials)
                     dense = dict(norm_ref=norm_smem, norm=(norm_eps, D), sums=norm_sums)
                     poll = dict(poll_norm=(norm[0], l == 0, norm[1], norm[2]))
-                if early:  # x_l's partials polled during q|k|v (here if the block had no q|k|v tiles)
-                    pl.when(~rect(qkv, b)[0])(lambda: early_poll(l, "att"))
-                    poll = {}
                 for i, reads in enumerate(head_reads(D, h, hd, words(groups), H, GB)):  # q, k, v to slots
                     cw.gather(ll, init_ref, stage_smem, groups, reads, out="f32", use_init=False,
                                        **dense, **(poll if i == 0 else {}))

@@ -84,8 +84,7 @@ class Schedule(NamedTuple):
     """How the kernel runs a chain, `chain_mgpu`'s options of these names (its docstring):
     the ring's stages, the tile pieces a block makes at a time, the tensor-core products and
     the weight tiles it keeps in flight, the L2 prefetch ahead of its ring, the norms' square
-    sums, pieces two values a word, the norms' factors polled during the product before, and
-    the trace points. Only packed (the pieces' rounding) and norm_sums (the squares' order)
+    sums, pieces two values a word, and the trace points. Only packed (the pieces' rounding) and norm_sums (the squares' order)
     change the values computed."""
 
     stages: int = 16
@@ -95,7 +94,6 @@ class Schedule(NamedTuple):
     prefetch: int = 0
     norm_sums: bool = True
     packed: bool = True
-    early_norm: bool = False
     trace: bool = False
 
 

@@ -342,32 +342,6 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     op(refs, traced)
 
 
-def poll_norm(ll_ref, init_ref, norm_ref, base_word, from_init, tag, width: int, sums: bool):
-    """An RMSNorm's 4 warp partial sums of squares of a `width`-vector into norm_ref
-    (shared [4] fp32), polled alone: the words, the sums and the barrier of a gather's
-    poll_norm (`gather`'s poll_norm=(base_word, from_init, init_ok, tag); from_init here
-    already and-ed with init_ok), so that a product's readers can have the factor before
-    their sources arrive and gather without it. sums: the vector's width / SS square sums.
-    Ends in a warpgroup barrier."""
-    n_sums, per_lane = _norm_words(width, sums)
-    regs, setup, loads, checks, body = _norm_poll(per_lane, n_sums, 0)
-    ptx = (f"{{ .reg .pred p; .reg .pred bad; .reg .u32 n; .reg .b64 off; {regs} {setup} mov.u32 n, 0;"
-           f" LAB_N: {loads} {SPIN_GUARD} mov.pred bad, 0; {checks} {warp_retry('bad', 'LAB_N')} {body} }}")
-    splat = plgpu.Layout.WG_SPLAT
-    traced = [jnp.asarray(v, jnp.int32) for v in (base_word, from_init, tag)]
-
-    @plgpu.inline_mgpu(arg_types=((plgpu.RefType(),) * 3, [splat] * len(traced)))
-    def op(_, rs, vals):
-        ll, init, partials = rs
-        word, nfrom, ntag = (x.registers[()] for x in vals)
-        lane_ = lane()
-        mgpu.utils.inline_ptx(ptx, _norm_address(word, nfrom, ptr64(init), ptr64(ll), lane_, n_sums), ntag,
-                              mgpu.utils.warpgroup_barrier_idx(sync=False), lane_, ptr32(partials),
-                              has_side_effects=True)
-
-    op((ll_ref, init_ref, norm_ref), traced)
-
-
 def ll_store_rows(ll_ref, src_smem, word, tag, rows: int, row_words: int, count=None,
                   packed: bool = False):
     """Rows of 64 fp32 values as LL words: src_smem [rows, 64] (written before a

@@ -95,9 +95,12 @@ handovers)
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --reps 3 --out "$OUT" \
         --variants chain chain@loads=0 chain@loads=2 chain@loads=4 chain@loads=6 fast ;;
 handovers_trace)
-    "$PY" experiments/trace_chain.py --presets 350m 1b llama3.2-1b --pos 160 --loads 0 auto --out "$OUT"
+    # a picture and the raw stamps a case: more files than a device run brings back, so they travel as one tgz
+    T=$(mktemp -d)
+    "$PY" experiments/trace_chain.py --presets 350m 1b llama3.2-1b --pos 160 --loads 0 auto --out "$T"
     # without the RMSNorms: is down's slow poll the norm factor's (every reader polls the same words)?
-    "$PY" experiments/trace_chain.py --presets 350m llama3.2-1b --pos 160 --norms 0 --out "$OUT/nonorms" ;;
+    "$PY" experiments/trace_chain.py --presets 350m llama3.2-1b --pos 160 --norms 0 --out "$T/nonorms"
+    cp "$T/trace_chain.json" "$OUT/" && tar czf "$OUT/handovers_trace.tgz" -C "$T" . ;;
 decode_tune)
     # one preset a call fits the 10-minute limit: ~20 candidates of ~7 s (compile + 256 tokens)
     for p in ${PRESETS:-llama3.2-1b}; do

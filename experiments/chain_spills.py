@@ -35,8 +35,7 @@ SHAPES = {"350m": (1024, 2816, 16, 16, 64), "1b": (2048, 5632, 16, 16, 128),
 OPTIONS = ("norm_sums", "packed", "head", "state")  # chain_mgpu's boolean options --options may name;
 # head: the output layer inside the kernel (w_head, Llama-3's 128,256-row table); state: the words
 # kept between calls and x_0 read from the embedding table (state=..., embed=...: the decode
-# loop's form, `decoder.plan(kernel_state=True)`). NAME=N sets an integer
-# option (loads=4)
+# loop's form, `decoder.plan(kernel_state=True)`). NAME=N sets an integer option (loads=4).
 
 
 def compile_one(name: str, aot: bool, tiles: int, options: str = ""):

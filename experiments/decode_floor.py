@@ -125,7 +125,7 @@ def chain_options(option: str):
         elif name in ("group", "prefetch", "tiles", "inflight", "loads", "blocks"):
             kw[name] = int(value)
         elif name in ("sums", "packed"):
-            kw[{"sums": "norm_sums"}.get(name, name)] = value not in ("0", "false", "False")
+            kw["norm_sums" if name == "sums" else name] = value not in ("0", "false", "False")
         elif name in ("qkv", "o", "gu", "down"):
             sk, _, st = value.partition("x")
             splits.append((name, int(sk), int(st)))

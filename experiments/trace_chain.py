@@ -278,10 +278,8 @@ def main():
             results.append(analyse(jax.device_get(out[-1]), L))
         raw = jax.device_get(out[-1])
         results = results[1:]
-        call = resolve(x0_in, *ws, *att, sched, w_head=w_head, kept=kept, **kw)
-        prods, tag_loads = call.prods, ("" if loads is None else f"_loads{loads}")
-        loads = call.sched.loads  # what ran
-        sources = after_sources(raw, L, prods)  # the last call's
+        ran = resolve(x0_in, *ws, *att, sched, w_head=w_head, kept=kept, **kw)  # its products and loads
+        sources = after_sources(raw, L, ran.prods)  # the last call's
         keys = results[0]["us_per_layer_median"].keys()
         med = {k: float(np.median([r["us_per_layer_median"][k] for r in results])) for k in keys}
         steps = {k: float(np.median([r["attention_steps_us"][k] for r in results]))
@@ -290,14 +288,14 @@ def main():
         if head_us:
             head_us["table_TBps"] = args.vocab * D * 2 / head_us["work"] / 1e6
         row = dict(preset=name, spare=spare, group=group, tiles=tiles, sums=sums, packed=packed, inflight=inflight,
-                   loads=loads, norms=norms, state=kept, sources=sources,
+                   loads=ran.sched.loads, norms=norms, state=kept, sources=sources,
                    vocab=args.vocab, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
                    us_per_layer_median=med, attention_steps_us=steps, head_us=head_us,
                    kernel_us_from_stamps=[r["kernel_us_from_stamps"] for r in results],
                    sm_ghz=results[-1]["sm_ghz"])
         rows.append(row)
         print(f"{name} (spare={spare}, group={group}, tiles={tiles}, sums={sums}, packed={packed}, "
-              f"inflight={inflight}, loads={loads}, norms={norms}, state={kept}): {L} layers, pos {args.pos}; kernel (stamps) "
+              f"inflight={inflight}, loads={ran.sched.loads}, norms={norms}, state={kept}): {L} layers, pos {args.pos}; kernel (stamps) "
               f"{np.median(row['kernel_us_from_stamps']):.1f} us; SM {row['sm_ghz']:.2f} GHz", flush=True)
         for k in ("qkv", "att", "o", "gu", "down"):
             if k + "_work" in med:
@@ -313,13 +311,13 @@ def main():
               flush=True)
         tag = (f"{name}_spare{spare}" + ("" if group == "auto" else f"_group{group}")
                + ("" if tiles == 1 else f"_tiles{tiles}") + ("" if sums else "_nosums") + ("" if packed else "_unpacked")
-               + ("" if inflight == 1 else f"_inflight{inflight}") + tag_loads
+               + ("" if inflight == 1 else f"_inflight{inflight}") + ("" if loads is None else f"_loads{loads}")
                + ("" if norms else "_nonorms")
                + (f"_vocab{args.vocab}" if args.vocab else "")
                + ("_state" if kept else ""))
         plot(raw, L, os.path.join(args.out, f"trace_{tag}.png"),
              f"chain_mgpu {name}, layer {L // 2}, pos {args.pos}, spare={spare}, group={group}, "
-             f"tiles={tiles}, loads={loads}")
+             f"tiles={tiles}, loads={ran.sched.loads}")
         np.save(os.path.join(args.out, f"trace_{tag}.npy"), np.asarray(raw))
     with open(os.path.join(args.out, "trace_chain.json"), "w") as fh:
         json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}, fh, indent=1)

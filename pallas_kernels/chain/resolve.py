@@ -84,8 +84,8 @@ class Schedule(NamedTuple):
     """How the kernel runs a chain, `chain_mgpu`'s options of these names (its docstring):
     the ring's stages, the tile pieces a block makes at a time, the tensor-core products and
     the weight tiles it keeps in flight, the L2 prefetch ahead of its ring, the norms' square
-    sums, pieces two values a word, and the trace points. Only packed (the pieces' rounding) and norm_sums (the squares' order)
-    change the values computed."""
+    sums, pieces two values a word, and the trace points. Only packed (the pieces' rounding)
+    and norm_sums (the squares' order) change the values computed."""
 
     stages: int = 16
     tiles: int = 1
@@ -175,7 +175,8 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
         raise ValueError(f"chain_mgpu: inflight={inflight}: want 1 to {min(stages, 8) - 1} wgmma products "
                          "left in flight behind the one just issued (fewer than the ring's stages).")
     if loads is None:  # the measured default; a cap of the ring's stages or more caps nothing
-        loads = default_loads(D) if default_loads(D) < stages else 0
+        loads = default_loads(D)
+        loads = loads if loads < stages else 0
         sched = sched._replace(loads=loads)
     if not 0 <= loads < stages:
         raise ValueError(f"chain_mgpu: loads={loads}: want 0 (as many weight tiles in flight as the "

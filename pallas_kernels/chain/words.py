@@ -218,21 +218,6 @@ def _norm_poll(k: int, norm_sums: int, j: int):
     return regs, setup, loads, checks, body
 
 
-def _norm_words(width: int, sums: bool) -> tuple[int, int]:
-    """(square-sum words, words a lane polls) of an RMSNorm's `width`-vector: its width / SS
-    square sums (sums) or the vector itself, spread over the warpgroup's 128 lanes."""
-    n_sums = width // SS if sums else 0
-    return n_sums, -(-n_sums // 128) if n_sums else width // 128
-
-
-def _norm_address(word, from_init, init_p, ll_p, lane_, n_sums: int):
-    """This lane's first word of the norm's poll (`_norm_poll`'s operand): in the host's words
-    (from_init != 0) or the kernel's; word 0 for square sums (the PTX adds the lane), word +
-    lane for the vector."""
-    ptr = arith.select(arith.cmpi(arith.CmpIPredicate.ne, from_init, const_i32(0)), init_p, ll_p)
-    return gmem_address(ptr, word if n_sums else arith.addi(word, lane_), 8)
-
-
 def _dense_store(P, i_op: int, advance: int, dense_ss: bool, chunk_step: int):
     """A's sums as dense words from operand $i_op (address, write flag, tag; with dense_ss the
     square-sum word's address next: lane 0 of each warp stores its warp's): (regs, body)."""
@@ -268,7 +253,8 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     D / SS square sums there, `plan.SS`). dense_ss: with dense_base, the first of the dense
     vector's square-sum words, written as well. Ends in a warpgroup barrier."""
     dense = dense_base is not None
-    n_sums, per_lane = _norm_words(norm[1], sums) if poll_norm is not None else (0, 0)
+    n_sums = norm[1] // SS if sums and poll_norm is not None else 0
+    per_lane = -(-n_sums // 128) if n_sums else norm[1] // 128 if poll_norm is not None else 0
     # A's groups first, then B's, in the order the PTX sums them.
     ordered = [g for g in groups if not g.is_b] + [g for g in groups if g.is_b]
     step = reads.chunk_step
@@ -326,8 +312,9 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
                 operands.append(gmem_address(ll_p, arith.addi(v[6 + 2 * ng + 3], ss_word), 8))
         if per_lane:
             nb_, nfrom_, ntag_ = v[n_dense:]
-            operands += [_norm_address(nb_, nfrom_, init_p, ll_p, lane_, n_sums), ntag_,
-                         mgpu.utils.warpgroup_barrier_idx(sync=False), lane_]
+            nptr = arith.select(arith.cmpi(arith.CmpIPredicate.ne, nfrom_, const_i32(0)), init_p, ll_p)
+            first_word = nb_ if n_sums else arith.addi(nb_, lane_)  # square sums: word 0 (the PTX adds the lane)
+            operands += [gmem_address(nptr, first_word, 8), ntag_, mgpu.utils.warpgroup_barrier_idx(sync=False), lane_]
         if norm:
             operands.append(ptr32(rs[3]))
         dst_p = ptr32(dst)

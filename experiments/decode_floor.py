@@ -28,9 +28,7 @@ for the weight tiles a block keeps in flight at most (0: the ring's free slots; 
 `plan.default_loads`), `blocks=N`
 for a grid of N blocks (one an SM; the GPU's SM count by default), `sums=0`
 for RMSNorm readers that poll the whole vector, not its square sums (`norm_sums`; on by
-default), `packed=0` for pieces one value a word, not two (`packed`; on by default), `probe=N`
-for the loads of one word a lane a waiting reader keeps in flight (0: it loads all its words
-each round; 1 by default), `att_probe=N` the same for the attention blocks,
+default), `packed=0` for pieces one value a word, not two (`packed`; on by default),
 `NAME=SKxST` to split product NAME (qkv, o, gu, down) as given: with spare or a split, the products
 not named split as the cost model does (`chain@16,spare=0,down=22x6`, a candidate of the
 sweep of splits in whole steps); with neither, the kernel's measured choice for the shape,
@@ -124,7 +122,7 @@ def chain_options(option: str):
             stages = int(name)
         elif name == "spare":
             kw["spare"] = value not in ("0", "false", "False")
-        elif name in ("group", "prefetch", "tiles", "inflight", "loads", "blocks", "probe", "att_probe"):
+        elif name in ("group", "prefetch", "tiles", "inflight", "loads", "blocks"):
             kw[name] = int(value)
         elif name in ("sums", "packed"):
             kw["norm_sums" if name == "sums" else name] = value not in ("0", "false", "False")
@@ -133,7 +131,7 @@ def chain_options(option: str):
             splits.append((name, int(sk), int(st)))
         else:
             raise ValueError(f"chain@{option}: option {opt!r}; use a ring size (16), spare=0, group=N, "
-                             "prefetch=N, tiles=N, inflight=N, loads=N, blocks=N, sums=0|1, packed=0|1, probe=N, att_probe=N or NAME=SKxST "
+                             "prefetch=N, tiles=N, inflight=N, loads=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST "
                              "for NAME in qkv, o, gu, down.")
     if "spare" in kw or splits:  # a candidate: the cost model's splits where none is given
         kw["splits"] = tuple(splits)

@@ -234,9 +234,6 @@ def main():
     ap.add_argument("--norms", nargs="+", type=int, default=[1], choices=[0, 1],
                     help="1: the RMSNorms (their factors polled by the attention's and down's "
                          "readers); 0: the chain without them (norm_eps=None); each traced")
-    ap.add_argument("--probe", nargs="+", type=int, default=[1],
-                    help="loads of one word a lane a waiting reader keeps in flight until it has its "
-                         "tag, then it loads all (chain_mgpu's probe; 0: all each round); each traced")
     ap.add_argument("--state", nargs="+", type=int, default=[0], choices=[0, 1],
                     help="1: the kernel keeps its state from call to call and reads x_0 from an "
                          "embedding table (chain_mgpu(state=..., embed=...), the decode loop's kept form)")
@@ -250,17 +247,17 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for name, spare, group, tiles, sums, packed, inflight, loads, norms, probe, kept in (
-            (n, s, g, t, u, k, i, c, m, r, e) for n in args.presets for s in args.spare for g in args.group
+    for name, spare, group, tiles, sums, packed, inflight, loads, norms, kept in (
+            (n, s, g, t, u, k, i, c, m, e) for n in args.presets for s in args.spare for g in args.group
             for t in args.tiles for u in args.sums for k in args.packed for i in args.inflight
-            for c in args.loads for m in args.norms for r in args.probe for e in args.state):
+            for c in args.loads for m in args.norms for e in args.state):
         m = preset(name).model
         D, F, L, K = m.d_model, m.d_ff, m.num_layers, m.num_kv_heads
         x0, *ws = weights(D, D + 2 * K * m.head_dim, F, L)  # q|k|v rows: q, then K heads of k and v
         (kv, *att), _ = attention_inputs(L, D, args.capacity, args.pos, m.num_heads)
         att = (kv[:, :, :K], *att)
         sched = Schedule(stages=args.stages, tiles=tiles, inflight=inflight, loads=loads, norm_sums=bool(sums),
-                         packed=bool(packed), trace=True, probe=probe)
+                         packed=bool(packed), trace=True)
         kw = {} if spare == "auto" else dict(spare=spare == "1", splits=())  # what the kernel runs
         if group != "auto":
             kw["group"] = int(group)
@@ -291,14 +288,14 @@ def main():
         if head_us:
             head_us["table_TBps"] = args.vocab * D * 2 / head_us["work"] / 1e6
         row = dict(preset=name, spare=spare, group=group, tiles=tiles, sums=sums, packed=packed, inflight=inflight,
-                   loads=ran.sched.loads, norms=norms, probe=probe, state=kept, sources=sources,
+                   loads=ran.sched.loads, norms=norms, state=kept, sources=sources,
                    vocab=args.vocab, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
                    us_per_layer_median=med, attention_steps_us=steps, head_us=head_us,
                    kernel_us_from_stamps=[r["kernel_us_from_stamps"] for r in results],
                    sm_ghz=results[-1]["sm_ghz"])
         rows.append(row)
         print(f"{name} (spare={spare}, group={group}, tiles={tiles}, sums={sums}, packed={packed}, "
-              f"inflight={inflight}, loads={ran.sched.loads}, norms={norms}, probe={probe}, state={kept}): {L} layers, pos {args.pos}; kernel (stamps) "
+              f"inflight={inflight}, loads={ran.sched.loads}, norms={norms}, state={kept}): {L} layers, pos {args.pos}; kernel (stamps) "
               f"{np.median(row['kernel_us_from_stamps']):.1f} us; SM {row['sm_ghz']:.2f} GHz", flush=True)
         for k in ("qkv", "att", "o", "gu", "down"):
             if k + "_work" in med:
@@ -315,7 +312,7 @@ def main():
         tag = (f"{name}_spare{spare}" + ("" if group == "auto" else f"_group{group}")
                + ("" if tiles == 1 else f"_tiles{tiles}") + ("" if sums else "_nosums") + ("" if packed else "_unpacked")
                + ("" if inflight == 1 else f"_inflight{inflight}") + ("" if loads is None else f"_loads{loads}")
-               + ("" if norms else "_nonorms") + ("" if probe == 1 else f"_probe{probe}")
+               + ("" if norms else "_nonorms")
                + (f"_vocab{args.vocab}" if args.vocab else "")
                + ("_state" if kept else ""))
         plot(raw, L, os.path.join(args.out, f"trace_{tag}.png"),

@@ -1061,8 +1061,7 @@ def test_step_variants_name_their_kernel_options(monkeypatch):
     assert df.chain_options("inflight=2")[1].keywords == dict(inflight=2)
     assert df.chain_options("loads=4")[1].keywords == dict(loads=4)
     assert df.chain_options("blocks=66")[1].keywords == dict(blocks=66)
-    assert df.chain_options("probe=0,att_probe=3")[1].keywords == dict(probe=0, att_probe=3)
-    with pytest.raises(ValueError, match=re.escape("packed=0|1, probe=N, att_probe=N or NAME=SKxST")):
+    with pytest.raises(ValueError, match=re.escape("loads=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST")):
         df.chain_options("16,mlp=2x4")
     asked = []  # what a variant asks the front door for
     monkeypatch.setattr(df.decoder, "plan", lambda *a, **kw: asked.append(kw))

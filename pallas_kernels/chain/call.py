@@ -14,14 +14,13 @@ from pallas_kernels.chain.resolve import Schedule, resolve
 
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
                                              "group", "prefetch", "tiles", "norm_sums", "packed", "inflight",
-                                             "loads", "new_state", "advance", "probe", "att_probe"))
+                                             "loads", "new_state", "advance"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
                prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
                w_head=None, inflight: int = 1, loads: int | None = None, state=None,
-               new_state: bool = False, embed=None, advance: bool = False, probe: int = 1,
-               att_probe: int | None = None):
+               new_state: bool = False, embed=None, advance: bool = False):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
@@ -79,11 +78,6 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     over 132 blocks, ~4 µs of the stream) in the memory system's queues at once, where the
     next handover's polls and first tiles wait behind them (benchmarks/decode.md).
 
-    probe: a reader waiting for its input polls one word a lane (that many loads of it in
-    flight, spaced over a round trip: `words._probe_ptx`) until it has its tag, then loads
-    all of its words; 0: it loads all of them every round, one round trip less once they
-    are there and more L2 reads while it waits. att_probe: the attention blocks' (None: probe).
-
     state: the kernel's words kept from the call before (int32 [`state_size(...)`], zeros
     before the first; new_state=True makes them), so that no kernel before this one zeroes
     them: each call's words carry its epoch (`plan.tag`), which the last block out advances.
@@ -101,8 +95,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
         raise ValueError("chain_mgpu: advance=True moves pos on at the end of a call that keeps a state: "
                          "pass state=..., or advance pos outside.")
     sched = Schedule(stages=stages, tiles=tiles, inflight=inflight, loads=loads, prefetch=prefetch,
-                     norm_sums=norm_sums, packed=packed, trace=trace, probe=probe,
-                     att_probe=att_probe)
+                     norm_sums=norm_sums, packed=packed, trace=trace)
     c = resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched, blocks=blocks, norm_eps=norm_eps,
                 splits=splits, spare=spare, group=group, w_head=w_head, kept=state is not None or new_state,
                 embed=embed)

@@ -121,7 +121,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
     with a state, the last block out also adds one to pos (in place), which then follows
     (kv, state) in the result. The schedule's options are `chain_mgpu`'s of the same names."""
     prods, blocks, attn, group, head, embed = call.prods, call.blocks, call.attn, call.group, call.head, call.embed
-    stages, tiles, inflight, loads, prefetch, norm_sums, packed, trace, probe, att_probe = call.sched
+    stages, tiles, inflight, loads, prefetch, norm_sums, packed, trace = call.sched
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     kept = state is not None
@@ -286,7 +286,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 poll = dict(poll_norm=(norm[0], first, norm[1], norm[2])) if norm is not None and i == 0 else {}
                 pl.when(reads.chunks[0] < k1)(functools.partial(
                     cw.gather, ll, init_ref, x_win, groups, reads, out="bf16", use_init=first,
-                    probe=probe, **dense, **poll))
+                    **dense, **poll))
             plgpu.commit_smem()  # the window's rows, for the tensor core
 
         def ring_steps(acc, jt, nk, b_chunk, a_transposed=False, run=None):
@@ -419,7 +419,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                     poll = dict(poll_norm=(norm[0], l == 0, norm[1], norm[2]))
                 for i, reads in enumerate(head_reads(D, h, hd, words(groups), H, GB)):  # q, k, v to slots
                     cw.gather(ll, init_ref, stage_smem, groups, reads, out="f32", use_init=False,
-                              probe=att_probe, **dense, **(poll if i == 0 else {}))
+                                       **dense, **(poll if i == 0 else {}))
                 tr(l, "att_in")
                 if kept:  # the kv head's new k and v in the cache [L, 2, H, S, hd], row pos
                     row = ((l * 2 * H + j_kv) * S + pos) * hd
@@ -491,7 +491,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             def _final():  # chunk b of x_L, to y
                 groups, _, _ = input_spec("final", L - 1, 0, prods, lay, F, epoch=epoch)
                 cw.gather(ll, init_ref, out_smem, groups, Reads((b, b), (0, 0), b + 1, 1), out="f32",
-                          use_init=0, probe=probe)
+                                   use_init=0)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_smem, y_ref.at[pl.ds(b * T, T)])
                 plgpu.wait_smem_to_gmem(0)

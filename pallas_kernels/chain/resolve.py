@@ -84,9 +84,8 @@ class Schedule(NamedTuple):
     """How the kernel runs a chain, `chain_mgpu`'s options of these names (its docstring):
     the ring's stages, the tile pieces a block makes at a time, the tensor-core products and
     the weight tiles it keeps in flight, the L2 prefetch ahead of its ring, the norms' square
-    sums, pieces two values a word, the trace points and how a reader waits for its words
-    (`words.gather`'s probe). Only packed (the pieces' rounding) and norm_sums (the squares'
-    order) change the values computed."""
+    sums, pieces two values a word, and the trace points. Only packed (the pieces' rounding)
+    and norm_sums (the squares' order) change the values computed."""
 
     stages: int = 16
     tiles: int = 1
@@ -96,8 +95,6 @@ class Schedule(NamedTuple):
     norm_sums: bool = True
     packed: bool = True
     trace: bool = False
-    probe: int = 1
-    att_probe: int | None = None
 
 
 class Call(NamedTuple):
@@ -184,11 +181,6 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
     if not 0 <= loads < stages:
         raise ValueError(f"chain_mgpu: loads={loads}: want 0 (as many weight tiles in flight as the "
                          f"ring has free slots) or 1 to {stages - 1} (fewer than the ring's stages).")
-    if not 0 <= sched.probe <= 8 or not 0 <= (sched.probe if sched.att_probe is None else sched.att_probe) <= 8:
-        raise ValueError(f"chain_mgpu: probe={sched.probe}, att_probe={sched.att_probe}: want 0 (a waiting reader "
-                         "loads all its words each round) or 1 to 8 (loads of one word a lane in flight).")
-    if sched.att_probe is None:
-        sched = sched._replace(att_probe=sched.probe)
     if prefetch < 0:
         raise ValueError(f"chain_mgpu: prefetch={prefetch}: want 0 (off) or the weight tiles a block "
                          "asks of L2 ahead of its ring.")

@@ -40,7 +40,7 @@ def f32_hex(v: float) -> str:
 def _gather_ptx(groups: tuple[PollGroup, ...], dense: bool, out: str,
                 norm: tuple[float, int] | None = None, poll_norm: int = 0, passes: int = 1,
                 dense_advance: int = 0, dst_advance: int = 0, chunk_step: int = 2,
-                dense_ss: bool = False, norm_sums: int = 0, probe: int = 1) -> str:
+                dense_ss: bool = False, norm_sums: int = 0) -> str:
     """One lane's poll of `passes` passes at once. groups: `PollGroup`s, A's first: `count` words 64 apart (512 bytes; packed: 32, two values a word, `plan.pack`,
     read by a lane pair, half the words each: `_source_words`), the next chunk's `stride` bytes
     further.
@@ -65,11 +65,7 @@ def _gather_ptx(groups: tuple[PollGroup, ...], dense: bool, out: str,
     values a word; the first operand is then the address of word 0): lane i reads words
     i + 128 j and adds them up as its sum of squares. dense_ss (with dense): one more dense
     operand, this lane's pass-0 square-sum word: lane 0 of each warp writes the sum of squares
-    of its warp's 32 dense values there (pass i's: 2 i chunk_step words further).
-    probe: while waiting, each lane polls its first word alone (`_probe_ptx`: that many
-    loads of it in flight) and loads every word once that has its tag (two round trips once
-    the words are there); 0: every word is loaded each round (one round trip, and all of a
-    block's words a round while it waits)."""
+    of its warp's 32 dense values there (pass i's: 2 i chunk_step words further)."""
     G = len(groups)
     P = range(passes)
     regs, loads, checks, sums, packed, any_b, pair_groups = _source_words(groups, P)
@@ -103,6 +99,12 @@ def _gather_ptx(groups: tuple[PollGroup, ...], dense: bool, out: str,
         else:
             body += f" @ok{i} st.shared.f32 [${i_op}+{i * dst_advance}], fa{i};"
     valid = " ".join(f"add.u32 c, ${i_op + 1}, {i * chunk_step}; setp.lt.u32 ok{i}, c, ${i_op + 2};" for i in P)
+    # While waiting, each lane polls one word (its first), not all of them: a full poll is up
+    # to ~48 KB of L2 reads a block a round trip, which with every block waiting competes
+    # with the weight stream; then the full poll (usually once). Both loops are the warp's,
+    # not the lane's (`warp_retry`): divergent loops make ptxas serialise the kernel's wgmma.
+    probe = (f"LAB_W: ld.relaxed.gpu.global.b64 pw, [a0_0];{_split('pw', 'pv', 'pt', groups[0].packed)} {SPIN_GUARD}"
+             f" setp.ne.b32 p, pt, ${G}; {warp_retry('p', 'LAB_W')}")
     # pass i's chunks offset: min(i chunk_step, limit - 1 - chunk) chunks (signed)
     valid += f" sub.s32 lc, ${i_op + 2}, 1; sub.s32 lc, lc, ${i_op + 1};"
     if packed:  # the lane's parity in its pair, and the odd lane's one-word shift
@@ -110,49 +112,11 @@ def _gather_ptx(groups: tuple[PollGroup, ...], dense: bool, out: str,
     valid += " ".join(f" min.s32 c, lc, {i * chunk_step}; mul.wide.s32 off, c, {groups[g].stride}; add.s64 a{g}_{i}, ${g}, off;"
                       for i in P for g in range(G))
     valid += " ".join(f" add.s64 sa{g}_{i}, a{g}_{i}, p256;" for g in pair_groups for i in P)
-    probe_regs, probe_ptx = _probe_ptx(G, groups[0].packed, probe)
     return (f"{{ .reg .pred p; .reg .pred bad; .reg .pred q; .reg .pred qq; .reg .u32 n; .reg .s32 c; .reg .s32 lc; .reg .b64 off;"
             f" .reg .f32 g; .reg .f32 e; .reg .b32 w; .reg .b32 one; .reg .b64 dd; .reg .b16 h;"
-            f" .reg .b64 pw; .reg .b32 pv; .reg .b32 pt;{probe_regs} {regs} {valid} {setup}"
-            f" mov.u32 n, 0; {probe_ptx} LAB_G: {loads} {SPIN_GUARD} mov.pred bad, 0; {checks}"
+            f" .reg .b64 pw; .reg .b32 pv; .reg .b32 pt; {regs} {valid} {setup}"
+            f" mov.u32 n, 0; {probe} LAB_G: {loads} {SPIN_GUARD} mov.pred bad, 0; {checks}"
             f" {warp_retry('bad', 'LAB_G')} {body} }}")
-
-
-# A poll's round trip to L2 in SM cycles while the weights stream (~0.45-0.55 us at 1.8-2 GHz,
-# benchmarks/decode.md): `_probe_ptx` spaces its loads by this over their count.
-ROUND_TRIP_CYCLES = 900
-
-
-def _probe_ptx(G: int, packed: bool, probes: int) -> tuple[str, str]:
-    """PTX (its registers, its code): a lane's wait for its first word's tag (operand ${G})
-    at a0_0, before the full poll. While waiting, each lane polls that one word, not all of
-    its words: a full poll is up to ~48 KB of L2 reads a block a round trip, which with every
-    block waiting competes with the weight stream (`probe=0` measured so: benchmarks/decode.md).
-    The loops are the warp's, not the lane's (`warp_retry`): divergent loops make ptxas
-    serialise the kernel's wgmma. probes = 1: one load at a time, so a word that lands just
-    after a load passed it is seen 1.5 round trips after it landed; probes = k > 1: k loads
-    in flight, issued `ROUND_TRIP_CYCLES` / k apart and each reissued as it returns, so one
-    returns every 1 / k round trip: seen (1 + 1 / k) / 2 round trips after, for k times the
-    probe's loads (one word a lane). 0: none."""
-    if probes <= 0:
-        return "", ""
-    if probes == 1:
-        return "", (f"LAB_W: ld.relaxed.gpu.global.b64 pw, [a0_0];{_split('pw', 'pv', 'pt', packed)} {SPIN_GUARD}"
-                    f" setp.ne.b32 p, pt, ${G}; {warp_retry('p', 'LAB_W')}")
-    gap = ROUND_TRIP_CYCLES // probes
-    regs = "".join(f" .reg .b64 pw{i};" for i in range(probes)) + " .reg .u32 c0; .reg .u32 c1;"
-    ptx = ""
-    for i in range(probes):
-        if i:  # the warp waits gap cycles (its lanes' clocks agree: a uniform loop)
-            ptx += (f" mov.u32 c0, %clock; LAB_D{i}: mov.u32 c1, %clock; sub.u32 c1, c1, c0;"
-                    f" setp.lt.u32 p, c1, {gap}; {warp_retry('p', f'LAB_D{i}')}")
-        ptx += f" ld.relaxed.gpu.global.b64 pw{i}, [a0_0];"
-    ptx += " LAB_W:"
-    for i in range(probes):  # the oldest load's word: done if every lane has its tag, else reissued
-        ptx += (f"{_split(f'pw{i}', 'pv', 'pt', packed)} {SPIN_GUARD} setp.ne.b32 p, pt, ${G};"
-                f" vote.sync.any.pred p, p, -1; @!p bra.uni LAB_P;"
-                f" ld.relaxed.gpu.global.b64 pw{i}, [a0_0];")
-    return regs, ptx + " bra.uni LAB_W; LAB_P:"
 
 
 def _source_words(groups, P):
@@ -275,7 +239,7 @@ def _dense_store(P, i_op: int, advance: int, dense_ss: bool, chunk_step: int):
 
 def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dense_base=None,
            dense_on=None, dense_tag=None, dense_ss=None, norm_ref=None, norm=None, poll_norm=None,
-           sums: bool = False, probe: int = 1):
+           sums: bool = False):
     """The inline op behind a product's input, one poll round (`plan.Reads`: which
     chunk each lane reads into which slot, pass by pass, all passes' words polled at once).
     groups: [`plan.Source`] (stride: words from one chunk to the next, 64 (packed: 32) * sk
@@ -287,8 +251,7 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     warp partial sums of squares (made by an earlier round, or with poll_norm=(base_word,
     from_init, init_ok, tag) of the dense D-vector there, in this round's poll; sums: of its
     D / SS square sums there, `plan.SS`). dense_ss: with dense_base, the first of the dense
-    vector's square-sum words, written as well. probe: `_gather_ptx`'s. Ends in a warpgroup
-    barrier."""
+    vector's square-sum words, written as well. Ends in a warpgroup barrier."""
     dense = dense_base is not None
     n_sums = norm[1] // SS if sums and poll_norm is not None else 0
     per_lane = -(-n_sums // 128) if n_sums else norm[1] // 128 if poll_norm is not None else 0
@@ -297,8 +260,7 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     step = reads.chunk_step
     spec = tuple(PollGroup(g.count, g.is_b, 8 * g.stride, g.packed) for g in ordered)
     ptx = _gather_ptx(spec, dense, out, norm, per_lane, reads.passes, 8 * 64 * step,
-                      reads.slot_step * (1024 if out == "bf16" else 256), step, dense_ss is not None, n_sums,
-                      probe)
+                      reads.slot_step * (1024 if out == "bf16" else 256), step, dense_ss is not None, n_sums)
     splat = plgpu.Layout.WG_SPLAT
     traced = [jnp.asarray(v, jnp.int32) for v in (*reads.chunks, *reads.slots, reads.limit, use_init)]
     traced += [jnp.asarray(g.base_word, jnp.int32) for g in ordered]

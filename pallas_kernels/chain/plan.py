@@ -140,7 +140,8 @@ def head_product(V: int, D: int, blocks: int) -> Product:
 # with o over every block and `attention.default_group`'s query heads an attention block.
 MEASURED = {
     (2048, 6144, 5632, 132, 128): ((("qkv", 16, 8),), False, None),  # 1b: 0.713 ms, not 0.721
-    (1024, 3072, 2816, 132, 64): ((("qkv", 4, 24),), False, None),  # 350m: 0.327 ms, not 0.342 (an H100, loads 2)
+    # 350m: 0.327 ms, not 0.342 (an H100, loads 2); on an H200 0.307 against the old choice's 0.310
+    (1024, 3072, 2816, 132, 64): ((("qkv", 4, 24),), False, None),
 }  # Llama-3.2-1B's shape: the defaults (0.696 ms, the best of 20 candidates)
 
 

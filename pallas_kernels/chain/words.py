@@ -253,8 +253,10 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     D / SS square sums there, `plan.SS`). dense_ss: with dense_base, the first of the dense
     vector's square-sum words, written as well. Ends in a warpgroup barrier."""
     dense = dense_base is not None
-    n_sums = norm[1] // SS if sums and poll_norm is not None else 0
-    per_lane = -(-n_sums // 128) if n_sums else norm[1] // 128 if poll_norm is not None else 0
+    n_sums = per_lane = 0  # the norm's square sums polled, and the words a lane polls of them
+    if poll_norm is not None:  # (or of the vector itself, without sums)
+        n_sums = norm[1] // SS if sums else 0
+        per_lane = -(-n_sums // 128) if n_sums else norm[1] // 128
     # A's groups first, then B's, in the order the PTX sums them.
     ordered = [g for g in groups if not g.is_b] + [g for g in groups if g.is_b]
     step = reads.chunk_step

@@ -222,6 +222,12 @@ def test_capped_loads_lower_and_a_bad_cap_is_refused():
     for bad in (-1, 16):
         with pytest.raises(ValueError, match=f"loads={bad}: want 0"):
             cc.chain_mgpu(*inputs(128, 192, 128, 1), loads=bad)
+    # the attention blocks' own cap: another kernel; as the others' it is the same one
+    att = lambda n: lowered_for_sm90(  # noqa: E731
+        lambda *a: cc.chain_mgpu(*a, blocks=132, norm_eps=1e-5, att_loads=n), *args)
+    assert att(0) != lower(None) == att(plan.default_loads(1024))
+    with pytest.raises(ValueError, match="att_loads=16: want None"):
+        cc.chain_mgpu(*inputs(128, 192, 128, 1), att_loads=16)
 
 
 def test_loads_default_to_the_cap_measured_for_the_width():
@@ -506,12 +512,13 @@ def gqa_inputs(D, hd, kv_heads, F, L, seed=0):
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
 @pytest.mark.parametrize("preset,options", [
     ("350m", dict(loads=0)), ("350m", dict(loads=4)), ("llama3.2-1b", dict(loads=0)),
-    ("llama3.2-1b", dict(loads=2)), ("1b", dict(loads=0)), ("gqa8-hd128", dict(loads=3))])
+    ("llama3.2-1b", dict(loads=2)), ("1b", dict(loads=0)), ("gqa8-hd128", dict(loads=3)),
+    ("350m", dict(att_loads=0)), ("llama3.2-1b", dict(att_loads=12))])
 def test_scheduling_options_give_the_default_kernels_bits_on_the_gpu(preset, options):
     """loads (how many weight tiles a block has asked for and not yet received; 0: the ring's
-    free slots, the kernel before the default cap) changes when things happen, not what is
-    summed in which order: the output and the new k and v are the default kernel's, bit for
-    bit."""
+    free slots, the kernel before the default cap) and att_loads (the attention blocks' own)
+    change when things happen, not what is summed in which order: the output and the new k
+    and v are the default kernel's, bit for bit."""
     D, F, NQ, K, hd = ATTENTION[preset]
     x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, 3)
     att = attention_inputs(3, D, 320, 129, heads=NQ, kv_heads=K)

@@ -51,6 +51,10 @@ TABLE = [  # cfg, batch, platform, device kind, options -> path, line
      "pages it)"),
     (MHA, 1, "gpu", H200, dict(step_tokens=5), "fast",
      "decode: fast path — the megakernel needs one token a call (this plan decodes 5)"),
+    (MHA, 1, "gpu", H200, dict(max_len=1024), "megakernel", "decode: megakernel (batch 1, NVIDIA H200)"),
+    (GQA, 1, "gpu", H200, dict(max_len=2048), "fast",
+     "decode: fast path — the megakernel needs a context of at most 1,024 tokens to be the faster "
+     "(this plan decodes up to 2,048: past it its attention reads the cache slower than the fast path's)"),
     (MHA, 1, "cpu", "cpu", {}, "reference", NO_GPU),
     (GQA, 4, "cpu", "cpu", {}, "reference", NO_GPU),
     (MOE, 1, "cpu", "cpu", {}, "reference", NO_GPU),
@@ -59,9 +63,17 @@ TABLE = [  # cfg, batch, platform, device kind, options -> path, line
 
 @pytest.mark.parametrize("cfg,batch,platform,kind,kw,path,line", TABLE,
                          ids=["mha-h200", "mha-h100", "gqa", "wide", "moe", "batch4", "a100", "paged",
-                              "verify5", "cpu", "cpu-gqa-batch4", "cpu-moe"])
+                              "verify5", "short", "long", "cpu", "cpu-gqa-batch4", "cpu-moe"])
 def test_auto_takes_the_fastest_path_that_runs(cfg, batch, platform, kind, kw, path, line):
     assert decoder.choose(cfg, batch, platform, kind, **kw) == (path, line)
+
+
+def test_a_long_context_keeps_an_explicit_megakernel():
+    """Past `megakernel.LONGEST_CONTEXT` auto takes the fast path (its attention is the faster
+    there); the megakernel asked for by name still runs."""
+    kw = dict(platform="gpu", device_kind=H200)
+    assert decoder.resolve(MHA, 1, "auto", max_len=4096, **kw)[0] == "fast"
+    assert decoder.resolve(MHA, 1, "megakernel", max_len=4096, **kw)[0] == "megakernel"
 
 
 def test_hopper_device_kinds():

@@ -15,7 +15,8 @@ equal across them):
 
 * "megakernel": every layer of a one-token step in one persistent kernel (`megakernel`,
   `pallas_kernels.chain`): a Hopper GPU, batch 1, a dense multi-head SwiGLU bf16 model
-  (`megakernel.supported`). The kernel is an argument: `chain_mgpu` by default,
+  (`megakernel.supported`); auto takes it up to `megakernel.LONGEST_CONTEXT` tokens (past
+  them the fast path's attention is the faster). The kernel is an argument: `chain_mgpu` by default,
   `megakernel.chain_reference` (its math in XLA) to run the path on any device.
 * "fast": weights in the decode layout (`decode_layout`), one cache buffer per layer written
   in place (`LayerKVCache`), the layers straight-line (`decode_block`); on a GPU attention
@@ -64,11 +65,12 @@ def attention_backend(cfg: ModelConfig, platform: str, backend: str | None = Non
 
 
 def choose(cfg: ModelConfig, batch: int, platform: str, device_kind: str, *,
-           paged: bool = False, step_tokens: int = 1) -> tuple[str, str]:
+           paged: bool = False, step_tokens: int = 1, max_len: int | None = None) -> tuple[str, str]:
     """(path, its one-line reason) that "auto" takes for `cfg` at `batch` on a device of
     `platform` ("gpu", "cpu", ...) and `device_kind` ("NVIDIA H200"). `paged`: the caller
     needs a paged cache (continuous batching); `step_tokens`: tokens a call decodes (a
-    speculative target verifies gamma + 1)."""
+    speculative target verifies gamma + 1); `max_len`: the longest sequence the plan decodes
+    (past `megakernel.LONGEST_CONTEXT` the fast path's attention is the faster; None: short)."""
     if platform != "gpu":
         return "reference", f"decode: reference — {platform} (the fast path and the megakernel need a GPU)"
     if cfg.moe_experts:
@@ -81,6 +83,9 @@ def choose(cfg: ModelConfig, batch: int, platform: str, device_kind: str, *,
         why = "a contiguous cache (continuous batching pages it)"
     if why is None and step_tokens != 1:
         why = f"one token a call (this plan decodes {step_tokens})"
+    if why is None and max_len is not None and max_len > megakernel.LONGEST_CONTEXT:
+        why = (f"a context of at most {megakernel.LONGEST_CONTEXT:,} tokens to be the faster (this plan "
+               f"decodes up to {max_len:,}: past it its attention reads the cache slower than the fast path's)")
     if why is None:
         return "megakernel", f"decode: megakernel (batch {batch}, {device_kind})"
     return "fast", f"decode: fast path — the megakernel needs {why}"
@@ -98,13 +103,15 @@ def _refuse(path: str, why: str, fix: str) -> ValueError:
 
 def resolve(cfg: ModelConfig, batch: int, path: str = "auto", *, platform: str,
             device_kind: str, kernel: Callable | None = None, paged: bool = False,
-            step_tokens: int = 1) -> tuple[str, str]:
+            step_tokens: int = 1, max_len: int | None = None) -> tuple[str, str]:
     """(path, line) for an explicit or "auto" `path`; an explicit path that cannot run is a
-    ValueError naming generate.path and the fix."""
+    ValueError naming generate.path and the fix. An explicit "megakernel" runs at any
+    max_len (`choose`'s context rule is auto's)."""
     if path not in DECODE_PATHS:
         raise ValueError(f"generate.path={path!r}; choose one of {', '.join(DECODE_PATHS)}.")
     if path == "auto":
-        return choose(cfg, batch, platform, device_kind, paged=paged, step_tokens=step_tokens)
+        return choose(cfg, batch, platform, device_kind, paged=paged, step_tokens=step_tokens,
+                      max_len=max_len)
     if path == "megakernel":
         why = megakernel.supported(cfg, batch)
         if why:
@@ -260,7 +267,7 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
                          "(pallas_kernels.head) or 'fused' (inside the megakernel).")
     platform, kind = device or this_device()
     path, line = resolve(cfg, batch, path, platform=platform, device_kind=kind, kernel=kernel,
-                         paged=paged, step_tokens=step_tokens)
+                         paged=paged, step_tokens=step_tokens, max_len=max_len)
     if head == "auto":
         head = ("fused" if path == "megakernel" and cfg.vocab_size >= megakernel.FUSED_HEAD_MIN_VOCAB
                 and not megakernel.fused_head_supported(cfg) else "xla")

@@ -81,6 +81,17 @@ def supported(cfg: ModelConfig, batch: int) -> str | None:
 FUSED_HEAD_MIN_VOCAB = 32_000
 
 
+# The longest context (a plan's max_len) for which `decoder.plan(path="auto")` takes the
+# megakernel. Its attention gives each query head (group) one block, which streams that
+# head's K and V tiles at one block's capped share of the bandwidth, so a step grows with the
+# context 3-5x faster than the fast path's, whose attention kernel reads the cache with every
+# SM. Measured on an H100 (benchmarks/decode.md, "Long contexts"): at ~2,016 positions the
+# megakernel is slower (350m 0.932 against 0.767 ms, Llama-3.2-1B's shape 1.380 against 1.348);
+# interpolated from the steps at ~160 positions the paths cross at ~1,380 (350m) and ~1,800
+# (Llama-3.2-1B's shape) positions. 1,024 keeps every step of an auto plan below both.
+LONGEST_CONTEXT = 1024
+
+
 # Whether `decoder.plan(kernel_state=None)` keeps the kernel's state between steps where the
 # megakernel runs: no. Compiled, a step is 4 XLA kernels shorter; timed on an H100 it is no
 # faster (-0.3% to +0.6% at the three presets, benchmarks/decode.md).

@@ -121,7 +121,8 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
     with a state, the last block out also adds one to pos (in place), which then follows
     (kv, state) in the result. The schedule's options are `chain_mgpu`'s of the same names."""
     prods, blocks, attn, group, head, embed = call.prods, call.blocks, call.attn, call.group, call.head, call.embed
-    stages, tiles, inflight, loads, prefetch, norm_sums, packed, trace = call.sched
+    stages, tiles, inflight, loads, prefetch, norm_sums, packed, trace, att_loads = call.sched
+    uneven = attn is not None and att_loads is not None and att_loads != loads  # the attention blocks' own cap
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     kept = state is not None
@@ -186,6 +187,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         per_layer, before = counts(b, pos)
         h = ca.head_of(b, NB)  # the attention block this is, if h < A: query heads h GB ..
         j_kv = h // per_kv if attn is not None else None  # and their kv head
+        cap = jnp.where(h < A, att_loads, loads) if uneven else loads  # weight tiles in flight at most
         n_pts = len(TRACE_POINTS)
 
         def tr(l, name):  # a trace point of this block (trace=True)
@@ -195,7 +197,9 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         def issue(j, src):  # ring step j: the tile src into its slot
             slot = lax.rem(j, st)
             pl.when(j >= st)(lambda: plgpu.barrier_wait(free.at[slot]))
-            if loads:  # at most `loads` tiles in flight: step j - loads has landed
+            if uneven:  # this block's cap (0: none)
+                pl.when((cap > 0) & (j >= cap))(lambda: plgpu.barrier_wait(full.at[lax.rem(j - cap, st)]))
+            elif loads:  # at most `loads` tiles in flight: step j - loads has landed
                 pl.when(j >= loads)(lambda: plgpu.barrier_wait(full.at[lax.rem(j - loads, st)]))
             plgpu.copy_gmem_to_smem(src, w_smem.at[slot], full.at[slot])
 

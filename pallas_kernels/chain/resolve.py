@@ -84,8 +84,9 @@ class Schedule(NamedTuple):
     """How the kernel runs a chain, `chain_mgpu`'s options of these names (its docstring):
     the ring's stages, the tile pieces a block makes at a time, the tensor-core products and
     the weight tiles it keeps in flight, the L2 prefetch ahead of its ring, the norms' square
-    sums, pieces two values a word, and the trace points. Only packed (the pieces' rounding)
-    and norm_sums (the squares' order) change the values computed."""
+    sums, pieces two values a word, the trace points, and the weight tiles in flight of an
+    attention block (None: loads). Only packed (the pieces' rounding) and norm_sums (the
+    squares' order) change the values computed."""
 
     stages: int = 16
     tiles: int = 1
@@ -95,6 +96,7 @@ class Schedule(NamedTuple):
     norm_sums: bool = True
     packed: bool = True
     trace: bool = False
+    att_loads: int | None = None
 
 
 class Call(NamedTuple):
@@ -181,6 +183,10 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
     if not 0 <= loads < stages:
         raise ValueError(f"chain_mgpu: loads={loads}: want 0 (as many weight tiles in flight as the "
                          f"ring has free slots) or 1 to {stages - 1} (fewer than the ring's stages).")
+    att_loads = sched.att_loads
+    if att_loads is not None and not 0 <= att_loads < stages:
+        raise ValueError(f"chain_mgpu: att_loads={att_loads}: want None (as loads), 0 (the ring's free "
+                         f"slots) or 1 to {stages - 1} weight tiles in flight for an attention block.")
     if prefetch < 0:
         raise ValueError(f"chain_mgpu: prefetch={prefetch}: want 0 (off) or the weight tiles a block "
                          "asks of L2 ahead of its ring.")

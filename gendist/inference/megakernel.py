@@ -94,7 +94,9 @@ LONGEST_CONTEXT = 1024
 
 # Whether `decoder.plan(kernel_state=None)` keeps the kernel's state between steps where the
 # megakernel runs: no. Compiled, a step is 4 XLA kernels shorter; timed on an H100 it is no
-# faster (-0.3% to +0.6% at the three presets, benchmarks/decode.md).
+# faster at d 2048 and, with the weight-tile cap, 1.0-1.6% faster at 350m (four processes,
+# benchmarks/decode.md): off until an H200 confirms the gain, since at d 1024 it would also
+# change speculative decoding's draft, timed without it (docs/decisions.md).
 KEEP_STATE = False
 
 

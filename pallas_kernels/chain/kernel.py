@@ -197,10 +197,9 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         def issue(j, src):  # ring step j: the tile src into its slot
             slot = lax.rem(j, st)
             pl.when(j >= st)(lambda: plgpu.barrier_wait(free.at[slot]))
-            if uneven:  # this block's cap (0: none)
-                pl.when((cap > 0) & (j >= cap))(lambda: plgpu.barrier_wait(full.at[lax.rem(j - cap, st)]))
-            elif loads:  # at most `loads` tiles in flight: step j - loads has landed
-                pl.when(j >= loads)(lambda: plgpu.barrier_wait(full.at[lax.rem(j - loads, st)]))
+            if uneven or loads:  # at most `cap` tiles in flight: step j - cap has landed (0: no cap)
+                landed = (cap > 0) & (j >= cap) if uneven else j >= cap
+                pl.when(landed)(lambda: plgpu.barrier_wait(full.at[lax.rem(j - cap, st)]))
             plgpu.copy_gmem_to_smem(src, w_smem.at[slot], full.at[slot])
 
         def produce(l, p):  # layer l's product p: its weight tiles into the ring

@@ -2,6 +2,7 @@
 weight tile once and every LL word it reads is written once, its sm90 lowering carries the
 LL protocol and no fence, its reference is the chain's math, and on an sm90 GPU the kernel
 matches the reference."""
+import itertools
 import json
 import os
 import re
@@ -189,6 +190,42 @@ def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps, group):
     for s in ("fence.acq", "fence.proxy.async.global", "red.release"):
         assert s not in text, s
     assert_polls_are_the_warps(text)
+
+
+@pytest.mark.parametrize("shape,splits", [("350m", 4), ("gqa8-hd128", 3)])
+def test_split_attention_lowers_and_bad_splits_are_refused(shape, splits):
+    """att_splits: each query group's positions over several blocks, each storing its output
+    and its log2-sum-exp (lg2), o's readers weighting them (ex2 of the differences, one
+    division): it lowers without a fence and polls as a warp; 0, 9 and splits without
+    attention are refused, naming the field."""
+    args = attention_specs(shape)
+    text = lowered_for_sm90(lambda *a: cc.chain_mgpu(*a, blocks=132, norm_eps=1e-5, att_splits=splits), *args)
+    for s in ("lg2.approx.f32", "mov.f32 mn, 0f00000000", "div.rn.f32", "CMB_E", "LAB_G"):
+        assert s in text, s
+    for s in ("fence.acq", "fence.proxy.async.global", "red.release"):
+        assert s not in text, s
+    assert_polls_are_the_warps(text)
+    plain = lowered_for_sm90(lambda *a: cc.chain_mgpu(*a, blocks=132, norm_eps=1e-5), *args)
+    assert "lg2.approx.f32" not in plain and "mov.f32 mn," not in plain
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="att_splits"):
+            jax.eval_shape(lambda *a, bad=bad: cc.chain_mgpu(*a, blocks=132, att_splits=bad), *args)
+    with pytest.raises(ValueError, match="att_splits"):
+        jax.eval_shape(lambda *a: cc.chain_mgpu(*a, blocks=132, att_splits=2), *args[:5])
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 4, 8])
+def test_splits_cover_the_positions_and_the_last_owns_the_new_token(splits):
+    """`attention.split_tiles`: a head's position tiles split over its blocks cover every tile
+    once, in order, the busiest with at most one tile more than the least, and the last
+    split, which takes the new token, always has the tile of its position."""
+    for n in range(1, 40):
+        got = [ca.split_tiles(n, s, splits) for s in range(splits)]
+        assert got[0][0] == 0 and got[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(got[:-1], got[1:], strict=True))
+        sizes = [t1 - t0 for t0, t1 in got]
+        assert max(sizes) - min(sizes) <= 1 and sizes[-1] >= 1
+        assert sum(ca.items(64 * n, 128, s, splits) for s in range(splits)) == ca.items(64 * n, 128)
 
 
 @pytest.mark.parametrize("vocab", [256, 128256])
@@ -560,6 +597,60 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, 
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
+@pytest.mark.parametrize("preset,capacity,pos,splits", [
+    ("350m", 320, 0, 4), ("350m", 320, 70, 4), ("350m", 320, 255, 2), ("350m", 2048, 1990, 8),
+    ("1b", 320, 129, 3), ("llama3.2-1b", 320, 129, 2), ("llama3.2-1b", 2048, 2000, 4), ("gqa8-hd128", 320, 200, 4)])
+def test_split_attention_matches_the_reference_on_the_gpu(preset, capacity, pos, splits):
+    """att_splits: each query group's positions over `splits` blocks (at pos 0 and 70 some
+    have none), merged by o's readers: x_L and the new k, v within bf16's error of the
+    reference's; the new k and v bit for bit the kernel's without splits."""
+    D, F, NQ, K, hd = ATTENTION[preset]
+    x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, 3)
+    att = attention_inputs(3, D, capacity, pos, heads=NQ, kv_heads=K)
+    g = gains(D, 3)
+    wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
+    got, got_kv = cc.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5, att_splits=splits)
+    _, plain_kv = cc.chain_mgpu(x0, wq_f, wo, wgu_f, wd, *att, norm_eps=1e-5)
+    want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+    got_kv, want_kv = np.asarray(got_kv, np.float32), np.asarray(want_kv, np.float32)
+    assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
+    np.testing.assert_array_equal(got_kv, np.asarray(plain_kv, np.float32))
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
+def test_split_attention_with_a_kept_state_on_the_gpu():
+    """att_splits with the decode loop's form (state, embed, advance): calls at 1990, 1991
+    and 1990 again give the bits of fresh-word calls with the same splits, the cache with
+    the new k and v written once at the position."""
+    D, F, NQ, K, hd = ATTENTION["llama3.2-1b"]
+    _, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, 2)
+    wq_f, wgu_f = cx.fold_norms(wq, wgu, *gains(D, 2))
+    kv, _, rope = attention_inputs(2, D, 2048, 1990, heads=NQ, kv_heads=K)
+    angles = rope_table_around(rope, 1990, 2048)
+    emb = jax.random.normal(jax.random.key(9), (1000, D), jnp.float32).astype(jnp.bfloat16)
+    opts = dict(norm_eps=1e-5, att_splits=4)
+    f = jax.jit(lambda token, kv, pos, state: cc.chain_mgpu(None, wq_f, wo, wgu_f, wd, kv, pos, angles, state=state,
+                                                            embed=(emb, token), advance=True, **opts))
+    fresh = jax.jit(lambda x, kv, pos: cc.chain_mgpu(x, wq_f, wo, wgu_f, wd, kv, pos, angles, **opts))
+    one = jnp.zeros((1,), jnp.int32)
+    state = jnp.zeros((cc.state_size(None, wq_f, wo, wgu_f, wd, kv, one, angles, embed=(emb, one), **opts),),
+                      jnp.int32)
+    for i, p in enumerate((1990, 1991, 1990)):
+        token = jnp.array([7 + 300 * i], jnp.int32)
+        pos = jnp.array([p], jnp.int32)
+        want_x, kv_new = fresh(emb[token[0]].astype(jnp.float32), kv, pos)
+        got_x, got_kv, state, pos_next = f(token, kv, pos, state)
+        assert int(pos_next[0]) == p + 1
+        np.testing.assert_allclose(np.asarray(got_x), np.asarray(want_x), rtol=1e-5,
+                                   atol=1e-5 * np.abs(np.asarray(want_x)).max())
+        want_kv = jax.lax.dynamic_update_slice(kv, kv_new[:, :, :, None], (0, 0, 0, p, 0))
+        np.testing.assert_array_equal(np.asarray(got_kv, np.float32), np.asarray(want_kv, np.float32))
+        kv = got_kv
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
 @pytest.mark.parametrize("preset,vocab,attention", [("350m", 256, False), ("1b", 32000, True),
                                                     ("llama3.2-1b", 128256, True)])
 def test_the_output_layer_inside_matches_the_reference_on_the_gpu(preset, vocab, attention):
@@ -654,7 +745,7 @@ def test_packed_words_keep_two_values_and_a_tag():
 
 
 def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att_blocks=0, group=None,
-            sums=False, packed=False, w_head=None, state=None, embed=False):
+            sums=False, packed=False, w_head=None, state=None, embed=False, att_splits=1):
     """The kernel's data flow in numpy, through the kernel's own decomposition (`rect`), word
     layout (`layout`, `init_words`, `piece_word`) and input wiring (`input_spec`): each
     active block gathers its chunks (summing pieces, the residual, SwiGLU), rounds them to
@@ -674,13 +765,15 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
     holds the call before's (or nothing, or its own two layers back), and the epoch advances.
     embed (with a state): the host's words lie in the state after the LL words
     (`plan.kept_layout`), x_0's and its square sums written at the call's start with its
-    tag, the down pieces the zeros the state began with (`chain_mgpu(embed=...)`)."""
+    tag, the down pieces the zeros the state began with (`chain_mgpu(embed=...)`). att_splits
+    R > 1: each query group's positions split over R blocks (`attention.split_tiles`), each
+    writing its normalised output and log2-sum-exp, which o's readers merge."""
     L, N1, D = wq.shape
     F = wd.shape[2]
     new = []
     prods = plan.products(D, N1, F, blocks, attention=att is not None, splits=splits,
                           att_blocks=att_blocks)
-    lay = plan.layout(prods, D, attention=att is not None, packed=packed)
+    lay = plan.layout(prods, D, attention=att is not None, packed=packed, att_splits=att_splits)
     assert lay.packed == packed and lay.piece_words == (32 if packed else 64)
     epoch = state.setdefault("epoch", 0) if state is not None else 0
     tag = lambda l: plan.tag(l, epoch)  # noqa: E731
@@ -733,9 +826,15 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
 
     def read(name, l, gt, c, use_init):
         groups, dense, norm = plan.input_spec(name, l, gt, prods, lay, F, norm_eps is not None,
-                                              att is not None, use_sums, epoch)
+                                              att is not None, use_sums, epoch, att_splits)
         sums = [np.zeros(64), np.zeros(64)]
-        for count, stride, is_b, base_word, init_ok, want, two in groups:
+        if any(g.lse for g in groups):  # the splits' outputs, weighted by their log2-sum-exps
+            (vals_, lse_) = ([words(int(g.base_word) + c * g.stride + j * 64, 64, False, False, g.tag)
+                              for j in range(g.count)] for g in groups)
+            assert all((x == x[0]).all() for x in lse_)  # one a split, at every column
+            w = np.exp2(np.array(lse_) - np.max(lse_, axis=0))
+            return (w * np.array(vals_)).sum(axis=0) / w.sum(axis=0)
+        for count, stride, is_b, base_word, init_ok, want, two, _ in groups:
             for j in range(count):
                 sums[is_b] += words(int(base_word) + c * stride + j * (32 if two else 64), 64, init_ok, use_init,
                                     want, two)
@@ -773,7 +872,8 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
                 H, hd = kv.shape[2], kv.shape[4]
                 nc, NQ = hd // 64, D // hd
                 GB = group or ca.group_of(NQ, H)
-                for a in range(NQ // GB):  # attention block a: query heads a GB .. (a + 1) GB - 1
+                R = att_splits
+                for a, split in itertools.product(range(NQ // GB), range(R)):  # query heads a GB .., a split
                     j = a * GB // (NQ // H)  # their kv head
                     words_ = cm.words(plan.input_spec("att", l, 0, prods, lay, F, epoch=epoch)[0])
                     slot = {s: read("att", l, 0, c, l == 0)
@@ -781,11 +881,19 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
                     assert sorted(slot) == list(range((GB + 2) * nc))
                     stage = np.concatenate([slot[s] for s in range((GB + 2) * nc)])
                     k, v = stage[GB * hd:(GB + 1) * hd], stage[(GB + 1) * hd:]
+                    rows = [64 * t for t in ca.split_tiles(int(ca.tiles(int(pos[0]))), split, R)]
                     for g in range(GB):
-                        o, kn, vn = attend(stage[g * hd:(g + 1) * hd], k, v, kv[l, 0, j], kv[l, 1, j],
-                                           int(pos[0]), rope, bf16)
-                        write(plan.region(l, lay) + lay.offsets["att"] + (a * GB + g) * hd, hd, o, l)
-                    new.append((l, j, kn, vn))
+                        o, lse, kn, vn = attend(stage[g * hd:(g + 1) * hd], k, v, kv[l, 0, j], kv[l, 1, j],
+                                                int(pos[0]), rope, bf16, rows, split == R - 1)
+                        if R == 1:
+                            write(plan.region(l, lay) + lay.offsets["att"] + (a * GB + g) * hd, hd, o, l)
+                            continue
+                        for c in range(nc):  # o's input chunk (a GB + g) nc + c, this split's 64 words
+                            word = (((a * GB + g) * nc + c) * R + split) * 64
+                            write(plan.region(l, lay) + lay.offsets["att"] + word, 64, o[c * 64:(c + 1) * 64], l)
+                            write(plan.region(l, lay) + lay.offsets["lse"] + word, 64, np.full(64, lse), l)
+                    if split == R - 1:
+                        new.append((l, j, kn, vn))
     x_L = np.concatenate([read("final", L - 1, 0, c, False) for c in range(D // 64)])
     z = None
     if w_head is not None:
@@ -813,18 +921,25 @@ def emulate(x0, wq, wo, wgu, wd, blocks, norm_eps=None, att=None, splits=(), att
     return (x_L, kv_new) if z is None else (x_L, kv_new, z)
 
 
-def attend(q, k, v, K_SH, V_SH, pos, rope, bf16):
+def attend(q, k, v, K_SH, V_SH, pos, rope, bf16, rows=None, owner=True):
     """One head's attention as the kernel computes it: q, k rotated (NeoX pairs) and
     rounded to bf16, scores of rows < pos and the new token, p = exp(s - m) in bf16, P V
-    plus the new token's p v, over the sum."""
+    plus the new token's p v, over the sum. rows (r0, r1): a split's (`attention.split_tiles`),
+    only rows r0 .. min(pos, r1) - 1, and the new token only if it owns it; the result is
+    then (o, log2-sum-exp, k, v), an empty split's (0, -inf)."""
     half = len(q) // 2
     c, s = rope[:half], rope[half:]
     rot = lambda x: bf16(np.concatenate([x[:half] * c - x[half:] * s, x[half:] * c + x[:half] * s]))  # noqa: E731
     q, k, v = rot(q), rot(k), bf16(v)
-    scores = np.concatenate([K_SH[:pos] @ q, [q @ k]]) / np.sqrt(len(q))
+    r0, r1 = (0, pos) if rows is None else (rows[0], min(pos, rows[1]))
+    scores = np.concatenate([K_SH[r0:r1] @ q, [q @ k] if owner else []]) / np.sqrt(len(q))
+    if scores.size == 0:
+        return np.zeros_like(q), -np.inf, k, v
     e = np.exp(scores - scores.max())
-    o = (bf16(e[:-1]) @ V_SH[:pos] + e[-1] * v) / e.sum()
-    return o, k, v
+    o = (bf16(e[:r1 - r0]) @ V_SH[r0:r1] + (e[-1] * v if owner else 0)) / e.sum()
+    if rows is None:
+        return o, k, v
+    return o, (scores.max() + np.log(e.sum())) * np.log2(np.e), k, v
 
 
 def gains(D, L):
@@ -875,18 +990,23 @@ def test_the_output_layers_data_flow_computes_the_logits(blocks, vocab):
     (20, True, 0, (), True, True, False), (132, True, 129, (), False, True, False),
     (20, True, 0, (), True, True, True), (132, True, 70, (("gu", 2, 16), ("down", 8, 4)), True, False, True),
     (132, True, 70, (("gu", 3, 5), ("o", 1, 4)), False, True, True)])  # odd piece counts, packed
-def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, spare, sums, packed):
+@pytest.mark.parametrize("att_splits", [1, 3])
+def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, spare, sums, packed, att_splits):
     """With attention: each head's block reads q, k, v through the kernel's wiring, its
     output words are what o reads, and x_L and the new k, v are the reference's (also with
     splits overridden, as `experiments/sweep_chain_splits.py` runs them, and with o split
-    over all blocks, spare=False, or over those that do not attend, the default)."""
+    over all blocks, spare=False, or over those that do not attend, the default; and with
+    each head's positions split over 3 blocks, some of them empty at pos 0 and 70)."""
     D, N1, F, L, H = 256, 768, 512, 3, 2
+    if blocks < H * att_splits:
+        pytest.skip("fewer blocks than attention blocks")
     x0, wq, wo, wgu, wd = inputs(D, N1, F, L)
     att = attention_inputs(L, D, 192, pos, heads=H)
     g = gains(D, L) if norms else None
     wq_f, wgu_f = cx.fold_norms(wq, wgu, *g) if norms else (wq, wgu)
     got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5 if norms else None, att=att,
-                          splits=splits, att_blocks=H if spare else 0, sums=sums, packed=packed)
+                          splits=splits, att_blocks=H * att_splits if spare else 0, sums=sums, packed=packed,
+                          att_splits=att_splits)
     want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
     want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
@@ -921,7 +1041,8 @@ def test_a_kept_state_serves_call_after_call(L, blocks, packed, first_epoch, emb
 @pytest.mark.parametrize("D,hd,kv_heads,blocks,group,options", [
     (512, 64, 2, 132, None, {}), (512, 64, 8, 132, None, {}), (512, 128, 1, 9, None, {}),
     (768, 64, 4, 20, None, {}), (512, 64, 2, 132, 1, {}), (512, 64, 2, 20, 2, {}),
-    (512, 64, 2, 132, 1, dict(sums=True, packed=True)), (512, 128, 1, 9, None, dict(sums=True, packed=True))])
+    (512, 64, 2, 132, 1, dict(sums=True, packed=True)), (512, 128, 1, 9, None, dict(sums=True, packed=True)),
+    (512, 64, 2, 132, 1, dict(sums=True, packed=True, att_splits=2)), (512, 128, 1, 9, None, dict(att_splits=4))])
 def test_the_grouped_query_data_flow_computes_the_chain(D, hd, kv_heads, blocks, group, options):
     """Grouped-query attention (D / hd query heads over kv_heads: groups of 4, 1 (multi-head),
     4 at head_dim 128, 3): each attention block reads its query heads' q and their kv head's
@@ -932,7 +1053,7 @@ def test_the_grouped_query_data_flow_computes_the_chain(D, hd, kv_heads, blocks,
     att = attention_inputs(L, D, 128, pos, heads=D // hd, kv_heads=kv_heads)
     g = gains(D, L)
     wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
-    spare = D // hd // (group or ca.group_of(D // hd, kv_heads))  # o on the blocks that do not attend
+    spare = D // hd // (group or ca.group_of(D // hd, kv_heads)) * options.get("att_splits", 1)  # o elsewhere
     got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, att=att, att_blocks=spare,
                           group=group, **options)
     want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
@@ -1068,7 +1189,7 @@ def test_step_variants_name_their_kernel_options(monkeypatch):
     assert df.chain_options("inflight=2")[1].keywords == dict(inflight=2)
     assert df.chain_options("loads=4")[1].keywords == dict(loads=4)
     assert df.chain_options("blocks=66")[1].keywords == dict(blocks=66)
-    with pytest.raises(ValueError, match=re.escape("loads=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST")):
+    with pytest.raises(ValueError, match=re.escape("att_splits=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST")):
         df.chain_options("16,mlp=2x4")
     asked = []  # what a variant asks the front door for
     monkeypatch.setattr(df.decoder, "plan", lambda *a, **kw: asked.append(kw))

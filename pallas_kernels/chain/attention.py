@@ -28,6 +28,14 @@ h g .. h g + g - 1 of layer l (g = the group):
 6. the heads' outputs as LL words of the layer's "att" region (`words.ll_store_heads`):
    the output product's input.
 
+With `att_splits` R > 1 (`split_tiles`) each query group has R blocks, each reading a split
+of the position tiles (split-K over the keys, as FlashDecoding splits them: Dao et al. 2023,
+"Flash-Decoding for long-context inference"): a split's maximum, p and P V are its own, only
+the last split (which holds the new token's tile) adds the new token, and each writes its
+output divided by its own sum, and its log2-sum-exp m scale log2 e + log2 l, to the "att"
+and "lse" regions; o's readers weight the R outputs by 2^(lse - max lse) (`words.gather`).
+A context's K and V then stream through R blocks' rings, not one.
+
 The cache rows at and above pos are never trusted: their p is 0. The cache must hold finite
 values there (0 * NaN is NaN on the tensor core too): the caller allocates it zeroed. The
 new token's k and v are never read back from the cache (the row is written after the kernel).
@@ -63,9 +71,22 @@ def tiles(pos):
     return jnp.maximum((pos + 63) // 64, 1)
 
 
-def items(pos, head_dim: int):
-    """Weight-ring steps of a head: K tiles (tiles x hd/64 chunks) then V tiles."""
-    return 2 * tiles(pos) * (head_dim // 64)
+def items(pos, head_dim: int, split=0, splits: int = 1):
+    """Weight-ring steps of a head (or of its split `split` of `splits`, `split_tiles`): K
+    tiles (tiles x hd/64 chunks) then V tiles."""
+    t0, t1 = split_tiles(tiles(pos), split, splits)
+    return 2 * (t1 - t0) * (head_dim // 64)
+
+
+def split_tiles(n_tiles, split, splits: int):
+    """The position tiles [t0, t1) of a head's n_tiles that attention block `split` of the
+    head's `splits` reads (split-K over the positions, as FlashDecoding splits the keys:
+    each split's softmax pieces are merged by the output product's readers). The last split
+    always has at least one tile, the tile of the new token's position, and takes the new
+    token itself (its "owner"); the others may have none. Works on ints and traced values."""
+    if splits == 1:
+        return 0, n_tiles
+    return split * n_tiles // splits, (split + 1) * n_tiles // splits
 
 
 def group_of(num_heads: int, kv_heads: int) -> int:
@@ -182,25 +203,30 @@ def _max_ptx(group: int = 1, capacity: int = 0) -> str:
     return ptx + " }"
 
 
-def _stats_ptx(red: str, hq: int = 0) -> str:
+def _stats_ptx(red: str, hq: int = 0, owner: str | None = None) -> str:
     """PTX computing into s (q . k_new) and m (the maximum) of query head hq from the
-    partials at operand red (head hq's 12 words: 4 warps' q . k_new, max, sum)."""
+    partials at operand red (head hq's 12 words: 4 warps' q . k_new, max, sum). owner (a
+    predicate register; a split's blocks, `split_tiles`): the new token counts in m only
+    where it is set (otherwise m starts at -inf)."""
     o = 48 * hq
+    start = " mov.f32 m, s; " if owner is None else f" selp.f32 m, s, 0fFF800000, {owner}; "
     return (f"ld.shared.f32 s, [{red}+{o}]; " + " ".join(f"ld.shared.f32 y, [{red}+{o + 4 * w}]; add.f32 s, s, y;"
                                                         for w in (1, 2, 3))
-            + " mov.f32 m, s; " + " ".join(f"ld.shared.f32 y, [{red}+{o + 16 + 4 * w}]; max.f32 m, m, y;"
-                                          for w in range(4)))
+            + start + " ".join(f"ld.shared.f32 y, [{red}+{o + 16 + 4 * w}]; max.f32 m, m, y;"
+                               for w in range(4)))
 
 
-def _p_ptx(scale_log2: float, group: int = 1, capacity: int = 0) -> str:
+def _p_ptx(scale_log2: float, group: int = 1, capacity: int = 0, split: bool = False) -> str:
     """Operands: $0 scores, $1 pos, $2 red, $3 lane, $4 the p window (shared), $5 positions
-    to write (tiles * 64). Head hq's p goes to row hq of the window's 8-row groups."""
+    to write (tiles * 64), (split) $6 nonzero where the block owns the new token. Head hq's
+    p goes to row hq of the window's 8-row groups."""
     k = f32_hex(scale_log2)
-    ptx = ("{ .reg .pred p; .reg .pred q; .reg .pred z; .reg .f32 x, r, y, s, m, e; .reg .b16 hb;"
-           " .reg .u32 i, a, w, wt, j;")
+    ptx = ("{ .reg .pred p; .reg .pred q; .reg .pred z;" + (" .reg .pred own;" if split else "")
+           + " .reg .f32 x, r, y, s, m, e; .reg .b16 hb; .reg .u32 i, a, w, wt, j;"
+           + (" setp.ne.u32 own, $6, 0;" if split else ""))
     for hq in range(group):
         per_warp = _PER_WARP.format(lane="$3", slot=12 * hq + 8, red="$2")
-        ptx += (" " + _stats_ptx("$2", hq) + " mov.f32 x, 0f00000000; mov.u32 i, $3;"
+        ptx += (" " + _stats_ptx("$2", hq, "own" if split else None) + " mov.f32 x, 0f00000000; mov.u32 i, $3;"
                 f" SP_L{hq}: setp.ge.u32 p, i, $5; @p bra SP_E{hq}; shl.b32 a, i, 2; add.u32 a, a, $0;"
                 f" ld.shared.f32 y, [a+{4 * hq * capacity}]; sub.f32 y, y, m; mul.f32 y, y, {k};"
                 " ex2.approx.f32 e, y;"
@@ -210,59 +236,87 @@ def _p_ptx(scale_log2: float, group: int = 1, capacity: int = 0) -> str:
     return ptx + " }"
 
 
-def softmax(scores_smem, p_win, red_smem, pos, n_tiles, scale_log2: float, group: int = 1):
+def softmax(scores_smem, p_win, red_smem, pos, n_tiles, scale_log2: float, group: int = 1, owner=None):
     """Step 4 for `group` query heads (scores_smem [group, capacity / 64, 64]): the maxima
     (a warpgroup barrier), then each head's p into its row of p_win and the warps' sums of p
-    into red (another barrier). pos, n_tiles traced."""
+    into red (another barrier). pos, n_tiles traced: the block's own (a split's, `split_tiles`:
+    its positions below pos, counted from its first tile). owner (traced; a split's blocks
+    only): nonzero where the block owns the new token, whose score then counts in the
+    maximum (elsewhere it does not, and a split without positions has maximum -inf)."""
     splat = plgpu.Layout.WG_SPLAT
     capacity = scores_smem.shape[1] * scores_smem.shape[2]
-    max_ptx, p_ptx = _max_ptx(group, capacity), _p_ptx(scale_log2, group, capacity)
+    split = owner is not None
+    max_ptx, p_ptx = _max_ptx(group, capacity), _p_ptx(scale_log2, group, capacity, split)
 
     ref_types = (plgpu.RefType(), plgpu.RefType(X_TRANSFORMS), plgpu.RefType())
+    traced = [jnp.asarray(pos, jnp.int32), jnp.asarray(n_tiles, jnp.int32)]
+    traced += [jnp.asarray(owner, jnp.int32)] if split else []
 
-    @plgpu.inline_mgpu(arg_types=(ref_types, [splat, splat]))
+    @plgpu.inline_mgpu(arg_types=(ref_types, [splat] * len(traced)))
     def op(_, refs, vals):
         sc, pw, red = refs
-        pos_, n = (v.registers[()] for v in vals)
+        pos_, n, *own = (v.registers[()] for v in vals)
         mgpu.utils.inline_ptx(max_ptx, ptr32(sc), pos_, ptr32(red), lane(), has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
         mgpu.utils.inline_ptx(p_ptx, ptr32(sc), pos_, ptr32(red), lane(), ptr32(pw),
-                              arith.muli(n, const_i32(64)), has_side_effects=True)
+                              arith.muli(n, const_i32(64)), *own, has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
 
-    op((scores_smem, p_win, red_smem), [jnp.asarray(pos, jnp.int32), jnp.asarray(n_tiles, jnp.int32)])
+    op((scores_smem, p_win, red_smem), traced)
 
 
-def _combine_ptx(scale_log2: float, group: int = 1) -> str:
+def _combine_ptx(scale_log2: float, group: int = 1, split: bool = False) -> str:
     """Operands: $0 out (fp32 [group, 64] shared: each head's P V column, overwritten by its
-    output), $1 the new v's 64 values (fp32 shared), $2 red, $3 lane."""
+    output), $1 the new v's 64 values (fp32 shared), $2 red, $3 lane; split: $4 lse (fp32
+    [group, 64] shared: each head's log2-sum-exp, at every column), $5 nonzero where the
+    block owns the new token, $6 nonzero where it has no positions (its out is then not
+    read: 0)."""
     k = f32_hex(scale_log2)
-    ptx = ("{ .reg .pred p; .reg .f32 s, m, y, l, e, a, v; .reg .u32 o, o2;"
+    ptx = ("{ .reg .pred p;" + (" .reg .pred own; .reg .pred none; .reg .pred lp; .reg .u32 o3;" if split else "")
+           + " .reg .f32 s, m, y, l, e, a, v; .reg .u32 o, o2;"
            " setp.ge.u32 p, $3, 64; @p bra CMB_E;"
            " shl.b32 o2, $3, 2; add.u32 o2, o2, $1; ld.shared.f32 v, [o2]; shl.b32 o, $3, 2; add.u32 o, o, $0;")
+    if split:
+        ptx += " setp.ne.u32 own, $5, 0; setp.ne.u32 none, $6, 0; shl.b32 o3, $3, 2; add.u32 o3, o3, $4;"
     for hq in range(group):
         r = 48 * hq
-        ptx += (" " + _stats_ptx("$2", hq) +
+        ptx += (" " + _stats_ptx("$2", hq, "own" if split else None) +
                 f" ld.shared.f32 l, [$2+{r + 32}]; ld.shared.f32 y, [$2+{r + 36}]; add.f32 l, l, y;"
                 f" ld.shared.f32 y, [$2+{r + 40}]; add.f32 l, l, y; ld.shared.f32 y, [$2+{r + 44}]; add.f32 l, l, y;"
-                f" sub.f32 y, s, m; mul.f32 y, y, {k}; ex2.approx.f32 e, y; add.f32 l, l, e;"
-                f" ld.shared.f32 a, [o+{256 * hq}];"
-                f" fma.rn.f32 a, e, v, a; div.approx.f32 a, a, l; st.shared.f32 [o+{256 * hq}], a;")
+                f" sub.f32 y, s, m; mul.f32 y, y, {k}; ex2.approx.f32 e, y;"
+                + (" @!own mov.f32 e, 0f00000000;" if split else "") + " add.f32 l, l, e;"
+                f" ld.shared.f32 a, [o+{256 * hq}];")
+        if split:  # a split without positions: out 0, l 1, lse -inf (m is)
+            ptx += (" @none mov.f32 a, 0f00000000; setp.gt.f32 lp, l, 0f00000000;"
+                    " @!lp mov.f32 l, 0f3F800000;")
+        ptx += f" fma.rn.f32 a, e, v, a; div.approx.f32 a, a, l; st.shared.f32 [o+{256 * hq}], a;"
+        if split:  # log2 of the sum of 2^((score - m) k), plus m k
+            ptx += f" lg2.approx.f32 y, l; fma.rn.f32 y, m, {k}, y; st.shared.f32 [o3+{256 * hq}], y;"
     return ptx + " CMB_E: }"
 
 
-def combine(out_smem, stage_smem, red_smem, v_offset, scale_log2: float, group: int = 1):
+def combine(out_smem, stage_smem, red_smem, v_offset, scale_log2: float, group: int = 1,
+            lse_smem=None, owner=None, empty=None):
     """Step 5's end for `group` heads: out_smem[g, i] = (out_smem[g, i] + p_new v_new[v_offset + i])
-    / l_g for i < 64, v_new the stage's fp32 words from v_offset (traced or static). Ends in
-    a barrier."""
+    / l_g for i < 64, v_new the stage's fp32 words from v_offset (traced or static). A
+    split's block (`split_tiles`; lse_smem, owner and empty given, traced): p_new only where
+    it owns the new token, out 0 where it has no positions, and lse_smem[g, i] its
+    log2-sum-exp (m_g scale log2 e + log2 l_g; -inf without positions), what o's readers
+    weight the splits' outputs by. Ends in a barrier."""
     splat = plgpu.Layout.WG_SPLAT
-    ptx = _combine_ptx(scale_log2, group)
+    split = lse_smem is not None
+    ptx = _combine_ptx(scale_log2, group, split)
+    refs = (out_smem, stage_smem, red_smem) + ((lse_smem,) if split else ())
+    traced = [jnp.asarray(v_offset, jnp.int32)]
+    traced += [jnp.asarray(owner, jnp.int32), jnp.asarray(empty, jnp.int32)] if split else []
 
-    @plgpu.inline_mgpu(arg_types=((plgpu.RefType(),) * 3, [splat]))
+    @plgpu.inline_mgpu(arg_types=((plgpu.RefType(),) * len(refs), [splat] * len(traced)))
     def op(_, refs, vals):
-        out, stage, red = refs
-        v = arith.addi(ptr32(stage), arith.muli(vals[0].registers[()], const_i32(4)))
-        mgpu.utils.inline_ptx(ptx, ptr32(out), v, ptr32(red), lane(), has_side_effects=True)
+        out, stage, red, *lse = refs
+        v_off, *flags = (x.registers[()] for x in vals)
+        v = arith.addi(ptr32(stage), arith.muli(v_off, const_i32(4)))
+        extra = [ptr32(lse[0]), *flags] if split else []
+        mgpu.utils.inline_ptx(ptx, ptr32(out), v, ptr32(red), lane(), *extra, has_side_effects=True)
         mgpu.utils.warpgroup_barrier()
 
-    op((out_smem, stage_smem, red_smem), [jnp.asarray(v_offset, jnp.int32)])
+    op(refs, traced)

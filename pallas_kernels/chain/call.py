@@ -14,13 +14,15 @@ from pallas_kernels.chain.resolve import Schedule, resolve
 
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
                                              "group", "prefetch", "tiles", "norm_sums", "packed", "inflight",
-                                             "loads", "att_loads", "new_state", "advance"))
+                                             "loads", "att_loads", "att_splits", "new_state",
+                                             "advance"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
                prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
                w_head=None, inflight: int = 1, loads: int | None = None, state=None,
-               new_state: bool = False, embed=None, advance: bool = False, att_loads: int | None = None):
+               new_state: bool = False, embed=None, advance: bool = False, att_loads: int | None = None,
+               att_splits: int = 1):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
@@ -78,7 +80,10 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     over 132 blocks, ~4 µs of the stream) in the memory system's queues at once, where the
     next handover's polls and first tiles wait behind them (benchmarks/decode.md).
     att_loads: the cap of the attention blocks, whose K and V tiles grow with the context
-    (0: none); None: loads.
+    (0: none); None: loads. att_splits: the attention blocks of each query group (1 to 8),
+    each reading a split of the cached positions (`attention.split_tiles`) and writing its
+    normalised output and log2-sum-exp, which o's readers merge (FlashDecoding's split-K):
+    a context's K and V stream through that many rings, not one.
 
     state: the kernel's words kept from the call before (int32 [`state_size(...)`], zeros
     before the first; new_state=True makes them), so that no kernel before this one zeroes
@@ -97,7 +102,8 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
         raise ValueError("chain_mgpu: advance=True moves pos on at the end of a call that keeps a state: "
                          "pass state=..., or advance pos outside.")
     sched = Schedule(stages=stages, tiles=tiles, inflight=inflight, loads=loads, prefetch=prefetch,
-                     norm_sums=norm_sums, packed=packed, trace=trace, att_loads=att_loads)
+                     norm_sums=norm_sums, packed=packed, trace=trace, att_loads=att_loads,
+                     att_splits=att_splits)
     c = resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched, blocks=blocks, norm_eps=norm_eps,
                 splits=splits, spare=spare, group=group, w_head=w_head, kept=state is not None or new_state,
                 embed=embed)

@@ -121,12 +121,12 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
     with a state, the last block out also adds one to pos (in place), which then follows
     (kv, state) in the result. The schedule's options are `chain_mgpu`'s of the same names."""
     prods, blocks, attn, group, head, embed = call.prods, call.blocks, call.attn, call.group, call.head, call.embed
-    stages, tiles, inflight, loads, prefetch, norm_sums, packed, trace, att_loads = call.sched
+    stages, tiles, inflight, loads, prefetch, norm_sums, packed, trace, att_loads, R = call.sched
     uneven = attn is not None and att_loads is not None and att_loads != loads  # the attention blocks' own cap
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
     kept = state is not None
-    lay = layout(prods, D, attn is not None, packed)
+    lay = layout(prods, D, attn is not None, packed, R)
     if embed is not None:  # the host's words in the state, after the LL words
         lay = kept_layout(lay)
     epoch_at = state_words(lay) - 2  # the kept state's epoch (int32; its count the next)
@@ -146,8 +146,8 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         scale_log2 = ca.LOG2E / math.sqrt(hd)
         NQ = D // hd  # query heads
         GB = group  # query heads a block attends with (one kv head's)
-        A = NQ // GB  # attention blocks
-        per_kv = (NQ // H) // GB  # attention blocks a kv head
+        A = NQ // GB  # query groups, each attended by R blocks (one a split of its positions)
+        per_kv = (NQ // H) // GB  # query groups a kv head
 
     def counts(b, pos=None):  # items a layer, and where each phase starts, for block b (traced)
         n, before = 0, {}
@@ -157,7 +157,9 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             n = n + jnp.where(active, (t1 - t0) * (k1 - k0), 0)
             if p.name == "qkv" and attn is not None:
                 before["att"] = n
-                n = n + jnp.where(ca.head_of(b, NB) < A, ca.items(pos, hd), 0)
+                h_ = ca.head_of(b, NB)
+                n = n + (jnp.where(h_ < A, ca.items(pos, hd), 0) if R == 1
+                         else jnp.where(h_ < A * R, ca.items(pos, hd, h_ // A, R), 0))
         return n, before
 
     kv_out = attn is not None and not kept  # the new k and v as an output
@@ -173,7 +175,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         kv_ref, pos_ref, rope_ref, wh_ref = (r.get(k) for k in ("kv", "pos", "rope", "wh"))
         y_ref, kvn_ref, z_ref, trace_ref = (r.get(k) for k in ("y", "kvn", "z", "trace"))
         (x_win, w_smem, acc_smem, out_smem, norm_smem, full, free, z_smem,
-         p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar, heads_smem) = refs[len(names):]
+         p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar, heads_smem, lse_smem) = refs[len(names):]
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
         if kept:  # the words of the calls before, and this call's epoch (`plan.tag`)
             ll = r["state"]
@@ -185,9 +187,17 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         pos = jnp.clip(pos_ref[0], 0, S - 1) if attn is not None else None  # as the reference
         n_tiles = ca.tiles(pos) if attn is not None else None
         per_layer, before = counts(b, pos)
-        h = ca.head_of(b, NB)  # the attention block this is, if h < A: query heads h GB ..
-        j_kv = h // per_kv if attn is not None else None  # and their kv head
-        cap = jnp.where(h < A, att_loads, loads) if uneven else loads  # weight tiles in flight at most
+        h = ca.head_of(b, NB)  # the attention block this is, if h < A R: query group h % A
+        attends = h < A * R if attn is not None else None
+        hg = lax.rem(h, A) if attn is not None and R > 1 else h  # its query heads hg GB ..
+        split = h // A if attn is not None and R > 1 else 0  # of their positions' splits
+        j_kv = hg // per_kv if attn is not None else None  # and their kv head
+        t_lo, n_mine = 0, n_tiles  # the position tiles it reads: t_lo .. t_lo + n_mine - 1
+        mine = (lambda t: t) if R == 1 else (lambda t: t + t_lo)  # noqa: E731  (its i-th: tile mine(i))
+        if attn is not None and R > 1:
+            t_lo, t_hi = ca.split_tiles(n_tiles, split, R)
+            n_mine = t_hi - t_lo
+        cap = jnp.where(attends, att_loads, loads) if uneven else loads  # weight tiles in flight at most
         n_pts = len(TRACE_POINTS)
 
         def tr(l, name):  # a trace point of this block (trace=True)
@@ -225,20 +235,20 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                     t, k = t0 + q // nk, k0 + lax.rem(q, nk)
                     issue(j0 + q, w.at[l, pl.ds(t * T, T), pl.ds(k * KC, KC)])
 
-        def produce_att(l):  # head h's K tiles (position tile, chunk), then V's (chunk, tile)
+        def produce_att(l):  # its K tiles (position tile, chunk), then V's (chunk, tile)
             j0 = l * per_layer + before["att"]
 
-            @pl.when(h < A)
+            @pl.when(attends)
             def _():
-                @pl.loop(0, n_tiles * nc)
+                @pl.loop(0, n_mine * nc)
                 def _(q):
-                    t, c = q // nc, lax.rem(q, nc)
+                    t, c = mine(q // nc), lax.rem(q, nc)
                     issue(j0 + q, kv_ref.at[l, 0, j_kv, pl.ds(t * T, T), pl.ds(c * KC, KC)])
 
-                @pl.loop(0, n_tiles * nc)
+                @pl.loop(0, n_mine * nc)
                 def _(q):
-                    c, t = q // n_tiles, lax.rem(q, n_tiles)
-                    issue(j0 + n_tiles * nc + q, kv_ref.at[l, 1, j_kv, pl.ds(t * T, T), pl.ds(c * KC, KC)])
+                    c, t = q // n_mine, mine(lax.rem(q, n_mine))
+                    issue(j0 + n_mine * nc + q, kv_ref.at[l, 1, j_kv, pl.ds(t * T, T), pl.ds(c * KC, KC)])
 
         def produce_head():  # the output layer's weight tiles, after the last layer's
             active, t0, t1, k0, k1 = rect(hp, b)
@@ -282,7 +292,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             every pass's words polled in one round trip (`product_reads`)."""
             first = l == 0
             groups, dense, norm = input_spec(p.name, l, gt, prods, lay, F, norm_eps is not None,
-                                             attn is not None, norm_sums, epoch)
+                                             attn is not None, norm_sums, epoch, R)
             if norm is not None:  # the first round also polls the norm's vector (its partials)
                 dense = dict(dense, norm_ref=norm_smem, norm=(norm_eps, D), sums=norm_sums)
             for i, reads in enumerate(product_reads(p, k0, k1, words(groups))):
@@ -376,18 +386,18 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 tr(l, p.name + "_out")
 
         def scores(j0):
-            """The scores of the cached positions (K tiles from ring step j0) for the block's
-            GB query heads (B's rows), SCORE_GROUP tiles a pass: their wgmmas issued back to
-            back into one accumulator each, one wait, then column g of each to sc_smem[g]."""
+            """The scores of the block's cached positions (its K tiles from ring step j0) for
+            its GB query heads (B's rows), SCORE_GROUP tiles a pass: their wgmmas issued back
+            to back into one accumulator each, one wait, then column g of each to sc_smem[g]."""
             G = min(SCORE_GROUP, S // T)
 
-            @pl.loop(0, (n_tiles + G - 1) // G)
+            @pl.loop(0, (n_mine + G - 1) // G)
             def _(g):
                 def body(*accs):
                     for i, acc in enumerate(accs):
                         t = g * G + i
 
-                        @pl.when(t < n_tiles)
+                        @pl.when(t < n_mine)
                         def _(t=t, acc=acc):  # (called at once: binds this tile's values)
                             for c in range(nc):
                                 slot = lax.rem(j0 + t * nc + c, st)
@@ -398,7 +408,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                     for i, acc in enumerate(accs):
                         t = g * G + i
 
-                        @pl.when(t < n_tiles)
+                        @pl.when(t < n_mine)
                         def _(t=t, acc=acc):
                             for c in range(nc):
                                 plgpu.barrier_arrive(free.at[lax.rem(j0 + t * nc + c, st)])
@@ -408,10 +418,10 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
 
                 pl.run_scoped(body, *[plgpu.ACC((T, 8), jnp.float32)] * G)
 
-        def attend(l):  # query heads h GB .. of layer l (attention.py's steps 1-6)
+        def attend(l):  # query heads hg GB .. of layer l (attention.py's steps 1-6)
             j0 = l * per_layer + before["att"]
 
-            @pl.when(h < A)
+            @pl.when(attends)
             def _():
                 tr(l, "att")
                 groups, _, norm = input_spec("att", l, 0, prods, lay, F, norm_eps is not None, sums=norm_sums,
@@ -420,7 +430,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 if norm is not None:  # the first pass also polls x_l (the norm's partials)
                     dense = dict(norm_ref=norm_smem, norm=(norm_eps, D), sums=norm_sums)
                     poll = dict(poll_norm=(norm[0], l == 0, norm[1], norm[2]))
-                for i, reads in enumerate(head_reads(D, h, hd, words(groups), H, GB)):  # q, k, v to slots
+                for i, reads in enumerate(head_reads(D, hg, hd, words(groups), H, GB)):  # q, k, v to slots
                     cw.gather(ll, init_ref, stage_smem, groups, reads, out="f32", use_init=False,
                                        **dense, **(poll if i == 0 else {}))
                 tr(l, "att_in")
@@ -436,18 +446,35 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 scores(j0)
                 plgpu.commit_smem()
                 tr(l, "att_scores")
-                ca.softmax(sc_smem, p_win, red_smem, pos, n_tiles, scale_log2, GB)
+                if R == 1:
+                    ca.softmax(sc_smem, p_win, red_smem, pos, n_tiles, scale_log2, GB)
+                else:  # its positions below pos, from its first tile; the new token's only if it owns it
+                    owner = split == R - 1
+                    ca.softmax(sc_smem, p_win, red_smem, jnp.minimum(pos - t_lo * T, n_mine * T), n_mine,
+                               scale_log2, GB, owner)
                 plgpu.commit_smem()  # p in its window, for the tensor core
                 tr(l, "att_softmax")
                 for c in range(nc):
-                    outs = ring_dot(j0 + n_tiles * (nc + c), n_tiles, lambda kk: p_win.at[pl.ds(8 * kk, 8)],
-                                    a_transposed=True, cols=GB)
-                    for g, o in enumerate(outs):
-                        heads_smem.at[g][...] = o
+                    def p_v(c=c):  # (called at once: binds this chunk)
+                        outs = ring_dot(j0 + n_mine * (nc + c), n_mine, lambda kk: p_win.at[pl.ds(8 * kk, 8)],
+                                        a_transposed=True, cols=GB)
+                        for g, o in enumerate(outs):
+                            heads_smem.at[g][...] = o
+                    pl.when(n_mine > 0)(p_v) if R > 1 else p_v()
                     plgpu.commit_smem()
-                    ca.combine(heads_smem, stage_smem, red_smem, (GB + 1) * hd + c * T, scale_log2, GB)
-                    cw.ll_store_heads(ll, heads_smem, region(l, lay) + lay.offsets["att"] + h * GB * hd + c * T,
-                                      tag(l, epoch), GB, hd)
+                    if R == 1:
+                        ca.combine(heads_smem, stage_smem, red_smem, (GB + 1) * hd + c * T, scale_log2, GB)
+                        cw.ll_store_heads(ll, heads_smem, region(l, lay) + lay.offsets["att"] + h * GB * hd + c * T,
+                                          tag(l, epoch), GB, hd)
+                        continue
+                    ca.combine(heads_smem, stage_smem, red_smem, (GB + 1) * hd + c * T, scale_log2, GB,
+                               lse_smem, owner, n_mine == 0)
+                    # query head g's chunk c is o's input chunk (hg GB + g) nc + c: split s's 64
+                    # words of it at ((chunk) R + s) 64, its lse at the same words of "lse"
+                    word = ((hg * GB * nc + c) * R + split) * T
+                    for name, src in (("att", heads_smem), ("lse", lse_smem)):
+                        cw.ll_store_rows(ll, src, region(l, lay) + lay.offsets[name] + word, tag(l, epoch), GB,
+                                         nc * R * T)
                 tr(l, "att_out")
 
         def every_phase(step, step_att):  # every layer's phases, in order
@@ -480,7 +507,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 pl.when(b < D // T)(lambda: cw.embed_words(ll, r["table"], token, b, lay.init_H,
                                                            lay.init_ss, tag(-1, epoch)))
             if attn is not None:
-                @pl.when(h < A)
+                @pl.when(attends)
                 def _():  # the angles, once (every layer rotates by the same ones)
                     src = rope_ref if attn[2].ndim == 1 else rope_ref.at[pos]  # a table: row pos
                     plgpu.copy_gmem_to_smem(src, rope_smem, rope_bar.at[0])
@@ -502,7 +529,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             if kept:  # after every read of this call's epoch: the last block out advances it
                 cw.close_call(ll, epoch_at, NB, pos_ref if advance else None)
 
-    att_scratch = (None,) * 7
+    att_scratch = (None,) * 8
     if attn is not None:
         att_scratch = (
             tiled_smem((8 * (S // T), KC), jnp.bfloat16),  # p, as the tensor core reads it
@@ -512,6 +539,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             plgpu.SMEM((hd,), jnp.float32),  # the angles (cos | sin)
             plgpu.Barrier(num_barriers=1),  # the angles landed
             plgpu.SMEM((GB, T), jnp.float32),  # a chunk of each query head's output
+            plgpu.SMEM((GB, T), jnp.float32) if R > 1 else None,  # and its split's lse, at every column
         )
     scratch = (
         tiled_smem((window_rows(kmax), KC), jnp.bfloat16),  # the input window

@@ -302,14 +302,18 @@ def pack(values, tag):
     return lax.bitcast_convert_type(jnp.stack([lo, hi], axis=-1), jnp.int32)
 
 
-def layout(prods, D: int, attention: bool = False, packed: bool = False) -> Layout:
-    """The word layout; packed: pieces two values a word (`Layout.piece_words` 32)."""
+def layout(prods, D: int, attention: bool = False, packed: bool = False, att_splits: int = 1) -> Layout:
+    """The word layout; packed: pieces two values a word (`Layout.piece_words` 32).
+    att_splits R > 1 (each head's positions split over R attention blocks,
+    `attention.split_tiles`): "att" holds every split's normalised output, chunk c's split
+    s at words (c R + s) 64 + col, and "lse" its log2-sum-exp, the same at each column."""
     piece = T // 2 if packed else T
     offsets, w = {}, 0
     for p in prods:
         offsets[p.name] = w
         w += p.tiles * p.split.sk * piece
-    for name, n in (("X", D), ("H", D), ("Xss", D // SS), ("Hss", D // SS)) + ((("att", D),) if attention else ()):
+    att = (("att", D),) if att_splits == 1 else (("att", att_splits * D), ("lse", att_splits * D))
+    for name, n in (("X", D), ("H", D), ("Xss", D // SS), ("Hss", D // SS)) + (att if attention else ()):
         offsets[name] = w
         w += n
     down = prods[3]
@@ -392,10 +396,11 @@ class Source(NamedTuple):
     init_ok: bool
     tag: object
     packed: bool = False
+    lse: bool = False  # the splits' log2-sum-exps: the values group's weights (`input_spec`)
 
 
 def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False,
-               attention: bool = False, sums: bool = False, epoch=0):
+               attention: bool = False, sums: bool = False, epoch=0, att_splits: int = 1):
     """Where product `name` of layer l reads its input chunk c (block in tile group gt):
     (groups, dense, norm). groups: [`Source`]: a product's pieces (count sk, one a chunk
     group, stride sk pieces) or a dense vector (count 1, stride 64). dense: where (and with which tag) the readers of tile group 0 write the input's sum (A's)
@@ -405,7 +410,10 @@ def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False
     reads the attention phase's output (`attention_spec` says what that phase reads). sums:
     the norm's readers read the vector's square sums (D / SS words: Xss, Hss) instead of the
     vector, and the dense vector's writers write them (dense's `dense_ss`). epoch: the
-    call's (`tag`). Works on ints (tests) and traced values (the kernel)."""
+    call's (`tag`). att_splits R > 1: o reads the R splits' outputs of its chunk (count R)
+    and their log2-sum-exps (`Source.lse`), and takes their weighted mean: sum_s 2^(lse_s -
+    M) o_s / sum_s 2^(lse_s - M), M the largest. Works on ints (tests) and traced values
+    (the kernel)."""
     qkv, o, gu, down = prods
     P, packed = lay.piece_words, lay.packed  # words a piece, and whether two values share one
 
@@ -434,6 +442,10 @@ def input_spec(name: str, l, gt, prods, lay: Layout, F: int, norms: bool = False
         groups = [pieces(down, down_word, down_tag, True),
                   vector(jnp.where(first, lay.init_H, base(l - 1, "H")), tg(l - 1), True)]
         return groups, dict(dense_base=base(l, "X"), dense_on=(gt == 0) & (l > 0), dense_tag=tg(l), **ss("X")), None
+    if name == "o" and attention and att_splits > 1:  # each split's output, merged by the reader
+        R = att_splits
+        return [Source(R, 64 * R, False, base(l, "att"), False, tg(l)),
+                Source(R, 64 * R, False, base(l, "lse"), False, tg(l), lse=True)], {}, None
     if name == "o" and attention:  # the attention phase's output, dense
         return [vector(base(l, "att"), tg(l))], {}, None
     if name in ("o", "att"):  # qkv's pieces (times x_l's RMSNorm factor): o without

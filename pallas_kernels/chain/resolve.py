@@ -84,9 +84,10 @@ class Schedule(NamedTuple):
     """How the kernel runs a chain, `chain_mgpu`'s options of these names (its docstring):
     the ring's stages, the tile pieces a block makes at a time, the tensor-core products and
     the weight tiles it keeps in flight, the L2 prefetch ahead of its ring, the norms' square
-    sums, pieces two values a word, the trace points, and the weight tiles in flight of an
-    attention block (None: loads). Only packed (the pieces' rounding) and norm_sums (the
-    squares' order) change the values computed."""
+    sums, pieces two values a word, the trace points, the weight tiles in flight of an
+    attention block (None: loads) and the attention blocks a query group's positions are
+    split over. Only packed (the pieces' rounding), norm_sums (the squares' order) and
+    att_splits (each split's softmax, merged) change the values computed."""
 
     stages: int = 16
     tiles: int = 1
@@ -97,6 +98,7 @@ class Schedule(NamedTuple):
     packed: bool = True
     trace: bool = False
     att_loads: int | None = None
+    att_splits: int = 1
 
 
 class Call(NamedTuple):
@@ -144,7 +146,11 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
                              "a kv head serves, at most 8.")
     else:
         group, best_splits, best_spare = 1, (), False
-    heads = D // hd // group if attn is not None else 0  # attention blocks
+    R = sched.att_splits
+    if not 1 <= R <= 8 or (R > 1 and attn is None):
+        raise ValueError(f"chain_mgpu: att_splits={R}: want 1 to 8 attention blocks a query group, "
+                         "each attending to a split of the positions (with kv, pos and rope).")
+    heads = D // hd // group * R if attn is not None else 0  # attention blocks
     splits = best_splits if splits is None else splits
     att_blocks = heads if (best_spare if spare is None else spare) else 0
     if att_blocks >= NB:
@@ -158,7 +164,7 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
                              f"with V a multiple of {T}; leave the output layer to XLA otherwise.")
         head = (w_head, head_product(w_head.shape[0], D, NB))
     kmax = max(p.kmax() for p in prods + ((head[1],) if head else ()))
-    need = (smem_need(kmax, stages, tiles) + (0 if attn is None else attention_smem(S, hd, group))
+    need = (smem_need(kmax, stages, tiles) + (0 if attn is None else attention_smem(S, hd, group, R))
             + (2 * T * 4 if head else 0))
     if need > SMEM_LIMIT - 2048:
         raise ValueError(f"chain_mgpu: stages={stages} needs {need} bytes of shared memory; use fewer.")
@@ -166,7 +172,7 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
         raise ValueError(f"chain_mgpu: norms need D={D} to be a multiple of 128.")
     if attn is not None and (kmax < hd // T or heads > NB):
         raise ValueError(f"chain_mgpu: head_dim={hd} needs a window of {hd // T} chunks (has "
-                         f"{kmax}) and {heads} attention blocks at most blocks={NB}.")
+                         f"{kmax}) and {heads} attention blocks (att_splits={R} a query group) at most blocks={NB}.")
     if not 1 <= tiles <= 8:
         raise ValueError(f"chain_mgpu: tiles={tiles}: want 1 to 8 tile pieces a block makes at a "
                          "time (one accumulator each).")
@@ -211,7 +217,7 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
             raise ValueError(f"chain_mgpu: the embedding table {table.shape} is read at 32-bit offsets; "
                              "pass x0_D instead.")
         embed = (table, token.astype(jnp.int32))
-    lay = layout(prods, D, attn is not None, packed)
+    lay = layout(prods, D, attn is not None, packed, R)
     words = state_words(kept_layout(lay) if embed is not None else lay)
     return Call(L, D, N1, F, NB, attn, group, prods, head, words, embed, sched)
 
@@ -223,8 +229,9 @@ def attention_group(D: int, N1: int, F: int, blocks: int, head_dim: int, kv_head
     return group or tuned(D, N1, F, blocks, head_dim)[2] or ca.default_group(D // head_dim, kv_heads, blocks)
 
 
-def attention_smem(S: int, hd: int, group: int = 1) -> int:
+def attention_smem(S: int, hd: int, group: int = 1, splits: int = 1) -> int:
     """Bytes of the attention phase's shared memory (`kernel.kernel_call`'s att_scratch)."""
     return smem_bytes(((8 * (S // T), KC), jnp.bfloat16), ((group, S // T, T), jnp.float32),
                       (((group + 2) * hd,), jnp.float32), ((group * ca.RED,), jnp.float32),
-                      ((hd,), jnp.float32), ((group, T), jnp.float32))
+                      ((hd,), jnp.float32), ((group, T), jnp.float32),
+                      *((((group, T), jnp.float32),) if splits > 1 else ()))

@@ -29,7 +29,7 @@ class PollGroup(NamedTuple):
     is_b: bool
     stride: int
     packed: bool
-
+    lse: bool = False  # the log2-sum-exps weighting the values group's words (`_source_words`)
 
 
 def f32_hex(v: float) -> str:
@@ -126,10 +126,12 @@ def _source_words(groups, P):
     2 i, 2 i + 1): the even lane reads pieces 0, 2, .., the odd one 1, 3, .. (its address `sa`
     a word further), each taking both values of a word; an odd count's last piece both read
     and the even lane counts. The pair then swaps sums (`shfl.bfly 1`): half the loads a
-    lane, half the bytes."""
+    lane, half the bytes. A group with `lse` (an attention split's log2-sum-exps, one a word
+    of the values group before it, `plan.input_spec`): A is then the splits' weighted mean,
+    sum_k 2^(lse_k - M) v_k / sum_k 2^(lse_k - M), M the largest lse."""
     G = len(groups)
     word = []  # word k: (its group, from the pair-shifted address, byte offset, even lane's only)
-    for g, (count, _, _, pk) in enumerate(groups):
+    for g, (count, _, _, pk, _) in enumerate(groups):
         if not pk:
             word += [(g, False, 512 * j, False) for j in range(count)]
             continue
@@ -155,6 +157,18 @@ def _source_words(groups, P):
                       for i in P for k, (g, *_) in enumerate(word))
     pair_sums = sorted({"b" if is_b[k] else "a" for k in range(n) if packed[k]})
     sums = []
+    if any(g.lse for g in groups):  # the splits' merge: values then their lse words
+        assert G == 2 and groups[1].lse and not any(packed + is_b) and groups[0].count == groups[1].count
+        R = groups[0].count
+        regs += " .reg .f32 mm, mw, mn, md;"
+        for i in P:
+            body = f" mov.f32 fb{i}, 0f00000000; mov.b32 mm, v{i}_{R};"
+            body += "".join(f" mov.b32 g, v{i}_{R + k}; max.f32 mm, mm, g;" for k in range(1, R))
+            body += " mov.f32 mn, 0f00000000; mov.f32 md, 0f00000000;"
+            body += "".join(f" mov.b32 g, v{i}_{R + k}; sub.f32 g, g, mm; ex2.approx.f32 mw, g; add.f32 md, md, mw;"
+                            f" mov.b32 g, v{i}_{k}; fma.rn.f32 mn, mw, g, mn;" for k in range(R))
+            sums.append(body + f" div.rn.f32 fa{i}, mn, md;")
+        return regs, loads, checks, sums, False, False, pair_groups
     for i in P:
         body = f" mov.f32 fa{i}, 0f00000000; mov.f32 fb{i}, 0f00000000;"
         for x in pair_sums:
@@ -260,7 +274,7 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
     # A's groups first, then B's, in the order the PTX sums them.
     ordered = [g for g in groups if not g.is_b] + [g for g in groups if g.is_b]
     step = reads.chunk_step
-    spec = tuple(PollGroup(g.count, g.is_b, 8 * g.stride, g.packed) for g in ordered)
+    spec = tuple(PollGroup(g.count, g.is_b, 8 * g.stride, g.packed, g.lse) for g in ordered)
     ptx = _gather_ptx(spec, dense, out, norm, per_lane, reads.passes, 8 * 64 * step,
                       reads.slot_step * (1024 if out == "bf16" else 256), step, dense_ss is not None, n_sums)
     splat = plgpu.Layout.WG_SPLAT

@@ -180,6 +180,36 @@ def test_chain_cache_holds_what_the_model_wrote(params):
     assert not np.asarray(cache.kv[:, :, :, 9:]).any()  # nothing written past the length
 
 
+@pytest.mark.parametrize("kernel_state", [False, True])
+def test_a_cache_asks_the_kernel_for_its_attention_splits(params, kernel_state):
+    """decoder.plan(att_splits=N) (N attention blocks a query group, each over a split of the
+    positions): its cache holds N and every kernel call of its steps (and the kept state's
+    sizing) gets att_splits=N (none by default, `att_splits_for`), and the tokens are the
+    unsplit plan's (the reference's math is one)."""
+    seen = []
+
+    def spy(*a, **kw):
+        seen.append(kw.get("att_splits"))
+        return mk.chain_reference(*a, **kw)
+
+    prompt = jnp.arange(3, 20, dtype=jnp.int32)[None]
+    outs = []
+    for splits in (None, 4):
+        plan = decoder.plan(CFG, params, 1, 64, "megakernel", spy, head="xla", kernel_state=kernel_state,
+                            att_splits=splits)
+        cache = plan.make_cache()
+        assert cache.att_splits == (splits or mk.att_splits_for(64))
+        logits, cache = plan.prefill(prompt, jnp.array([17], jnp.int32), cache)
+        tok, got = jnp.argmax(logits, -1).astype(jnp.int32), []
+        for _ in range(3):
+            logits, cache = plan.step(tok, cache)
+            tok = jnp.argmax(logits, -1).astype(jnp.int32)
+            got.append(int(tok[0]))
+        outs.append(got)
+    assert outs[0] == outs[1]
+    assert set(seen) == {None, 4} and seen[-1] == 4 and mk.att_splits_for(64) == 1
+
+
 def test_a_kept_kernel_state_decodes_the_same_tokens(params):
     """kernel_state=True: the cache carries the kernel's words from step to step and the
     kernel writes the new k and v (the reference writes them as the step would), and the

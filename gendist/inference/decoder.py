@@ -168,6 +168,8 @@ class DecodePlan:
     stages: int = dataclasses.field(default=16, metadata=dict(static=True))  # the kernel's ring
     head: str = dataclasses.field(default="xla", metadata=dict(static=True))  # output layer
     kernel_state: bool = dataclasses.field(default=False, metadata=dict(static=True))  # kept words
+    # the megakernel's attention blocks a query group (None: `megakernel.att_splits_for`'s)
+    att_splits: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def make_cache(self, batch: int | None = None, max_len: int | None = None) -> KVCache:
         """An empty cache of this path for `batch` sequences of up to `max_len` tokens (the
@@ -179,7 +181,7 @@ class DecodePlan:
         if self.path == "megakernel":
             if batch != 1:
                 raise ValueError(f"the megakernel's cache holds one sequence, not {batch}.")
-            cache = megakernel.ChainCache.create(cfg, max_len, self.stages)
+            cache = megakernel.ChainCache.create(cfg, max_len, self.stages, self.att_splits)
             return cache.with_state(cfg, self.kernel, self.head) if self.kernel_state else cache
         if self.path == "fast":
             return LayerKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
@@ -242,7 +244,7 @@ class DecodePlan:
 def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "auto",
          kernel: Callable | None = None, *, paged: bool = False, step_tokens: int = 1,
          backend: str | None = None, fused: bool = True, tiling: str = "", stages: int = 16,
-         head: str = "auto", kernel_state: bool | None = None,
+         head: str = "auto", kernel_state: bool | None = None, att_splits: int | None = None,
          device: tuple[str, str] | None = None) -> DecodePlan:
     """The decode plan of `cfg` for `batch` sequences of up to `max_len` tokens (module
     docstring). Call it outside jit: it lays the weights out for the path once.
@@ -259,7 +261,9 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     `fused_head_supported`), else "xla". kernel_state: the megakernel's caches keep its
     state from step to step: its words, x_0's and the cache written by the kernel
     (`megakernel.ChainCache.with_state`: four kernels fewer a step); None: where the
-    megakernel runs, `megakernel.KEEP_STATE`'s choice.
+    megakernel runs, `megakernel.KEEP_STATE`'s choice. att_splits: the megakernel's attention
+    blocks a query group, each over a split of the cached positions (`chain_mgpu(att_splits=)`);
+    None: the cache capacity's (`megakernel.att_splits_for`).
     device: (platform, device_kind), the first device's by default.
     """
     if head not in DECODE_HEADS:
@@ -289,4 +293,4 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
         line += ", its state kept between steps"
     return DecodePlan(layout(cfg, params, path, head), cfg, path, line, batch, max_len,
                       attention_backend(cfg, platform, backend), kernel, fused, tiling, stages,
-                      head, kernel_state)
+                      head, kernel_state, att_splits)

@@ -35,9 +35,11 @@ from pallas_kernels.chain import xla as cx
 
 
 def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: float, stages: int = 16,
-                    w_head=None, state=None, new_state: bool = False, embed=None, advance: bool = False):
+                    w_head=None, state=None, new_state: bool = False, embed=None, advance: bool = False,
+                    att_splits: int = 1):
     """`chain_mgpu`'s result from its own inputs (norm gains folded) by `cx.reference`: the
-    kernel's math in XLA, for any device (stages, the kernel's ring depth, changes nothing).
+    kernel's math in XLA, for any device (stages, the kernel's ring depth, and att_splits, its
+    attention blocks a query group, change nothing but the rounding).
     With a state (which it keeps as given; new_state: two zero words) the cache comes back
     with the new k and v written, as the kernel's does; embed=(table, token): x_0 is the
     token's row (clamped); advance: pos + 1 last."""
@@ -90,6 +92,13 @@ FUSED_HEAD_MIN_VOCAB = 32_000
 # interpolated from the steps at ~160 positions the paths cross at ~1,380 (350m) and ~1,800
 # (Llama-3.2-1B's shape) positions. 1,024 keeps every step of an auto plan below both.
 LONGEST_CONTEXT = 1024
+
+
+def att_splits_for(capacity: int) -> int:
+    """The attention blocks a query group gets (`chain_mgpu(att_splits=...)`) in a cache of
+    `capacity` positions: one, until splits are timed against it (benchmarks/decode.md,
+    "Long contexts"); `ChainCache.create(att_splits=N)` asks for N."""
+    return 1
 
 
 # Whether `decoder.plan(kernel_state=None)` keeps the kernel's state between steps where the
@@ -150,13 +159,23 @@ class ChainCache(KVCache):
     rope: jax.Array  # [S, hd] fp32
     stages: int = dataclasses.field(default=16, metadata=dict(static=True))  # the kernel's ring slots
     state: jax.Array | None = None  # the kernel's words between steps (`chain_mgpu(state=...)`)
+    # the kernel's attention blocks a query group, each over a split of the positions
+    att_splits: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @classmethod
-    def create(cls, cfg: ModelConfig, max_len: int, stages: int = 16):
+    def create(cls, cfg: ModelConfig, max_len: int, stages: int = 16, att_splits: int | None = None):
+        """A zeroed cache of max_len positions (rounded up to 64); att_splits None: the
+        capacity's (`att_splits_for`)."""
         S = -(-max_len // 64) * 64
         shape = (cfg.num_layers, 2, cfg.num_kv_heads, S, cfg.head_dim)
+        R = att_splits_for(S) if att_splits is None else att_splits
         return cls(jnp.zeros(shape, jnp.bfloat16), jnp.zeros((1,), jnp.int32), rope_table(cfg, S),
-                   stages)
+                   stages, att_splits=R)
+
+    def kernel_options(self) -> dict:
+        """What the kernel takes from this cache besides its arrays: the ring's slots and,
+        where more than one, the attention's splits."""
+        return dict(stages=self.stages, **(dict(att_splits=self.att_splits) if self.att_splits > 1 else {}))
 
     def with_state(self, cfg: ModelConfig, kernel, head: str = "xla") -> ChainCache:
         """This cache with a fresh state for `kernel` (zeros of the size it takes for `cfg`'s
@@ -171,7 +190,7 @@ class ChainCache(KVCache):
         one = jax.ShapeDtypeStruct((1,), jnp.int32)
         extra = dict(w_head=bf16(V, D)) if head == "fused" else {}
         out = jax.eval_shape(lambda token, table, *a, **kw: kernel(
-            None, *a, norm_eps=cfg.norm_eps, stages=self.stages, new_state=True, embed=(table, token), **kw),
+            None, *a, norm_eps=cfg.norm_eps, **self.kernel_options(), new_state=True, embed=(table, token), **kw),
             one, bf16(V, D), *chain, self.kv, one, self.rope, **extra)
         return dataclasses.replace(self, state=jnp.zeros(out[-1].shape, jnp.int32))
 
@@ -221,7 +240,7 @@ def step(cfg: ModelConfig, params: dict, tokens_B, pos_B, cache: ChainCache, ker
     else:
         x0 = decode_block.embed(params, tokens_B[:, None], cfg)[0, 0].astype(jnp.float32)
     x_D, kv, *out = kernel(x0, *params["chain"], cache.kv, pos_B, cache.rope, norm_eps=cfg.norm_eps,
-                           stages=cache.stages, **extra)
+                           **cache.kernel_options(), **extra)
     if cache.state is not None:  # the kernel wrote the cache (and with advance its length)
         *out, state, lengths = out if advance else (*out, cache.lengths)
         cache = dataclasses.replace(cache, kv=kv, state=state, lengths=lengths)

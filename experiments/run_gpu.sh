@@ -16,7 +16,8 @@
 #                   where a megakernel layer's time goes (trace); what a step
 #                   runs besides the kernel (timeline)
 #   handovers       the megakernel's weight tiles in flight (loads), in whole steps  benchmarks/decode.md
-#   decode_long     megakernel against fast path after long prompts (auto's limit)  benchmarks/decode.md
+#   decode_long     megakernel against fast path after long prompts (auto's limit;  benchmarks/decode.md
+#                   attention splits, att_splits)
 #   handovers_trace loads traced: the ring's free slots against the default (each    benchmarks/decode.md
 #                   reader's wait after its sources), and the chain without its RMSNorms
 #   decode_tune     the megakernel's product splits searched in whole steps     benchmarks/decode.md
@@ -96,11 +97,14 @@ handovers)
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --reps 3 --out "$OUT" \
         --variants chain chain@loads=0 chain@loads=2 chain@loads=4 chain@loads=6 fast ;;
 decode_long)
-    # after a 1,984- and a 960-token prompt: the megakernel (and its attention blocks uncapped)
-    # against the fast path, where `megakernel.LONGEST_CONTEXT` draws auto's line
+    # after a 1,984- and a 960-token prompt: the megakernel (its attention blocks uncapped; each
+    # query group's positions split over 4 and 8 blocks) against the fast path, where
+    # `megakernel.LONGEST_CONTEXT` draws auto's line and `megakernel.att_splits_for` its splits
+    JAX_PLATFORMS=cuda "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_chain_mgpu.py -k "split_attention"
     for P in 1984 960; do
         "$PY" experiments/decode_floor.py --presets 350m 1b llama3.2-1b --batches 1 --reps 2 --prompt $P \
-            --new-tokens 64 --variants chain chain@att_loads=0 fast --out "$OUT/prompt$P"
+            --new-tokens 64 --variants chain chain@att_loads=0 chain@att_splits=4 chain@att_splits=8 fast \
+            --out "$OUT/prompt$P"
     done ;;
 handovers_trace)
     # a picture and the raw stamps a case: more files than a device run brings back, so they travel as one tgz

@@ -1013,14 +1013,16 @@ def test_the_attention_data_flow_computes_the_chain(blocks, norms, pos, splits, 
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
 
 
-@pytest.mark.parametrize("L,blocks,packed,first_epoch,embed", [
-    (3, 20, True, 0, False), (2, 132, False, 254, False), (3, 20, True, 0, True), (2, 132, True, 254, True)])
-def test_a_kept_state_serves_call_after_call(L, blocks, packed, first_epoch, embed):
+@pytest.mark.parametrize("L,blocks,packed,first_epoch,embed,att_splits", [
+    (3, 20, True, 0, False, 1), (2, 132, False, 254, False, 1), (3, 20, True, 0, True, 1), (2, 132, True, 254, True, 1),
+    (3, 20, True, 255, True, 3)])
+def test_a_kept_state_serves_call_after_call(L, blocks, packed, first_epoch, embed, att_splits):
     """chain_mgpu(state=...)'s words outlive the call: through the kernel's wiring, calls one
     after another on one state (positions 70, 71, then 70 again: a rollback; the epoch
     wrapping round) each read only words of their own epoch, overwrite only the call
     before's (or their own from two layers back) and give the reference's x_L and new k, v;
-    also with x_0's words written into the state by the kernel (embed)."""
+    also with x_0's words written into the state by the kernel (embed), and with each head's
+    positions split over 3 blocks (their outputs' and log2-sum-exps' words kept too)."""
     D, N1, F = 256, 768, 512
     state = dict(epoch=first_epoch)
     for i, pos in enumerate((70, 71, 70)):
@@ -1028,8 +1030,8 @@ def test_a_kept_state_serves_call_after_call(L, blocks, packed, first_epoch, emb
         att = attention_inputs(L, D, 128, pos, heads=2)
         g = gains(D, L)
         wq_f, wgu_f = cx.fold_norms(wq, wgu, *g)
-        got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, att=att, att_blocks=2,
-                              sums=True, packed=packed, state=state, embed=embed)
+        got, got_kv = emulate(x0, wq_f, wo, wgu_f, wd, blocks, norm_eps=1e-5, att=att, att_blocks=2 * att_splits,
+                              sums=True, packed=packed, state=state, embed=embed, att_splits=att_splits)
         want, want_kv = cx.reference(x0, wq, wo, wgu, wd, *att, norms=g, eps=1e-5)
         want, want_kv = np.asarray(want, np.float64), np.asarray(want_kv.astype(jnp.float32), np.float64)
         assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)

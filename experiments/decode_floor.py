@@ -149,7 +149,11 @@ def case_plan(cfg, params, batch: int, variant: str, max_len: int) -> decoder.De
                             max_len, "reference")
     if kind == "chain":  # one persistent kernel a step (chain@OPTS: the module docstring's)
         stages, kernel = chain_options(option)
+        kw = dict(kernel.keywords)  # the splits are the plan's: its cache passes them to every call
+        att_splits = kw.pop("att_splits", None)
+        kernel = functools.partial(kernel.func, **kw)
         return decoder.plan(cfg, params, batch, max_len, "megakernel", kernel=kernel, stages=stages,
+                            att_splits=att_splits,
                             kernel_state=True if "state" in extras else False if "fresh" in extras else None,
                             **head)
     return decoder.plan(cfg, params, batch, max_len, "fast",

@@ -35,7 +35,8 @@ SHAPES = {"350m": (1024, 2816, 16, 16, 64), "1b": (2048, 5632, 16, 16, 128),
 OPTIONS = ("norm_sums", "packed", "head", "state")  # chain_mgpu's boolean options --options may name;
 # head: the output layer inside the kernel (w_head, Llama-3's 128,256-row table); state: the words
 # kept between calls and x_0 read from the embedding table (state=..., embed=...: the decode
-# loop's form, `decoder.plan(kernel_state=True)`). NAME=N sets an integer option (loads=4).
+# loop's form, `decoder.plan(kernel_state=True)`). NAME=N sets an integer option (loads=4; steps=8:
+# greedy steps a call, with head and state).
 
 
 def compile_one(name: str, aot: bool, tiles: int, options: str = ""):
@@ -72,8 +73,11 @@ def compile_one(name: str, aot: bool, tiles: int, options: str = ""):
         extra["w_head"] = spec((128256, D))
     if "state" in chosen:
         extra["embed"] = (spec((128256, D)), spec((1,), jnp.int32))
-        extra["state"] = spec((cc.state_size(None, *args[1:], **opts, embed=extra["embed"]),), jnp.int32)
+        head = {k: extra[k] for k in ("w_head",) if k in extra}  # a state's size counts the head's choices
+        extra["state"] = spec((cc.state_size(None, *args[1:], **opts, embed=extra["embed"], **head),), jnp.int32)
         args = (None, *args[1:])
+        if opts.get("steps", 1) > 1:  # greedy steps move the cache's length on
+            opts["advance"] = True
     f = jax.jit(lambda a, e: cc.chain_mgpu(*a, **opts, **e))
     print("kernel:", cm.__file__, flush=True)
     f.trace(args, extra).lower(lowering_platforms=("cuda",)).compile()

@@ -15,14 +15,14 @@ from pallas_kernels.chain.resolve import Schedule, resolve
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
                                              "group", "prefetch", "tiles", "norm_sums", "packed", "inflight",
                                              "loads", "att_loads", "att_splits", "new_state",
-                                             "advance"))
+                                             "advance", "steps"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
                prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
                w_head=None, inflight: int = 1, loads: int | None = None, state=None,
                new_state: bool = False, embed=None, advance: bool = False, att_loads: int | None = None,
-               att_splits: int = 1):
+               att_splits: int = 1, steps: int = 1):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
@@ -95,18 +95,30 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     instead of x0_D (None): x_0 is the token's row (clamped to the table), which the kernel
     reads itself and writes as the host's words into the state (`plan.kept_layout`), so that
     no kernel before it builds them. advance: with a state, the kernel also adds one to pos
-    (the cache length it decodes at) and the result ends in pos + 1, after the state."""
+    (the cache length it decodes at) and the result ends in pos + 1, after the state.
+
+    steps: greedy steps a call (1 to `resolve.MAX_STEPS`; more than 1 with state, embed,
+    w_head, norm_eps and advance): step t decodes its token at pos + t and chooses the next
+    as the argmax of its logits before the final norm's positive factor (`greedy`: the
+    first among equal values), which the next step reads the row of, all in the one kernel:
+    no kernel between steps, and the weight stream runs on from one step's output layer into
+    the next step's first layer. The head is then split by whole rows (`plan.head_product`).
+    The result is (y, kv, tokens [steps] int32, [trace], state, pos + steps): the last step's
+    x_L, the cache with the steps' k and v, the chosen tokens, no logits."""
     if (x0_D is None) == (embed is None):
         raise ValueError("chain_mgpu: give x0_D or embed=(table, token), one of them.")
     if advance and state is None and not new_state:
         raise ValueError("chain_mgpu: advance=True moves pos on at the end of a call that keeps a state: "
                          "pass state=..., or advance pos outside.")
+    if steps != 1 and not advance:
+        raise ValueError(f"chain_mgpu: steps={steps} decodes at pos, pos + 1, ...: pass advance=True "
+                         "(with state=...), so that the cache's length moves on with them.")
     sched = Schedule(stages=stages, tiles=tiles, inflight=inflight, loads=loads, prefetch=prefetch,
                      norm_sums=norm_sums, packed=packed, trace=trace, att_loads=att_loads,
                      att_splits=att_splits)
     c = resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched, blocks=blocks, norm_eps=norm_eps,
                 splits=splits, spare=spare, group=group, w_head=w_head, kept=state is not None or new_state,
-                embed=embed)
+                embed=embed, steps=steps)
     size = c.state_words
     if new_state:
         state = jnp.zeros((size,), jnp.int32)
@@ -117,7 +129,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     out = list(out) if isinstance(out, tuple) else [out]
     if state is not None:  # (y, [z], [trace], kv, state[, pos]) -> (y, kv, [z], [trace], state[, pos])
         out.insert(1, out.pop(-2 - advance))
-    if c.head is not None:
+    if c.head is not None and steps == 1:
         z_at = 1 + (c.attn is not None)
         out[z_at] = out[z_at].reshape(c.head[1].split.sk, -1)
     return out[0] if len(out) == 1 else tuple(out)
@@ -126,5 +138,5 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
 def state_size(*inputs, **options) -> int:
     """The int32 words of `chain_mgpu(*inputs, **options, state=...)`'s state (inputs as
     arrays or shapes): the LL words of two layers' regions, the epoch and its count."""
-    options = {k: v for k, v in options.items() if k != "advance"}
+    options = {k: v for k, v in options.items() if k not in ("advance", "steps")}
     return jax.eval_shape(lambda *a: chain_mgpu(*a, **options, new_state=True), *inputs)[-1].shape[0]

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -61,12 +62,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._mgpu import WGMMA, launch, prefetch_rows_l2, stamp, tiled_smem, zero_words
 from pallas_kernels.chain import attention as ca
+from pallas_kernels.chain import greedy as gr
 from pallas_kernels.chain import words as cw
 from pallas_kernels.chain.plan import (
+    EPOCHS,
     KC,
     REGIONS,
     Reads,
     T,
+    greedy_word,
     head_reads,
     init_words,
     input_spec,
@@ -76,7 +80,6 @@ from pallas_kernels.chain.plan import (
     product_reads,
     rect,
     region,
-    state_words,
     tag,
 )
 from pallas_kernels.chain.resolve import Call, window_rows
@@ -105,7 +108,7 @@ def words(groups) -> int:
 
 
 def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | None,
-                state=None, advance: bool = False):
+                state=None, advance: bool = False):  # noqa: C901  (one kernel's phases share its closures)
     """The kernel of one `chain_mgpu` call, built and launched: what it runs and how, `call`
     (`resolve.Call`, its schedule `call.sched`, `resolve.Schedule`, resolved). Of the call:
     attn: None (o reads q|k|v's q part) or (kv [L, 2, H, S, hd] bf16, pos [1] int32,
@@ -119,7 +122,11 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
     x0_D) or, with a state, (table [V, D] bf16, token [1] int32): x_0 is the token's row,
     which the kernel reads and writes as the host's words itself (`kept_layout`). advance:
     with a state, the last block out also adds one to pos (in place), which then follows
-    (kv, state) in the result. The schedule's options are `chain_mgpu`'s of the same names."""
+    (kv, state) in the result. call.steps N > 1 (with state, embed, head and advance): N
+    greedy steps, each step's token the argmax of its logits (`greedy`), chosen by the blocks
+    that write x_0's chunks, which then write the next step's x_0 from its row: the result
+    (y, tokens [N] int32, [trace], kv, state, pos + N), y the last step's x_L, no z. The
+    schedule's options are `chain_mgpu`'s of the same names."""
     prods, blocks, attn, group, head, embed = call.prods, call.blocks, call.attn, call.group, call.head, call.embed
     stages, tiles, inflight, loads, prefetch, norm_sums, packed, trace, att_loads, R = call.sched
     uneven = attn is not None and att_loads is not None and att_loads != loads  # the attention blocks' own cap
@@ -129,7 +136,9 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
     lay = layout(prods, D, attn is not None, packed, R)
     if embed is not None:  # the host's words in the state, after the LL words
         lay = kept_layout(lay)
-    epoch_at = state_words(lay) - 2  # the kept state's epoch (int32; its count the next)
+    epoch_at = call.state_words - 2  # the kept state's epoch (int32; its count the next)
+    steps = call.steps
+    greedy = steps > 1  # the kernel chooses each step's token and reads its row
     n_ll = 2 * REGIONS * lay.layer_words  # the LL words' int32s
     if embed is None:
         first_in = init_words(x0_D, prods, lay, state[epoch_at] if kept else 0)
@@ -166,8 +175,10 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
     names = (("table" if embed is not None else "init", "wq", "wo", "wgu", "wd")
              + (("kv", "pos", "rope") if attn is not None else ()) + (("wh",) if hp is not None else ())
              + (("token",) if embed is not None else ()) + (("state",) if kept else ())
-             + ("y",) + (("kvn",) if kv_out else ()) + (("z",) if hp is not None else ())
-             + (("trace",) if trace else ()))
+             + ("y",) + (("kvn",) if kv_out else ()) + (("z",) if hp is not None and not greedy else ())
+             + (("tokens",) if greedy else ()) + (("trace",) if trace else ()))
+    # the head's few tiles a block (a greedy call's whole rows at a small vocabulary) uncapped
+    head_free = greedy and -(-hp.tiles // hp.split.st) * hp.chunks <= stages
 
     def kernel(*refs):
         r = dict(zip(names, refs[:len(names)], strict=True))
@@ -175,7 +186,8 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         kv_ref, pos_ref, rope_ref, wh_ref = (r.get(k) for k in ("kv", "pos", "rope", "wh"))
         y_ref, kvn_ref, z_ref, trace_ref = (r.get(k) for k in ("y", "kvn", "z", "trace"))
         (x_win, w_smem, acc_smem, out_smem, norm_smem, full, free, z_smem,
-         p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar, heads_smem, lse_smem) = refs[len(names):]
+         p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar, heads_smem, lse_smem,
+         best_smem, gred_smem, tok_smem) = refs[len(names):]
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
         if kept:  # the words of the calls before, and this call's epoch (`plan.tag`)
             ll = r["state"]
@@ -184,19 +196,59 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             ll, epoch = pl.get_global(plgpu.SemaphoreType.REGULAR((n_ll,))), 0
         init_ref = ll if embed is not None else r["init"]  # the host's words
         w_refs = dict(qkv=wq_ref, o=wo_ref, gu=wgu_ref, down=wd_ref)
-        pos = jnp.clip(pos_ref[0], 0, S - 1) if attn is not None else None  # as the reference
-        n_tiles = ca.tiles(pos) if attn is not None else None
-        per_layer, before = counts(b, pos)
+        s = types.SimpleNamespace()  # the step's: what the phases below read (`at_step`)
+
+        def at_position(t, base):
+            """Step t's (0: a call's first, a Python int) position, epoch, items a layer and
+            where each phase starts; base: its first ring step (0 or traced)."""
+            first = isinstance(t, int) and t == 0
+            s.t, s.base = t, base
+            s.epoch = epoch if first else lax.rem(epoch + t, EPOCHS)
+            s.pos = s.n_tiles = None
+            if attn is not None:  # as the reference
+                s.pos = jnp.clip(pos_ref[0] if first else pos_ref[0] + t, 0, S - 1)
+                s.n_tiles = ca.tiles(s.pos)
+            s.per_layer, s.before = counts(b, s.pos)
+
+        def at_split():  # the step's position tiles this block reads: s.t_lo .. s.t_lo + s.n_mine - 1
+            s.t_lo, s.n_mine = 0, s.n_tiles
+            if attn is not None and R > 1:
+                s.t_lo, t_hi = ca.split_tiles(s.n_tiles, split, R)
+                s.n_mine = t_hi - s.t_lo
+
+        if steps == 1:  # the one step's, here: read by both warpgroups
+            at_position(0, 0)
         h = ca.head_of(b, NB)  # the attention block this is, if h < A R: query group h % A
         attends = h < A * R if attn is not None else None
         hg = lax.rem(h, A) if attn is not None and R > 1 else h  # its query heads hg GB ..
         split = h // A if attn is not None and R > 1 else 0  # of their positions' splits
         j_kv = hg // per_kv if attn is not None else None  # and their kv head
-        t_lo, n_mine = 0, n_tiles  # the position tiles it reads: t_lo .. t_lo + n_mine - 1
-        mine = (lambda t: t) if R == 1 else (lambda t: t + t_lo)  # noqa: E731  (its i-th: tile mine(i))
-        if attn is not None and R > 1:
-            t_lo, t_hi = ca.split_tiles(n_tiles, split, R)
-            n_mine = t_hi - t_lo
+        if steps == 1:
+            at_split()
+
+        def ring(j):  # ring step j of the step
+            return j if isinstance(s.base, int) and s.base == 0 else s.base + j
+
+        def head_items(total):  # total and the output layer's ring steps
+            if hp is None:
+                return total
+            active, t0, t1, k0, k1 = rect(hp, b)
+            return total + jnp.where(active, (t1 - t0) * (k1 - k0), 0)
+
+        def every_step(body, total=False):  # body() for each step; total: the ring steps after the last's
+            if steps == 1:
+                layers = ring(L * s.per_layer) if total else None
+                body()
+                return head_items(layers) if total else None
+
+            def one(t, base):
+                at_position(t, base)
+                at_split()
+                body()
+                return head_items(ring(L * s.per_layer))
+            return lax.fori_loop(0, steps, one, jnp.int32(0))
+
+        mine = (lambda t: t) if R == 1 else (lambda t: t + s.t_lo)  # noqa: E731  (its i-th: tile mine(i))
         cap = jnp.where(attends, att_loads, loads) if uneven else loads  # weight tiles in flight at most
         n_pts = len(TRACE_POINTS)
 
@@ -204,10 +256,10 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             if trace:
                 stamp(trace_ref, (b * L + l) * n_pts + TRACE_POINTS.index(name))
 
-        def issue(j, src):  # ring step j: the tile src into its slot
+        def issue(j, src, capped=True):  # ring step j: the tile src into its slot
             slot = lax.rem(j, st)
             pl.when(j >= st)(lambda: plgpu.barrier_wait(free.at[slot]))
-            if uneven or loads:  # at most `cap` tiles in flight: step j - cap has landed (0: no cap)
+            if (uneven or loads) and capped:  # at most `cap` tiles in flight: step j - cap has landed (0: no cap)
                 landed = (cap > 0) & (j >= cap) if uneven else j >= cap
                 pl.when(landed)(lambda: plgpu.barrier_wait(full.at[lax.rem(j - cap, st)]))
             plgpu.copy_gmem_to_smem(src, w_smem.at[slot], full.at[slot])
@@ -216,7 +268,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             active, t0, t1, k0, k1 = rect(p, b)
             nk = k1 - k0
             n = (t1 - t0) * nk
-            j0 = l * per_layer + before[p.name]
+            j0 = ring(l * s.per_layer + s.before[p.name])
             w = w_refs[p.name]
 
             def ahead(q):  # item q's tile asked of L2 (`prefetch`)
@@ -236,7 +288,8 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                     issue(j0 + q, w.at[l, pl.ds(t * T, T), pl.ds(k * KC, KC)])
 
         def produce_att(l):  # its K tiles (position tile, chunk), then V's (chunk, tile)
-            j0 = l * per_layer + before["att"]
+            j0 = ring(l * s.per_layer + s.before["att"])
+            n_mine = s.n_mine
 
             @pl.when(attends)
             def _():
@@ -259,12 +312,15 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 @pl.loop(0, (t1 - t0) * nk)
                 def _(q):
                     t, k = t0 + q // nk, k0 + lax.rem(q, nk)
-                    issue(L * per_layer + q, wh_ref.at[pl.ds(t * T, T), pl.ds(k * KC, KC)])
+                    issue(ring(L * s.per_layer + q), wh_ref.at[pl.ds(t * T, T), pl.ds(k * KC, KC)],
+                          capped=not head_free)
 
         def consume_head():
             """x_L's chunks k0..k1-1 (`gather`: the last down's pieces and H_{L-1}, as the
             final chunks are read), then each tile's sum over them, to z at chunk group gk's piece of the
-            tile: two shared buffers, a tile's TMA store in flight while the next is summed."""
+            tile: two shared buffers, a tile's TMA store in flight while the next is summed. A
+            greedy call's: the tiles' best rows instead (`greedy.track`), then the block's as
+            its two words (`greedy.publish`)."""
             active, t0, t1, k0, k1 = rect(hp, b)
             nk = k1 - k0
 
@@ -277,14 +333,22 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
 
                 @pl.loop(0, t1 - t0)
                 def _(i):
-                    (z,) = ring_dot(L * per_layer + i * nk, nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)])
+                    (z,) = ring_dot(ring(L * s.per_layer + i * nk), nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)])
                     buf = z_smem.at[lax.rem(i, 2)]
+                    if greedy:  # (track's reads of the buffer two tiles ago ended before a barrier)
+                        buf[...] = z
+                        plgpu.commit_smem()
+                        gr.track(buf, best_smem, (t0 + i) * T, i == 0)
+                        return
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store two tiles ago read it
                     buf[...] = z
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(buf, z_ref.at[pl.ds(gk * hp.N + (t0 + i) * T, T)])
 
-                plgpu.wait_smem_to_gmem(0)
+                if greedy:  # head block b (its tile group b: one chunk group) publishes at words 2 b
+                    gr.publish(best_smem, gred_smem, ll, greedy_word(lay) + 2 * b, tag(-1, s.epoch))
+                else:
+                    plgpu.wait_smem_to_gmem(0)
                 tr(L - 1, "head_out")
 
         def gather(l, p, k0, k1, gt):
@@ -292,7 +356,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             every pass's words polled in one round trip (`product_reads`)."""
             first = l == 0
             groups, dense, norm = input_spec(p.name, l, gt, prods, lay, F, norm_eps is not None,
-                                             attn is not None, norm_sums, epoch, R)
+                                             attn is not None, norm_sums, s.epoch, R)
             if norm is not None:  # the first round also polls the norm's vector (its partials)
                 dense = dict(dense, norm_ref=norm_smem, norm=(norm_eps, D), sums=norm_sums)
             for i, reads in enumerate(product_reads(p, k0, k1, words(groups))):
@@ -363,13 +427,13 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             pl.run_scoped(body, *[plgpu.ACC((T, 8), jnp.float32)] * TG)
             plgpu.commit_smem()
             # tile t's piece lies sk pieces (sk T words) after tile t - 1's
-            cw.ll_store_rows(ll, acc_smem, piece_word(p, l, tg, gk, lay), tag(l, epoch), TG, p.split.sk * lay.piece_words,
+            cw.ll_store_rows(ll, acc_smem, piece_word(p, l, tg, gk, lay), tag(l, s.epoch), TG, p.split.sk * lay.piece_words,
                              count, packed=lay.packed)
 
         def consume(l, p):  # layer l's product p: its input, then its tiles' pieces, TG at a time
             active, t0, t1, k0, k1 = rect(p, b)
             nk = k1 - k0
-            j0 = l * per_layer + before[p.name]
+            j0 = ring(l * s.per_layer + s.before[p.name])
 
             tr(l, p.name)
 
@@ -390,6 +454,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             its GB query heads (B's rows), SCORE_GROUP tiles a pass: their wgmmas issued back
             to back into one accumulator each, one wait, then column g of each to sc_smem[g]."""
             G = min(SCORE_GROUP, S // T)
+            n_mine = s.n_mine
 
             @pl.loop(0, (n_mine + G - 1) // G)
             def _(g):
@@ -419,7 +484,8 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 pl.run_scoped(body, *[plgpu.ACC((T, 8), jnp.float32)] * G)
 
         def attend(l):  # query heads hg GB .. of layer l (attention.py's steps 1-6)
-            j0 = l * per_layer + before["att"]
+            j0 = ring(l * s.per_layer + s.before["att"])
+            pos, n_mine, t_lo, epoch = s.pos, s.n_mine, s.t_lo, s.epoch
 
             @pl.when(attends)
             def _():
@@ -437,6 +503,8 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 if kept:  # the kv head's new k and v in the cache [L, 2, H, S, hd], row pos
                     row = ((l * 2 * H + j_kv) * S + pos) * hd
                     ca.rope_new(stage_smem, x_win, kv_ref, rope_smem, red_smem, row, row + H * S * hd, hd, GB)
+                    if greedy:  # a later step of this call reads the row with TMA
+                        gr.publish_kv()
                 else:  # in kv_new [L, 2, H, hd]
                     row = (l * 2 * H + j_kv) * hd
                     ca.rope_new(stage_smem, x_win, kvn_ref, rope_smem, red_smem, row, row + H * hd, hd, GB)
@@ -447,7 +515,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 plgpu.commit_smem()
                 tr(l, "att_scores")
                 if R == 1:
-                    ca.softmax(sc_smem, p_win, red_smem, pos, n_tiles, scale_log2, GB)
+                    ca.softmax(sc_smem, p_win, red_smem, pos, s.n_tiles, scale_log2, GB)
                 else:  # its positions below pos, from its first tile; the new token's only if it owns it
                     owner = split == R - 1
                     ca.softmax(sc_smem, p_win, red_smem, jnp.minimum(pos - t_lo * T, n_mine * T), n_mine,
@@ -487,12 +555,11 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
 
         @pl.when(wg == 1)
         def _producer():
-            every_phase(produce, produce_att)
-            total = L * per_layer
-            if hp is not None:
-                produce_head()
-                active, t0, t1, k0, k1 = rect(hp, b)
-                total = total + jnp.where(active, (t1 - t0) * (k1 - k0), 0)
+            def body():
+                every_phase(produce, produce_att)
+                if hp is not None:
+                    produce_head()
+            total = every_step(body, total=True)
 
             @pl.loop(jnp.maximum(total - st, 0), total)
             def _(j):  # the last slots' release: every barrier phase is observed
@@ -506,28 +573,44 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 token = jnp.clip(r["token"][0], 0, r["table"].shape[0] - 1)  # as XLA's lookup clamps
                 pl.when(b < D // T)(lambda: cw.embed_words(ll, r["table"], token, b, lay.init_H,
                                                            lay.init_ss, tag(-1, epoch)))
-            if attn is not None:
-                @pl.when(attends)
-                def _():  # the angles, once (every layer rotates by the same ones)
-                    src = rope_ref if attn[2].ndim == 1 else rope_ref.at[pos]  # a table: row pos
-                    plgpu.copy_gmem_to_smem(src, rope_smem, rope_bar.at[0])
-                    plgpu.barrier_wait(rope_bar.at[0])
 
-            every_phase(consume, attend)
-            if hp is not None:  # first: its weights wait in the ring, y is not read before the end
-                consume_head()
+            def body():
+                if attn is not None:
+                    @pl.when(attends)
+                    def _():  # the angles, once a step (every layer rotates by the same ones)
+                        if greedy:  # the step before's reads of them before the copy overwrites them
+                            plgpu.commit_smem()
+                        src = rope_ref if attn[2].ndim == 1 else rope_ref.at[s.pos]  # a table: row pos
+                        plgpu.copy_gmem_to_smem(src, rope_smem, rope_bar.at[0])
+                        plgpu.barrier_wait(rope_bar.at[0])
 
-            @pl.when(b < D // T)
-            def _final():  # chunk b of x_L, to y
-                groups, _, _ = input_spec("final", L - 1, 0, prods, lay, F, epoch=epoch)
+                every_phase(consume, attend)
+                if hp is not None:  # first: its weights wait in the ring, y is not read before the end
+                    consume_head()
+                if greedy:
+                    pl.when(b < D // T)(choose)
+                    pl.when((s.t == steps - 1) & (b < D // T))(final)
+                else:
+                    pl.when(b < D // T)(final)
+
+            def choose():  # the step's token, and the next step's x_0 chunk b from its row
+                gr.choose(ll, greedy_word(lay), hp.split.st, tag(-1, s.epoch), gred_smem, tok_smem,
+                          r["tokens"], s.t, (b == 0).astype(jnp.int32))
+                pl.when(s.t < steps - 1)(lambda: cw.embed_words(
+                    ll, r["table"], tok_smem[0], b, lay.init_H, lay.init_ss,
+                    tag(-1, lax.rem(epoch + s.t + 1, EPOCHS))))
+
+            def final():  # chunk b < D / 64 of x_L, to y
+                groups, _, _ = input_spec("final", L - 1, 0, prods, lay, F, epoch=s.epoch)
                 cw.gather(ll, init_ref, out_smem, groups, Reads((b, b), (0, 0), b + 1, 1), out="f32",
                                    use_init=0)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out_smem, y_ref.at[pl.ds(b * T, T)])
                 plgpu.wait_smem_to_gmem(0)
 
+            every_step(body)
             if kept:  # after every read of this call's epoch: the last block out advances it
-                cw.close_call(ll, epoch_at, NB, pos_ref if advance else None)
+                cw.close_call(ll, epoch_at, NB, pos_ref if advance else None, steps)
 
     att_scratch = (None,) * 8
     if attn is not None:
@@ -550,7 +633,11 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         plgpu.Barrier(num_barriers=st),  # slot's tile landed
         plgpu.Barrier(num_barriers=st),  # slot free again
         plgpu.SMEM((2, T), jnp.float32) if hp is not None else None,  # the head's tiles, to z
-    ) + att_scratch
+    ) + att_scratch + ((
+        plgpu.SMEM((2, T), jnp.float32),  # each column's best value and row (`greedy.track`)
+        plgpu.SMEM((8,), jnp.float32),  # the warps' best pairs
+        plgpu.SMEM((4,), jnp.int32),  # the step's token
+    ) if greedy else (None,) * 3)
     out_type = (jax.ShapeDtypeStruct((D,), jnp.float32),)
     args = (first_in, w_qkv, w_o, w_gu, w_down)
     if attn is not None:
@@ -559,8 +646,10 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         pos = jax.new_ref(attn[1]) if advance else attn[1]  # advance: and pos + 1
         args += (kv, pos, attn[2])
     if hp is not None:
-        out_type += (jax.ShapeDtypeStruct((hp.split.sk * hp.N,), jnp.float32),)
+        out_type += (jax.ShapeDtypeStruct((hp.split.sk * hp.N,), jnp.float32),) if not greedy else ()
         args += (w_head,)
+    if greedy:
+        out_type += (jax.ShapeDtypeStruct((steps,), jnp.int32),)
     if embed is not None:
         args += (embed[1],)
     if kept:

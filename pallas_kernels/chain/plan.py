@@ -114,13 +114,17 @@ def products(D: int, N1: int, F: int, blocks: int, attention: bool = False,
     return tuple(out)
 
 
-def head_product(V: int, D: int, blocks: int) -> Product:
+def head_product(V: int, D: int, blocks: int, whole_rows: bool = False) -> Product:
     """The output layer as the kernel's last product (`chain_mgpu(w_head=...)`): V rows of
     D, after the last layer. Its pieces are not polled by any block: each chunk group's go to
     the kernel's output, summed by the caller. The split: the fewest weight tiles on the
     busiest block, with the pieces' bytes (sk x V fp32, written once and read once)
-    counted as tiles of the stream (8 KB each, over every block)."""
+    counted as tiles of the stream (8 KB each, over every block). whole_rows: one piece a
+    tile (sk 1, the tiles over min(V / 64, blocks) blocks), so that a block's sums are the
+    logits themselves (`chain_mgpu(steps=N)`'s greedy choice)."""
     tiles, chunks = V // T, D // KC
+    if whole_rows:  # each block sums its tiles' rows whole (the kernel's greedy choice, `greedy`)
+        return Product("head", V, D, Split(1, min(tiles, blocks)))
     best = None
     for sk in range(1, chunks + 1):
         st = min(tiles, blocks // sk)
@@ -335,10 +339,18 @@ def kept_layout(lay: Layout) -> Layout:
                                init_ss=at + lay.init_ss, init_down_tag=0)
 
 
-def state_words(lay: Layout) -> int:
+def state_words(lay: Layout, greedy: int = 0) -> int:
     """int32 words of a kept state (`chain_mgpu(state=...)`): the LL words of the regions,
-    the host's words where `kept_layout` puts them there, then the epoch and its count."""
-    return 2 * REGIONS * lay.layer_words + (2 * lay.init_words if lay.init_down_tag is not None else 0) + 2
+    the host's words where `kept_layout` puts them there, two LL words for each of `greedy`
+    head blocks' choices (`greedy_word`), then the epoch and its count."""
+    return (2 * REGIONS * lay.layer_words + (2 * lay.init_words if lay.init_down_tag is not None else 0)
+            + 4 * greedy + 2)
+
+
+def greedy_word(lay: Layout) -> int:
+    """First LL word of the head blocks' choices in a kept state with the host's words
+    (`kept_layout`): block i's value and row at words 2 i, 2 i + 1 (`greedy.publish`)."""
+    return lay.init_down + lay.init_words
 
 
 def tag(l, epoch=0):

@@ -24,6 +24,8 @@ from pallas_kernels.chain.plan import (
     tuned,
 )
 
+MAX_STEPS = 64  # greedy steps a call at most (`chain_mgpu(steps=N)`; the epochs a call spans)
+
 
 def window_rows(kmax: int) -> int:
     """Rows of the bf16 input window: chunk i is the 8-row tile at row 8 i (its row 0 the
@@ -106,8 +108,8 @@ class Call(NamedTuple):
     (kv, pos, rope cast) or None, the query heads an attention block takes, the layer's
     products with their splits, the output layer (w_head, its product) or None, and the
     int32 words of a kept state (`chain_mgpu(state=...)`), the embedding (table, token as
-    int32) x_0 is read from, or None, and the schedule with its defaults resolved for the
-    shape (loads None: `plan.default_loads`)."""
+    int32) x_0 is read from, or None, the schedule with its defaults resolved for the
+    shape (loads None: `plan.default_loads`) and the greedy steps a call runs."""
 
     L: int
     D: int
@@ -121,12 +123,13 @@ class Call(NamedTuple):
     state_words: int
     embed: tuple | None
     sched: Schedule
+    steps: int = 1  # greedy steps a call (`chain_mgpu(steps=N)`)
 
 
 def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
             blocks: int | None = None, norm_eps: float | None = None, splits: tuple | None = None,
             spare: bool | None = None, group: int | None = None, w_head=None, kept: bool = False,
-            embed=None) -> Call:
+            embed=None, steps: int = 1) -> Call:
     """`chain_mgpu`'s inputs checked and its options resolved for their shape (the measured
     splits, o's blocks and the attention group where not given, `plan.tuned`); a ValueError
     names whatever does not fit, and the fix."""
@@ -162,10 +165,10 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
         if w_head.ndim != 2 or w_head.shape[1] != D or w_head.shape[0] % T or w_head.dtype != jnp.bfloat16:
             raise ValueError(f"chain_mgpu: w_head {w_head.shape} {w_head.dtype}: want [V, D={D}] bf16 "
                              f"with V a multiple of {T}; leave the output layer to XLA otherwise.")
-        head = (w_head, head_product(w_head.shape[0], D, NB))
+        head = (w_head, head_product(w_head.shape[0], D, NB, whole_rows=steps > 1))
     kmax = max(p.kmax() for p in prods + ((head[1],) if head else ()))
     need = (smem_need(kmax, stages, tiles) + (0 if attn is None else attention_smem(S, hd, group, R))
-            + (2 * T * 4 if head else 0))
+            + (2 * T * 4 if head else 0) + (2 * T * 4 + 48 if steps > 1 else 0))
     if need > SMEM_LIMIT - 2048:
         raise ValueError(f"chain_mgpu: stages={stages} needs {need} bytes of shared memory; use fewer.")
     if norm_eps is not None and D % 128:
@@ -217,9 +220,17 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
             raise ValueError(f"chain_mgpu: the embedding table {table.shape} is read at 32-bit offsets; "
                              "pass x0_D instead.")
         embed = (table, token.astype(jnp.int32))
+    if steps != 1 and not (1 <= steps <= MAX_STEPS and embed is not None and head is not None
+                           and norm_eps is not None):
+        raise ValueError(f"chain_mgpu: steps={steps}: want 1, or 2 to {MAX_STEPS} greedy steps a call, "
+                         "which take the token's row (embed=..., with state=...), the output layer "
+                         "(w_head=...) and the norms (norm_eps=...).")
     lay = layout(prods, D, attn is not None, packed, R)
-    words = state_words(kept_layout(lay) if embed is not None else lay)
-    return Call(L, D, N1, F, NB, attn, group, prods, head, words, embed, sched)
+    # a kept state with the host's words and the output layer also holds the greedy choices'
+    # words (whether or not this call chooses), so that one state serves calls of any steps
+    greedy = min(head[1].tiles, NB) if embed is not None and head is not None else 0
+    words = state_words(kept_layout(lay), greedy) if embed is not None else state_words(lay)
+    return Call(L, D, N1, F, NB, attn, group, prods, head, words, embed, sched, steps)
 
 
 def attention_group(D: int, N1: int, F: int, blocks: int, head_dim: int, kv_heads: int,

@@ -395,21 +395,21 @@ def ll_store_heads(ll_ref, src_smem, word, tag, heads: int, head_dim: int):
     ll_store_rows(ll_ref, src_smem, word, tag, heads, head_dim)
 
 
-def close_call(state_ref, word: int, blocks: int, pos_ref=None):
+def close_call(state_ref, word: int, blocks: int, pos_ref=None, steps: int = 1):
     """The end of a block's part in a call that keeps its words (`chain_mgpu(state=...)`):
     lane 0 counts the block out (an acquire-release add, gpu scope, on int32 word + 1 of
     state_ref), and the block that counts `blocks` resets the count and advances the epoch
-    (int32 `word`) to the next (mod `plan.EPOCHS`), which the next call's blocks read, and
-    with pos_ref the position (int32 [1]) by one (`chain_mgpu(advance=True)`). Every block
+    (int32 `word`) by `steps` (mod `plan.EPOCHS`: a step an epoch), which the next call's
+    blocks read, and with pos_ref the position (int32 [1]) by `steps` (`chain_mgpu(advance=True)`). Every block
     read both before it counted itself out, so none of this call's reads the next ones. Ends
     in nothing: call it last. GPU only (inline PTX)."""
     ptx = ("{ .reg .pred p, q; .reg .u32 old, e; mov.u32 old, 0; setp.eq.u32 p, $1, 0;"
            " @p atom.acq_rel.gpu.global.add.u32 old, [$0+4], 1;"
            f" setp.eq.and.u32 q, old, {blocks - 1}, p;"
-           f" @q ld.relaxed.gpu.global.u32 e, [$0]; @q add.u32 e, e, 1; @q and.b32 e, e, {EPOCHS - 1};"
+           f" @q ld.relaxed.gpu.global.u32 e, [$0]; @q add.u32 e, e, {steps}; @q and.b32 e, e, {EPOCHS - 1};"
            " @q st.relaxed.gpu.global.u32 [$0+4], 0; @q st.relaxed.gpu.global.u32 [$0], e;")
     if pos_ref is not None:
-        ptx += " @q ld.relaxed.gpu.global.u32 e, [$2]; @q add.u32 e, e, 1; @q st.relaxed.gpu.global.u32 [$2], e;"
+        ptx += f" @q ld.relaxed.gpu.global.u32 e, [$2]; @q add.u32 e, e, {steps}; @q st.relaxed.gpu.global.u32 [$2], e;"
     ptx += " }"
     refs = (state_ref,) + ((pos_ref,) if pos_ref is not None else ())
 

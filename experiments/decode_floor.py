@@ -38,7 +38,8 @@ none: its default): `+xla` XLA's, `+head` (`chain+head`, `fast+head`) one kernel
 (`pallas_kernels.head`), `+fused` (`chain+fused`) inside the megakernel; `+state` (chain
 only, with or after the head's: `chain+fused+state`) keeps the kernel's state between steps
 (`decoder.plan(kernel_state=True)`), `+fresh` does not (False; neither: the plan's default,
-`megakernel.KEEP_STATE`). Each row also carries the kernels one loop iteration
+`megakernel.KEEP_STATE`); `+stepsN` (`chain+fused+state+steps8`) runs N greedy steps a
+kernel call, the tokens chosen inside it (`decoder.plan(greedy_steps=N)`). Each row also carries the kernels one loop iteration
 launches, by kind, read from the compiled HLO, and with `--profile` the device time per
 kind of the first case of each preset. Writes `decode_floor_<device>.json` after every case.
 """
@@ -50,6 +51,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import tempfile
 import time
 
@@ -152,10 +154,11 @@ def case_plan(cfg, params, batch: int, variant: str, max_len: int) -> decoder.De
         kw = dict(kernel.keywords)  # the splits are the plan's: its cache passes them to every call
         att_splits = kw.pop("att_splits", None)
         kernel = functools.partial(kernel.func, **kw)
+        steps = [int(e[5:]) for e in extras if e.startswith("steps")]
         return decoder.plan(cfg, params, batch, max_len, "megakernel", kernel=kernel, stages=stages,
                             att_splits=att_splits,
                             kernel_state=True if "state" in extras else False if "fresh" in extras else None,
-                            **head)
+                            greedy_steps=steps[0] if steps else None, **head)
     return decoder.plan(cfg, params, batch, max_len, "fast",
                         backend="xla" if kind == "fast_xla" else None,
                         fused=kind != "fast_unfused", tiling=option, **head)
@@ -228,11 +231,12 @@ def main():
     for _, _, v in cases:
         base, *extras = v.split("+")
         if (base not in VARIANTS and not base.startswith(("fast@", "chain@"))) or (
-                set(extras) - set(HEADS) - {"state", "fresh"} or set(extras[1:]) & set(HEADS)) or (
+                {e for e in extras if not re.fullmatch(r"steps\d+", e)} - set(HEADS) - {"state", "fresh"}
+                or set(extras[1:]) & set(HEADS)) or (
                 {"fused", "state", "fresh"} & set(extras) and not base.startswith("chain")):
             raise SystemExit(f"variant {v!r}: choose one of {VARIANTS}, fast@<tiling> or "
-                             "chain@<stages>, optionally with +head or +xla (+fused, +state, +fresh: chain "
-                             "only)")
+                             "chain@<stages>, optionally with +head or +xla (+fused, +state, +fresh, "
+                             "+stepsN: chain only)")
     current, params = None, {}
     for name, batch, variant in cases:
         if time.perf_counter() - t_start > args.budget_s:

@@ -1176,7 +1176,8 @@ def test_step_variants_name_their_kernel_options(monkeypatch):
     """decode_floor's `chain@OPTS`: ring slots, spare, splits, group, prefetch, tiles, inflight,
     loads, sums and packed reach the kernel; none given
     leaves the kernel its measured choice; a bad option names the ones there are; the
-    suffixes reach the plan (`+fused+state`: the output layer inside, the words kept)."""
+    suffixes reach the plan (`+fused+state`: the output layer inside, the words kept; `+steps8`:
+    eight greedy steps a kernel call)."""
     df = experiment("decode_floor")
     stages, kernel = df.chain_options("12,spare=0,qkv=16x8,o=8x14")
     assert stages == 12 and kernel.func is cc.chain_mgpu
@@ -1202,6 +1203,8 @@ def test_step_variants_name_their_kernel_options(monkeypatch):
     assert "head" not in asked[1] and asked[1]["kernel_state"] is None  # the plan's default
     df.case_plan(None, None, 1, "chain+fresh", 64)
     assert asked[2]["kernel_state"] is False
+    df.case_plan(None, None, 1, "chain+fused+state+steps8", 64)
+    assert asked[3]["greedy_steps"] == 8 and asked[3]["kernel_state"] is True and asked[1]["greedy_steps"] is None
 
 
 def test_the_tuner_finds_an_interaction_and_proposes_splits_that_fit():

@@ -250,6 +250,42 @@ def test_a_kept_kernel_state_decodes_the_same_tokens(params):
         decoder.plan(CFG, params, 1, 16, "reference", kernel_state=True, device=("cpu", "cpu"))
 
 
+@pytest.mark.parametrize("steps", [4, 5])
+def test_greedy_steps_a_call_decode_the_same_tokens(params, steps):
+    """greedy_steps=N: N tokens a megakernel call, each chosen inside the kernel (on a CPU by
+    the reference's argmax), give one-step calls' greedy tokens, with an eos (tokens past it
+    eos, the counts the same; 16 tokens are not a multiple of 5: the last call's extra tokens
+    are dropped); sampling still takes a call a token. Plans that cannot are refused."""
+    prompt = jnp.arange(3, 20, dtype=jnp.int32)[None]
+    one, many = (decoder.plan(CFG, params, 1, 64, "megakernel", KERNEL, head="fused", kernel_state=True,
+                              greedy_steps=n) for n in (1, steps))
+    assert many.greedy_steps == steps and many.line.endswith(f"{steps} greedy steps a call")
+    assert one.greedy_steps == 1 and _plan(params, 64).greedy_steps == 1
+
+    def run(p, **kw):
+        out, count = G.generate(p, prompt, jnp.array([17], jnp.int32), jax.random.key(0), max_new_tokens=16,
+                                **{"sp": GREEDY, **kw})
+        return np.asarray(out), np.asarray(count)
+
+    want, _ = run(one)
+    got, count = run(many)
+    np.testing.assert_array_equal(got, want)
+    assert count.tolist() == [16]
+    eos = int(want[0, 6])  # a token the sequence reaches
+    first = int(np.argmax(want[0] == eos))
+    want_eos, want_count = run(one, eos_id=eos)
+    got_eos, got_count = run(many, eos_id=eos)
+    np.testing.assert_array_equal(got_eos, want_eos)
+    assert got_count.tolist() == want_count.tolist() == [first + 1]
+    hot = SamplingParams(temperature=1.0)
+    np.testing.assert_array_equal(run(many, sp=hot)[0], run(one, sp=hot)[0])
+    for bad in (dict(head="xla", kernel_state=True, greedy_steps=4), dict(head="fused", kernel_state=False,
+                                                                         greedy_steps=4),
+                dict(head="fused", kernel_state=True, greedy_steps=65)):
+        with pytest.raises(ValueError, match="greedy_steps="):
+            decoder.plan(CFG, params, 1, 64, "megakernel", KERNEL, **bad)
+
+
 def test_unsupported_models_say_why():
     assert mk.supported(CFG, 2) == "batch 1 (this is batch 2)"
     assert mk.supported(GQA, 1) is None and mk.supported(dataclasses.replace(GQA, num_kv_heads=1), 1) is None

@@ -47,6 +47,7 @@ from gendist.inference.paged_cache import PagedKVCache
 from gendist.models import transformer
 from gendist.models.params import DTYPES
 from pallas_kernels.chain import chain_mgpu
+from pallas_kernels.chain.resolve import MAX_STEPS
 
 
 def hopper(device_kind: str) -> bool:
@@ -170,6 +171,8 @@ class DecodePlan:
     kernel_state: bool = dataclasses.field(default=False, metadata=dict(static=True))  # kept words
     # the megakernel's attention blocks a query group (None: `megakernel.att_splits_for`'s)
     att_splits: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # greedy steps a megakernel call (`megakernel.greedy_steps`; 1: a call a step)
+    greedy_steps: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     def make_cache(self, batch: int | None = None, max_len: int | None = None) -> KVCache:
         """An empty cache of this path for `batch` sequences of up to `max_len` tokens (the
@@ -236,6 +239,11 @@ class DecodePlan:
         logits_BTV, cache = self.forward(tokens_B[:, None], cache.lengths[:, None], cache, order_only)
         return logits_BTV[:, 0], cache.advance(jnp.ones_like(cache.lengths))
 
+    def greedy_tokens(self, tokens_B, cache):
+        """The next `greedy_steps` greedy tokens after tokens_B, one megakernel call:
+        (tokens [1, greedy_steps], the cache that many tokens longer)."""
+        return megakernel.greedy_steps(self.cfg, self.params, tokens_B, cache, self.kernel, self.greedy_steps)
+
     def with_params(self, params: dict) -> DecodePlan:
         """This plan over other weights (laid out for the path here when they are not)."""
         return dataclasses.replace(self, params=layout(self.cfg, params, self.path, self.head))
@@ -245,7 +253,7 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
          kernel: Callable | None = None, *, paged: bool = False, step_tokens: int = 1,
          backend: str | None = None, fused: bool = True, tiling: str = "", stages: int = 16,
          head: str = "auto", kernel_state: bool | None = None, att_splits: int | None = None,
-         device: tuple[str, str] | None = None) -> DecodePlan:
+         greedy_steps: int | None = None, device: tuple[str, str] | None = None) -> DecodePlan:
     """The decode plan of `cfg` for `batch` sequences of up to `max_len` tokens (module
     docstring). Call it outside jit: it lays the weights out for the path once.
 
@@ -263,7 +271,10 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     (`megakernel.ChainCache.with_state`: four kernels fewer a step); None: where the
     megakernel runs, `megakernel.KEEP_STATE`'s choice. att_splits: the megakernel's attention
     blocks a query group, each over a split of the cached positions (`chain_mgpu(att_splits=)`);
-    None: the cache capacity's (`megakernel.att_splits_for`).
+    None: the cache capacity's (`megakernel.att_splits_for`). greedy_steps: greedy decoding's
+    steps a megakernel call (`megakernel.greedy_steps`: each token chosen inside the kernel;
+    more than 1 takes the output layer inside the kernel and the kept state); None:
+    `megakernel.GREEDY_STEPS` where the megakernel runs with both, else 1.
     device: (platform, device_kind), the first device's by default.
     """
     if head not in DECODE_HEADS:
@@ -291,6 +302,15 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
                          "megakernel path (a Hopper GPU, batch 1) or leave it False.")
     if kernel_state:
         line += ", its state kept between steps"
+    if greedy_steps is None:
+        greedy_steps = megakernel.GREEDY_STEPS if path == "megakernel" and kernel_state and head == "fused" else 1
+    elif greedy_steps != 1 and not (path == "megakernel" and kernel_state and head == "fused"
+                                    and 1 <= greedy_steps <= MAX_STEPS):
+        raise ValueError(f"greedy_steps={greedy_steps}: greedy steps in one megakernel call (2 to {MAX_STEPS}) "
+                         f"need the megakernel path with head='fused' and kernel_state=True (this plan: "
+                         f"{path!r}, head {head!r}, kernel_state {kernel_state}); pass those, or 1.")
+    if greedy_steps > 1:
+        line += f", {greedy_steps} greedy steps a call"
     return DecodePlan(layout(cfg, params, path, head), cfg, path, line, batch, max_len,
                       attention_backend(cfg, platform, backend), kernel, fused, tiling, stages,
-                      head, kernel_state, att_splits)
+                      head, kernel_state, att_splits, greedy_steps)

@@ -36,13 +36,24 @@ from pallas_kernels.chain import xla as cx
 
 def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: float, stages: int = 16,
                     w_head=None, state=None, new_state: bool = False, embed=None, advance: bool = False,
-                    att_splits: int = 1):
+                    att_splits: int = 1, steps: int = 1):
     """`chain_mgpu`'s result from its own inputs (norm gains folded) by `cx.reference`: the
     kernel's math in XLA, for any device (stages, the kernel's ring depth, and att_splits, its
     attention blocks a query group, change nothing but the rounding).
     With a state (which it keeps as given; new_state: two zero words) the cache comes back
     with the new k and v written, as the kernel's does; embed=(table, token): x_0 is the
-    token's row (clamped); advance: pos + 1 last."""
+    token's row (clamped); advance: pos + 1 last. steps > 1: that many greedy steps, each
+    token the argmax of the step's logits before the final norm's factor, as the kernel's:
+    (x_L of the last, kv, tokens [steps], state, pos + steps)."""
+    if steps > 1:
+        def one(carry, _):
+            token, kv, pos = carry
+            x_D, kv, z, _, pos = chain_reference(None, w_qkv, w_o, w_gu, w_down, kv, pos, rope, norm_eps=norm_eps,
+                                                 w_head=w_head, state=state, embed=(embed[0], token), advance=True)
+            nxt = jnp.argmax(z.sum(axis=0)).astype(jnp.int32)
+            return (nxt[None], kv, pos), (nxt, x_D)
+        (_, kv, pos), (tokens, xs) = jax.lax.scan(one, (embed[1], kv, pos), None, length=steps)
+        return xs[-1], kv, tokens, state, pos
     if embed is not None:
         x0_D = jnp.take(embed[0], embed[1][0], axis=0, mode="clip").astype(jnp.float32)
     ones = jnp.ones((w_qkv.shape[0], x0_D.shape[0]), jnp.float32)
@@ -107,6 +118,11 @@ def att_splits_for(capacity: int) -> int:
 # benchmarks/decode.md): off until an H200 confirms the gain, since at d 1024 it would also
 # change speculative decoding's draft, timed without it (docs/decisions.md).
 KEEP_STATE = False
+
+# The greedy steps a megakernel call runs where `decoder.plan(greedy_steps=None)` chooses
+# (`chain_mgpu(steps=N)`: the token chosen inside the kernel, no kernel between steps): one
+# until the steps are timed against one-step calls on an H200 (benchmarks/decode.md).
+GREEDY_STEPS = 1
 
 
 def fused_head_supported(cfg: ModelConfig) -> str | None:
@@ -206,6 +222,23 @@ class ChainCache(KVCache):
         out, (k, v) = contiguous_attend((as_bskh(layer_state[0]), as_bskh(layer_state[1])),
                                         q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale)
         return out, jnp.stack([k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)])
+
+
+def greedy_steps(cfg: ModelConfig, params: dict, tokens_B, cache: ChainCache, kernel, steps: int):
+    """`steps` greedy tokens after tokens_B [1] (the token at the cache's length) in one
+    kernel call (`chain_mgpu(steps=...)`: each step's argmax chosen inside the kernel, which
+    reads the next token's row itself): (tokens [1, steps], the cache `steps` longer). Needs
+    the output layer inside the kernel (`chain_params(head=True)`) and a cache with the
+    kernel's state (`ChainCache.with_state`)."""
+    if cache.state is None or "chain_head" not in params:
+        raise ValueError("megakernel.greedy_steps: the kernel chooses the tokens itself and needs its "
+                         "state kept (ChainCache.with_state) and the output layer inside it "
+                         "(chain_params(head=True)): decoder.plan(greedy_steps=N) sets both.")
+    _, kv, tokens, state, lengths = kernel(None, *params["chain"], cache.kv, cache.lengths, cache.rope,
+                                           norm_eps=cfg.norm_eps, **cache.kernel_options(),
+                                           w_head=params["chain_head"], state=cache.state,
+                                           embed=(params["embed"], tokens_B), advance=True, steps=steps)
+    return tokens[None], dataclasses.replace(cache, kv=kv, state=state, lengths=lengths)
 
 
 def rope_table(cfg: ModelConfig, rows: int):

@@ -306,14 +306,26 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         def produce_head():  # the output layer's weight tiles, after the last layer's
             active, t0, t1, k0, k1 = rect(hp, b)
             nk = k1 - k0
+            lag = head_free and (uneven or loads)  # the cap's waits of its ring steps, deferred
+
+            def landed(x, when):  # ring step x's tile: waited on once, in order (the barrier's phase)
+                pl.when(when & (cap > 0) if uneven else when)(lambda: plgpu.barrier_wait(full.at[lax.rem(x, st)]))
 
             @pl.when(active)
             def _():
+                h0 = ring(L * s.per_layer)
+                h1 = h0 + (t1 - t0) * nk
+
                 @pl.loop(0, (t1 - t0) * nk)
                 def _(q):
                     t, k = t0 + q // nk, k0 + lax.rem(q, nk)
-                    issue(ring(L * s.per_layer + q), wh_ref.at[pl.ds(t * T, T), pl.ds(k * KC, KC)],
-                          capped=not head_free)
+                    if lag:  # step j - st, whose wait the cap would have made at step j - st + cap, before its slot is reused
+                        x = h0 + q - st
+                        landed(x, (x >= h0 - cap) & (x >= 0))
+                    issue(h0 + q, wh_ref.at[pl.ds(t * T, T), pl.ds(k * KC, KC)], capped=not head_free)
+
+                if lag:  # the deferred waits whose slots are not reused yet
+                    pl.loop(jnp.maximum(jnp.maximum(h0 - cap, h1 - st), 0), h1 - cap)(lambda x: landed(x, True))
 
         def consume_head():
             """x_L's chunks k0..k1-1 (`gather`: the last down's pieces and H_{L-1}, as the

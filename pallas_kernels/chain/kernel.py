@@ -516,7 +516,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                     row = ((l * 2 * H + j_kv) * S + pos) * hd
                     ca.rope_new(stage_smem, x_win, kv_ref, rope_smem, red_smem, row, row + H * S * hd, hd, GB)
                     if greedy:  # a later step of this call reads the row with TMA
-                        gr.publish_kv()
+                        gr.publish_kv(other_blocks=R > 1)
                 else:  # in kv_new [L, 2, H, hd]
                     row = (l * 2 * H + j_kv) * hd
                     ca.rope_new(stage_smem, x_win, kvn_ref, rope_smem, red_smem, row, row + H * hd, hd, GB)

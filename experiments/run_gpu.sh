@@ -18,6 +18,8 @@
 #   handovers       the megakernel's weight tiles in flight (loads), in whole steps  benchmarks/decode.md
 #   decode_long     megakernel against fast path after long prompts (auto's limit;  benchmarks/decode.md
 #                   attention splits, att_splits)
+#   decode_greedy   greedy steps inside the megakernel (steps=N) against a call a step:  benchmarks/decode.md
+#                   its GPU tests, then 350m and Llama-3.2-1B's shape in whole steps
 #   handovers_trace loads traced: the ring's free slots against the default (each    benchmarks/decode.md
 #                   reader's wait after its sources), and the chain without its RMSNorms
 #   decode_tune     the megakernel's product splits searched in whole steps     benchmarks/decode.md
@@ -106,6 +108,13 @@ decode_long)
             --new-tokens 64 --variants chain chain@att_loads=0 chain@att_splits=4 chain@att_splits=8 fast \
             --out "$OUT/prompt$P"
     done ;;
+decode_greedy)
+    # the tokens, cache and x_L of N steps a call against one-step calls; then in whole steps
+    JAX_PLATFORMS=cuda "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_chain_greedy.py \
+        tests/test_megakernel_decode.py -k "greedy_steps"
+    "$PY" experiments/decode_floor.py --presets 350m llama3.2-1b --batches 1 --reps 3 --out "$OUT" \
+        --variants chain chain+fused+state chain+fused+state+steps4 chain+fused+state+steps8 \
+        chain+fused+state+steps16 fast ;;
 handovers_trace)
     # a picture and the raw stamps a case: more files than a device run brings back, so they travel as one tgz
     T=$(mktemp -d)

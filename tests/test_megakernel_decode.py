@@ -251,11 +251,13 @@ def test_a_kept_kernel_state_decodes_the_same_tokens(params):
 
 
 @pytest.mark.parametrize("steps", [4, 5])
-def test_greedy_steps_a_call_decode_the_same_tokens(params, steps):
+def test_greedy_steps_a_call_decode_the_same_tokens(params, steps, monkeypatch):
     """greedy_steps=N: N tokens a megakernel call, each chosen inside the kernel (on a CPU by
     the reference's argmax), give one-step calls' greedy tokens, with an eos (tokens past it
     eos, the counts the same; 16 tokens are not a multiple of 5: the last call's extra tokens
-    are dropped); sampling still takes a call a token. Plans that cannot are refused."""
+    are dropped); sampling still takes a call a token. A measured default (GREEDY_STEPS)
+    brings the output layer inside and the kept state with it, unless either is declined;
+    plans that cannot are refused."""
     prompt = jnp.arange(3, 20, dtype=jnp.int32)[None]
     one, many = (decoder.plan(CFG, params, 1, 64, "megakernel", KERNEL, head="fused", kernel_state=True,
                               greedy_steps=n) for n in (1, steps))
@@ -279,6 +281,11 @@ def test_greedy_steps_a_call_decode_the_same_tokens(params, steps):
     assert got_count.tolist() == want_count.tolist() == [first + 1]
     hot = SamplingParams(temperature=1.0)
     np.testing.assert_array_equal(run(many, sp=hot)[0], run(one, sp=hot)[0])
+    monkeypatch.setattr(mk, "GREEDY_STEPS", 4)  # a measured default: the head inside and the state kept
+    auto = decoder.plan(CFG, params, 1, 64, "megakernel", KERNEL)
+    assert (auto.greedy_steps, auto.head, auto.kernel_state) == (4, "fused", True)
+    assert decoder.plan(CFG, params, 1, 64, "megakernel", KERNEL, head="xla").greedy_steps == 1
+    assert decoder.plan(CFG, params, 1, 64, "megakernel", KERNEL, kernel_state=False).greedy_steps == 1
     for bad in (dict(head="xla", kernel_state=True, greedy_steps=4), dict(head="fused", kernel_state=False,
                                                                          greedy_steps=4),
                 dict(head="fused", kernel_state=True, greedy_steps=65)):

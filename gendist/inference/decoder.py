@@ -274,7 +274,8 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     None: the cache capacity's (`megakernel.att_splits_for`). greedy_steps: greedy decoding's
     steps a megakernel call (`megakernel.greedy_steps`: each token chosen inside the kernel;
     more than 1 takes the output layer inside the kernel and the kept state); None:
-    `megakernel.GREEDY_STEPS` where the megakernel runs with both, else 1.
+    `megakernel.GREEDY_STEPS` where the megakernel runs and head and kernel_state allow it
+    (more than 1 then sets them), else 1.
     device: (platform, device_kind), the first device's by default.
     """
     if head not in DECODE_HEADS:
@@ -283,6 +284,11 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     platform, kind = device or this_device()
     path, line = resolve(cfg, batch, path, platform=platform, device_kind=kind, kernel=kernel,
                          paged=paged, step_tokens=step_tokens, max_len=max_len)
+    if greedy_steps is None:  # the measured default takes the output layer inside and the kept state
+        greedy_steps = (megakernel.GREEDY_STEPS if path == "megakernel" and head in ("auto", "fused")
+                        and kernel_state is not False and not megakernel.fused_head_supported(cfg) else 1)
+        if greedy_steps > 1:
+            head, kernel_state = "fused", True
     if head == "auto":
         head = ("fused" if path == "megakernel" and cfg.vocab_size >= megakernel.FUSED_HEAD_MIN_VOCAB
                 and not megakernel.fused_head_supported(cfg) else "xla")
@@ -302,9 +308,7 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
                          "megakernel path (a Hopper GPU, batch 1) or leave it False.")
     if kernel_state:
         line += ", its state kept between steps"
-    if greedy_steps is None:
-        greedy_steps = megakernel.GREEDY_STEPS if path == "megakernel" and kernel_state and head == "fused" else 1
-    elif greedy_steps != 1 and not (path == "megakernel" and kernel_state and head == "fused"
+    if greedy_steps != 1 and not (path == "megakernel" and kernel_state and head == "fused"
                                     and 1 <= greedy_steps <= MAX_STEPS):
         raise ValueError(f"greedy_steps={greedy_steps}: greedy steps in one megakernel call (2 to {MAX_STEPS}) "
                          f"need the megakernel path with head='fused' and kernel_state=True (this plan: "

@@ -603,7 +603,8 @@ def test_attention_matches_the_reference_on_the_gpu(preset, layers, norms, pos, 
 def test_split_attention_matches_the_reference_on_the_gpu(preset, capacity, pos, splits):
     """att_splits: each query group's positions over `splits` blocks (at pos 0 and 70 some
     have none), merged by o's readers: x_L and the new k, v within bf16's error of the
-    reference's; the new k and v bit for bit the kernel's without splits."""
+    reference's; layer 0's new k and v bit for bit the kernel's without splits (later layers'
+    follow an attention merged in another order, so their bf16 rounding may differ)."""
     D, F, NQ, K, hd = ATTENTION[preset]
     x0, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, 3)
     att = attention_inputs(3, D, capacity, pos, heads=NQ, kv_heads=K)
@@ -616,7 +617,7 @@ def test_split_attention_matches_the_reference_on_the_gpu(preset, capacity, pos,
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
     got_kv, want_kv = np.asarray(got_kv, np.float32), np.asarray(want_kv, np.float32)
     assert np.linalg.norm(got_kv - want_kv) <= 1e-2 * np.linalg.norm(want_kv)
-    np.testing.assert_array_equal(got_kv, np.asarray(plain_kv, np.float32))
+    np.testing.assert_array_equal(got_kv[0], np.asarray(plain_kv, np.float32)[0])
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")

@@ -145,16 +145,13 @@ def choose(ll_ref, word, sources: int, tag, red_smem, token_smem, tokens_ref, in
        [jnp.asarray(v, jnp.int32) for v in (word, tag, index, write)])
 
 
-def publish_kv(other_blocks: bool):
+def publish_kv():
     """A fence after a block has written a new k and v into the cache with generic stores,
-    which a later step reads with TMA (the async proxy): the writes are ordered before the
-    block's later operations for that proxy (its producer's loads follow its own releases of
-    ring slots) and, with other_blocks (the positions split over several blocks, one of
-    which may read the row in a later step), also at gpu scope. GPU only (inline PTX)."""
-    ptx = "fence.proxy.async.global;" + (" fence.acq_rel.gpu;" if other_blocks else "")
-
+    which the block's producer reads with TMA (the async proxy) in a later step: the writes
+    are ordered, for that proxy, before the block's later operations (its release of the
+    barrier the producer waits on). GPU only (inline PTX)."""
     @plgpu.inline_mgpu()
     def op(_):
-        mgpu.utils.inline_ptx(ptx, has_side_effects=True)
+        mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
     op()

@@ -187,7 +187,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         y_ref, kvn_ref, z_ref, trace_ref = (r.get(k) for k in ("y", "kvn", "z", "trace"))
         (x_win, w_smem, acc_smem, out_smem, norm_smem, full, free, z_smem,
          p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar, heads_smem, lse_smem,
-         best_smem, gred_smem, tok_smem) = refs[len(names):]
+         best_smem, gred_smem, tok_smem, kv_written) = refs[len(names):]
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
         if kept:  # the words of the calls before, and this call's epoch (`plan.tag`)
             ll = r["state"]
@@ -293,6 +293,9 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
 
             @pl.when(attends)
             def _():
+                if greedy:  # the step before wrote a row of its tiles: its consumer has (`attend`)
+                    pl.when(s.t > 0)(lambda: plgpu.barrier_wait(kv_written.at[l]))
+
                 @pl.loop(0, n_mine * nc)
                 def _(q):
                     t, c = mine(q // nc), lax.rem(q, nc)
@@ -515,8 +518,9 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 if kept:  # the kv head's new k and v in the cache [L, 2, H, S, hd], row pos
                     row = ((l * 2 * H + j_kv) * S + pos) * hd
                     ca.rope_new(stage_smem, x_win, kv_ref, rope_smem, red_smem, row, row + H * S * hd, hd, GB)
-                    if greedy:  # a later step of this call reads the row with TMA
-                        gr.publish_kv(other_blocks=R > 1)
+                    if greedy:  # the next step's loads of the row (its producer's TMA) wait for it
+                        gr.publish_kv()
+                        pl.when(s.t < steps - 1)(lambda: plgpu.barrier_arrive(kv_written.at[l]))
                 else:  # in kv_new [L, 2, H, hd]
                     row = (l * 2 * H + j_kv) * hd
                     ca.rope_new(stage_smem, x_win, kvn_ref, rope_smem, red_smem, row, row + H * hd, hd, GB)
@@ -649,7 +653,8 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         plgpu.SMEM((2, T), jnp.float32),  # each column's best value and row (`greedy.track`)
         plgpu.SMEM((8,), jnp.float32),  # the warps' best pairs
         plgpu.SMEM((4,), jnp.int32),  # the step's token
-    ) if greedy else (None,) * 3)
+        plgpu.Barrier(num_barriers=L),  # layer l's new k and v of the step written (attention blocks)
+    ) if greedy else (None,) * 4)
     out_type = (jax.ShapeDtypeStruct((D,), jnp.float32),)
     args = (first_in, w_qkv, w_o, w_gu, w_down)
     if attn is not None:

@@ -221,10 +221,11 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
                              "pass x0_D instead.")
         embed = (table, token.astype(jnp.int32))
     if steps != 1 and not (1 <= steps <= MAX_STEPS and embed is not None and head is not None
-                           and norm_eps is not None):
+                           and norm_eps is not None and R == 1 and L <= 32):
         raise ValueError(f"chain_mgpu: steps={steps}: want 1, or 2 to {MAX_STEPS} greedy steps a call, "
                          "which take the token's row (embed=..., with state=...), the output layer "
-                         "(w_head=...) and the norms (norm_eps=...).")
+                         "(w_head=...), the norms (norm_eps=...), att_splits=1 (a step's new k and v "
+                         "are read by the block that wrote them) and at most 32 layers.")
     lay = layout(prods, D, attn is not None, packed, R)
     # a kept state with the host's words and the output layer also holds the greedy choices'
     # words (whether or not this call chooses), so that one state serves calls of any steps

@@ -117,21 +117,28 @@ def test_a_hopper_plan_holds_the_kernel_and_its_weights():
     """What "auto" builds for the megakernel on a Hopper GPU (laid out here, not run): the
     Mosaic GPU kernel by default, the stacked norm-folded matrices beside the decode layout,
     and its cache; `kernel=` replaces the kernel; from 32k tokens the output layer runs inside
-    the kernel, and the plan's line says so."""
+    the kernel, and the plan's line says so; greedy decoding's steps a call
+    (`megakernel.GREEDY_STEPS`) bring the output layer inside and the kept state at any
+    vocabulary, unless the plan asks for one step a call."""
     params = transformer.init_params(MHA, 0)
+    greedy = (", the output layer inside the kernel, its state kept between steps, "
+              f"{mk.GREEDY_STEPS} greedy steps a call")
     p = decoder.plan(MHA, params, 1, 100, device=("gpu", H200))
     assert (p.path, p.kernel, p.line) == ("megakernel", chain_mgpu,
-                                          "decode: megakernel (batch 1, NVIDIA H200)")
+                                          "decode: megakernel (batch 1, NVIDIA H200)" + greedy)
+    assert (p.head, p.kernel_state, p.greedy_steps) == ("fused", True, mk.GREEDY_STEPS)
+    one = decoder.plan(MHA, params, 1, 100, device=("gpu", H200), greedy_steps=1)
+    assert (one.head, one.kernel_state, one.line) == ("xla", False, "decode: megakernel (batch 1, NVIDIA H200)")
     assert p.params["chain"][0].shape == (2, 3 * 128, 128) and len(p.params["blocks"]) == 2
     assert isinstance(p.make_cache(), mk.ChainCache) and p.make_cache().kv.shape[3] == 128
     ref = decoder.plan(MHA, params, 1, 100, "megakernel", mk.chain_reference, device=("cpu", "cpu"))
     assert ref.kernel is mk.chain_reference and ref.line == (
-        "decode: megakernel (batch 1, cpu, kernel chain_reference; generate.path='megakernel')")
+        "decode: megakernel (batch 1, cpu, kernel chain_reference; generate.path='megakernel')" + greedy)
     gqa = decoder.plan(GQA, transformer.init_params(GQA, 0), 1, 100, device=("gpu", H200))
     assert gqa.path == "megakernel" and gqa.params["chain"][0].shape == (2, 128 + 2 * 64, 128)
     assert gqa.make_cache().kv.shape == (2, 2, 1, 128, 64)  # the kv heads only
     big = dataclasses.replace(MHA, vocab_size=mk.FUSED_HEAD_MIN_VOCAB)
-    fused = decoder.plan(big, transformer.init_params(big, 0), 1, 100, device=("gpu", H200))
+    fused = decoder.plan(big, transformer.init_params(big, 0), 1, 100, device=("gpu", H200), greedy_steps=1)
     assert fused.head == "fused" and fused.line == (
         "decode: megakernel (batch 1, NVIDIA H200), the output layer inside the kernel")
     fast = decoder.plan(WIDE, transformer.init_params(WIDE, 0), 1, 100, device=("gpu", H200))

@@ -103,7 +103,8 @@ def test_greedy_steps_skip_the_output_layers_factor(params):
 
 def test_the_head_choice_follows_the_path(params):
     """head="auto" (the default) puts the output layer inside the megakernel where it runs
-    and the vocabulary is large (its folded table laid out once), XLA's elsewhere; "fused"
+    and the vocabulary is large (its folded table laid out once) or greedy steps a call
+    bring it (`megakernel.GREEDY_STEPS`), XLA's elsewhere; "fused"
     off the megakernel path is refused. Plans for a CPU (the kernel's XLA reference), on any
     machine."""
     cpu, ref = ("cpu", "cpu"), mk.chain_reference
@@ -111,7 +112,9 @@ def test_the_head_choice_follows_the_path(params):
     big_params = init(big)
     mega = decoder.plan(big, big_params, 1, 16, "megakernel", ref, device=cpu)
     assert mega.head == "fused" and mega.params["chain_head"].shape == (big.vocab_size, big.d_model)
-    assert decoder.plan(CFG, params, 1, 16, "megakernel", ref, device=cpu).head == "xla"  # 256 rows
+    assert decoder.plan(CFG, params, 1, 16, "megakernel", ref, device=cpu, greedy_steps=1).head == "xla"  # 256 rows
+    if mk.GREEDY_STEPS > 1:  # greedy decoding's steps a call take the output layer inside at any vocabulary
+        assert decoder.plan(CFG, params, 1, 16, "megakernel", ref, device=cpu).head == "fused"
     assert decoder.plan(big, big_params, 1, 16, "reference", device=cpu).head == "xla"
     with pytest.raises(ValueError, match="head='fused' runs the output layer inside the megakernel"):
         decoder.plan(CFG, params, 1, 16, "reference", head="fused", device=cpu)

@@ -119,12 +119,12 @@ def att_splits_for(capacity: int) -> int:
 # change speculative decoding's draft, timed without it (docs/decisions.md).
 KEEP_STATE = False
 
-# The greedy steps a megakernel call runs where `decoder.plan(greedy_steps=None)` chooses
+# The greedy steps one megakernel launch runs where `decoder.plan(greedy_steps=None)` chooses
 # (`chain_mgpu(steps=N)`: the token chosen inside the kernel, no kernel between steps; with
 # the output layer inside and the kept state). Timed on an H100 (benchmarks/decode.md,
-# "Greedy steps inside the megakernel"): at 350m 16 a call 0.307 ms a step against 0.316
-# with one step a call (the head inside, the state kept) and 0.320 for the one-step default,
-# 64 no faster than 16; at Llama-3.2-1B's shape 8 a call at par (0.874 against 0.876).
+# "Greedy steps inside the megakernel"): at 350m 16 steps per launch 0.307 ms a step against
+# 0.316 with one step per launch (the head inside, the state kept) and 0.320 for the one-step
+# default, 64 no faster than 16; at Llama-3.2-1B's shape 8 per launch at par (0.874 against 0.876).
 GREEDY_STEPS = 16
 
 

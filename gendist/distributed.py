@@ -188,9 +188,23 @@ def maybe_initialize(cfg: DistributedConfig | None = None, environ=None) -> bool
             f"({type(e).__name__}: {str(e)[:400]}). {fix}") from e
     finally:
         joined.set()
+    _compile_afresh_on_cpu()
     global _active
     _active = cfg
     return True
+
+
+def _compile_afresh_on_cpu():
+    """A multi-process job on CPU devices does not use jax's persistent compilation cache.
+    With jax 0.12.1, gendist's 2-process training (gloo) hangs in its first cross-process
+    all-gather when its executables come from the cache, whether every process loaded them
+    or only one; the same job compiling them itself runs (as it did from the cache with jax
+    0.11.2 and 0.12.0). CPU jobs of several processes are tests and rehearsals of small
+    programs: compiling afresh costs seconds. GPU and TPU jobs keep the cache."""
+    import jax
+    if (jax.process_count() > 1 and jax.default_backend() == "cpu"
+            and jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir):
+        jax.config.update("jax_enable_compilation_cache", False)
 
 
 def _init_deadline(joined: threading.Event, cfg: DistributedConfig, where: str, fix: str):

@@ -12,6 +12,7 @@ the interpreter runs (and which the GPU also runs, so both paths are tested ther
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 
@@ -48,6 +49,18 @@ def on_sm90() -> bool:
     except RuntimeError:
         return False
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+_REF_ACCESS = "write" in {f.name for f in dataclasses.fields(plgpu.RefType)}
+
+
+def read_ref(*transforms):
+    """The `inline_mgpu` argument type of a ref its inline code only reads. From jax 0.12.1
+    Pallas refuses a kernel whose code writes one of its input arrays (a ref argument's
+    type says whether it writes, `plgpu.RefType(write=...)`, default True); jax 0.11.2 and
+    0.12.0 have neither the field nor the check, and take every ref argument as read and
+    written. The type changes no generated code."""
+    return plgpu.RefType(*transforms, write=False) if _REF_ACCESS else plgpu.RefType(*transforms)
 
 
 _RACES = {"detect": False}
@@ -193,7 +206,7 @@ def wait_flags(flags_ref, count: int, target, acquire: bool = True):
     (a single grid-wide counter takes every block's atomic add in turn). Then a warpgroup
     barrier and (acquire=True) an acquire fence: reads after it see what the signallers
     released. GPU only (inline PTX)."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT))
+    @plgpu.inline_mgpu(arg_types=(read_ref(), plgpu.Layout.WG_SPLAT))
     def poll(_, ref, tgt):
         i32 = ir.IntegerType.get_signless(32)
         base = mgpu.utils.memref_ptr(ref)
@@ -301,7 +314,7 @@ def ll_gather(ll_ref, dst_smem, words, tag):
            f" LAB_LL: {loads} {SPIN_GUARD} mov.pred bad, 0; {checks} {warp_retry('bad', 'LAB_LL')}"
            f" mov.f32 f, 0f00000000; {sums} mov.f32 $0, f; }}")
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), [plgpu.Layout.WG_SPLAT] * n,
+    @plgpu.inline_mgpu(arg_types=(read_ref(), plgpu.RefType(), [plgpu.Layout.WG_SPLAT] * n,
                                   plgpu.Layout.WG_SPLAT))
     def gather(_, ll, dst, ws, t):
         ln = lane()
@@ -349,7 +362,7 @@ def prefetch_rows_l2(ref, row0, col0, row_elems: int, rows: int = 64):
     (row0 + lane) * row_elems + col0 of the global ref, seen as rows of `row_elems` (a weight
     tile's rows: [64, 64] bf16 is one line a row): `prefetch.global.L2`, which does not wait.
     Row and column are int32; the address is 64-bit. GPU only (inline PTX)."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))
+    @plgpu.inline_mgpu(arg_types=(read_ref(), plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))
     def emit(_, r, row, col):
         mgpu.utils.inline_ptx(
             "{ .reg .pred p; .reg .u32 w; .reg .u64 a; .reg .u64 c; setp.lt.u32 p, $4, $5;"

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import SPIN_GUARD, gmem_address, lane, ptr32, ptr64, warp_retry
+from pallas_kernels._mgpu import SPIN_GUARD, gmem_address, lane, ptr32, ptr64, read_ref, warp_retry
 from pallas_kernels.chain.plan import T
 
 NEG_INF = "0fFF800000"
@@ -131,7 +131,7 @@ def choose(ll_ref, word, sources: int, tag, red_smem, token_smem, tokens_ref, in
                " @p st.global.u32 [$3], i; }")
     splat = plgpu.Layout.WG_SPLAT
 
-    @plgpu.inline_mgpu(arg_types=((plgpu.RefType(),) * 4, [splat] * 4))
+    @plgpu.inline_mgpu(arg_types=((read_ref(),) + (plgpu.RefType(),) * 3, [splat] * 4))
     def op(_, refs, vals):
         ll, red, tok, toks = refs
         w, t, ix, wr = (v.registers[()] for v in vals)

@@ -14,7 +14,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith
 
-from pallas_kernels._mgpu import SPIN_GUARD, const_i32, gmem_address, lane, ptr32, ptr64, warp_retry
+from pallas_kernels._mgpu import (
+    SPIN_GUARD,
+    const_i32,
+    gmem_address,
+    lane,
+    ptr32,
+    ptr64,
+    read_ref,
+    warp_retry,
+)
 from pallas_kernels.chain.plan import EPOCHS, KC, SS, T
 
 X_TRANSFORMS = (plgpu.TilingTransform((8, KC)), plgpu.SwizzleTransform(2 * KC))
@@ -294,7 +303,7 @@ def gather(ll_ref, init_ref, dst_ref, groups, reads, *, out: str, use_init, dens
 
     dst_type = plgpu.RefType(X_TRANSFORMS) if out == "bf16" else plgpu.RefType()
     refs = (ll_ref, init_ref, dst_ref) + ((norm_ref,) if norm else ())
-    ref_types = (plgpu.RefType(), plgpu.RefType(), dst_type) + ((plgpu.RefType(),) if norm else ())
+    ref_types = (read_ref(), read_ref(), dst_type) + ((plgpu.RefType(),) if norm else ())
 
     @plgpu.inline_mgpu(arg_types=(ref_types, [splat] * len(traced)))
     def op(_, rs, vals):
@@ -444,7 +453,7 @@ def embed_words(ll_ref, table_ref, token, chunk, x_word: int, ss_word: int, tag)
            " @l0 st.relaxed.gpu.global.b64 [a], d; }")
     splat = plgpu.Layout.WG_SPLAT
 
-    @plgpu.inline_mgpu(arg_types=((plgpu.RefType(), plgpu.RefType()), [splat, splat, splat]))
+    @plgpu.inline_mgpu(arg_types=((plgpu.RefType(), read_ref()), [splat, splat, splat]))
     def op(_, refs, vals):
         ll, table = refs
         row, c, t = (v.registers[()] for v in vals)

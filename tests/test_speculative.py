@@ -184,22 +184,32 @@ CFG_MK = ModelConfig(d_model=128, num_layers=2, num_heads=2, num_kv_heads=2, hea
                      d_ff=192, max_seq_len=96, dtype="bfloat16")  # the megakernel's kind
 
 
-@pytest.mark.parametrize("gamma,kernel_state", [(1, False), (3, False), (3, True)])
-def test_greedy_with_a_megakernel_draft_equals_plain_greedy(models, gamma, kernel_state):
-    """The draft decodes one token a call through the megakernel (its XLA reference here),
-    its cache rolled back over rejected drafts every round: the tokens are plain greedy's;
-    also with the kernel's state kept from call to call."""
+@pytest.mark.parametrize("gamma,kernel_state,adaptive", [
+    (1, False, False), (3, False, False), (3, True, False), (5, True, True)])
+def test_greedy_with_a_megakernel_draft_equals_plain_greedy(models, gamma, kernel_state, adaptive):
+    """The draft decodes through the megakernel (its XLA reference here), its cache rolled
+    back over rejected drafts every round: the tokens are plain greedy's. With the kernel's
+    state kept, the plan's default greedy steps make the draft's calls after the first one
+    kernel launch (`LM.greedy`, from γ = 3; with adaptive γ the chains of 3 or more)."""
     tp, _, pb, lb = models
     n = 10
     dp = transformer.init_params(CFG_MK, 4)
     on_sm90 = decoder.hopper(decoder.this_device()[1])  # the kernel itself, else its XLA math
     draft = lm(CFG_MK, dp, "draft-megakernel", "megakernel",
                kernel=None if on_sm90 else mk.chain_reference, kernel_state=kernel_state)
+    assert (draft.greedy is not None) == kernel_state  # the default greedy steps need the kept state
+    launches = []
+    if draft.greedy is not None:
+        def counted(params, tokens_B, cache, steps):  # traced once per chain length
+            launches.append(steps)
+            return greedy(params, tokens_B, cache, steps)
+        greedy, draft = draft.greedy, dataclasses.replace(draft, greedy=counted)
     out, count, stats = speculative_generate(
         lm(CFG_T, tp, "target"), tp, draft, dp, pb[:1], lb[:1], jax.random.key(0),
-        max_new_tokens=n, sp=SamplingParams(temperature=0.0), spec=SpecConfig(gamma=gamma))
+        max_new_tokens=n, sp=SamplingParams(temperature=0.0), spec=SpecConfig(gamma=gamma, adaptive=adaptive))
     np.testing.assert_array_equal(np.asarray(out), plain_greedy(tp, pb[:1], lb[:1], n))
     assert int(count[0]) == n and int(stats["proposed"]) > int(stats["accepted"])  # rollbacks
+    assert sorted(launches) == ([] if not kernel_state else list(range(2, gamma)))
 
 
 def test_greedy_acceptance_equals_the_rejection_rule_with_one_hot_distributions():

@@ -206,8 +206,9 @@ def speculative_sample(tcfg, tparams, dcfg, dparams, tok, g: GenerateConfig, pro
                        gamma: int):
     """(continuation, statistics) with `dcfg` drafting for `tcfg` (same vocabulary). Each
     model decodes through its own plan (`decoder.plan`, lines on stderr) on `g.path`; an
-    explicit "megakernel" is the draft's (one token a call), the target then takes "auto"
-    (it verifies gamma + 1 tokens a call)."""
+    explicit "megakernel" is the draft's (a token a call; greedy, the tokens after its first in
+    one kernel launch where its plan takes greedy steps), the target then takes "auto" (it
+    verifies gamma + 1 tokens a call)."""
     import jax
     import jax.numpy as jnp
 

@@ -26,13 +26,18 @@ class LM:
     vocab_size: int
     name: str = "lm"
     prepare: Callable[[Any], Any] = lambda params: params  # once per generation (dtype casts)
+    # greedy(params, tokens_B, cache, n) -> (tokens [B, n], the cache n longer): n greedy tokens
+    # after tokens_B (at the cache's length) in one call; None: a call a token only
+    greedy: Callable[..., tuple[jax.Array, Any]] | None = None
 
 
 def transformer_lm(plan, name: str = "transformer", cache_factory=None) -> LM:
     """A gendist transformer behind the LM interface, decoding as its `decoder.DecodePlan`
     does (its path, its cache; `cache_factory(cfg, batch, max_len)` instead when given).
     Pass the plan's weights (`plan.params`) as the LM's params; other weights are laid out
-    for the path by `prepare`."""
+    for the path by `prepare`. A plan that takes greedy steps inside the megakernel
+    (`greedy_steps` > 1) gives the LM `greedy`: a greedy draft then proposes its tokens in
+    one kernel launch (`speculative._draft`)."""
     skeleton = dataclasses.replace(plan, params=None)  # the path alone: no weights held
 
     def make_cache(batch, max_len):
@@ -43,8 +48,12 @@ def transformer_lm(plan, name: str = "transformer", cache_factory=None) -> LM:
     def apply(params, tokens_BT, pos_BT, cache):
         return dataclasses.replace(skeleton, params=params).forward(tokens_BT, pos_BT, cache)
 
+    def greedy(params, tokens_B, cache, n: int):  # n >= 2 steps in one megakernel launch
+        return dataclasses.replace(skeleton, params=params, greedy_steps=n).greedy_tokens(tokens_B, cache)
+
     return LM(apply, make_cache, plan.cfg.vocab_size, name,
-              prepare=lambda params: skeleton.with_params(params).params)
+              prepare=lambda params: skeleton.with_params(params).params,
+              greedy=greedy if plan.greedy_steps > 1 else None)
 
 
 def draft_config(target: ModelConfig, width: int, num_layers: int) -> ModelConfig:

@@ -55,7 +55,10 @@ def _draft(draft: LM, dparams, dcache, prev_B, last_B, n_B, key, sp, G, g_dyn, a
 
     With a fixed γ the G − 1 draft calls are unrolled in the trace (no inner device loop,
     whose trip test costs a host round-trip per iteration on GPU); an adaptive γ picks one
-    of G unrolled chains (1 .. G calls) with one `switch` per step.
+    of G unrolled chains (1 .. G calls) with one `switch` per step. A greedy draft with
+    `LM.greedy` (greedy steps inside the megakernel) makes the calls after the first one
+    call: its γ − 1 tokens chosen in one kernel launch (from γ = 3; two tokens a call at
+    least).
     """
     tok = jnp.stack([prev_B, last_B], 1)
     pos = jnp.stack([jnp.maximum(n_B - 1, 0), n_B], 1)
@@ -80,7 +83,17 @@ def _draft(draft: LM, dparams, dcache, prev_B, last_B, n_B, key, sp, G, g_dyn, a
                                      dcache)
         return (dcache, *propose(i, logits[:, 0], d_BG, q_BGV, key))
 
+    def in_one_call(n):  # draft tokens 1 .. n-1 in one greedy call: d_0 at position n + 1 on
+        def run(carry):
+            dcache, d_BG, q_BGV, key = carry
+            toks_BN, dcache = draft.greedy(dparams, d_BG[:, 0], dcache.rollback(n_B + 1), n - 1)
+            return dcache, d_BG.at[:, 1:n].set(toks_BN), q_BGV, key
+        return run
+
     def unrolled(n):  # draft calls 1 .. n-1, straight-line
+        if sp.greedy and draft.greedy is not None and n >= 3:
+            return in_one_call(n)
+
         def run(carry):
             for i in range(1, n):
                 carry = body(i, carry)

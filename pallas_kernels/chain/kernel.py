@@ -46,7 +46,7 @@ a step is four XLA kernels shorter.
 
 GPU only (the words are moved by inline PTX, which Mosaic GPU's interpreter does not run);
 `xla.reference` is the same math in XLA; `plan` holds the decomposition, the word layout
-and the input wiring (CPU-testable), `words` the inline-PTX word movers.
+and the input wiring (CPU-testable), `words` the inline-PTX word movers, `ring` the producer's waits on its weight ring.
 """
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._mgpu import WGMMA, launch, prefetch_rows_l2, stamp, tiled_smem, zero_words
 from pallas_kernels.chain import attention as ca
 from pallas_kernels.chain import greedy as gr
+from pallas_kernels.chain import ring as rw
 from pallas_kernels.chain import words as cw
 from pallas_kernels.chain.plan import (
     EPOCHS,
@@ -260,8 +261,8 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             slot = lax.rem(j, st)
             pl.when(j >= st)(lambda: plgpu.barrier_wait(free.at[slot]))
             if (uneven or loads) and capped:  # at most `cap` tiles in flight: step j - cap has landed (0: no cap)
-                landed = (cap > 0) & (j >= cap) if uneven else j >= cap
-                pl.when(landed)(lambda: plgpu.barrier_wait(full.at[lax.rem(j - cap, st)]))
+                x, due = rw.capped_wait(j, cap, uneven)
+                pl.when(due)(lambda: plgpu.barrier_wait(full.at[lax.rem(x, st)]))
             plgpu.copy_gmem_to_smem(src, w_smem.at[slot], full.at[slot])
 
         def produce(l, p):  # layer l's product p: its weight tiles into the ring
@@ -323,12 +324,11 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 def _(q):
                     t, k = t0 + q // nk, k0 + lax.rem(q, nk)
                     if lag:  # step j - st, whose wait the cap would have made at step j - st + cap, before its slot is reused
-                        x = h0 + q - st
-                        landed(x, (x >= h0 - cap) & (x >= 0))
+                        landed(*rw.head_wait(h0, q, st, cap))
                     issue(h0 + q, wh_ref.at[pl.ds(t * T, T), pl.ds(k * KC, KC)], capped=not head_free)
 
                 if lag:  # the deferred waits whose slots are not reused yet
-                    pl.loop(jnp.maximum(jnp.maximum(h0 - cap, h1 - st), 0), h1 - cap)(lambda x: landed(x, True))
+                    pl.loop(*rw.head_tail(h0, h1, st, cap))(lambda x: landed(x, True))
 
         def consume_head():
             """x_L's chunks k0..k1-1 (`gather`: the last down's pieces and H_{L-1}, as the

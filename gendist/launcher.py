@@ -24,8 +24,8 @@ from gendist.distributed import (
     ENV_LOCAL_DEVICE_IDS,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
-    STOP_SIGNALS,
 )
+from gendist.supervise import STOP_SIGNALS
 
 
 def free_port(host: str = "127.0.0.1") -> int:

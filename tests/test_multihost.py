@@ -252,7 +252,7 @@ def test_launcher_returns_zero_and_rejects_bad_options():
 
 
 def test_watchdog_ends_a_stuck_process():
-    code = ("import time; from gendist.distributed import Watchdog\n"
+    code = ("import time; from gendist.supervise import Watchdog\n"
             "with Watchdog(1.0) as w:\n    w.beat('step 3')\n    time.sleep(30)")
     t = time.monotonic()
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

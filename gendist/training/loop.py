@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from gendist import distributed
+from gendist import supervise
 from gendist.config import Config, ModelConfig, check_pipeline
 from gendist.data.batches import TextData, process_rows, shard_batch
 from gendist.output import console, report, rundir
@@ -145,7 +145,7 @@ def run(cfg: Config, mesh=None, data: TextData | None = None, stop_after: int | 
     `stop_after` ends the loop early at that step (after checkpointing it), as if the
     process had been killed there: used by the exact-resume test. `step_timeout` (or
     $GENDIST_STEP_TIMEOUT) seconds without a finished step, eval or checkpoint after the
-    first step end the process with a message instead of a hang (see distributed.Watchdog).
+    first step end the process with a message instead of a hang (see supervise.Watchdog).
     `init_params` starts a fresh run from given weights instead of a random init (fine-tuning;
     a resumed run ignores it): a params dict, or a function of the params' shardings that
     returns one placed on them (e.g. `hf.load_params` onto a ZeRO-3 mesh).
@@ -239,13 +239,13 @@ def _run(cfg: Config, mesh, data: TextData | None, stop_after: int | None, log,
 
     if step_timeout is None and os.environ.get(STEP_TIMEOUT_ENV):
         step_timeout = float(os.environ[STEP_TIMEOUT_ENV])
-    dog = distributed.Watchdog(step_timeout) if step_timeout else contextlib.nullcontext()
+    dog = supervise.Watchdog(step_timeout) if step_timeout else contextlib.nullcontext()
     beat = dog.beat if step_timeout else (lambda label: None)
-    agree = distributed.Agreement(start)
+    agree = supervise.Agreement(start)
     every_s = t.checkpoint_every_minutes * 60
     stopped = 0  # the signal the run stopped on
     try:
-        with dog, distributed.StopRequest() as stop:
+        with dog, supervise.StopRequest() as stop:
             stop.saved = _last_checkpoint(ckpt.latest_step(), ckpt.directory)
             last_save = time.monotonic()
             for step_no in bar:
@@ -294,8 +294,8 @@ def _run(cfg: Config, mesh, data: TextData | None, stop_after: int | None, log,
                 if jax.process_index() == 0:
                     lora.save(out / ADAPTERS_DIR, cfg.model, cfg.train, params)
     except Exception as e:
-        if jax.process_count() > 1 and distributed.is_runtime_error(e):
-            print(distributed.lost_peer_message(e, ckpt.latest_step(), ckpt.directory),
+        if jax.process_count() > 1 and supervise.is_runtime_error(e):
+            print(supervise.lost_peer_message(e, ckpt.latest_step(), ckpt.directory),
                   file=sys.stderr, flush=True)
         raise
     finally:

@@ -99,14 +99,15 @@ handovers)
     "$PY" experiments/decode_floor.py --presets llama3.2-1b 1b 350m --batches 1 --reps 3 --out "$OUT" \
         --variants chain chain@loads=0 chain@loads=2 chain@loads=4 chain@loads=6 fast ;;
 decode_long)
-    # after a 1,984- and a 960-token prompt: the megakernel (its attention blocks uncapped; each
-    # query group's positions split over 4 and 8 blocks) against the fast path, where
-    # `megakernel.LONGEST_CONTEXT` draws auto's line and `megakernel.att_splits_for` its splits
+    # after a 1,984- and a 960-token prompt: the megakernel unsplit (att_splits=1: 16 greedy
+    # steps a launch), its default (`megakernel.att_splits_for`: split from 1,024 positions),
+    # 4 and 8 splits and its attention blocks uncapped, against the fast path, where
+    # `megakernel.LONGEST_CONTEXT` draws auto's line
     JAX_PLATFORMS=cuda "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_chain_mgpu.py -k "split_attention"
     for P in 1984 960; do
         "$PY" experiments/decode_floor.py --presets 350m 1b llama3.2-1b --batches 1 --reps 2 --prompt $P \
-            --new-tokens 64 --variants chain chain@att_loads=0 chain@att_splits=4 chain@att_splits=8 fast \
-            --out "$OUT/prompt$P"
+            --new-tokens 64 --variants chain@att_splits=1 chain chain@att_splits=4 chain@att_splits=8 \
+            chain@att_loads=0 fast --out "$OUT/prompt$P"
     done ;;
 decode_greedy)
     # the tokens, cache and x_L of N steps a call against one-step calls; then in whole steps
@@ -135,8 +136,8 @@ serving)
         --out "$OUT" ;;
 speculative)
     "$PY" experiments/speculative_speedup.py --target 1b --steps 1100 --seq-len 256 --batch-size 32 \
-        --draft-width 1024 --draft-layers 2 --draft-round-steps 300 --draft-rounds 5 --gammas 4 6 8 10 \
-        --batches 1 --temperatures 0 1 --prompts-b1 2 --new-tokens 128 --tag _1b ${KERNEL_STATE:+--kernel-state} \
+        --draft-width 1024 --draft-layers 2 --draft-round-steps 300 --draft-rounds 5 --gammas 6 8 10 12 \
+        --batches 1 --temperatures 0 1 --prompts-b1 8 --new-tokens 128 --tag _1b ${KERNEL_STATE:+--kernel-state} \
         --out "$OUT" ;;
 pipeline)
     "$PY" experiments/pipeline_speed.py --variants one_gpu pp2_1f1b-phased_m16 \

@@ -95,13 +95,15 @@ def test_bad_steps_are_refused():
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
-@pytest.mark.parametrize("preset,vocab,pos", [("350m", 256, 126), ("llama3.2-1b", 4096, 60)])
-def test_greedy_steps_match_one_step_calls_on_the_gpu(preset, vocab, pos):
-    """Two calls of 4 greedy steps from pos (crossing a 64-position tile; each step reads the
-    rows the steps before it wrote, which its producer loads only after they are written: two
-    layers of few items a block let it run a step ahead) give the tokens of 8 one-step calls
-    that take the argmax of their logits' pieces in XLA, the same cache (bit for bit), the
-    last x_L and the position moved on by 8."""
+@pytest.mark.parametrize("preset,vocab,pos,steps", [("350m", 256, 126, 4), ("llama3.2-1b", 4096, 60, 4),
+                                                   ("draft-1024", 256, 125, 3)])
+def test_greedy_steps_match_one_step_calls_on_the_gpu(preset, vocab, pos, steps):
+    """Two calls of `steps` greedy steps from pos (crossing a 64-position tile; each step reads
+    the rows the steps before it wrote, which its producer loads only after they are written:
+    two layers of few items a block let it run a step ahead) give the tokens of 2 `steps`
+    one-step calls that take the argmax of their logits' pieces in XLA, the same cache (bit
+    for bit), the last x_L and the position moved on by 2 `steps`. (draft-1024: the shape of
+    speculative decoding's draft, whose calls take γ - 1 steps.)"""
     D, F, NQ, K, hd = ATTENTION[preset]
     _, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, 2)
     g = gains(D, 2)
@@ -116,12 +118,12 @@ def test_greedy_steps_match_one_step_calls_on_the_gpu(preset, vocab, pos):
         return cc.chain_mgpu(None, wq_f, wo, wgu_f, wd, kv, p, angles, state=state, embed=(emb, token),
                              steps=steps, **opts)
     one = jax.jit(lambda token, kv, p, state: call(token, kv, p, state, 1))
-    many = jax.jit(lambda token, kv, p, state: call(token, kv, p, state, 4))
+    many = jax.jit(lambda token, kv, p, state: call(token, kv, p, state, steps))
     p0 = jnp.array([pos], jnp.int32)
     n = cc.state_size(None, wq_f, wo, wgu_f, wd, kv, p0, angles, embed=(emb, p0), **opts)
     token, kv1, p1, st1 = jnp.array([7], jnp.int32), kv, p0, jnp.zeros((n,), jnp.int32)
     want = []
-    for _ in range(8):
+    for _ in range(2 * steps):
         y1, kv1, z, st1, p1 = one(token, kv1, p1, st1)
         token = jnp.argmax(z.sum(axis=0))[None].astype(jnp.int32)
         want.append(int(token[0]))
@@ -132,6 +134,6 @@ def test_greedy_steps_match_one_step_calls_on_the_gpu(preset, vocab, pos):
         got += [int(t) for t in toks]
         token = toks[-1:]
     assert got == want
-    assert int(p2[0]) == pos + 8 and int(st2[-2]) == 8 and int(st2[-1]) == 0
+    assert int(p2[0]) == pos + 2 * steps and int(st2[-2]) == 2 * steps and int(st2[-1]) == 0
     np.testing.assert_array_equal(np.asarray(kv2, np.float32), np.asarray(kv1, np.float32))
     np.testing.assert_array_equal(np.asarray(y2), np.asarray(y1))

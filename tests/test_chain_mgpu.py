@@ -157,7 +157,8 @@ def assert_polls_are_the_warps(text):
 # (D, F, query heads, kv heads, head_dim): the presets' multi-head attention, Llama-3.2-1B's
 # grouped-query attention (4 query heads a kv head), 8 a kv head at head_dim 128
 ATTENTION = {"350m": (1024, 2816, 16, 16, 64), "1b": (2048, 5632, 16, 16, 128),
-             "llama3.2-1b": (2048, 8192, 32, 8, 64), "gqa8-hd128": (1024, 2048, 8, 1, 128)}
+             "llama3.2-1b": (2048, 8192, 32, 8, 64), "gqa8-hd128": (1024, 2048, 8, 1, 128),
+             "draft-1024": (1024, 2688, 16, 16, 64)}  # `lm.draft_config(width=1024)`'s
 
 
 def attention_specs(shape: str):

@@ -51,10 +51,10 @@ TABLE = [  # cfg, batch, platform, device kind, options -> path, line
      "pages it)"),
     (MHA, 1, "gpu", H200, dict(step_tokens=5), "fast",
      "decode: fast path — the megakernel needs one token a call (this plan decodes 5)"),
-    (MHA, 1, "gpu", H200, dict(max_len=1024), "megakernel", "decode: megakernel (batch 1, NVIDIA H200)"),
-    (GQA, 1, "gpu", H200, dict(max_len=2048), "fast",
-     "decode: fast path — the megakernel needs a context of at most 1,024 tokens to be the faster "
-     "(this plan decodes up to 2,048: past it its attention reads the cache slower than the fast path's)"),
+    (MHA, 1, "gpu", H200, dict(max_len=2048), "megakernel", "decode: megakernel (batch 1, NVIDIA H200)"),
+    (GQA, 1, "gpu", H200, dict(max_len=2049), "fast",
+     "decode: fast path — the megakernel needs a context of at most 2,048 tokens to be the faster "
+     "(this plan decodes up to 2,049: past it its attention reads the cache slower than the fast path's)"),
     (MHA, 1, "cpu", "cpu", {}, "reference", NO_GPU),
     (GQA, 4, "cpu", "cpu", {}, "reference", NO_GPU),
     (MOE, 1, "cpu", "cpu", {}, "reference", NO_GPU),

@@ -213,6 +213,23 @@ def test_a_cache_asks_the_kernel_for_its_attention_splits(params, kernel_state):
     assert set(seen) == {None, 4} and seen[-1] == 4 and mk.att_splits_for(64) == 1
 
 
+def test_long_caches_split_the_attention_and_their_plans_keep_one_launch_a_step(params):
+    """From `megakernel.SPLIT_CONTEXT` positions a cache splits each query group's positions
+    over as many blocks as the grid holds (350m 8, Llama-3.2-1B's 32 query groups 4: 8 would
+    need 256 blocks); a plan fixes its max_len's splits for every cache it makes, and a split
+    plan takes one step a launch (greedy steps read their new k and v where they wrote them)."""
+    m350, llama = preset("350m").model, preset("llama3.2-1b").model
+    assert [mk.att_splits_for(n, m350, 132) for n in (64, mk.SPLIT_CONTEXT - 64, mk.SPLIT_CONTEXT, 4096)] == [1, 1, 8, 8]
+    assert mk.att_splits_for(mk.SPLIT_CONTEXT, llama, 132) == 4 and mk.att_splits_for(4096, llama) == 4
+    assert mk.att_splits_for(mk.SPLIT_CONTEXT, m350, 100) == 4 and mk.att_splits_for(4096) == 1  # no cfg: one
+    long_ = decoder.plan(CFG, params, 1, mk.SPLIT_CONTEXT, "megakernel", KERNEL)
+    assert (long_.att_splits, long_.greedy_steps) == (mk.att_splits_for(mk.SPLIT_CONTEXT, CFG), 1) != (1, 1)
+    assert "split over" in long_.line and long_.make_cache(1, 64).att_splits == long_.att_splits
+    short = decoder.plan(CFG, params, 1, mk.SPLIT_CONTEXT - 64, "megakernel", KERNEL)
+    assert (short.att_splits, short.greedy_steps) == (1, mk.GREEDY_STEPS)
+    assert short.make_cache(1, mk.SPLIT_CONTEXT + 64).att_splits == 1  # greedy steps' extra rows: the plan's
+
+
 def test_a_kept_kernel_state_decodes_the_same_tokens(params):
     """kernel_state=True: the cache carries the kernel's words from step to step and the
     kernel writes the new k and v (the reference writes them as the step would), and the
@@ -289,9 +306,12 @@ def test_greedy_steps_a_call_decode_the_same_tokens(params, steps, monkeypatch):
     assert (auto.greedy_steps, auto.head, auto.kernel_state) == (4, "fused", True)
     assert decoder.plan(CFG, params, 1, 64, "megakernel", KERNEL, head="xla").greedy_steps == 1
     assert decoder.plan(CFG, params, 1, 64, "megakernel", KERNEL, kernel_state=False).greedy_steps == 1
+    # split attention declines them (a step's new k and v are read by the block that wrote them)
+    assert decoder.plan(CFG, params, 1, 64, "megakernel", KERNEL, att_splits=4).greedy_steps == 1
     for bad in (dict(head="xla", kernel_state=True, greedy_steps=4), dict(head="fused", kernel_state=False,
                                                                          greedy_steps=4),
-                dict(head="fused", kernel_state=True, greedy_steps=65)):
+                dict(head="fused", kernel_state=True, greedy_steps=65),
+                dict(head="fused", kernel_state=True, greedy_steps=4, att_splits=2)):
         with pytest.raises(ValueError, match="greedy_steps="):
             decoder.plan(CFG, params, 1, 64, "megakernel", KERNEL, **bad)
 

@@ -2,6 +2,7 @@
 one compile and no host transfers."""
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -210,6 +211,36 @@ def test_greedy_with_a_megakernel_draft_equals_plain_greedy(models, gamma, kerne
     np.testing.assert_array_equal(np.asarray(out), plain_greedy(tp, pb[:1], lb[:1], n))
     assert int(count[0]) == n and int(stats["proposed"]) > int(stats["accepted"])  # rollbacks
     assert sorted(launches) == ([] if not kernel_state else list(range(2, gamma)))
+
+
+@pytest.mark.parametrize("gamma,adaptive", [(3, False), (6, False), (6, True)])
+def test_a_megakernel_draft_proposes_in_one_launch_what_it_proposes_a_call_a_token(gamma, adaptive):
+    """`_draft` of a greedy megakernel draft (the kernel on an sm90 GPU, its XLA reference
+    elsewhere): γ proposals with the tokens after the first in one launch (`LM.greedy`) equal
+    those of one kernel call a token, from rolled-back caches at two positions. (Speculative
+    decoding's output cannot tell: it is the target's whatever the draft proposes.)"""
+    from gendist.inference.speculative import _draft
+    dp = jax.tree.map(lambda x: x * 3 if x.ndim > 1 else x, transformer.init_params(CFG_MK, 4))
+    on_sm90 = decoder.hopper(decoder.this_device()[1])
+    draft = lm(CFG_MK, dp, "draft-megakernel", "megakernel", kernel=None if on_sm90 else mk.chain_reference,
+               kernel_state=True)
+    assert draft.greedy is not None
+    params = draft.prepare(dp)
+    toks_BT = jnp.asarray(np.random.default_rng(0).integers(0, CFG_MK.vocab_size, (1, 40)), jnp.int32)
+    _, cache = draft.apply(params, toks_BT, jnp.arange(40)[None], draft.make_cache(1, CFG_MK.max_seq_len))
+    sp = SamplingParams(temperature=0.0)
+
+    @functools.partial(jax.jit, static_argnums=(0,))
+    def propose(one_launch, cache, n_B):
+        lm_ = draft if one_launch else dataclasses.replace(draft, greedy=None)
+        d_BG, *_ = _draft(lm_, params, cache.rollback(n_B), toks_BT[:, n_B[0] - 1], toks_BT[:, n_B[0]], n_B,
+                          jax.random.key(0), sp, gamma, jnp.int32(gamma - 1 if adaptive else gamma), adaptive)
+        return d_BG
+    for n in (17, 39):
+        n_B = jnp.array([n], jnp.int32)
+        got, want = propose(True, cache, n_B), propose(False, cache, n_B)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert len(set(np.asarray(want)[0, :gamma - int(adaptive)].tolist())) > 1  # proposals that vary
 
 
 def test_greedy_acceptance_equals_the_rejection_rule_with_one_hot_distributions():

@@ -169,7 +169,8 @@ class DecodePlan:
     stages: int = dataclasses.field(default=16, metadata=dict(static=True))  # the kernel's ring
     head: str = dataclasses.field(default="xla", metadata=dict(static=True))  # output layer
     kernel_state: bool = dataclasses.field(default=False, metadata=dict(static=True))  # kept words
-    # the megakernel's attention blocks a query group (None: `megakernel.att_splits_for`'s)
+    # the megakernel's attention blocks a query group (`plan`: `megakernel.att_splits_for`'s
+    # at its max_len unless given; None: each cache's own capacity's)
     att_splits: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     # greedy steps a megakernel call (`megakernel.greedy_steps`; 1: a call a step)
     greedy_steps: int = dataclasses.field(default=1, metadata=dict(static=True))
@@ -271,7 +272,8 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     (`megakernel.ChainCache.with_state`: four kernels fewer a step); None: where the
     megakernel runs, `megakernel.KEEP_STATE`'s choice. att_splits: the megakernel's attention
     blocks a query group, each over a split of the cached positions (`chain_mgpu(att_splits=)`);
-    None: the cache capacity's (`megakernel.att_splits_for`). greedy_steps: greedy decoding's
+    None: the max_len's (`megakernel.att_splits_for`: from `SPLIT_CONTEXT` on, as many as the
+    grid holds), fixed for every cache of the plan. greedy_steps: greedy decoding's
     steps a megakernel call (`megakernel.greedy_steps`: each token chosen inside the kernel;
     more than 1 takes the output layer inside the kernel and the kept state); None:
     `megakernel.GREEDY_STEPS` where the megakernel runs and head and kernel_state allow it
@@ -284,9 +286,12 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     platform, kind = device or this_device()
     path, line = resolve(cfg, batch, path, platform=platform, device_kind=kind, kernel=kernel,
                          paged=paged, step_tokens=step_tokens, max_len=max_len)
+    # a greedy call's steps read their new k and v in the block that wrote them: one split
+    splits = att_splits if att_splits is not None else megakernel.att_splits_for(-(-max_len // 64) * 64, cfg)
     if greedy_steps is None:  # the measured default takes the output layer inside and the kept state
         greedy_steps = (megakernel.GREEDY_STEPS if path == "megakernel" and head in ("auto", "fused")
-                        and kernel_state is not False and not megakernel.fused_head_supported(cfg) else 1)
+                        and kernel_state is not False and splits == 1
+                        and not megakernel.fused_head_supported(cfg) else 1)
         if greedy_steps > 1:
             head, kernel_state = "fused", True
     if head == "auto":
@@ -309,12 +314,15 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     if kernel_state:
         line += ", its state kept between steps"
     if greedy_steps != 1 and not (path == "megakernel" and kernel_state and head == "fused"
-                                    and 1 <= greedy_steps <= MAX_STEPS):
+                                    and 1 <= greedy_steps <= MAX_STEPS and splits == 1):
         raise ValueError(f"greedy_steps={greedy_steps}: greedy steps in one megakernel call (2 to {MAX_STEPS}) "
-                         f"need the megakernel path with head='fused' and kernel_state=True (this plan: "
-                         f"{path!r}, head {head!r}, kernel_state {kernel_state}); pass those, or 1.")
+                         f"need the megakernel path with head='fused', kernel_state=True and one attention "
+                         f"split (this plan: {path!r}, head {head!r}, kernel_state {kernel_state}, "
+                         f"att_splits {splits}); pass those, or greedy_steps=1.")
     if greedy_steps > 1:
         line += f", {greedy_steps} greedy steps a call"
+    if path == "megakernel" and splits > 1:
+        line += f", each query group's positions split over {splits} attention blocks"
     return DecodePlan(layout(cfg, params, path, head), cfg, path, line, batch, max_len,
                       attention_backend(cfg, platform, backend), kernel, fused, tiling, stages,
-                      head, kernel_state, att_splits, greedy_steps)
+                      head, kernel_state, splits if path == "megakernel" else att_splits, greedy_steps)

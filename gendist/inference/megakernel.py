@@ -31,7 +31,9 @@ from gendist.config import ModelConfig
 from gendist.inference import decode_block, decode_layout
 from gendist.inference.cache import KVCache, contiguous_attend
 from gendist.models.layers import rope_angles
+from pallas_kernels._mgpu import sm_count
 from pallas_kernels.chain import xla as cx
+from pallas_kernels.chain.resolve import attention_group
 
 
 def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: float, stages: int = 16,
@@ -95,21 +97,38 @@ FUSED_HEAD_MIN_VOCAB = 32_000
 
 
 # The longest context (a plan's max_len) for which `decoder.plan(path="auto")` takes the
-# megakernel. Its attention gives each query head (group) one block, which streams that
-# head's K and V tiles at one block's capped share of the bandwidth, so a step grows with the
-# context 3-5x faster than the fast path's, whose attention kernel reads the cache with every
-# SM. Measured on an H100 (benchmarks/decode.md, "Long contexts"): at ~2,016 positions the
-# megakernel is slower (350m 0.932 against 0.767 ms, Llama-3.2-1B's shape 1.380 against 1.348);
-# interpolated from the steps at ~160 positions the paths cross at ~1,380 (350m) and ~1,800
-# (Llama-3.2-1B's shape) positions. 1,024 keeps every step of an auto plan below both.
-LONGEST_CONTEXT = 1024
+# megakernel. Its attention gives each query group one block unless the cache splits the
+# positions over several (`att_splits_for`); unsplit, a step grows with the context 3-5x
+# faster than the fast path's, whose attention kernel reads the cache with every SM. Measured
+# on an H100 (benchmarks/decode.md, "Long contexts"), positions 1,984-2,047, fast path in the
+# same process: split, the megakernel is the faster at both shapes timed (350m 0.655 against
+# 0.852 ms, Llama-3.2-1B's shape 1.297 against 1.454); unsplit it was the slower. Past 2,048
+# nothing is timed, so auto stops there.
+LONGEST_CONTEXT = 2048
+
+# From this cache capacity on, `att_splits_for` splits each query group's positions over
+# several attention blocks (FlashDecoding's split-K). Measured on an H100 after a 960-token
+# prompt (capacity 1,024; benchmarks/decode.md): 350m 0.454 ms split 8 ways against 0.560
+# unsplit with 16 greedy steps a launch, Llama-3.2-1B's shape 1.029 (4 ways) against 1.083.
+# At positions 32-287 two splits are no faster (0.324 against 0.322 ms), and a split cache
+# takes a launch a step (greedy steps read their new k and v in the block that wrote them),
+# ~5% slower there than 16 greedy steps a launch: below 1,024 the cache stays unsplit.
+SPLIT_CONTEXT = 1024
 
 
-def att_splits_for(capacity: int) -> int:
+def att_splits_for(capacity: int, cfg: ModelConfig | None = None, blocks: int | None = None) -> int:
     """The attention blocks a query group gets (`chain_mgpu(att_splits=...)`) in a cache of
-    `capacity` positions: one, until splits are timed against it (benchmarks/decode.md,
-    "Long contexts"); `ChainCache.create(att_splits=N)` asks for N."""
-    return 1
+    `capacity` positions for `cfg` on `blocks` blocks (the GPU's SMs): one below
+    `SPLIT_CONTEXT` (or without a cfg), else the most of 8, 4, 2 whose attention blocks the
+    grid holds (350m: 16 query groups x 8; Llama-3.2-1B's shape: 32 x 4).
+    `ChainCache.create(att_splits=N)` asks for N instead."""
+    if cfg is None or capacity < SPLIT_CONTEXT:
+        return 1
+    NB = blocks or sm_count()
+    N1 = cfg.d_model + 2 * cfg.num_kv_heads * cfg.head_dim
+    group = attention_group(cfg.d_model, N1, cfg.d_ff, NB, cfg.head_dim, cfg.num_kv_heads)
+    groups = cfg.d_model // cfg.head_dim // group
+    return next((R for R in (8, 4, 2) if groups * R < NB), 1)
 
 
 # Whether `decoder.plan(kernel_state=None)` keeps the kernel's state between steps where the
@@ -187,7 +206,7 @@ class ChainCache(KVCache):
         capacity's (`att_splits_for`)."""
         S = -(-max_len // 64) * 64
         shape = (cfg.num_layers, 2, cfg.num_kv_heads, S, cfg.head_dim)
-        R = att_splits_for(S) if att_splits is None else att_splits
+        R = att_splits_for(S, cfg) if att_splits is None else att_splits
         return cls(jnp.zeros(shape, jnp.bfloat16), jnp.zeros((1,), jnp.int32), rope_table(cfg, S),
                    stages, att_splits=R)
 

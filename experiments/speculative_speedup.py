@@ -240,7 +240,7 @@ def main():
                                             adaptive=spec.adaptive, skipped="time budget"))
                     continue
                 t_spec, st = 0.0, collections.Counter()
-                gammas_used = []
+                gammas_used, alphas = [], []
                 for pb, lb in sets:
                     fn = functools.partial(
                         speculative_generate,
@@ -260,6 +260,8 @@ def main():
                         {k: int(stats[k]) for k in ("accepted", "trials", "proposed", "steps")}
                     )
                     gammas_used.append(int(stats["final_gamma"]))
+                    # one greedy continuation is one sample: its α spreads by ~0.1 between prompts
+                    alphas.append(round(int(stats["accepted"]) / max(int(stats["trials"]), 1), 3))
                 alpha = st["accepted"] / max(st["trials"], 1)
                 # Adaptive: the prediction at the γ it settled on (its last choice).
                 g_pred = int(np.median(gammas_used)) if spec.adaptive else g
@@ -272,6 +274,7 @@ def main():
                     adaptive=spec.adaptive,
                     final_gamma=gammas_used,
                     alpha=alpha,
+                    alpha_per_prompt=alphas,
                     c=c,
                     kept_fraction=st["accepted"] / max(st["proposed"], 1),
                     plain_s=t_plain,

@@ -193,12 +193,13 @@ def test_attention_lowers_for_sm90_with_no_fence(shape, norm_eps, group):
     assert_polls_are_the_warps(text)
 
 
-@pytest.mark.parametrize("shape,splits", [("350m", 4), ("gqa8-hd128", 3)])
+@pytest.mark.parametrize("shape,splits", [("350m", 4), ("gqa8-hd128", 3), ("350m", 8), ("llama3.2-1b", 4)])
 def test_split_attention_lowers_and_bad_splits_are_refused(shape, splits):
     """att_splits: each query group's positions over several blocks, each storing its output
     and its log2-sum-exp (lg2), o's readers weighting them (ex2 of the differences, one
-    division): it lowers without a fence and polls as a warp; 0, 9 and splits without
-    attention are refused, naming the field."""
+    division): it lowers without a fence and polls as a warp (with the long caches' defaults,
+    `megakernel.att_splits_for`: 350m 8, Llama-3.2-1B 4); 0, 9 and splits without attention
+    are refused, naming the field."""
     args = attention_specs(shape)
     text = lowered_for_sm90(lambda *a: cc.chain_mgpu(*a, blocks=132, norm_eps=1e-5, att_splits=splits), *args)
     for s in ("lg2.approx.f32", "mov.f32 mn, 0f00000000", "div.rn.f32", "CMB_E", "LAB_G"):

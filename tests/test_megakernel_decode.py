@@ -228,6 +228,9 @@ def test_long_caches_split_the_attention_and_their_plans_keep_one_launch_a_step(
     short = decoder.plan(CFG, params, 1, mk.SPLIT_CONTEXT - 64, "megakernel", KERNEL)
     assert (short.att_splits, short.greedy_steps) == (1, mk.GREEDY_STEPS)
     assert short.make_cache(1, mk.SPLIT_CONTEXT + 64).att_splits == 1  # greedy steps' extra rows: the plan's
+    wide = dataclasses.replace(CFG, head_dim=128)  # no megakernel: no splits, and its plans take none
+    assert mk.supported(wide, 1) and mk.att_splits_for(4096, wide) == 1
+    assert decoder.plan(wide, init(wide), 1, 2 * mk.SPLIT_CONTEXT, "reference").att_splits is None
 
 
 def test_a_kept_kernel_state_decodes_the_same_tokens(params):

@@ -286,8 +286,9 @@ def plan(cfg: ModelConfig, params: dict, batch: int, max_len: int, path: str = "
     platform, kind = device or this_device()
     path, line = resolve(cfg, batch, path, platform=platform, device_kind=kind, kernel=kernel,
                          paged=paged, step_tokens=step_tokens, max_len=max_len)
-    # a greedy call's steps read their new k and v in the block that wrote them: one split
-    splits = att_splits if att_splits is not None else megakernel.att_splits_for(-(-max_len // 64) * 64, cfg)
+    splits = 1  # the megakernel's: a greedy call's steps read their new k and v in the block that wrote them
+    if path == "megakernel":
+        splits = att_splits if att_splits is not None else megakernel.att_splits_for(megakernel.cache_rows(max_len), cfg)
     if greedy_steps is None:  # the measured default takes the output layer inside and the kept state
         greedy_steps = (megakernel.GREEDY_STEPS if path == "megakernel" and head in ("auto", "fused")
                         and kernel_state is not False and splits == 1

@@ -33,7 +33,7 @@ from gendist.inference.cache import KVCache, contiguous_attend
 from gendist.models.layers import rope_angles
 from pallas_kernels._mgpu import sm_count
 from pallas_kernels.chain import xla as cx
-from pallas_kernels.chain.resolve import attention_group
+from pallas_kernels.chain.resolve import attention_blocks, attention_group
 
 
 def chain_reference(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, *, norm_eps: float, stages: int = 16,
@@ -119,16 +119,20 @@ SPLIT_CONTEXT = 1024
 def att_splits_for(capacity: int, cfg: ModelConfig | None = None, blocks: int | None = None) -> int:
     """The attention blocks a query group gets (`chain_mgpu(att_splits=...)`) in a cache of
     `capacity` positions for `cfg` on `blocks` blocks (the GPU's SMs): one below
-    `SPLIT_CONTEXT` (or without a cfg), else the most of 8, 4, 2 whose attention blocks the
-    grid holds (350m: 16 query groups x 8; Llama-3.2-1B's shape: 32 x 4).
+    `SPLIT_CONTEXT` or without a cfg the kernel runs (`supported`), else the most of 8, 4, 2
+    whose attention blocks the grid holds (350m: 16 query groups x 8; Llama-3.2-1B's shape:
+    32 x 4).
     `ChainCache.create(att_splits=N)` asks for N instead."""
-    if cfg is None or capacity < SPLIT_CONTEXT:
+    if cfg is None or capacity < SPLIT_CONTEXT or supported(cfg, 1):
         return 1
-    NB = blocks or sm_count()
-    N1 = cfg.d_model + 2 * cfg.num_kv_heads * cfg.head_dim
-    group = attention_group(cfg.d_model, N1, cfg.d_ff, NB, cfg.head_dim, cfg.num_kv_heads)
-    groups = cfg.d_model // cfg.head_dim // group
-    return next((R for R in (8, 4, 2) if groups * R < NB), 1)
+    D, hd, NB = cfg.d_model, cfg.head_dim, blocks or sm_count()
+    group = attention_group(D, D + 2 * cfg.num_kv_heads * hd, cfg.d_ff, NB, hd, cfg.num_kv_heads)
+    return next((R for R in (8, 4, 2) if attention_blocks(D, hd, group, R) < NB), 1)
+
+
+def cache_rows(max_len: int) -> int:
+    """The positions a `ChainCache` of max_len tokens holds: max_len rounded up to 64."""
+    return -(-max_len // 64) * 64
 
 
 # Whether `decoder.plan(kernel_state=None)` keeps the kernel's state between steps where the
@@ -204,7 +208,7 @@ class ChainCache(KVCache):
     def create(cls, cfg: ModelConfig, max_len: int, stages: int = 16, att_splits: int | None = None):
         """A zeroed cache of max_len positions (rounded up to 64); att_splits None: the
         capacity's (`att_splits_for`)."""
-        S = -(-max_len // 64) * 64
+        S = cache_rows(max_len)
         shape = (cfg.num_layers, 2, cfg.num_kv_heads, S, cfg.head_dim)
         R = att_splits_for(S, cfg) if att_splits is None else att_splits
         return cls(jnp.zeros(shape, jnp.bfloat16), jnp.zeros((1,), jnp.int32), rope_table(cfg, S),

@@ -153,7 +153,7 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
     if not 1 <= R <= 8 or (R > 1 and attn is None):
         raise ValueError(f"chain_mgpu: att_splits={R}: want 1 to 8 attention blocks a query group, "
                          "each attending to a split of the positions (with kv, pos and rope).")
-    heads = D // hd // group * R if attn is not None else 0  # attention blocks
+    heads = attention_blocks(D, hd, group, R) if attn is not None else 0
     splits = best_splits if splits is None else splits
     att_blocks = heads if (best_spare if spare is None else spare) else 0
     if att_blocks >= NB:
@@ -239,6 +239,12 @@ def attention_group(D: int, N1: int, F: int, blocks: int, head_dim: int, kv_head
     """The query heads an attention block takes: `group` if given, else the shape's measured
     choice (`plan.tuned`), else `attention.default_group`."""
     return group or tuned(D, N1, F, blocks, head_dim)[2] or ca.default_group(D // head_dim, kv_heads, blocks)
+
+
+def attention_blocks(D: int, head_dim: int, group: int, splits: int = 1) -> int:
+    """The blocks that attend: one a query group (`group` query heads) and split of its
+    positions. The grid must hold them (with o spared, leave o at least one)."""
+    return D // head_dim // group * splits
 
 
 def attention_smem(S: int, hd: int, group: int = 1, splits: int = 1) -> int:

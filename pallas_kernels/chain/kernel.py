@@ -46,7 +46,8 @@ a step is four XLA kernels shorter.
 
 GPU only (the words are moved by inline PTX, which Mosaic GPU's interpreter does not run);
 `xla.reference` is the same math in XLA; `plan` holds the decomposition, the word layout
-and the input wiring (CPU-testable), `words` the inline-PTX word movers, `ring` the producer's waits on its weight ring.
+and the input wiring (CPU-testable), `words` the inline-PTX word movers, `ring` the
+producer's waits on its weight ring, `scratch` its shared memory.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._mgpu import WGMMA, launch, prefetch_rows_l2, stamp, tiled_smem, zero_words
+from pallas_kernels._mgpu import WGMMA, launch, prefetch_rows_l2, stamp, zero_words
 from pallas_kernels.chain import attention as ca
 from pallas_kernels.chain import greedy as gr
 from pallas_kernels.chain import ring as rw
@@ -83,7 +84,8 @@ from pallas_kernels.chain.plan import (
     region,
     tag,
 )
-from pallas_kernels.chain.resolve import Call, window_rows
+from pallas_kernels.chain.resolve import Call
+from pallas_kernels.chain.scratch import shared_memory
 
 SCORE_GROUP = 4  # K tiles whose score products are in flight at once
 # Trace points a layer (`chain_mgpu(trace=True)`): product i's start, input gathered and
@@ -188,7 +190,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         y_ref, kvn_ref, z_ref, trace_ref = (r.get(k) for k in ("y", "kvn", "z", "trace"))
         (x_win, w_smem, acc_smem, out_smem, norm_smem, full, free, z_smem,
          p_win, sc_smem, stage_smem, red_smem, rope_smem, rope_bar, heads_smem, lse_smem,
-         best_smem, gred_smem, tok_smem, kv_written) = refs[len(names):]
+         best_smem, gred_smem, tok_smem, kv_written) = refs[len(names):]  # `shared_memory`'s
         b, wg = lax.axis_index("b"), lax.axis_index("wg")
         if kept:  # the words of the calls before, and this call's epoch (`plan.tag`)
             ll = r["state"]
@@ -628,33 +630,8 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             if kept:  # after every read of this call's epoch: the last block out advances it
                 cw.close_call(ll, epoch_at, NB, pos_ref if advance else None, steps)
 
-    att_scratch = (None,) * 8
-    if attn is not None:
-        att_scratch = (
-            tiled_smem((8 * (S // T), KC), jnp.bfloat16),  # p, as the tensor core reads it
-            plgpu.SMEM((GB, S // T, T), jnp.float32),  # the scores, a query head each
-            plgpu.SMEM(((GB + 2) * hd,), jnp.float32),  # the query heads' q, the k, the v
-            plgpu.SMEM((GB * ca.RED,), jnp.float32),  # the warps' partial sums
-            plgpu.SMEM((hd,), jnp.float32),  # the angles (cos | sin)
-            plgpu.Barrier(num_barriers=1),  # the angles landed
-            plgpu.SMEM((GB, T), jnp.float32),  # a chunk of each query head's output
-            plgpu.SMEM((GB, T), jnp.float32) if R > 1 else None,  # and its split's lse, at every column
-        )
-    scratch = (
-        tiled_smem((window_rows(kmax), KC), jnp.bfloat16),  # the input window
-        tiled_smem((st, T, KC), jnp.bfloat16),  # the weight ring
-        plgpu.SMEM((TG, T), jnp.float32),  # TG tiles' 64 outputs, for their LL words
-        plgpu.SMEM((T,), jnp.float32),  # the final chunk
-        plgpu.SMEM((4,), jnp.float32),  # a norm's 4 warp partial sums of squares
-        plgpu.Barrier(num_barriers=st),  # slot's tile landed
-        plgpu.Barrier(num_barriers=st),  # slot free again
-        plgpu.SMEM((2, T), jnp.float32) if hp is not None else None,  # the head's tiles, to z
-    ) + att_scratch + ((
-        plgpu.SMEM((2, T), jnp.float32),  # each column's best value and row (`greedy.track`)
-        plgpu.SMEM((8,), jnp.float32),  # the warps' best pairs
-        plgpu.SMEM((4,), jnp.int32),  # the step's token
-        plgpu.Barrier(num_barriers=L),  # layer l's new k and v of the step written (attention blocks)
-    ) if greedy else (None,) * 4)
+    scratch = shared_memory(kmax, st, TG, L, head=hp is not None, greedy=greedy,
+                            attention=(S, hd, GB, R) if attn is not None else None)
     out_type = (jax.ShapeDtypeStruct((D,), jnp.float32),)
     args = (first_in, w_qkv, w_o, w_gu, w_down)
     if attn is not None:

@@ -76,8 +76,15 @@ def _relative(raw):
     return ns.astype(float), cyc.astype(float), written
 
 
-def analyse(raw, L: int) -> dict:
+def analyse(raw, L: int, steps: int = 1) -> dict:
+    """raw: a call's stamps [NB, steps L, P, 2] (step t's layer l at t L + l). The layers'
+    medians over every step's layers 1 .. L-1; with steps > 1 also the seams between steps
+    (`seam_us`, median over them): the output layer's handover and work, the choice's
+    handover (its last block's token after the last head block's end) and work (x_0's words
+    written), layer 0's q|k|v handover after them, and the seam's period (layer 0's q|k|v
+    input after layer L-1's, against a layer's `period`)."""
     ns, cyc, written = _relative(raw)
+    LT = steps * L
     idx = {n: i for i, n in enumerate(cm.TRACE_POINTS)}
     t = lambda name: ns[:, :, idx[name]]  # noqa: E731
     ok = lambda name: written[:, :, idx[name]]  # noqa: E731
@@ -96,8 +103,17 @@ def analyse(raw, L: int) -> dict:
             if span_ns > 0:
                 rates.append(span_cyc / span_ns)
     ghz = float(np.median(rates))
-    layers = []
-    for l in range(1, L):
+    layers, seams = [], []
+    for l in range(1, LT):
+        if l % L == 0:  # layer 0 of the step after a seam
+            e = l - 1
+            seams.append(dict(head_handover=last("head_in", e) - last("down_out", e),
+                              head_work=last("head_out", e) - last("head_in", e),
+                              choose_handover=last("choose_in", e) - last("head_out", e),
+                              choose_work=last("choose_out", e) - last("choose_in", e),
+                              qkv_handover=last("qkv_in", l) - last("choose_out", e),
+                              period=last("qkv_in", l) - last("qkv_in", e)))
+            continue
         row = {}
         prev_done = last("down_out", l - 1)
         for p in PRODUCTS:
@@ -110,26 +126,27 @@ def analyse(raw, L: int) -> dict:
             if p == "qkv" and ok("att_out")[:, l].any():
                 row["att_handover"] = last("att_in", l) - last("qkv_out", l)
                 row["att_work"] = last("att_out", l) - last("att_in", l)
-        if l + 1 < L:
+        if l + 1 < LT and (l + 1) % L:
             row["period"] = last("qkv_in", l + 1) - last("qkv_in", l)
         layers.append(row)
     keys = sorted({k for r in layers for k in r})
     median = {k: float(np.nanmedian([r.get(k, np.nan) for r in layers])) / 1e3 for k in keys}
-    steps = {}
+    att_steps = {}
     heads = written[:, :, idx["att_out"]]
     if heads.any():
         prev = "att"
         for s in ATT_STEPS:  # the median head's step, in SM cycles -> us
             d = (cyc[:, :, idx[s]] - cyc[:, :, idx[prev]])[:, 1:][heads[:, 1:]]
-            steps[s] = float(np.median(d)) / ghz / 1e3
+            att_steps[s] = float(np.median(d)) / ghz / 1e3
             prev = s
     total = ns[written].max() - ns[written].min()
     head = {}
-    if ok("head_out")[:, L - 1].any():  # the output layer, after the last layer
-        head = dict(handover=(last("head_in", L - 1) - last("down_out", L - 1)) / 1e3,
-                    work=(last("head_out", L - 1) - last("head_in", L - 1)) / 1e3)
-    return dict(us_per_layer_median=median, attention_steps_us=steps, sm_ghz=ghz,
-                kernel_us_from_stamps=float(total) / 1e3, head_us=head)
+    if ok("head_out")[:, LT - 1].any():  # the output layer, after the last layer
+        head = dict(handover=(last("head_in", LT - 1) - last("down_out", LT - 1)) / 1e3,
+                    work=(last("head_out", LT - 1) - last("head_in", LT - 1)) / 1e3)
+    seam = {k: float(np.nanmedian([r[k] for r in seams])) / 1e3 for k in (seams[0] if seams else ())}
+    return dict(us_per_layer_median=median, attention_steps_us=att_steps, sm_ghz=ghz,
+                kernel_us_from_stamps=float(total) / 1e3, head_us=head, seam_us=seam)
 
 
 def writers(p) -> dict:
@@ -239,12 +256,19 @@ def main():
                          "embedding table (chain_mgpu(state=..., embed=...), the decode loop's kept form)")
     ap.add_argument("--vocab", type=int, default=0,
                     help="with V > 0, the output layer inside the kernel: a random [V, D] table")
+    ap.add_argument("--steps", type=int, default=1,
+                    help="N > 1: greedy calls of N steps (chain_mgpu(steps=N); needs --vocab and "
+                         "--state 1, the vocabulary's table as the embedding), every step traced "
+                         "and the seams between steps measured")
     ap.add_argument("--pos", type=int, default=160)
     ap.add_argument("--capacity", type=int, default=320)
     ap.add_argument("--stages", type=int, default=16)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.steps > 1 and (not args.vocab or args.state != [1] or args.norms != [1]):
+        ap.error(f"--steps {args.steps}: greedy steps need the output layer and the kept state: "
+                 "pass --vocab V --state 1 (and the norms)")
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for name, spare, group, tiles, sums, packed, inflight, loads, norms, kept in (
@@ -264,33 +288,40 @@ def main():
         w_head = (jax.random.normal(jax.random.key(3), (args.vocab, D), jnp.float32).astype(jnp.bfloat16)
                   if args.vocab else None)
         kw["norm_eps"] = 1e-5 if norms else None
-        if kept:  # x_0 is row 7 of a table; the state goes from each call to the next
+        if kept and args.steps > 1:  # the head's table is the embedding; the steps choose from it
+            kw["embed"] = (w_head, jnp.array([7], jnp.int32))
+        elif kept:  # x_0 is row 7 of a table; the state goes from each call to the next
             kw["embed"] = (x0.astype(jnp.bfloat16)[None].repeat(8, 0), jnp.array([7], jnp.int32))
-        opts = {**sched._asdict(), **kw}  # chain_mgpu's keywords
+        greedy = dict(steps=args.steps, advance=True) if args.steps > 1 else {}
+        opts = {**sched._asdict(), **kw, **greedy}  # chain_mgpu's keywords
         x0_in, state = ((None, jnp.zeros((cc.state_size(None, *ws, *att, w_head=w_head, **opts),), jnp.int32))
                         if kept else (x0, None))
         f = jax.jit(lambda state, w_head, *a, opts=opts: cc.chain_mgpu(*a, state=state, w_head=w_head, **opts))
         results = []
         for _ in range(args.calls + 1):  # the first compiles
             out = f(state, w_head, x0_in, *ws, *att)
-            if kept:
+            if greedy:  # (..., trace, state, pos + steps): each call decodes from the same pos
+                *out, state, _ = out
+            elif kept:
                 *out, state = out
-            results.append(analyse(jax.device_get(out[-1]), L))
+            results.append(analyse(jax.device_get(out[-1]), L, args.steps))
         raw = jax.device_get(out[-1])
         results = results[1:]
-        ran = resolve(x0_in, *ws, *att, sched, w_head=w_head, kept=kept, **kw)  # its products and loads
+        ran = resolve(x0_in, *ws, *att, sched, w_head=w_head, kept=kept, steps=args.steps, **kw)  # its products and loads
         sources = after_sources(raw, L, ran.prods)  # the last call's
         keys = results[0]["us_per_layer_median"].keys()
         med = {k: float(np.median([r["us_per_layer_median"][k] for r in results])) for k in keys}
         steps = {k: float(np.median([r["attention_steps_us"][k] for r in results]))
                  for k in results[0]["attention_steps_us"]}
         head_us = {k: float(np.median([r["head_us"][k] for r in results])) for k in results[0]["head_us"]}
+        seam_us = {k: float(np.median([r["seam_us"][k] for r in results])) for k in results[0]["seam_us"]}
         if head_us:
             head_us["table_TBps"] = args.vocab * D * 2 / head_us["work"] / 1e6
         row = dict(preset=name, spare=spare, group=group, tiles=tiles, sums=sums, packed=packed, inflight=inflight,
                    loads=ran.sched.loads, norms=norms, state=kept, sources=sources,
                    vocab=args.vocab, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
-                   us_per_layer_median=med, attention_steps_us=steps, head_us=head_us,
+                   steps=args.steps, us_per_layer_median=med, attention_steps_us=steps, head_us=head_us,
+                   seam_us=seam_us,
                    kernel_us_from_stamps=[r["kernel_us_from_stamps"] for r in results],
                    sm_ghz=results[-1]["sm_ghz"])
         rows.append(row)
@@ -307,6 +338,8 @@ def main():
         if head_us:
             print(f"  output layer: handover {head_us['handover']:6.2f} us   work {head_us['work']:7.2f} us "
                   f"({head_us['table_TBps']:.2f} TB/s of table)")
+        if seam_us:
+            print("  between steps (median, us): " + ", ".join(f"{k} {v:.2f}" for k, v in seam_us.items()))
         print("  head's steps (median, us): " + ", ".join(f"{k[4:]} {v:.2f}" for k, v in steps.items()),
               flush=True)
         tag = (f"{name}_spare{spare}" + ("" if group == "auto" else f"_group{group}")
@@ -314,7 +347,7 @@ def main():
                + ("" if inflight == 1 else f"_inflight{inflight}") + ("" if loads is None else f"_loads{loads}")
                + ("" if norms else "_nonorms")
                + (f"_vocab{args.vocab}" if args.vocab else "")
-               + ("_state" if kept else ""))
+               + ("_state" if kept else "") + (f"_steps{args.steps}" if args.steps > 1 else ""))
         plot(raw, L, os.path.join(args.out, f"trace_{tag}.png"),
              f"chain_mgpu {name}, layer {L // 2}, pos {args.pos}, spare={spare}, group={group}, "
              f"tiles={tiles}, loads={ran.sched.loads}")

@@ -22,6 +22,7 @@ from test_chain_mgpu import (
 )
 
 from pallas_kernels.chain import call as cc
+from pallas_kernels.chain import kernel as cm
 from pallas_kernels.chain import plan
 from pallas_kernels.chain import xla as cx
 from pallas_kernels.chain.resolve import MAX_STEPS
@@ -74,6 +75,24 @@ def test_greedy_steps_lower_with_their_choice(shape, vocab):
     assert_polls_are_the_warps(text)
     aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d)\], operand_index = (\d+)", text)
     assert sorted(int(i) for _, i in aliases) == [5, 6, 10]  # kv, pos, the state
+
+
+def test_greedy_steps_trace_every_step_and_the_choice():
+    """trace=True with steps=4: the stamps come out as 4 L layers (step t's layer l at
+    t L + l), and the choice's points (its start, the token, x_0's words) are stamped."""
+    lead, args, w_head, n = greedy_specs("350m", 256)
+    L = args[0].shape[0]
+
+    def f(table, token, *a):
+        return cc.chain_mgpu(None, *a[:-2], blocks=132, norm_eps=1e-5, state=a[-1], embed=(table, token),
+                             advance=True, w_head=a[-2], steps=4, trace=True)
+
+    st = jax.ShapeDtypeStruct((n,), jnp.int32)
+    out = jax.eval_shape(f, *lead, *args, w_head, st)
+    assert out[3].shape == (132, 4 * L, len(cm.TRACE_POINTS), 2)
+    assert {"choose", "choose_in", "choose_out"} <= set(cm.TRACE_POINTS)
+    text = lowered_for_sm90(f, *lead, *args, w_head, st)
+    assert "%globaltimer" in text and "ZW_L" in text
 
 
 def test_bad_steps_are_refused():

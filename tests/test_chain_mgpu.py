@@ -1162,6 +1162,38 @@ def test_trace_analysis_recovers_a_known_schedule():
     assert got["sm_ghz"] == pytest.approx(1.8, rel=1e-3)
 
 
+def test_trace_analysis_measures_the_seams_between_greedy_steps():
+    """trace_chain.analyse(steps=2): step t's layer l at t L + l; the layers' medians over
+    both steps' layers 1 .. L-1, and the seam: the output layer's handover and work, the
+    choice's handover and work, layer 0's q|k|v handover after x_0's words, the seam's period."""
+    tc = experiment("trace_chain")
+    NB, L, steps, P = 24, 3, 2, len(cm.TRACE_POINTS)
+    sched = dict(qkv=(0, 1, 2), o=(2, 2.7, 3.5), gu=(3.5, 4, 6), down=(6, 6.5, 9.5))
+    raw = np.zeros((NB, steps * L, P, 2), np.int64)
+    at = lambda lt, us: [(1000 + int(((lt * 10) + (2.2 if lt >= L else 0) + us) * 1000)), 7]  # noqa: E731
+    for b in range(NB):
+        for lt in range(steps * L):
+            for p, times in sched.items():
+                for k, v in zip((p, p + "_in", p + "_out"), times, strict=True):
+                    raw[b, lt, cm.TRACE_POINTS.index(k)] = at(lt, v)
+        for t in range(steps):  # the head's four blocks, then x_0's writers' choice, in layer L - 1
+            lt = t * L + L - 1
+            if b < 4:
+                for k, v in (("head", 9.6), ("head_in", 10.1), ("head_out", 11.1)):
+                    raw[b, lt, cm.TRACE_POINTS.index(k)] = at(lt, v)
+            if b < 16:
+                for k, v in (("choose", 9.7), ("choose_in", 11.9), ("choose_out", 12.3)):
+                    raw[b, lt, cm.TRACE_POINTS.index(k)] = at(lt, v)
+    got = tc.analyse(raw.astype(np.uint32).view(np.int32), L, steps)
+    want = dict(head_handover=0.6, head_work=1.0, choose_handover=0.8, choose_work=0.4, qkv_handover=0.9,
+                period=12.2)
+    for k, v in want.items():
+        assert got["seam_us"][k] == pytest.approx(v, abs=2e-3), k
+    med = got["us_per_layer_median"]
+    assert med["period"] == pytest.approx(10.0, abs=2e-3) and med["qkv_handover"] == pytest.approx(1.5, abs=2e-3)
+    assert tc.analyse(raw[:, :L].astype(np.uint32).view(np.int32), L)["seam_us"] == {}
+
+
 def test_trace_finds_each_readers_own_sources():
     """trace_chain.after_sources: a reader's input stamp against the last finish among the
     blocks that write the pieces it reads (the previous layer's down for q|k|v, o for

@@ -91,10 +91,13 @@ SCORE_GROUP = 4  # K tiles whose score products are in flight at once
 # Trace points a layer (`chain_mgpu(trace=True)`): product i's start, input gathered and
 # pieces written at 3 i .. 3 i + 2 (qkv, o, gu, down), then the attention head's start,
 # q|k|v gathered, rotated, scores, softmax, output written; then, in the last layer's only,
-# the output layer's (`w_head`) start, input gathered and last tile stored.
+# the output layer's (`w_head`) start, input gathered and last tile stored, and a greedy
+# call's choice (`greedy.choose`) of the next token: started, token known, x_0's words written.
+# A call of N steps stamps N L layers: step t's layer l at t L + l.
 TRACE_POINTS = ("qkv", "qkv_in", "qkv_out", "o", "o_in", "o_out", "gu", "gu_in", "gu_out",
                 "down", "down_in", "down_out", "att", "att_in", "att_rope", "att_scores",
-                "att_softmax", "att_out", "head", "head_in", "head_out")
+                "att_softmax", "att_out", "head", "head_in", "head_out", "choose", "choose_in",
+                "choose_out")
 
 
 def column(acc_T8, g: int = 0):
@@ -255,9 +258,10 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         cap = jnp.where(attends, att_loads, loads) if uneven else loads  # weight tiles in flight at most
         n_pts = len(TRACE_POINTS)
 
-        def tr(l, name):  # a trace point of this block (trace=True)
+        def tr(l, name):  # a trace point of this block (trace=True), at step s.t's layer l
             if trace:
-                stamp(trace_ref, (b * L + l) * n_pts + TRACE_POINTS.index(name))
+                stamped = l if steps == 1 else s.t * L + l
+                stamp(trace_ref, (b * steps * L + stamped) * n_pts + TRACE_POINTS.index(name))
 
         def issue(j, src, capped=True):  # ring step j: the tile src into its slot
             slot = lax.rem(j, st)
@@ -586,7 +590,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         @pl.when(wg == 0)
         def _consumer():
             if trace:  # every point of this block zero, so that points never reached read 0
-                zero_words(trace_ref, b * L * n_pts * 2, L * n_pts * 2)
+                zero_words(trace_ref, b * steps * L * n_pts * 2, steps * L * n_pts * 2)
             if embed is not None:  # x_0's chunk b and its square sums as the host's words
                 token = jnp.clip(r["token"][0], 0, r["table"].shape[0] - 1)  # as XLA's lookup clamps
                 pl.when(b < D // T)(lambda: cw.embed_words(ll, r["table"], token, b, lay.init_H,
@@ -612,11 +616,14 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                     pl.when(b < D // T)(final)
 
             def choose():  # the step's token, and the next step's x_0 chunk b from its row
+                tr(L - 1, "choose")
                 gr.choose(ll, greedy_word(lay), hp.split.st, tag(-1, s.epoch), gred_smem, tok_smem,
                           r["tokens"], s.t, (b == 0).astype(jnp.int32))
+                tr(L - 1, "choose_in")
                 pl.when(s.t < steps - 1)(lambda: cw.embed_words(
                     ll, r["table"], tok_smem[0], b, lay.init_H, lay.init_ss,
                     tag(-1, lax.rem(epoch + s.t + 1, EPOCHS))))
+                tr(L - 1, "choose_out")
 
             def final():  # chunk b < D / 64 of x_L, to y
                 groups, _, _ = input_spec("final", L - 1, 0, prods, lay, F, epoch=s.epoch)
@@ -650,7 +657,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
         state = jax.new_ref(state)
         args += (state,)
     if trace:
-        out_type += (jax.ShapeDtypeStruct((NB, L, len(TRACE_POINTS), 2), jnp.int32),)
+        out_type += (jax.ShapeDtypeStruct((NB, steps * L, len(TRACE_POINTS), 2), jnp.int32),)
     out = launch(kernel, args, out_type=out_type[0] if len(out_type) == 1 else out_type, scratch=scratch,
                  grid=(NB,), grid_names=("b",), num_threads=2, interpret=False, manual_barriers=True,
                  name="decode_chain")

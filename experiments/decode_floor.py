@@ -127,14 +127,15 @@ def chain_options(option: str):
             kw["spare"] = value not in ("0", "false", "False")
         elif name in ("group", "prefetch", "tiles", "inflight", "loads", "att_loads", "att_splits", "blocks"):
             kw[name] = int(value)
-        elif name in ("sums", "packed"):
+        elif name in ("sums", "packed", "row_input"):
             kw["norm_sums" if name == "sums" else name] = value not in ("0", "false", "False")
         elif name in ("qkv", "o", "gu", "down"):
             sk, _, st = value.partition("x")
             splits.append((name, int(sk), int(st)))
         else:
             raise ValueError(f"chain@{option}: option {opt!r}; use a ring size (16), spare=0, group=N, "
-                             "prefetch=N, tiles=N, inflight=N, loads=N, att_loads=N, att_splits=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST "
+                             "prefetch=N, tiles=N, inflight=N, loads=N, att_loads=N, att_splits=N, blocks=N, sums=0|1, packed=0|1, "
+                             "row_input=0|1 or NAME=SKxST "
                              "for NAME in qkv, o, gu, down.")
     if "spare" in kw or splits:  # a candidate: the cost model's splits where none is given
         kw["splits"] = tuple(splits)

@@ -30,7 +30,8 @@ N attention blocks a query group, each over a split of the positions, `blocks=N`
 for a grid of N blocks (one an SM; the GPU's SM count by default), `sums=0`
 for RMSNorm readers that poll the whole vector, not its square sums (`norm_sums`; on by
 default), `packed=0` for pieces one value a word, not two (`packed`; on by default),
-`NAME=SKxST` to split product NAME (qkv, o, gu, down) as given: with spare or a split, the products
+`row_input=1` for a first q|k|v that reads x_0 from the token's row (`row_input`; with a
+kept state), `NAME=SKxST` to split product NAME (qkv, o, gu, down) as given: with spare or a split, the products
 not named split as the cost model does (`chain@16,spare=0,down=22x6`, a candidate of the
 sweep of splits in whole steps); with neither, the kernel's measured choice for the shape,
 `plan.tuned`); a suffix picks the final norm and the output layer (`decoder.plan`'s head;

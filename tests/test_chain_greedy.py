@@ -111,25 +111,18 @@ def test_bad_steps_are_refused():
             call(**bad)
     with pytest.raises(ValueError, match="pass advance=True"):
         call(advance=False)
-    call(row_input=True)
-    with pytest.raises(ValueError, match="row_input=True"):  # x_0 from a row needs the table
-        jax.eval_shape(lambda: cc.chain_mgpu(jnp.zeros(args[1].shape[1:2], jnp.float32), *args, blocks=132,
-                                             norm_eps=1e-5, row_input=True))
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
-@pytest.mark.parametrize("preset,vocab,pos,steps,row_input", [
-    ("350m", 256, 126, 4, False), ("llama3.2-1b", 4096, 60, 4, False), ("draft-1024", 256, 125, 3, False),
-    ("350m", 256, 126, 4, True), ("llama3.2-1b", 4096, 60, 4, True)])
-def test_greedy_steps_match_one_step_calls_on_the_gpu(preset, vocab, pos, steps, row_input):
+@pytest.mark.parametrize("preset,vocab,pos,steps", [("350m", 256, 126, 4), ("llama3.2-1b", 4096, 60, 4),
+                                                   ("draft-1024", 256, 125, 3)])
+def test_greedy_steps_match_one_step_calls_on_the_gpu(preset, vocab, pos, steps):
     """Two calls of `steps` greedy steps from pos (crossing a 64-position tile; each step reads
     the rows the steps before it wrote, which its producer loads only after they are written:
     two layers of few items a block let it run a step ahead) give the tokens of 2 `steps`
     one-step calls that take the argmax of their logits' pieces in XLA, the same cache (bit
     for bit), the last x_L and the position moved on by 2 `steps`. (draft-1024: the shape of
-    speculative decoding's draft, whose calls take γ - 1 steps.) row_input: the greedy calls'
-    first q|k|v reads x_0 from the token's row (`chain_mgpu(row_input=True)`), the one-step
-    calls from x_0's words."""
+    speculative decoding's draft, whose calls take γ - 1 steps.)"""
     D, F, NQ, K, hd = ATTENTION[preset]
     _, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, 2)
     g = gains(D, 2)
@@ -140,11 +133,11 @@ def test_greedy_steps_match_one_step_calls_on_the_gpu(preset, vocab, pos, steps,
     w_head = cx.fold_head(jax.random.normal(jax.random.key(7), (vocab, D)).astype(jnp.bfloat16), g[0][0])
     opts = dict(norm_eps=1e-5, w_head=w_head, advance=True)
 
-    def call(token, kv, p, state, steps, **kw):
+    def call(token, kv, p, state, steps):
         return cc.chain_mgpu(None, wq_f, wo, wgu_f, wd, kv, p, angles, state=state, embed=(emb, token),
-                             steps=steps, **opts, **kw)
+                             steps=steps, **opts)
     one = jax.jit(lambda token, kv, p, state: call(token, kv, p, state, 1))
-    many = jax.jit(lambda token, kv, p, state: call(token, kv, p, state, steps, row_input=row_input))
+    many = jax.jit(lambda token, kv, p, state: call(token, kv, p, state, steps))
     p0 = jnp.array([pos], jnp.int32)
     n = cc.state_size(None, wq_f, wo, wgu_f, wd, kv, p0, angles, embed=(emb, p0), **opts)
     token, kv1, p1, st1 = jnp.array([7], jnp.int32), kv, p0, jnp.zeros((n,), jnp.int32)

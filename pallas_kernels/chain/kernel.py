@@ -134,7 +134,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
     (y, tokens [N] int32, [trace], kv, state, pos + N), y the last step's x_L, no z. The
     schedule's options are `chain_mgpu`'s of the same names."""
     prods, blocks, attn, group, head, embed = call.prods, call.blocks, call.attn, call.group, call.head, call.embed
-    stages, tiles, inflight, loads, prefetch, norm_sums, packed, trace, att_loads, R, row_input = call.sched
+    stages, tiles, inflight, loads, prefetch, norm_sums, packed, trace, att_loads, R = call.sched
     uneven = attn is not None and att_loads is not None and att_loads != loads  # the attention blocks' own cap
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
@@ -460,11 +460,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
 
             @pl.when(active)
             def _():
-                if row_input and p.name == "qkv":  # layer 0's x_0 straight from the token's row
-                    pl.when(l == 0)(lambda: row_of_x0(k0, k1))
-                    pl.when(l > 0)(lambda: gather(l, p, k0, k1, b % p.split.st))
-                else:
-                    gather(l, p, k0, k1, b % p.split.st)
+                gather(l, p, k0, k1, b % p.split.st)
                 tr(l, p.name + "_in")
                 gk = b // p.split.st
 
@@ -473,21 +469,6 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                     tg = t0 + g * TG
                     tile_pieces(l, p, tg, jnp.minimum(t1 - tg, TG), j0 + g * TG * nk, nk, gk)
                 tr(l, p.name + "_out")
-
-        def row_of_x0(k0, k1):
-            """x_0's chunks k0..k1-1 into the window from the token's row (`row_input`): the
-            call's token at its first step; after it, the token the step before chose, which
-            the blocks that write x_0's words took already and the others take here from
-            the head blocks' words (`greedy.choose`, no token written)."""
-            token = jnp.clip(r["token"][0], 0, r["table"].shape[0] - 1)
-            if greedy:
-                def chosen():
-                    gr.choose(ll, greedy_word(lay), hp.split.st, tag(-1, lax.rem(epoch + s.t - 1, EPOCHS)),
-                              gred_smem, tok_smem, r["tokens"], s.t - 1, 0)
-                pl.when((s.t > 0) & (b >= D // T))(chosen)
-                token = jnp.where(s.t > 0, tok_smem[0], token)
-            cw.row_window(r["table"], token, x_win, k0, k1)
-            plgpu.commit_smem()  # the window's rows, for the tensor core
 
         def scores(j0):
             """The scores of the block's cached positions (its K tiles from ring step j0) for

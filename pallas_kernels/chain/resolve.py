@@ -88,9 +88,8 @@ class Schedule(NamedTuple):
     the weight tiles it keeps in flight, the L2 prefetch ahead of its ring, the norms' square
     sums, pieces two values a word, the trace points, the weight tiles in flight of an
     attention block (None: loads) and the attention blocks a query group's positions are
-    split over, and whether a greedy call's first q|k|v reads x_0's row itself. Only packed
-    (the pieces' rounding), norm_sums (the squares' order) and att_splits (each split's
-    softmax, merged) change the values computed."""
+    split over. Only packed (the pieces' rounding), norm_sums (the squares' order) and
+    att_splits (each split's softmax, merged) change the values computed."""
 
     stages: int = 16
     tiles: int = 1
@@ -102,7 +101,6 @@ class Schedule(NamedTuple):
     trace: bool = False
     att_loads: int | None = None
     att_splits: int = 1
-    row_input: bool = False
 
 
 class Call(NamedTuple):
@@ -228,9 +226,6 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
                          "which take the token's row (embed=..., with state=...), the output layer "
                          "(w_head=...), the norms (norm_eps=...), att_splits=1 (a step's new k and v "
                          "are read by the block that wrote them) and at most 32 layers.")
-    if sched.row_input and embed is None:
-        raise ValueError("chain_mgpu: row_input=True has the first q|k|v read x_0 from the token's row: "
-                         "pass embed=(table, token) (with state=...), or row_input=False.")
     lay = layout(prods, D, attn is not None, packed, R)
     # a kept state with the host's words and the output layer also holds the greedy choices'
     # words (whether or not this call chooses), so that one state serves calls of any steps

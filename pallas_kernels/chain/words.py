@@ -466,31 +466,3 @@ def embed_words(ll_ref, table_ref, token, chunk, x_word: int, ss_word: int, tag)
 
     op((ll_ref, table_ref), [jnp.asarray(token, jnp.int32), jnp.asarray(chunk, jnp.int32),
                              jnp.asarray(tag, jnp.int32)])
-
-
-def row_window(table_ref, token, dst_ref, k0, k1):
-    """Chunks k0..k1-1 (traced) of the table's row `token` (traced; in the table) as bf16
-    into row 0 of the window's 8-row groups 0..k1-k0-1 (1 KB a group, that row linear), as
-    `gather` would write them from x_0's words (which hold the row's values): lane i copies
-    16-byte unit i of the row's span (chunks are contiguous in the row), then i + 128, ...
-    Ends in a warpgroup barrier. GPU only (inline PTX)."""
-    D = table_ref.shape[1]
-    ptx = ("{ .reg .pred p; .reg .u32 i, n, s, u; .reg .u64 a; .reg .b32 r0, r1, r2, r3;"
-           " mov.u32 i, $3; shl.b32 n, $2, 3;"
-           " RW_L: setp.ge.u32 p, i, n; @p bra RW_E;"
-           " mul.wide.u32 a, i, 16; add.u64 a, a, $0; ld.global.nc.v4.b32 {r0, r1, r2, r3}, [a];"
-           " shr.u32 s, i, 3; shl.b32 s, s, 10; and.b32 u, i, 7; shl.b32 u, u, 4; add.u32 s, s, u;"
-           " add.u32 s, s, $1; st.shared.v4.b32 [s], {r0, r1, r2, r3};"
-           " add.u32 i, i, 128; bra RW_L; RW_E: }")
-    splat = plgpu.Layout.WG_SPLAT
-
-    @plgpu.inline_mgpu(arg_types=((read_ref(), plgpu.RefType(X_TRANSFORMS)), [splat, splat, splat]))
-    def op(_, refs, vals):
-        table, dst = refs
-        row, c0, c1 = (v.registers[()] for v in vals)
-        first = arith.addi(arith.muli(row, const_i32(D)), arith.muli(c0, const_i32(T)))  # element
-        mgpu.utils.inline_ptx(ptx, gmem_address(ptr64(table), first, 2), ptr32(dst), arith.subi(c1, c0), lane(),
-                              has_side_effects=True)
-        mgpu.utils.warpgroup_barrier()
-
-    op((table_ref, dst_ref), [jnp.asarray(v, jnp.int32) for v in (token, k0, k1)])

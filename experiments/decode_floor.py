@@ -26,8 +26,7 @@ block makes at a time (one accumulator each, one drain and one LL store for them
 for the tensor-core products a block leaves running before it frees a ring slot, `loads=N`
 for the weight tiles a block keeps in flight at most (0: the ring's free slots; the default is
 `plan.default_loads`), `att_loads=N` for that cap on the attention blocks, `att_splits=N` for
-N attention blocks a query group, each over a split of the positions, `head_chains=N` for N
-accumulators an output-layer tile is summed in, `blocks=N`
+N attention blocks a query group, each over a split of the positions, `blocks=N`
 for a grid of N blocks (one an SM; the GPU's SM count by default), `sums=0`
 for RMSNorm readers that poll the whole vector, not its square sums (`norm_sums`; on by
 default), `packed=0` for pieces one value a word, not two (`packed`; on by default),
@@ -126,8 +125,7 @@ def chain_options(option: str):
             stages = int(name)
         elif name == "spare":
             kw["spare"] = value not in ("0", "false", "False")
-        elif name in ("group", "prefetch", "tiles", "inflight", "loads", "att_loads", "att_splits", "blocks",
-                      "head_chains"):
+        elif name in ("group", "prefetch", "tiles", "inflight", "loads", "att_loads", "att_splits", "blocks"):
             kw[name] = int(value)
         elif name in ("sums", "packed"):
             kw["norm_sums" if name == "sums" else name] = value not in ("0", "false", "False")
@@ -136,8 +134,7 @@ def chain_options(option: str):
             splits.append((name, int(sk), int(st)))
         else:
             raise ValueError(f"chain@{option}: option {opt!r}; use a ring size (16), spare=0, group=N, "
-                             "prefetch=N, tiles=N, inflight=N, loads=N, att_loads=N, att_splits=N, blocks=N, head_chains=N, "
-                             "sums=0|1, packed=0|1 or NAME=SKxST "
+                             "prefetch=N, tiles=N, inflight=N, loads=N, att_loads=N, att_splits=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST "
                              "for NAME in qkv, o, gu, down.")
     if "spare" in kw or splits:  # a candidate: the cost model's splits where none is given
         kw["splits"] = tuple(splits)

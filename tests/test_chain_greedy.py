@@ -109,27 +109,20 @@ def test_bad_steps_are_refused():
                 dict(att_splits=2)):
         with pytest.raises(ValueError, match="steps="):
             call(**bad)
-    call(head_chains=4)
-    for bad in (0, 5):
-        with pytest.raises(ValueError, match=f"head_chains={bad}: want 1 to 4"):
-            call(head_chains=bad)
     with pytest.raises(ValueError, match="pass advance=True"):
         call(advance=False)
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the LL words move by inline PTX: an sm90 GPU only")
-@pytest.mark.parametrize("preset,vocab,pos,steps,chains", [
-    ("350m", 256, 126, 4, 1), ("llama3.2-1b", 4096, 60, 4, 1), ("draft-1024", 256, 125, 3, 1),
-    ("350m", 256, 126, 4, 3), ("llama3.2-1b", 4096, 60, 4, 2)])
-def test_greedy_steps_match_one_step_calls_on_the_gpu(preset, vocab, pos, steps, chains):
+@pytest.mark.parametrize("preset,vocab,pos,steps", [("350m", 256, 126, 4), ("llama3.2-1b", 4096, 60, 4),
+                                                   ("draft-1024", 256, 125, 3)])
+def test_greedy_steps_match_one_step_calls_on_the_gpu(preset, vocab, pos, steps):
     """Two calls of `steps` greedy steps from pos (crossing a 64-position tile; each step reads
     the rows the steps before it wrote, which its producer loads only after they are written:
     two layers of few items a block let it run a step ahead) give the tokens of 2 `steps`
     one-step calls that take the argmax of their logits' pieces in XLA, the same cache (bit
     for bit), the last x_L and the position moved on by 2 `steps`. (draft-1024: the shape of
-    speculative decoding's draft, whose calls take γ - 1 steps.) chains: the greedy calls'
-    head tiles summed in that many accumulators (`head_chains`; 350m's 16 chunks a tile in 3:
-    a step left over), the one-step calls' in one."""
+    speculative decoding's draft, whose calls take γ - 1 steps.)"""
     D, F, NQ, K, hd = ATTENTION[preset]
     _, wq, wo, wgu, wd = gqa_inputs(D, hd, K, F, 2)
     g = gains(D, 2)
@@ -140,11 +133,11 @@ def test_greedy_steps_match_one_step_calls_on_the_gpu(preset, vocab, pos, steps,
     w_head = cx.fold_head(jax.random.normal(jax.random.key(7), (vocab, D)).astype(jnp.bfloat16), g[0][0])
     opts = dict(norm_eps=1e-5, w_head=w_head, advance=True)
 
-    def call(token, kv, p, state, steps, **kw):
+    def call(token, kv, p, state, steps):
         return cc.chain_mgpu(None, wq_f, wo, wgu_f, wd, kv, p, angles, state=state, embed=(emb, token),
-                             steps=steps, **opts, **kw)
+                             steps=steps, **opts)
     one = jax.jit(lambda token, kv, p, state: call(token, kv, p, state, 1))
-    many = jax.jit(lambda token, kv, p, state: call(token, kv, p, state, steps, head_chains=chains))
+    many = jax.jit(lambda token, kv, p, state: call(token, kv, p, state, steps))
     p0 = jnp.array([pos], jnp.int32)
     n = cc.state_size(None, wq_f, wo, wgu_f, wd, kv, p0, angles, embed=(emb, p0), **opts)
     token, kv1, p1, st1 = jnp.array([7], jnp.int32), kv, p0, jnp.zeros((n,), jnp.int32)

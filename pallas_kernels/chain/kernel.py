@@ -134,7 +134,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
     (y, tokens [N] int32, [trace], kv, state, pos + N), y the last step's x_L, no z. The
     schedule's options are `chain_mgpu`'s of the same names."""
     prods, blocks, attn, group, head, embed = call.prods, call.blocks, call.attn, call.group, call.head, call.embed
-    stages, tiles, inflight, loads, prefetch, norm_sums, packed, trace, att_loads, R, head_chains = call.sched
+    stages, tiles, inflight, loads, prefetch, norm_sums, packed, trace, att_loads, R = call.sched
     uneven = attn is not None and att_loads is not None and att_loads != loads  # the attention blocks' own cap
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
@@ -354,8 +354,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
 
                 @pl.loop(0, t1 - t0)
                 def _(i):
-                    (z,) = ring_dot(ring(L * s.per_layer + i * nk), nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)],
-                                    chains=head_chains)
+                    (z,) = ring_dot(ring(L * s.per_layer + i * nk), nk, lambda kk: x_win.at[pl.ds(8 * kk, 8)])
                     buf = z_smem.at[lax.rem(i, 2)]
                     if greedy:  # (track's reads of the buffer two tiles ago ended before a barrier)
                         buf[...] = z
@@ -393,35 +392,20 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             times b_chunk(kk) [8, 64] seen transposed (B), `inflight` + 1 products in flight:
             each step frees the slot of the step `inflight` before it if that step belongs to
             the same run of products (ring steps from `run`; None: from jt, this call's). The
-            run's last `inflight` slots stay the caller's to free (`release_tail`). acc a
-            tuple of C accumulators: step kk goes to acc[kk % C] (C chains of products that
-            do not wait for each other; their sum is the caller's)."""
-            accs = acc if isinstance(acc, tuple) else (acc,)
-            C = len(accs)
-
-            if C == 1:
-                pl.loop(0, nk)(lambda kk: one_step(accs[0], jt, kk, b_chunk, a_transposed, run))
-                return
-
-            @pl.loop(0, nk // C)
-            def _(i):
-                for u, a in enumerate(accs):
-                    one_step(a, jt, i * C + u, b_chunk, a_transposed, run)
-            for u in range(C - 1):  # the last nk % C steps
-                pl.when(u < nk % C)(lambda u=u: one_step(accs[u], jt, (nk // C) * C + u, b_chunk, a_transposed, run))
-
-        def one_step(acc, jt, kk, b_chunk, a_transposed, run):  # `ring_steps`' step kk
-            j = jt + kk
-            slot = lax.rem(j, st)
-            plgpu.barrier_wait(full.at[slot])
-            a = w_smem.at[slot].transpose((1, 0)) if a_transposed else w_smem.at[slot]
-            plgpu.wgmma(acc, a, b_chunk(kk).transpose((1, 0)))
-            plgpu.wgmma_wait(inflight)  # step j - inflight's product is done: its slot is free
-            release = lambda: plgpu.barrier_arrive(free.at[lax.rem(j + st - inflight, st)])  # noqa: E731
-            if inflight == 1:  # the step before: this call's unless kk = 0 (then the run's, if given)
-                release() if run is not None else pl.when(kk > 0)(release)
-            else:
-                pl.when(j - inflight >= (jt if run is None else run))(release)
+            run's last `inflight` slots stay the caller's to free (`release_tail`)."""
+            @pl.loop(0, nk)
+            def _(kk):
+                j = jt + kk
+                slot = lax.rem(j, st)
+                plgpu.barrier_wait(full.at[slot])
+                a = w_smem.at[slot].transpose((1, 0)) if a_transposed else w_smem.at[slot]
+                plgpu.wgmma(acc, a, b_chunk(kk).transpose((1, 0)))
+                plgpu.wgmma_wait(inflight)  # step j - inflight's product is done: its slot is free
+                release = lambda: plgpu.barrier_arrive(free.at[lax.rem(j + st - inflight, st)])  # noqa: E731
+                if inflight == 1:  # the step before: this call's unless kk = 0 (then the run's, if given)
+                    release() if run is not None else pl.when(kk > 0)(release)
+                else:
+                    pl.when(j - inflight >= (jt if run is None else run))(release)
 
         def release_tail(run, end):
             """After `wgmma_wait(0)`: the slots of a run's (ring steps run..end-1, end > run)
@@ -430,20 +414,16 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             for d in range(2, inflight + 1):
                 pl.when(end - d >= run)(lambda d=d: plgpu.barrier_arrive(free.at[lax.rem(end - d, st)]))
 
-        def ring_dot(jt, nk, b_chunk, a_transposed=False, cols=1, chains=1):
+        def ring_dot(jt, nk, b_chunk, a_transposed=False, cols=1):
             """Columns 0..cols-1 of the sum over ring steps jt..jt+nk-1 (nk >= 1) of slot tile
-            (A, or its transpose) times b_chunk(kk) [8, 64] seen transposed (B): [64] fp32 each;
-            in `chains` accumulators (step kk in kk % chains), added at the end."""
-            def k_loop(*accs):
-                ring_steps(accs, jt, nk, b_chunk, a_transposed)
+            (A, or its transpose) times b_chunk(kk) [8, 64] seen transposed (B): [64] fp32 each."""
+            def k_loop(acc):
+                ring_steps(acc, jt, nk, b_chunk, a_transposed)
                 plgpu.wgmma_wait(0)
                 release_tail(jt, jt + nk)
-                total = accs[0][...]
-                for a in accs[1:]:
-                    total = total + a[...]
-                return total
+                return acc[...]
 
-            acc = pl.run_scoped(k_loop, *[plgpu.ACC((T, 8), jnp.float32)] * chains)
+            acc = pl.run_scoped(k_loop, plgpu.ACC((T, 8), jnp.float32))
             return [column(acc, g) for g in range(cols)]
 
         def tile_pieces(l, p, tg, count, jt, nk, gk):

@@ -88,9 +88,8 @@ class Schedule(NamedTuple):
     the weight tiles it keeps in flight, the L2 prefetch ahead of its ring, the norms' square
     sums, pieces two values a word, the trace points, the weight tiles in flight of an
     attention block (None: loads) and the attention blocks a query group's positions are
-    split over, and the accumulators an output-layer tile is summed in. Only packed (the
-    pieces' rounding), norm_sums (the squares' order), att_splits (each split's softmax,
-    merged) and head_chains (the head's order of sums) change the values computed."""
+    split over. Only packed (the pieces' rounding), norm_sums (the squares' order) and
+    att_splits (each split's softmax, merged) change the values computed."""
 
     stages: int = 16
     tiles: int = 1
@@ -102,7 +101,6 @@ class Schedule(NamedTuple):
     trace: bool = False
     att_loads: int | None = None
     att_splits: int = 1
-    head_chains: int = 1
 
 
 class Call(NamedTuple):
@@ -222,9 +220,6 @@ def resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched: Schedule, *,
             raise ValueError(f"chain_mgpu: the embedding table {table.shape} is read at 32-bit offsets; "
                              "pass x0_D instead.")
         embed = (table, token.astype(jnp.int32))
-    if not 1 <= sched.head_chains <= 4:
-        raise ValueError(f"chain_mgpu: head_chains={sched.head_chains}: want 1 to 4 accumulators an "
-                         "output-layer tile is summed in.")
     if steps != 1 and not (1 <= steps <= MAX_STEPS and embed is not None and head is not None
                            and norm_eps is not None and R == 1 and L <= 32):
         raise ValueError(f"chain_mgpu: steps={steps}: want 1, or 2 to {MAX_STEPS} greedy steps a call, "

@@ -30,7 +30,7 @@ N attention blocks a query group, each over a split of the positions, `blocks=N`
 for a grid of N blocks (one an SM; the GPU's SM count by default), `sums=0`
 for RMSNorm readers that poll the whole vector, not its square sums (`norm_sums`; on by
 default), `packed=0` for pieces one value a word, not two (`packed`; on by default),
-`head_prefetch=1` for the output layer's tiles asked of L2 during the last layer, `NAME=SKxST` to split product NAME (qkv, o, gu, down) as given: with spare or a split, the products
+`NAME=SKxST` to split product NAME (qkv, o, gu, down) as given: with spare or a split, the products
 not named split as the cost model does (`chain@16,spare=0,down=22x6`, a candidate of the
 sweep of splits in whole steps); with neither, the kernel's measured choice for the shape,
 `plan.tuned`); a suffix picks the final norm and the output layer (`decoder.plan`'s head;
@@ -127,15 +127,14 @@ def chain_options(option: str):
             kw["spare"] = value not in ("0", "false", "False")
         elif name in ("group", "prefetch", "tiles", "inflight", "loads", "att_loads", "att_splits", "blocks"):
             kw[name] = int(value)
-        elif name in ("sums", "packed", "head_prefetch"):
+        elif name in ("sums", "packed"):
             kw["norm_sums" if name == "sums" else name] = value not in ("0", "false", "False")
         elif name in ("qkv", "o", "gu", "down"):
             sk, _, st = value.partition("x")
             splits.append((name, int(sk), int(st)))
         else:
             raise ValueError(f"chain@{option}: option {opt!r}; use a ring size (16), spare=0, group=N, "
-                             "prefetch=N, tiles=N, inflight=N, loads=N, att_loads=N, att_splits=N, blocks=N, sums=0|1, packed=0|1, "
-                             "head_prefetch=0|1 or NAME=SKxST "
+                             "prefetch=N, tiles=N, inflight=N, loads=N, att_loads=N, att_splits=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST "
                              "for NAME in qkv, o, gu, down.")
     if "spare" in kw or splits:  # a candidate: the cost model's splits where none is given
         kw["splits"] = tuple(splits)

@@ -260,9 +260,6 @@ def main():
                     help="N > 1: greedy calls of N steps (chain_mgpu(steps=N); needs --vocab and "
                          "--state 1, the vocabulary's table as the embedding), every step traced "
                          "and the seams between steps measured")
-    ap.add_argument("--head-prefetch", nargs="+", type=int, default=[0], choices=[0, 1],
-                    help="1: the output layer's tiles asked of L2 during the last layer (chain_mgpu's "
-                         "head_prefetch; with --vocab), each traced")
     ap.add_argument("--pos", type=int, default=160)
     ap.add_argument("--capacity", type=int, default=320)
     ap.add_argument("--stages", type=int, default=16)
@@ -274,17 +271,17 @@ def main():
                  "pass --vocab V --state 1 (and the norms)")
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for name, spare, group, tiles, sums, packed, inflight, loads, norms, kept, early in (
-            (n, s, g, t, u, k, i, c, m, e, h) for n in args.presets for s in args.spare for g in args.group
+    for name, spare, group, tiles, sums, packed, inflight, loads, norms, kept in (
+            (n, s, g, t, u, k, i, c, m, e) for n in args.presets for s in args.spare for g in args.group
             for t in args.tiles for u in args.sums for k in args.packed for i in args.inflight
-            for c in args.loads for m in args.norms for e in args.state for h in args.head_prefetch):
+            for c in args.loads for m in args.norms for e in args.state):
         m = preset(name).model
         D, F, L, K = m.d_model, m.d_ff, m.num_layers, m.num_kv_heads
         x0, *ws = weights(D, D + 2 * K * m.head_dim, F, L)  # q|k|v rows: q, then K heads of k and v
         (kv, *att), _ = attention_inputs(L, D, args.capacity, args.pos, m.num_heads)
         att = (kv[:, :, :K], *att)
         sched = Schedule(stages=args.stages, tiles=tiles, inflight=inflight, loads=loads, norm_sums=bool(sums),
-                         packed=bool(packed), trace=True, head_prefetch=bool(early))
+                         packed=bool(packed), trace=True)
         kw = {} if spare == "auto" else dict(spare=spare == "1", splits=())  # what the kernel runs
         if group != "auto":
             kw["group"] = int(group)
@@ -321,7 +318,6 @@ def main():
         if head_us:
             head_us["table_TBps"] = args.vocab * D * 2 / head_us["work"] / 1e6
         row = dict(preset=name, spare=spare, group=group, tiles=tiles, sums=sums, packed=packed, inflight=inflight,
-                   head_prefetch=bool(early),
                    loads=ran.sched.loads, norms=norms, state=kept, sources=sources,
                    vocab=args.vocab, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
                    steps=args.steps, us_per_layer_median=med, attention_steps_us=steps, head_us=head_us,
@@ -330,8 +326,7 @@ def main():
                    sm_ghz=results[-1]["sm_ghz"])
         rows.append(row)
         print(f"{name} (spare={spare}, group={group}, tiles={tiles}, sums={sums}, packed={packed}, "
-              f"inflight={inflight}, loads={ran.sched.loads}, norms={norms}, state={kept}, "
-              f"head_prefetch={bool(early)}): {L} layers, pos {args.pos}; kernel (stamps) "
+              f"inflight={inflight}, loads={ran.sched.loads}, norms={norms}, state={kept}): {L} layers, pos {args.pos}; kernel (stamps) "
               f"{np.median(row['kernel_us_from_stamps']):.1f} us; SM {row['sm_ghz']:.2f} GHz", flush=True)
         for k in ("qkv", "att", "o", "gu", "down"):
             if k + "_work" in med:
@@ -352,8 +347,7 @@ def main():
                + ("" if inflight == 1 else f"_inflight{inflight}") + ("" if loads is None else f"_loads{loads}")
                + ("" if norms else "_nonorms")
                + (f"_vocab{args.vocab}" if args.vocab else "")
-               + ("_state" if kept else "") + (f"_steps{args.steps}" if args.steps > 1 else "")
-               + ("_headprefetch" if early else ""))
+               + ("_state" if kept else "") + (f"_steps{args.steps}" if args.steps > 1 else ""))
         plot(raw, L, os.path.join(args.out, f"trace_{tag}.png"),
              f"chain_mgpu {name}, layer {L // 2}, pos {args.pos}, spare={spare}, group={group}, "
              f"tiles={tiles}, loads={ran.sched.loads}")

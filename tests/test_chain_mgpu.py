@@ -1254,8 +1254,7 @@ def test_step_variants_name_their_kernel_options(monkeypatch):
     assert df.chain_options("loads=4")[1].keywords == dict(loads=4)
     assert df.chain_options("att_splits=4")[1].keywords == dict(att_splits=4)
     assert df.chain_options("blocks=66")[1].keywords == dict(blocks=66)
-    assert df.chain_options("head_prefetch=1")[1].keywords == dict(head_prefetch=True)
-    with pytest.raises(ValueError, match=re.escape("sums=0|1, packed=0|1, head_prefetch=0|1 or NAME=SKxST")):
+    with pytest.raises(ValueError, match=re.escape("att_splits=N, blocks=N, sums=0|1, packed=0|1 or NAME=SKxST")):
         df.chain_options("16,mlp=2x4")
     asked = []  # what a variant asks the front door for
     monkeypatch.setattr(df.decoder, "plan", lambda *a, **kw: asked.append(kw))

@@ -15,14 +15,14 @@ from pallas_kernels.chain.resolve import Schedule, resolve
 @functools.partial(jax.jit, static_argnames=("stages", "blocks", "norm_eps", "trace", "splits", "spare",
                                              "group", "prefetch", "tiles", "norm_sums", "packed", "inflight",
                                              "loads", "att_loads", "att_splits", "new_state",
-                                             "advance", "steps", "head_prefetch"))
+                                             "advance", "steps"))
 def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, stages: int = 16,
                blocks: int | None = None, norm_eps: float | None = None, trace: bool = False,
                splits: tuple | None = None, spare: bool | None = None, group: int | None = None,
                prefetch: int = 0, tiles: int = 1, norm_sums: bool = True, packed: bool = True,
                w_head=None, inflight: int = 1, loads: int | None = None, state=None,
                new_state: bool = False, embed=None, advance: bool = False, att_loads: int | None = None,
-               att_splits: int = 1, steps: int = 1, head_prefetch: bool = False):
+               att_splits: int = 1, steps: int = 1):
     """fp32 x_L [D] of the module docstring's chain from fp32 x_0 [D]: one persistent kernel
     (GPU only: sm90). norm_eps: with RMSNorms before q|k|v and gate|up, their gains already
     folded into w_qkv's and w_gu's columns (`xla.fold_norms`); None: no norms.
@@ -104,11 +104,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     no kernel between steps, and the weight stream runs on from one step's output layer into
     the next step's first layer. The head is then split by whole rows (`plan.head_product`).
     The result is (y, kv, tokens [steps] int32, [trace], state, pos + steps): the last step's
-    x_L, the cache with the steps' k and v, the chosen tokens, no logits.
-
-    head_prefetch (with w_head): each output-layer block's producer asks L2 for its tiles of
-    the table when it starts the last layer's gate|up, so that the ring's loads of them hit
-    L2 (a small table's few blocks otherwise wait for 128 KB each from HBM)."""
+    x_L, the cache with the steps' k and v, the chosen tokens, no logits."""
     if (x0_D is None) == (embed is None):
         raise ValueError("chain_mgpu: give x0_D or embed=(table, token), one of them.")
     if advance and state is None and not new_state:
@@ -119,7 +115,7 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
                          "(with state=...), so that the cache's length moves on with them.")
     sched = Schedule(stages=stages, tiles=tiles, inflight=inflight, loads=loads, prefetch=prefetch,
                      norm_sums=norm_sums, packed=packed, trace=trace, att_loads=att_loads,
-                     att_splits=att_splits, head_prefetch=head_prefetch)
+                     att_splits=att_splits)
     c = resolve(x0_D, w_qkv, w_o, w_gu, w_down, kv, pos, rope, sched, blocks=blocks, norm_eps=norm_eps,
                 splits=splits, spare=spare, group=group, w_head=w_head, kept=state is not None or new_state,
                 embed=embed, steps=steps)

@@ -134,8 +134,7 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
     (y, tokens [N] int32, [trace], kv, state, pos + N), y the last step's x_L, no z. The
     schedule's options are `chain_mgpu`'s of the same names."""
     prods, blocks, attn, group, head, embed = call.prods, call.blocks, call.attn, call.group, call.head, call.embed
-    stages, tiles, inflight, loads, prefetch, norm_sums, packed, trace, att_loads, R, head_prefetch = call.sched
-    head_prefetch = head_prefetch and head is not None
+    stages, tiles, inflight, loads, prefetch, norm_sums, packed, trace, att_loads, R = call.sched
     uneven = attn is not None and att_loads is not None and att_loads != loads  # the attention blocks' own cap
     L, D = w_o.shape[0], w_o.shape[1]
     F = w_down.shape[2]
@@ -273,8 +272,6 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
             plgpu.copy_gmem_to_smem(src, w_smem.at[slot], full.at[slot])
 
         def produce(l, p):  # layer l's product p: its weight tiles into the ring
-            if head_prefetch and p.name == "gu":  # the last layer's: the output layer's tiles asked of L2
-                pl.when(l == L - 1)(prefetch_head)
             active, t0, t1, k0, k1 = rect(p, b)
             nk = k1 - k0
             n = (t1 - t0) * nk
@@ -315,15 +312,6 @@ def kernel_call(x0_D, w_qkv, w_o, w_gu, w_down, call: Call, norm_eps: float | No
                 def _(q):
                     c, t = q // n_mine, mine(lax.rem(q, n_mine))
                     issue(j0 + n_mine * nc + q, kv_ref.at[l, 1, j_kv, pl.ds(t * T, T), pl.ds(c * KC, KC)])
-
-        def prefetch_head():  # this block's output-layer tiles, to L2 (`head_prefetch`)
-            active, t0, t1, k0, k1 = rect(hp, b)
-            nk = k1 - k0
-
-            @pl.when(active)
-            def _():
-                pl.loop(0, (t1 - t0) * nk)(lambda q: prefetch_rows_l2(
-                    wh_ref, (t0 + q // nk) * T, (k0 + lax.rem(q, nk)) * KC, D))
 
         def produce_head():  # the output layer's weight tiles, after the last layer's
             active, t0, t1, k0, k1 = rect(hp, b)

@@ -101,7 +101,6 @@ class Schedule(NamedTuple):
     trace: bool = False
     att_loads: int | None = None
     att_splits: int = 1
-    head_prefetch: bool = False
 
 
 class Call(NamedTuple):

@@ -32,11 +32,13 @@ default: `plan.default_loads`),
 --norms 0 1 for the chain without and with its RMSNorms (whose factors the attention's and
 down's readers poll),
 --state 0 1 for the kernel with fresh words each call and with the decode loop's kept state
-(x_0 read from an embedding table at the kernel's start, the words and the epoch kept).
+(x_0 read from an embedding table at the kernel's start, the words and the epoch kept),
+--steps N for greedy calls of N steps (`analyse`'s seams between steps; with --vocab and --state 1).
 
     python3 experiments/trace_chain.py --spare 0 auto --out $OUT       # one H200
     python3 experiments/trace_chain.py --presets llama3.2-1b --group 4 auto --out $OUT
     python3 experiments/trace_chain.py --presets llama3.2-1b --vocab 128256 --inflight 1 2 3 --out $OUT
+    python3 experiments/trace_chain.py --presets 350m --vocab 256 --state 1 --steps 16 --out $OUT  # the seams
 """
 from __future__ import annotations
 

@@ -35,9 +35,10 @@ def chain_mgpu(x0_D, w_qkv, w_o, w_gu, w_down, kv=None, pos=None, rope=None, *, 
     w_qkv's rows are q | k | v, N1 = D + 2 H hd) and the result is (x_L, kv_new [L, 2, H, hd]
     bf16: the new token's rotated k and its v, for the caller to write at row pos).
 
-    trace=True adds a last output [blocks, L, len(TRACE_POINTS), 2] int32: each block's
-    {globaltimer ns (low 32 bits), SM clock} at `TRACE_POINTS` of every layer (0 where the
-    block never reaches the point): what `experiments/trace_chain.py` reads. splits:
+    trace=True adds a last output [blocks, steps L, len(TRACE_POINTS), 2] int32: each block's
+    {globaltimer ns (low 32 bits), SM clock} at `TRACE_POINTS` of every layer of every step
+    (step t's layer l at t L + l; 0 where the block never reaches the point): what
+    `experiments/trace_chain.py` reads. splits:
     ((product, sk, st), ...) instead of `plan.choose_split`'s for those products. spare: o
     is split over the blocks that do not attend (`plan.products`' att_blocks); False: over
     all of them. None (either): as measured fastest for the shape (`plan.tuned`). group: query

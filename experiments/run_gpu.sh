@@ -20,6 +20,8 @@
 #                   attention splits, att_splits)
 #   decode_greedy   greedy steps inside the megakernel (steps=N) against a call a step:  benchmarks/decode.md
 #                   its GPU tests, then 350m and Llama-3.2-1B's shape in whole steps
+#   decode_seams    the seams between greedy steps traced (350m, 16 steps a launch) benchmarks/decode.md
+#                   and a greedy call's device time by kernel kind (profile)
 #   handovers_trace loads traced: the ring's free slots against the default (each    benchmarks/decode.md
 #                   reader's wait after its sources), and the chain without its RMSNorms
 #   decode_tune     the megakernel's product splits searched in whole steps     benchmarks/decode.md
@@ -116,6 +118,13 @@ decode_greedy)
     "$PY" experiments/decode_floor.py --presets 350m llama3.2-1b --batches 1 --reps 3 --out "$OUT" \
         --variants chain chain+fused+state chain+fused+state+steps4 chain+fused+state+steps8 \
         chain+fused+state+steps16 fast ;;
+decode_seams)
+    # each seam between greedy steps (the head, the choice, layer 0's input) against a layer;
+    # then what a 256-token call spends outside the kernel (the prompt's forward, the idle)
+    "$PY" experiments/trace_chain.py --presets 350m --vocab 256 --state 1 --steps 16 --calls 4 --out "$OUT"
+    rm -f "$OUT"/*.npy
+    "$PY" experiments/decode_floor.py --presets 350m --batches 1 --reps 3 --profile --out "$OUT" \
+        --variants chain fast ;;
 handovers_trace)
     # a picture and the raw stamps a case: more files than a device run brings back, so they travel as one tgz
     T=$(mktemp -d)

@@ -313,8 +313,8 @@ def main():
         sources = after_sources(raw, L, ran.prods)  # the last call's
         keys = results[0]["us_per_layer_median"].keys()
         med = {k: float(np.median([r["us_per_layer_median"][k] for r in results])) for k in keys}
-        steps = {k: float(np.median([r["attention_steps_us"][k] for r in results]))
-                 for k in results[0]["attention_steps_us"]}
+        att_steps = {k: float(np.median([r["attention_steps_us"][k] for r in results]))
+                     for k in results[0]["attention_steps_us"]}
         head_us = {k: float(np.median([r["head_us"][k] for r in results])) for k in results[0]["head_us"]}
         seam_us = {k: float(np.median([r["seam_us"][k] for r in results])) for k in results[0]["seam_us"]}
         if head_us:
@@ -322,7 +322,7 @@ def main():
         row = dict(preset=name, spare=spare, group=group, tiles=tiles, sums=sums, packed=packed, inflight=inflight,
                    loads=ran.sched.loads, norms=norms, state=kept, sources=sources,
                    vocab=args.vocab, layers=L, pos=args.pos, stages=args.stages, calls=args.calls,
-                   steps=args.steps, us_per_layer_median=med, attention_steps_us=steps, head_us=head_us,
+                   steps=args.steps, us_per_layer_median=med, attention_steps_us=att_steps, head_us=head_us,
                    seam_us=seam_us,
                    kernel_us_from_stamps=[r["kernel_us_from_stamps"] for r in results],
                    sm_ghz=results[-1]["sm_ghz"])
@@ -342,7 +342,7 @@ def main():
                   f"({head_us['table_TBps']:.2f} TB/s of table)")
         if seam_us:
             print("  between steps (median, us): " + ", ".join(f"{k} {v:.2f}" for k, v in seam_us.items()))
-        print("  head's steps (median, us): " + ", ".join(f"{k[4:]} {v:.2f}" for k, v in steps.items()),
+        print("  head's steps (median, us): " + ", ".join(f"{k[4:]} {v:.2f}" for k, v in att_steps.items()),
               flush=True)
         tag = (f"{name}_spare{spare}" + ("" if group == "auto" else f"_group{group}")
                + ("" if tiles == 1 else f"_tiles{tiles}") + ("" if sums else "_nosums") + ("" if packed else "_unpacked")

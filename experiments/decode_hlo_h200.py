@@ -72,15 +72,19 @@ def h200_sharding():
 
 def _pretend_h200():
     """Make the Pallas dispatch lower for an H200 in this GPU-less process."""
-    from jax._src.pallas.triton import gpu_info
+    try:  # jax 0.11: Triton's own copy; newer: jax._src.gpu_info
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:
+        from jax._src import gpu_info
     from jax._src.pallas.triton import pallas_call_registration as triton_call
 
     import pallas_kernels.decode_attention as da_kernel
     import pallas_kernels.paged_attention as pa_kernels
+    import pallas_kernels.prompt_attention as prompt_kernel
     import pallas_kernels.rms_norm as norm_kernel
     h100 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H100)  # sm90: what Triton reads
     triton_call.gpu_info_lib.get_gpu_info = lambda: h100
-    for mod in (da_kernel, norm_kernel):  # their `interpret=None` would see a CPU backend
+    for mod in (da_kernel, norm_kernel, prompt_kernel):  # their `interpret=None` would see a CPU backend
         mod.resolve_interpret = lambda interpret: bool(interpret)
     gpu_info.get_device_kind = lambda: "NVIDIA H200"
     pa_kernels.on_sm90 = lambda: True

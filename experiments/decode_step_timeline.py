@@ -10,6 +10,12 @@ the output layer, sampling) is what the step pays on top of its layers. Run besi
 
     python3 experiments/decode_step_timeline.py --presets 1b 350m llama3.2-1b --out $OUT
 
+`--whole-call [1 0]` profiles instead one default greedy call whole (`call_split`): the
+prompt's kernels before the first megakernel launch (their device time, by kernel), the loop,
+what follows, and the host's events around the device's span (`host_around`: where the
+call's launch goes); the values choose the prompt through its kernels or through XLA
+(`ChainCache.prompt_kernels`; none: the plan's). Writes `decode_call_timeline_<device>.json`.
+
 `--kernel-state 0 1` runs each preset also with the kernel's state kept between steps
 (`decoder.plan(kernel_state=True)`: no words' zeroing, x_0's words, cache update or length
 add outside the kernel), `--head fused` with the output layer inside the kernel at any
@@ -21,10 +27,12 @@ The profiler adds a little to each launch, so the gaps here are upper bounds. Wr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +95,105 @@ def timeline(its: list, skip: float = 0.25) -> dict:
             "idle_us": float(med_g.sum() + np.median(tail)), "rows": rows}
 
 
+def call_split(events, anchor: str) -> dict:
+    """One whole call split at the anchor kernels, µs: before the first (the prompt's
+    forward: its kernels, their device time and the idle between them), the loop (the
+    anchors, the other kernels, idle) and after the last anchor; with the prompt's kernels in
+    order (name, µs, idle before) and its device time by kernel name's kind."""
+    anchors = [i for i, e in enumerate(events) if anchor in e[0]]
+    first, last = anchors[0], anchors[-1]
+
+    def part(evs, t0, t1):
+        busy = sum((e[2] - e[1]) * 1e-3 for e in evs)
+        return {"us": (t1 - t0) * 1e-3, "kernels": len(evs), "busy_us": busy, "idle_us": (t1 - t0) * 1e-3 - busy}
+
+    pre = events[:first]
+    loop = events[first:last + 1]
+    a_us = [(e[2] - e[1]) * 1e-3 for e in loop if anchor in e[0]]
+    out = {"prompt": part(pre, events[0][1], events[first][1]),
+           "loop": {**part(loop, events[first][1], events[last][2]), "anchors": len(a_us),
+                    "anchor_us": sum(a_us), "anchor_us_median": float(np.median(a_us))},
+           "after": part(events[last + 1:], events[last][2], events[-1][2] if events[last + 1:] else events[last][2])}
+    out["prompt"]["rows"] = [{"name": e[0], "us": (e[2] - e[1]) * 1e-3,
+                              "gap_before_us": (e[1] - pre[i - 1][2]) * 1e-3 if i else 0.0}
+                             for i, e in enumerate(pre)]
+    kinds = {}
+    for e in pre:
+        k = re.sub(r"[._]\d+$", "", e[0].split("(")[0])
+        kinds[k] = kinds.get(k, 0.0) + (e[2] - e[1]) * 1e-3
+    out["prompt"]["busy_us_by_name"] = dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+    return out
+
+
+def host_around(profile_data, t0_ns: int, t1_ns: int, top: int = 25) -> list[dict]:
+    """The host's events (thread, name, start relative to t0 and duration, µs) that overlap
+    [t0 - 5 ms, t0] or [t1, t1 + 5 ms] (t0, t1: the call's first and last GPU event): what the
+    host does before the device starts and after it ends, the longest first."""
+    out = []
+    for plane in profile_data.planes:
+        if plane.name != "/host:CPU":
+            continue
+        for line in plane.lines:
+            for e in line.events:
+                if (e.end_ns > t0_ns - 5_000_000 and e.start_ns < t0_ns) or (t1_ns < e.end_ns < t1_ns + 5_000_000):
+                    out.append({"thread": line.name, "name": e.name[:80], "start_us": (e.start_ns - t0_ns) * 1e-3,
+                                "us": e.duration_ns * 1e-3})
+    return sorted(out, key=lambda r: -r["us"])[:top]
+
+
+def run_call(name: str, prompt: int, new: int, prompt_kernels: bool | None = None) -> dict:
+    """The default greedy call on the megakernel path (`decoder.plan`'s defaults), profiled
+    whole: `call_split`, and the call's wall time (median of 5) beside it. prompt_kernels:
+    the cache's choice for the prompt (`ChainCache.prompt_kernels`), None: the plan's."""
+    cfg = preset(name).model
+    params = transformer.init_params(cfg, 0)
+    plan = decoder.plan(cfg, params, 1, prompt + new, "megakernel")
+    tokens = jax.random.randint(jax.random.key(0), (1, prompt), 0, cfg.vocab_size)
+    lens = jnp.full((1,), prompt, jnp.int32)
+    cache = plan.make_cache(1, prompt + new + plan.greedy_steps - 1)
+    if prompt_kernels is not None:
+        cache = dataclasses.replace(cache, prompt_kernels=prompt_kernels)
+    gen = jax.jit(functools.partial(generate, max_new_tokens=new, sp=SamplingParams(temperature=0.0)))
+    args = (plan, tokens, lens, jax.random.key(1))
+    compiled = gen.lower(*args, cache=cache).compile()
+    call = lambda: compiled(*args, cache=cache)  # noqa: E731
+    for _ in range(2):
+        jax.block_until_ready(call())
+    walls = []
+    for _ in range(5):
+        t = time.perf_counter()
+        jax.block_until_ready(call())
+        walls.append((time.perf_counter() - t) * 1e6)
+    # the same arguments into a call that does nothing: the host's dispatch and sync alone
+    noop = jax.jit(lambda plan, *a, cache: a[1] + 1).lower(*args, cache=cache).compile()
+    for _ in range(3):
+        jax.block_until_ready(noop(*args, cache=cache))
+    noops = []
+    for _ in range(20):
+        t = time.perf_counter()
+        jax.block_until_ready(noop(*args, cache=cache))
+        noops.append((time.perf_counter() - t) * 1e6)
+    with profiling.trace() as prof:
+        jax.block_until_ready(call())
+    events = gpu_events(prof.profile_data)
+    split = call_split(events, ANCHOR["megakernel"])
+    host = host_around(prof.profile_data, events[0][1], max(e[2] for e in events))
+    res = {"preset": name, "prompt_kernels": getattr(cache, "prompt_kernels", None), "host": host,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "line": plan.line, "prompt": prompt,
+           "new_tokens": new, "wall_us_median": float(np.median(walls)),
+           "same_arguments_noop_us_median": float(np.median(noops)), **split}
+    p, lp = split["prompt"], split["loop"]
+    print(f"\n{name} whole call, prompt kernels {res['prompt_kernels']}, XLA_FLAGS {res['xla_flags']!r}: wall {res['wall_us_median']:.0f} us "
+          f"(a call of nothing with its arguments: {res['same_arguments_noop_us_median']:.0f}); "
+          f"prompt {p['us']:.0f} us ({p['kernels']} kernels, busy {p['busy_us']:.0f}, idle {p['idle_us']:.0f}); "
+          f"loop {lp['us']:.0f} us ({lp['anchors']} launches of {lp['anchor_us_median']:.0f}, "
+          f"{lp['kernels'] - lp['anchors']} other kernels, idle {lp['idle_us']:.0f}); "
+          f"after {split['after']['us']:.0f} us")
+    print("  prompt's device time by kernel:", {k: round(v, 1) for k, v in list(p["busy_us_by_name"].items())[:8]})
+    print("  host around the device's span:", [(h["name"][:40], round(h["start_us"]), round(h["us"])) for h in host[:8]])
+    return res
+
+
 def fused_ops(hlo_text: str, name: str) -> str:
     """What fusion `name` computes: its fused computation's opcodes (parameters, constants and
     reshapes left out), in order, '' if not found: to tell the kernels of a step apart."""
@@ -144,8 +251,22 @@ def main():
     ap.add_argument("--kernel-state", type=int, nargs="+", default=[0], choices=[0, 1],
                     help="1: the megakernel keeps its state between steps (decoder.plan(kernel_state=True))")
     ap.add_argument("--head", default="auto", choices=["auto", "xla", "fused"], help="decoder.plan's head")
+    ap.add_argument("--whole-call", type=int, nargs="*", default=None, choices=[0, 1],
+                    help="profile the default greedy call whole instead (the prompt, the loop, after); "
+                         "values: the prompt through its kernels or not (ChainCache.prompt_kernels), "
+                         "none given: the plan's choice")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
     args = ap.parse_args()
+    if args.whole_call is not None:
+        warm_gpu()
+        res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "calls": []}
+        path = result_path(args.out, "decode_call_timeline")
+        for name in args.presets:
+            for pk in args.whole_call or [None]:
+                res["calls"].append(run_call(name, args.prompt, args.new_tokens, None if pk is None else bool(pk)))
+                path.write_text(json.dumps(res, indent=1))
+        print("wrote", path)
+        return
     warm_gpu()
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "prompt": args.prompt,
            "new_tokens": args.new_tokens, "runs": []}

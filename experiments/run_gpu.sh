@@ -22,6 +22,8 @@
 #                   its GPU tests, then 350m and Llama-3.2-1B's shape in whole steps
 #   decode_seams    the seams between greedy steps traced (350m, 16 steps a launch) benchmarks/decode.md
 #                   and a greedy call's device time by kernel kind (profile)
+#   decode_prompt   a greedy call whole: the prompt's kernels, the loop, the host's  benchmarks/decode.md
+#                   launch around them; then 350m and Llama-3.2-1B's shape in whole steps
 #   handovers_trace loads traced: the ring's free slots against the default (each    benchmarks/decode.md
 #                   reader's wait after its sources), and the chain without its RMSNorms
 #   decode_tune     the megakernel's product splits searched in whole steps     benchmarks/decode.md
@@ -124,6 +126,12 @@ decode_seams)
     "$PY" experiments/trace_chain.py --presets 350m --vocab 256 --state 1 --steps 16 --calls 4 --out "$OUT"
     rm -f "$OUT"/*.npy
     "$PY" experiments/decode_floor.py --presets 350m --batches 1 --reps 3 --profile --out "$OUT" \
+        --variants chain fast ;;
+decode_prompt)
+    # a default greedy call whole (the prompt's kernels, the loop, the host around them), then
+    # the megakernel and the fast path in whole steps
+    "$PY" experiments/decode_step_timeline.py --presets 350m --whole-call 1 0 --out "$OUT"
+    "$PY" experiments/decode_floor.py --presets 350m llama3.2-1b --batches 1 --reps 3 --out "$OUT" \
         --variants chain fast ;;
 handovers_trace)
     # a picture and the raw stamps a case: more files than a device run brings back, so they travel as one tgz

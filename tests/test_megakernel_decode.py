@@ -277,8 +277,9 @@ def test_a_kept_kernel_state_decodes_the_same_tokens(params):
 def test_greedy_steps_a_call_decode_the_same_tokens(params, steps, monkeypatch):
     """greedy_steps=N: N tokens a megakernel call, each chosen inside the kernel (on a CPU by
     the reference's argmax), give one-step calls' greedy tokens, with an eos (tokens past it
-    eos, the counts the same; 16 tokens are not a multiple of 5: the last call's extra tokens
-    are dropped); sampling still takes a call a token. A measured default (GREEDY_STEPS)
+    eos, the counts the same); where N does not divide the 15 tokens after the prompt's, the
+    first call takes the rest (3, then 4 a call), so no call decodes past them; sampling
+    still takes a call a token. A measured default (GREEDY_STEPS)
     brings the output layer inside and the kept state with it, unless either is declined;
     plans that cannot are refused."""
     prompt = jnp.arange(3, 20, dtype=jnp.int32)[None]
@@ -287,15 +288,24 @@ def test_greedy_steps_a_call_decode_the_same_tokens(params, steps, monkeypatch):
     assert many.greedy_steps == steps and many.line.endswith(f"{steps} greedy steps a call")
     assert one.greedy_steps == 1 and _plan(params, 64).greedy_steps == 1
 
-    def run(p, **kw):
-        out, count = G.generate(p, prompt, jnp.array([17], jnp.int32), jax.random.key(0), max_new_tokens=16,
+    def run(p, new=16, **kw):
+        out, count = G.generate(p, prompt, jnp.array([17], jnp.int32), jax.random.key(0), max_new_tokens=new,
                                 **{"sp": GREEDY, **kw})
         return np.asarray(out), np.asarray(count)
 
     want, _ = run(one)
-    got, count = run(many)
+    traced = []
+
+    def kernel(*args, steps=1, **kw):  # the plan's kernel, its decoding calls' steps recorded as traced
+        if kw.get("advance"):
+            traced.append(steps)
+        return many.kernel(*args, steps=steps, **kw)
+
+    got, count = run(dataclasses.replace(many, kernel=kernel))
     np.testing.assert_array_equal(got, want)
     assert count.tolist() == [16]
+    assert traced == ([3, 4] if steps == 4 else [5])  # 3 + 3 x 4 and 3 x 5 tokens after the prompt's
+    np.testing.assert_array_equal(run(many, new=steps + 2)[0], want[:, :steps + 2])  # a first call of one step
     eos = int(want[0, 6])  # a token the sequence reaches
     first = int(np.argmax(want[0] == eos))
     want_eos, want_count = run(one, eos_id=eos)

@@ -185,7 +185,8 @@ class DecodePlan:
         if self.path == "megakernel":
             if batch != 1:
                 raise ValueError(f"the megakernel's cache holds one sequence, not {batch}.")
-            cache = megakernel.ChainCache.create(cfg, max_len, self.stages, self.att_splits)
+            cache = megakernel.ChainCache.create(cfg, max_len, self.stages, self.att_splits,
+                                                 prompt_kernels=self.backend == "pallas")
             return cache.with_state(cfg, self.kernel, self.head) if self.kernel_state else cache
         if self.path == "fast":
             return LayerKVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads,
@@ -217,7 +218,7 @@ class DecodePlan:
                                                pos_BT[:, 0], cache, self.kernel,
                                                head=self.head, order_only=order_only)
             return logits_BV[:, None], cache
-        else:  # fast, and the megakernel's prompts (XLA attention over its cache)
+        else:  # fast, and the megakernel's prompts (the decode layout over its cache)
             logits_BTV, cache = decode_block.forward(self.cfg, self.params, tokens_BT, pos_BT,
                                                      cache, head=self.head == "kernel")
         return logits_BTV.astype(jnp.float32), cache
@@ -240,10 +241,15 @@ class DecodePlan:
         logits_BTV, cache = self.forward(tokens_B[:, None], cache.lengths[:, None], cache, order_only)
         return logits_BTV[:, 0], cache.advance(jnp.ones_like(cache.lengths))
 
-    def greedy_tokens(self, tokens_B, cache):
-        """The next `greedy_steps` greedy tokens after tokens_B, one megakernel call:
-        (tokens [1, greedy_steps], the cache that many tokens longer)."""
-        return megakernel.greedy_steps(self.cfg, self.params, tokens_B, cache, self.kernel, self.greedy_steps)
+    def greedy_tokens(self, tokens_B, cache, steps: int | None = None):
+        """The next `steps` (`greedy_steps` by default) greedy tokens after tokens_B, one
+        megakernel call: (tokens [1, steps], the cache that many tokens longer). One step is
+        the one-step kernel's (`step`) and its argmax."""
+        steps = steps or self.greedy_steps
+        if steps == 1:
+            logits_BV, cache = self.step(tokens_B, cache, order_only=True)
+            return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)[:, None], cache
+        return megakernel.greedy_steps(self.cfg, self.params, tokens_B, cache, self.kernel, steps)
 
     def with_params(self, params: dict) -> DecodePlan:
         """This plan over other weights (laid out for the path here when they are not)."""

@@ -45,17 +45,18 @@ def generate(plan: decoder.DecodePlan, prompt_BT, prompt_len_B, key, *, max_new_
              sp: SamplingParams, eos_id: int = -1, cache: KVCache | None = None):
     """New tokens [B, max_new_tokens] (eos-padded after a sequence stops) and counts [B],
     decoded by `plan` (`decoder.plan`) into `cache` (the plan's own by default). Greedy
-    decoding with a plan of `greedy_steps` N > 1 takes N tokens a megakernel call (the cache
-    then holds up to N - 1 positions more than max_new_tokens asks for, which the plan's own
-    cache makes room for)."""
+    decoding with a plan of `greedy_steps` N > 1 takes N tokens a megakernel call, the first
+    call fewer where N does not divide the tokens after the prompt's (max_new_tokens - 1), so
+    that no call decodes a token past max_new_tokens."""
     B, T = prompt_BT.shape
     n = plan.greedy_steps if sp.greedy else 1  # tokens a loop step
+    first = (max_new_tokens - 1) % n  # the first call's tokens when n does not divide them
     if cache is None:
-        cache = plan.make_cache(B, T + max_new_tokens + n - 1)
+        cache = plan.make_cache(B, T + max_new_tokens)
     logits_BV, cache = plan.prefill(prompt_BT, prompt_len_B, cache)
     key, sub = jax.random.split(key)
     tok_B = sample(sub, logits_BV, sp)
-    out_BN = jnp.full((B, max_new_tokens + n - 1), max(eos_id, 0), jnp.int32).at[:, 0].set(tok_B)
+    out_BN = jnp.full((B, max_new_tokens), max(eos_id, 0), jnp.int32).at[:, 0].set(tok_B)
     done_B = tok_B == eos_id
     count_B = jnp.ones((B,), jnp.int32)
 
@@ -65,9 +66,9 @@ def generate(plan: decoder.DecodePlan, prompt_BT, prompt_len_B, key, *, max_new_
             return i < max_new_tokens  # count (on a GPU, no predicate read back per step)
         return (i < max_new_tokens) & ~jnp.all(done_B)
 
-    def chunk(carry):  # n greedy tokens from one megakernel call
+    def chunk(carry, steps: int = n):  # `steps` greedy tokens from one megakernel call
         i, tok_B, cache, out_BN, done_B, count_B, key = carry
-        toks_BN, cache = plan.greedy_tokens(tok_B, cache)
+        toks_BN, cache = plan.greedy_tokens(tok_B, cache, steps)
         if eos_id >= 0:  # past a sequence's first eos (in an earlier chunk or this one): eos, not counted
             after_BN = jnp.cumsum(toks_BN == eos_id, axis=1) - (toks_BN == eos_id) > 0
             after_BN = after_BN | done_B[:, None]
@@ -75,7 +76,7 @@ def generate(plan: decoder.DecodePlan, prompt_BT, prompt_len_B, key, *, max_new_
             count_B = count_B + (~after_BN).sum(axis=1).astype(jnp.int32)
             done_B = done_B | (toks_BN == eos_id).any(axis=1)
         out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, toks_BN, i, axis=1)
-        return i + n, toks_BN[:, -1], cache, out_BN, done_B, count_B, key
+        return i + steps, toks_BN[:, -1], cache, out_BN, done_B, count_B, key
 
     def body(carry):
         i, tok_B, cache, out_BN, done_B, count_B, key = carry
@@ -95,7 +96,11 @@ def generate(plan: decoder.DecodePlan, prompt_BT, prompt_len_B, key, *, max_new_
         return i + 1, nxt_B, cache, out_BN, done_B, count_B, key
 
     carry = (jnp.int32(1), tok_B, cache, out_BN, done_B, count_B, key)
-    _, _, _, out_BN, _, count_B, _ = jax.lax.while_loop(cond, chunk if n > 1 else body, carry)
+    if n > 1 and first:
+        carry = chunk(carry, first)
+    if n == 1 or max_new_tokens - 1 >= n:  # a loop that runs (a loop of n tokens a call traced
+        carry = jax.lax.while_loop(cond, chunk if n > 1 else body, carry)  # only where one fits)
+    _, _, _, out_BN, _, count_B, _ = carry
     if eos_id < 0:
         count_B = jnp.full((B,), max_new_tokens, jnp.int32)
     return out_BN[:, :max_new_tokens], jnp.minimum(count_B, max_new_tokens)

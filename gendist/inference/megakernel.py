@@ -14,9 +14,11 @@ steps.
 The decode front door (`decoder.plan(..., path="megakernel")`) puts the pieces together:
 `chain_params` once (it keeps the decode layout for the prompt and adds the stacked,
 norm-folded matrices the kernel reads), a `ChainCache`, the prompt through the decode block
-(`ChainCache.attend`, XLA attention over this cache) and each one-token step through `step`
-with the kernel it is given (`chain.chain_mgpu` on a Hopper GPU; `chain_reference`, its
-math in XLA, anywhere). `supported` says what a model and batch need besides the GPU.
+(on a GPU its norms and its attention through their Pallas kernels,
+`pallas_kernels.prompt_attention`, each layer's new rows written once for all layers:
+`ChainCache.layer_states`) and each step through `step` or `greedy_steps` with the kernel it
+is given (`chain.chain_mgpu` on a Hopper GPU; `chain_reference`, its math in XLA, anywhere).
+`supported` says what a model and batch need besides the GPU.
 A rolled-back cache (speculative decoding) needs nothing more: the kernel and the prompt's
 attention read only the rows up to the query's position, and the rows past it stay finite.
 """
@@ -29,8 +31,9 @@ import jax.numpy as jnp
 
 from gendist.config import ModelConfig
 from gendist.inference import decode_block, decode_layout
-from gendist.inference.cache import KVCache, contiguous_attend
+from gendist.inference.cache import KVCache
 from gendist.models.layers import rope_angles
+from pallas_kernels import prompt_attention
 from pallas_kernels._mgpu import sm_count
 from pallas_kernels.chain import xla as cx
 from pallas_kernels.chain.resolve import attention_blocks, attention_group
@@ -161,9 +164,12 @@ def chain_params(cfg: ModelConfig, params: dict, head: bool = False) -> dict:
     """The decode layout (`decode_layout.decode_params`, for the prompt) plus "chain": the
     matrices the kernel reads, stacked over layers, RMSNorm gains folded into q|k|v's and
     gate|up's columns: (w_qkv [L, D + 2 K hd, D] (rows q | k | v, K kv heads), w_o [L, D, D],
-    w_gu [L, 2F, D], w_down [L, D, F]). head: also "chain_head", the output layer's table
-    with the final norm's gain folded in (`cx.fold_head`; a second copy of a tied table:
-    V x D bf16 more memory), for the output layer inside the kernel."""
+    w_gu [L, 2F, D], w_down [L, D, F]). The layers' weights are so held twice: the prompt
+    reading the kernel's stacked matrices instead was timed and left (docs/decisions.md: XLA
+    then compiles each layer's slice into a matmul of its own, about twice the compile). head:
+    also "chain_head", the output layer's table with the final norm's gain folded in
+    (`cx.fold_head`; a second copy of a tied table: V x D bf16 more memory), for the output
+    layer inside the kernel."""
     if "chain" in params:
         if head and "chain_head" not in params:
             why = fused_head_supported(cfg)
@@ -184,7 +190,8 @@ def chain_params(cfg: ModelConfig, params: dict, head: bool = False) -> dict:
     w_qkv, w_gu = cx.fold_norms(stack("wqkv_CHD", (N1, D)), stack("w_gate_up_GD", (2 * cfg.d_ff, D)),
                                 jnp.stack([b["attn_norm"] for b in blocks]),
                                 jnp.stack([b["mlp_norm"] for b in blocks]))
-    out = {**dp, "chain": (w_qkv, stack("wo_DNH", (D, D)), w_gu, stack("w_down_DF", (D, cfg.d_ff)))}
+    out = {**dp,
+           "chain": (w_qkv, stack("wo_DNH", (D, D)), w_gu, stack("w_down_DF", (D, cfg.d_ff)))}
     return chain_params(cfg, out, head) if head else out
 
 
@@ -203,16 +210,20 @@ class ChainCache(KVCache):
     state: jax.Array | None = None  # the kernel's words between steps (`chain_mgpu(state=...)`)
     # the kernel's attention blocks a query group, each over a split of the positions
     att_splits: int = dataclasses.field(default=1, metadata=dict(static=True))
+    # the prompt's RMSNorms and attention through their Pallas kernels (a GPU's; `decode_kernels`)
+    prompt_kernels: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
-    def create(cls, cfg: ModelConfig, max_len: int, stages: int = 16, att_splits: int | None = None):
+    def create(cls, cfg: ModelConfig, max_len: int, stages: int = 16, att_splits: int | None = None,
+               prompt_kernels: bool = False):
         """A zeroed cache of max_len positions (rounded up to 64); att_splits None: the
-        capacity's (`att_splits_for`)."""
+        capacity's (`att_splits_for`); prompt_kernels: a prompt's norms and attention through
+        their Pallas kernels (`decode_kernels`; a GPU's)."""
         S = cache_rows(max_len)
         shape = (cfg.num_layers, 2, cfg.num_kv_heads, S, cfg.head_dim)
         R = att_splits_for(S, cfg) if att_splits is None else att_splits
         return cls(jnp.zeros(shape, jnp.bfloat16), jnp.zeros((1,), jnp.int32), rope_table(cfg, S),
-                   stages, att_splits=R)
+                   stages, att_splits=R, prompt_kernels=prompt_kernels)
 
     def kernel_options(self) -> dict:
         """What the kernel takes from this cache besides its arrays: the ring's slots and,
@@ -242,12 +253,62 @@ class ChainCache(KVCache):
     def with_layer_state(self, state):
         return dataclasses.replace(self, kv=state)
 
+    # A prompt (the decode block's forward over T tokens) reads the cache in its own layout
+    # and writes it once for every layer: each layer's state is (its index, the whole cache),
+    # each layer hands back its new rows [2, K, T, hd] and their positions, and
+    # `with_layer_states` writes them all in one update (no layer's slice copied, moved into
+    # another layout or written back on its own).
+    def layer_states(self) -> list:
+        return [(layer, self.kv) for layer in range(self.kv.shape[0])]
+
+    def with_layer_states(self, states: list) -> ChainCache:
+        rows_L2KTH = jnp.stack([rows for rows, _ in states])
+        pos_T = states[0][1]
+        return dataclasses.replace(self, kv=self.kv.at[:, :, :, pos_T].set(rows_L2KTH, mode="drop"))
+
+    def decode_kernels(self, batch: int, tokens: int) -> tuple[bool, bool]:
+        """With `prompt_kernels`: RMSNorm as one kernel for up to 64 rows, and RoPE +
+        attention as one (`pallas_kernels.prompt_attention`) where it takes the head dim."""
+        if not self.prompt_kernels:
+            return False, False
+        return batch * tokens <= 64, batch == 1 and prompt_attention.supports(self.kv.shape[-1])
+
+    def attend_qkv(self, layer_state, qkv_BTCH, num_heads: int, q_pos_BT, cos_BTh, sin_BTh, sm_scale):
+        """The prompt's RoPE and attention in one kernel from q|k|v unsplit; its positions
+        are contiguous from q_pos_BT[0, 0] (a prompt's, a speculative verification's)."""
+        layer, kv = layer_state
+        o_TNH, rows_2KTH = prompt_attention.prompt_attention(
+            qkv_BTCH[0], kv, q_pos_BT[0, :1], cos_BTh[0], sin_BTh[0], layer=layer, num_heads=num_heads,
+            sm_scale=sm_scale)
+        return o_TNH[None], (rows_2KTH, q_pos_BT[0])
+
     def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
-        """The prompt's attention (XLA) over this layer's [2, H, S, hd] slice."""
-        as_bskh = lambda a_HSh: a_HSh.transpose(1, 0, 2)[None]  # noqa: E731
-        out, (k, v) = contiguous_attend((as_bskh(layer_state[0]), as_bskh(layer_state[1])),
-                                        q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale)
-        return out, jnp.stack([k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)])
+        """The prompt's attention (XLA) over this layer's [2, K, S, hd] slice, its new rows
+        written at q_pos_BT."""
+        layer, kv = layer_state
+        rows_2KTH = jnp.stack([k_BTKH[0], v_BTKH[0]]).transpose(0, 2, 1, 3).astype(kv.dtype)
+        kv_2KSH = kv[layer].at[:, :, q_pos_BT[0]].set(rows_2KTH, mode="drop")
+        return cache_attention(q_BTNH, kv_2KSH, q_pos_BT, sm_scale), (rows_2KTH, q_pos_BT[0])
+
+
+def cache_attention(q_BTNH, kv_2KSH, q_pos_BT, sm_scale):
+    """Attention of one sequence's queries (at positions q_pos) over a cache slice
+    [2, K, S, hd] already written: `models.attention.xla_attention`'s math in the cache's own
+    layout (fp32 softmax; a position is seen by the queries at it and after)."""
+    _, T, N, H = q_BTNH.shape
+    _, K, S, _ = kv_2KSH.shape
+    q_KGTH = q_BTNH[0].reshape(T, K, N // K, H).transpose(1, 2, 0, 3)
+    s_KGTS = jnp.einsum("KGTH,KSH->KGTS", q_KGTH, kv_2KSH[0].astype(q_BTNH.dtype),
+                        preferred_element_type=jnp.float32) * sm_scale
+    s_KGTS = jnp.where(jnp.arange(S)[None, :] <= q_pos_BT[0][:, None], s_KGTS, -jnp.inf)
+    m = jnp.max(s_KGTS, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s_KGTS - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(l == 0, 1.0, l)
+    o_TKGH = jnp.einsum("KGTS,KSH->TKGH", p.astype(kv_2KSH.dtype), kv_2KSH[1].astype(q_BTNH.dtype),
+                        preferred_element_type=jnp.float32)
+    return o_TKGH.reshape(1, T, N, H).astype(q_BTNH.dtype)
 
 
 def greedy_steps(cfg: ModelConfig, params: dict, tokens_B, cache: ChainCache, kernel, steps: int):

@@ -261,21 +261,23 @@ def decode_attention(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *, num_head
     return o_BKRH[:, :, :group].reshape(B, num_heads, H), k_new, v_new
 
 
+def rope_reference(x_XH, cos_Xh, sin_Xh, dtype):
+    """NeoX RoPE in jnp: the halves of x's last axis rotated in fp32 by angles that broadcast
+    against them, cast to `dtype` (the kernels' rounding)."""
+    x, h2 = x_XH.astype(jnp.float32), x_XH.shape[-1] // 2
+    return jnp.concatenate([x[..., :h2] * cos_Xh - x[..., h2:] * sin_Xh,
+                            x[..., h2:] * cos_Xh + x[..., :h2] * sin_Xh], -1).astype(dtype)
+
+
 def decode_attention_reference(qkv_BCH, k_KBSH, v_KBSH, pos_B, cos_Bh, sin_Bh, *,
                                num_heads: int, sm_scale: float | None = None):
     """The unfused math in jnp: rotate, write row pos, softmax over positions <= pos."""
     B, C, H = qkv_BCH.shape
     K, _, S, _ = k_KBSH.shape
-    h2 = H // 2
     dt = k_KBSH.dtype
     scale = 1.0 / math.sqrt(H) if sm_scale is None else float(sm_scale)
 
-    def rot(x_BXH):
-        x = x_BXH.astype(jnp.float32)
-        c, s = cos_Bh[:, None, :], sin_Bh[:, None, :]
-        return jnp.concatenate([x[..., :h2] * c - x[..., h2:] * s,
-                                x[..., h2:] * c + x[..., :h2] * s], -1).astype(dt)
-
+    rot = lambda x_BXH: rope_reference(x_BXH, cos_Bh[:, None, :], sin_Bh[:, None, :], dt)  # noqa: E731
     q = rot(qkv_BCH[:, :num_heads])
     k = rot(qkv_BCH[:, num_heads:num_heads + K])
     v = qkv_BCH[:, num_heads + K:].astype(dt)

@@ -41,15 +41,10 @@ from pallas_kernels._compat import (
     triton_params,
 )
 
-_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp2(_NEG - m) is 0, never nan
-_LOG2E = math.log2(math.e)
+# the one-token kernel's RoPE, its finite -inf and log2(e), and the head dims it takes
+from pallas_kernels.decode_attention import _LOG2E, _NEG, _rope, rope_reference, supports
+
 ROWS = 64  # query rows a program at most (tile tokens x group heads), a power of two
-
-
-def _rope(x1, x2, c, s, dtype):
-    """Rotated halves (x1 c - x2 s, x2 c + x1 s) in fp32, cast to `dtype`."""
-    x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
-    return (x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)
 
 
 def _kernel(start_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, o_ref, k_out, v_out, *, num_heads, kv_heads,
@@ -135,11 +130,6 @@ def _kernel(start_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, o_ref, k_out, v_
     plgpu.store(o_ref.at[(t_r * num_heads + kh * group + g_r)[:, None], dH], o)
 
 
-def supports(head_dim: int) -> bool:
-    """Whether the kernel takes this head dim: a power of two >= 32 (RoPE halves of >= 16)."""
-    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
-
-
 def tiling(tokens: int, group: int) -> tuple[int, int]:
     """(tokens a program, its query rows): as many tokens as fit `ROWS` rows with the group's
     heads, no more than the prompt has; rows a power of two of at least 16."""
@@ -213,15 +203,9 @@ def prompt_attention_reference(qkv_TCH, kv_LTKSH, start, cos_Th, sin_Th, *, laye
     each query sees."""
     T, C, H = qkv_TCH.shape
     _, _, K, S, _ = kv_LTKSH.shape
-    h2, dt = H // 2, kv_LTKSH.dtype
+    dt = kv_LTKSH.dtype
     scale = 1.0 / math.sqrt(H) if sm_scale is None else float(sm_scale)
-
-    def rot(x_TXH):
-        x = x_TXH.astype(jnp.float32)
-        c, s = cos_Th[:, None, :], sin_Th[:, None, :]
-        return jnp.concatenate([x[..., :h2] * c - x[..., h2:] * s,
-                                x[..., h2:] * c + x[..., :h2] * s], -1).astype(dt)
-
+    rot = lambda x_TXH: rope_reference(x_TXH, cos_Th[:, None, :], sin_Th[:, None, :], dt)  # noqa: E731
     q = rot(qkv_TCH[:, :num_heads])
     rows = jnp.stack([rot(qkv_TCH[:, num_heads:num_heads + K]),
                       qkv_TCH[:, num_heads + K:].astype(dt)]).transpose(0, 2, 1, 3)  # [2, K, T, H]

@@ -190,8 +190,7 @@ def chain_params(cfg: ModelConfig, params: dict, head: bool = False) -> dict:
     w_qkv, w_gu = cx.fold_norms(stack("wqkv_CHD", (N1, D)), stack("w_gate_up_GD", (2 * cfg.d_ff, D)),
                                 jnp.stack([b["attn_norm"] for b in blocks]),
                                 jnp.stack([b["mlp_norm"] for b in blocks]))
-    out = {**dp,
-           "chain": (w_qkv, stack("wo_DNH", (D, D)), w_gu, stack("w_down_DF", (D, cfg.d_ff)))}
+    out = {**dp, "chain": (w_qkv, stack("wo_DNH", (D, D)), w_gu, stack("w_down_DF", (D, cfg.d_ff)))}
     return chain_params(cfg, out, head) if head else out
 
 

@@ -217,6 +217,6 @@ def prompt_attention_reference(qkv_TCH, kv_LTKSH, start, cos_Th, sin_Th, *, laye
     logits = jnp.einsum("kgth,ksh->kgts", q_KGTH, kv[0], precision=hi, preferred_element_type=jnp.float32)
     seen = jnp.arange(S)[None, :] <= pos[:, None]  # [T, S]
     p = jax.nn.softmax(jnp.where(seen, logits * scale, -jnp.inf), axis=-1)
-    o = jnp.einsum("kgts,ksh->tkgh", p.astype(dt), jnp.where(seen.any(0)[:, None], kv[1], 0), precision=hi,
-                   preferred_element_type=jnp.float32)
-    return o.reshape(T, num_heads, H).astype(dt), rows
+    o = jnp.einsum("kgts,ksh->kgth", p.astype(dt), jnp.where(seen.any(0)[:, None], kv[1], 0), precision=hi,
+                   preferred_element_type=jnp.float32)  # batch-major (XLA:CPU 0.11's bf16 dot)
+    return o.transpose(2, 0, 1, 3).reshape(T, num_heads, H).astype(dt), rows

@@ -305,9 +305,9 @@ def cache_attention(q_BTNH, kv_2KSH, q_pos_BT, sm_scale):
     p = jnp.exp(s_KGTS - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(l == 0, 1.0, l)
-    o_TKGH = jnp.einsum("KGTS,KSH->TKGH", p.astype(kv_2KSH.dtype), kv_2KSH[1].astype(q_BTNH.dtype),
-                        preferred_element_type=jnp.float32)
-    return o_TKGH.reshape(1, T, N, H).astype(q_BTNH.dtype)
+    o_KGTH = jnp.einsum("KGTS,KSH->KGTH", p.astype(kv_2KSH.dtype), kv_2KSH[1].astype(q_BTNH.dtype),
+                        preferred_element_type=jnp.float32)  # batch-major (XLA:CPU 0.11's bf16 dot)
+    return o_KGTH.transpose(2, 0, 1, 3).reshape(1, T, N, H).astype(q_BTNH.dtype)
 
 
 def greedy_steps(cfg: ModelConfig, params: dict, tokens_B, cache: ChainCache, kernel, steps: int):

@@ -10,11 +10,11 @@ the output layer, sampling) is what the step pays on top of its layers. Run besi
 
     python3 experiments/decode_step_timeline.py --presets 1b 350m llama3.2-1b --out $OUT
 
-`--whole-call [1 0]` profiles instead one default greedy call whole (`call_split`): the
+`--whole-generate [1 0]` profiles instead one default greedy `generate` whole (`generate_split`): the
 prompt's kernels before the first megakernel launch (their device time, by kernel), the loop,
 what follows, and the host's events around the device's span (`host_around`: where the
 call's launch goes); the values choose the prompt through its kernels or through XLA
-(`ChainCache.prompt_kernels`; none: the plan's). Writes `decode_call_timeline_<device>.json`.
+(`ChainCache.prompt_kernels`; none: the plan's). Writes `decode_generate_timeline_<device>.json`.
 
 `--kernel-state 0 1` runs each preset also with the kernel's state kept between steps
 (`decoder.plan(kernel_state=True)`: no words' zeroing, x_0's words, cache update or length
@@ -95,8 +95,8 @@ def timeline(its: list, skip: float = 0.25) -> dict:
             "idle_us": float(med_g.sum() + np.median(tail)), "rows": rows}
 
 
-def call_split(events, anchor: str) -> dict:
-    """One whole call split at the anchor kernels, µs: before the first (the prompt's
+def generate_split(events, anchor: str) -> dict:
+    """One whole `generate` split at the anchor kernels, µs: before the first (the prompt's
     forward: its kernels, their device time and the idle between them), the loop (the
     anchors, the other kernels, idle) and after the last anchor; with the prompt's kernels in
     order (name, µs, idle before) and its device time by kernel name's kind."""
@@ -141,9 +141,9 @@ def host_around(profile_data, t0_ns: int, t1_ns: int, top: int = 25) -> list[dic
     return sorted(out, key=lambda r: -r["us"])[:top]
 
 
-def run_call(name: str, prompt: int, new: int, prompt_kernels: bool | None = None) -> dict:
+def run_generate(name: str, prompt: int, new: int, prompt_kernels: bool | None = None) -> dict:
     """The default greedy call on the megakernel path (`decoder.plan`'s defaults), profiled
-    whole: `call_split`, and the call's wall time (median of 5) beside it. prompt_kernels:
+    whole: `generate_split`, and the call's wall time (median of 5) beside it. prompt_kernels:
     the cache's choice for the prompt (`ChainCache.prompt_kernels`), None: the plan's."""
     cfg = preset(name).model
     params = transformer.init_params(cfg, 0)
@@ -176,14 +176,14 @@ def run_call(name: str, prompt: int, new: int, prompt_kernels: bool | None = Non
     with profiling.trace() as prof:
         jax.block_until_ready(call())
     events = gpu_events(prof.profile_data)
-    split = call_split(events, ANCHOR["megakernel"])
+    split = generate_split(events, ANCHOR["megakernel"])
     host = host_around(prof.profile_data, events[0][1], max(e[2] for e in events))
     res = {"preset": name, "prompt_kernels": getattr(cache, "prompt_kernels", None), "host": host,
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "line": plan.line, "prompt": prompt,
            "new_tokens": new, "wall_us_median": float(np.median(walls)),
            "same_arguments_noop_us_median": float(np.median(noops)), **split}
     p, lp = split["prompt"], split["loop"]
-    print(f"\n{name} whole call, prompt kernels {res['prompt_kernels']}, XLA_FLAGS {res['xla_flags']!r}: wall {res['wall_us_median']:.0f} us "
+    print(f"\n{name} whole generate, prompt kernels {res['prompt_kernels']}, XLA_FLAGS {res['xla_flags']!r}: wall {res['wall_us_median']:.0f} us "
           f"(a call of nothing with its arguments: {res['same_arguments_noop_us_median']:.0f}); "
           f"prompt {p['us']:.0f} us ({p['kernels']} kernels, busy {p['busy_us']:.0f}, idle {p['idle_us']:.0f}); "
           f"loop {lp['us']:.0f} us ({lp['anchors']} launches of {lp['anchor_us_median']:.0f}, "
@@ -251,19 +251,19 @@ def main():
     ap.add_argument("--kernel-state", type=int, nargs="+", default=[0], choices=[0, 1],
                     help="1: the megakernel keeps its state between steps (decoder.plan(kernel_state=True))")
     ap.add_argument("--head", default="auto", choices=["auto", "xla", "fused"], help="decoder.plan's head")
-    ap.add_argument("--whole-call", type=int, nargs="*", default=None, choices=[0, 1],
-                    help="profile the default greedy call whole instead (the prompt, the loop, after); "
+    ap.add_argument("--whole-generate", type=int, nargs="*", default=None, choices=[0, 1],
+                    help="profile the default greedy generate whole instead (the prompt, the loop, after); "
                          "values: the prompt through its kernels or not (ChainCache.prompt_kernels), "
                          "none given: the plan's choice")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
     args = ap.parse_args()
-    if args.whole_call is not None:
+    if args.whole_generate is not None:
         warm_gpu()
         res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "calls": []}
-        path = result_path(args.out, "decode_call_timeline")
+        path = result_path(args.out, "decode_generate_timeline")
         for name in args.presets:
-            for pk in args.whole_call or [None]:
-                res["calls"].append(run_call(name, args.prompt, args.new_tokens, None if pk is None else bool(pk)))
+            for pk in args.whole_generate or [None]:
+                res["calls"].append(run_generate(name, args.prompt, args.new_tokens, None if pk is None else bool(pk)))
                 path.write_text(json.dumps(res, indent=1))
         print("wrote", path)
         return

@@ -130,7 +130,7 @@ decode_seams)
 decode_prompt)
     # a default greedy call whole (the prompt's kernels, the loop, the host around them), then
     # the megakernel and the fast path in whole steps
-    "$PY" experiments/decode_step_timeline.py --presets 350m --whole-call 1 0 --out "$OUT"
+    "$PY" experiments/decode_step_timeline.py --presets 350m --whole-generate 1 0 --out "$OUT"
     "$PY" experiments/decode_floor.py --presets 350m llama3.2-1b --batches 1 --reps 3 --out "$OUT" \
         --variants chain fast ;;
 handovers_trace)

@@ -115,8 +115,8 @@ def test_generate_config_checks_the_path():
 
 def test_a_hopper_plan_holds_the_kernel_and_its_weights():
     """What "auto" builds for the megakernel on a Hopper GPU (laid out here, not run): the
-    Mosaic GPU kernel by default, the stacked norm-folded matrices (the layers' only copy: the
-    prompt reads them too), and its cache; `kernel=` replaces the kernel; from 32k tokens the output layer runs inside
+    Mosaic GPU kernel by default, the stacked norm-folded matrices beside the decode layout,
+    and its cache; `kernel=` replaces the kernel; from 32k tokens the output layer runs inside
     the kernel, and the plan's line says so; greedy decoding's steps a call
     (`megakernel.GREEDY_STEPS`) bring the output layer inside and the kept state at any
     vocabulary, unless the plan asks for one step a call."""
@@ -129,9 +129,7 @@ def test_a_hopper_plan_holds_the_kernel_and_its_weights():
     assert (p.head, p.kernel_state, p.greedy_steps) == ("fused", True, mk.GREEDY_STEPS)
     one = decoder.plan(MHA, params, 1, 100, device=("gpu", H200), greedy_steps=1)
     assert (one.head, one.kernel_state, one.line) == ("xla", False, "decode: megakernel (batch 1, NVIDIA H200)")
-    assert p.params["chain"][0].shape == (2, 3 * 128, 128) and "blocks" not in p.params
-    blocks = mk.prompt_params(MHA, p.params)["blocks"]
-    assert blocks["wqkv_CHD"].shape == (2, 3 * MHA.num_heads, MHA.head_dim, 128)
+    assert p.params["chain"][0].shape == (2, 3 * 128, 128) and len(p.params["blocks"]) == 2
     assert isinstance(p.make_cache(), mk.ChainCache) and p.make_cache().kv.shape[3] == 128
     ref = decoder.plan(MHA, params, 1, 100, "megakernel", mk.chain_reference, device=("cpu", "cpu"))
     assert ref.kernel is mk.chain_reference and ref.line == (

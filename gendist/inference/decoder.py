@@ -218,10 +218,9 @@ class DecodePlan:
                                                pos_BT[:, 0], cache, self.kernel,
                                                head=self.head, order_only=order_only)
             return logits_BV[:, None], cache
-        else:  # fast, and the megakernel's prompts (a scan over the kernel's matrices)
-            params = megakernel.prompt_params(self.cfg, self.params) if self.path == "megakernel" else self.params
-            logits_BTV, cache = decode_block.forward(self.cfg, params, tokens_BT, pos_BT, cache,
-                                                     head=self.head == "kernel")
+        else:  # fast, and the megakernel's prompts (the decode layout over its cache)
+            logits_BTV, cache = decode_block.forward(self.cfg, self.params, tokens_BT, pos_BT,
+                                                     cache, head=self.head == "kernel")
         return logits_BTV.astype(jnp.float32), cache
 
     def prefill(self, prompt_BT, prompt_len_B, cache):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import re
@@ -153,9 +152,8 @@ def run_generate(name: str, prompt: int, new: int, prompt_kernels: bool | None =
     cache = plan.make_cache(1, prompt + new + plan.greedy_steps - 1)
     if prompt_kernels is not None:
         cache = dataclasses.replace(cache, prompt_kernels=prompt_kernels)
-    gen = jax.jit(functools.partial(generate, max_new_tokens=new, sp=SamplingParams(temperature=0.0)))
     args = (plan, tokens, lens, jax.random.key(1))
-    compiled = gen.lower(*args, cache=cache).compile()
+    compiled = generate.lower(*args, max_new_tokens=new, sp=SamplingParams(temperature=0.0), cache=cache).compile()
     call = lambda: compiled(*args, cache=cache)  # noqa: E731
     for _ in range(2):
         jax.block_until_ready(call())
@@ -214,9 +212,8 @@ def run(name: str, path: str, prompt: int, new: int, kernel_state: bool = False,
     plan = decoder.plan(cfg, params, 1, prompt + new, path, kernel_state=kernel_state, head=head)
     tokens = jax.random.randint(jax.random.key(0), (1, prompt), 0, cfg.vocab_size)
     lens = jnp.full((1,), prompt, jnp.int32)
-    gen = jax.jit(functools.partial(generate, max_new_tokens=new, sp=SamplingParams(temperature=0.0)))
     args = (plan, tokens, lens, jax.random.key(1))
-    compiled = gen.lower(*args).compile()
+    compiled = generate.lower(*args, max_new_tokens=new, sp=SamplingParams(temperature=0.0)).compile()
     for _ in range(2):
         jax.block_until_ready(compiled(*args))
     with profiling.trace() as prof:

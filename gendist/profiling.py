@@ -193,16 +193,27 @@ def classify_hlo(text: str) -> dict[str, str]:
 
 
 def loop_body_kinds(text: str) -> dict[str, int]:
-    """Kernel-launching instructions per kind in the while-loop body that launches the most
-    (a decode loop's step), read from a compiled module's HLO: how many kernels one step
-    starts, before any profile. {} when the module has no loop."""
+    """Kernel-launching instructions per kind in a decode loop's step, read from a compiled
+    module's HLO: the body of the last loop the entry computation runs (a generate's prompt
+    may be a loop over its layers before it), or of a loop nested in that one if it launches
+    more: how many kernels one step starts, before any profile. {} when the module has no
+    loop."""
     comps = _parse(text)
     kinds = classify_hlo(text)
-    bodies = set()
-    for ops in comps.values():
-        for _, op, line in ops:
-            if op == "while":
-                bodies.update(re.findall(r"body=%([\w.\-]+)", line))
+    entry = next((m.group(1) for line in text.splitlines()
+                  if line.startswith("ENTRY") and (m := _HEADER.match(line))), None)
+
+    def loops(comp: str) -> list[str]:
+        return [body for _, op, line in comps.get(comp, ()) if op == "while"
+                for body in re.findall(r"body=%([\w.\-]+)", line)]
+
+    top = loops(entry) if entry else []
+    bodies, todo = [], top[-1:]
+    while todo:
+        body = todo.pop()
+        if body not in bodies:
+            bodies.append(body)
+            todo.extend(loops(body))
     best: dict[str, int] = {}
     for body in bodies:
         count = collections.Counter(kinds[name] for name, _, _ in comps.get(body, ())

@@ -10,7 +10,8 @@ loop"). Here it is one launch a layer:
 * q|k|v come as the decode layout's one projection [T, N+2K, H] (no slices materialised);
 * q and the prompt's k are rotated in registers (NeoX pairs, angles as cos/sin [T, H/2]);
 * each query row attends to the cached rows 0 … start-1 (read in place from the cache
-  [L, 2, K, S, H], this layer's slice chosen by the block spec: no copy) and then to the
+  [L, 2, K, S, H] at the layer given, a runtime index: no copy, and one kernel serves every
+  layer of a scan over them) and then to the
   prompt's rows up to its own (causal), taken from q|k|v, with an online softmax (base 2);
 * the prompt's rotated k and its v come back as rows [2, K, T, H], which the caller writes
   into the cache once for every layer (`gendist.inference.megakernel.ChainCache`): the kernel
@@ -47,16 +48,18 @@ from pallas_kernels.decode_attention import _LOG2E, _NEG, _rope, rope_reference,
 ROWS = 64  # query rows a program at most (tile tokens x group heads), a power of two
 
 
-def _kernel(start_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, o_ref, k_out, v_out, *, num_heads, kv_heads,
+def _kernel(where_ref, qkv_ref, cos_ref, sin_ref, kv_ref, o_ref, k_out, v_out, *, num_heads, kv_heads,
             tokens, tile, rows, block_k, scale_log2, precision):
     kh, qt = pl.program_id(0), pl.program_id(1)
     group = num_heads // kv_heads
     C = num_heads + 2 * kv_heads  # q|k|v's heads a token
-    capacity, H = k_ref.shape
+    layers, _, _, capacity, H = kv_ref.shape
     h2 = H // 2
-    dt = k_ref.dtype
+    dt = kv_ref.dtype
     f32 = jnp.float32
-    start = jnp.clip(start_ref[0], 0, capacity)
+    start = jnp.clip(where_ref[0], 0, capacity)
+    layer = jnp.clip(where_ref[1], 0, layers - 1)
+    k_at, v_at = jnp.int32(0), jnp.int32(1)  # arrays, as the layer is: interpret mode's loads take no mix
     t0 = qt * tile
     d2 = jnp.arange(h2, dtype=jnp.int32)[None, :]
     dH = jnp.arange(H, dtype=jnp.int32)[None, :]
@@ -111,9 +114,10 @@ def _kernel(start_ref, qkv_ref, cos_ref, sin_ref, k_ref, v_ref, o_ref, k_out, v_
         j = i * block_k + j_off
         ok = j < start
         m = ok[:, None]
-        ka = plgpu.load(k_ref.at[pl.ds(i * block_k, block_k), pl.ds(0, h2)], mask=m, other=0)
-        kb = plgpu.load(k_ref.at[pl.ds(i * block_k, block_k), pl.ds(h2, h2)], mask=m, other=0)
-        vb = plgpu.load(v_ref.at[pl.ds(i * block_k, block_k), :], mask=m, other=0)
+        rows_j = pl.ds(i * block_k, block_k)
+        ka = plgpu.load(kv_ref.at[layer, k_at, kh, rows_j, pl.ds(0, h2)], mask=m, other=0)
+        kb = plgpu.load(kv_ref.at[layer, k_at, kh, rows_j, pl.ds(h2, h2)], mask=m, other=0)
+        vb = plgpu.load(kv_ref.at[layer, v_at, kh, rows_j, pl.ds(0, H)], mask=m, other=0)
         return update(carry, ka, kb, vb, jnp.broadcast_to(ok[None, :], (rows, block_k)))
 
     def prompt(i, carry):  # the prompt's rows up to each query's own
@@ -137,14 +141,15 @@ def tiling(tokens: int, group: int) -> tuple[int, int]:
     return tile, max(16, next_pow2(tile * group))
 
 
-def check(qkv_TCH, kv_LTKSH, layer: int, start, cos_Th, sin_Th, num_heads: int):
-    """Shape and dtype checks; errors name the argument and the fix."""
+def check(qkv_TCH, kv_LTKSH, layer, start, cos_Th, sin_Th, num_heads: int):
+    """Shape and dtype checks (a layer given as an int: its range too; a traced one is
+    clamped to the cache's layers); errors name the argument and the fix."""
     T, C, H = qkv_TCH.shape
     if kv_LTKSH.ndim != 5 or kv_LTKSH.shape[1] != 2 or kv_LTKSH.shape[4] != H:
         raise ValueError(f"prompt_attention: the cache must be [layers, 2, kv_heads, rows, head_dim={H}]; "
                          f"got {kv_LTKSH.shape}")
     L, _, K, _, _ = kv_LTKSH.shape
-    if not 0 <= layer < L:
+    if isinstance(layer, int) and not 0 <= layer < L:
         raise ValueError(f"prompt_attention: layer={layer} is not one of the cache's {L} layers")
     if num_heads % K or C != num_heads + 2 * K:
         raise ValueError(f"prompt_attention: q|k|v has {C} heads; expected num_heads + 2 * kv_heads = "
@@ -157,9 +162,7 @@ def check(qkv_TCH, kv_LTKSH, layer: int, start, cos_Th, sin_Th, num_heads: int):
                          f"got {jnp.shape(start)}, {cos_Th.shape}, {sin_Th.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "num_heads", "sm_scale", "block_k", "num_warps",
-                                             "num_stages", "interpret"))
-def prompt_attention(qkv_TCH, kv_LTKSH, start, cos_Th, sin_Th, *, layer: int, num_heads: int,
+def prompt_attention(qkv_TCH, kv_LTKSH, start, cos_Th, sin_Th, *, layer, num_heads: int,
                      sm_scale: float | None = None, block_k: int = 32, num_warps: int = 4,
                      num_stages: int = 2, interpret: bool | None = None):
     """(o [T, N, H], the prompt's rows [2, K, T, H]: rotated k, v) of a prompt of T tokens at
@@ -168,10 +171,21 @@ def prompt_attention(qkv_TCH, kv_LTKSH, start, cos_Th, sin_Th, *, layer: int, nu
 
     qkv_TCH: the fused projection of the prompt, heads q (N), k (K), v (K) a token;
     kv_LTKSH: the cache [L, 2, K, S, H] (read only; rows past start are not read);
-    start [1] int32: the cached length (clamped to [0, S]); cos_Th, sin_Th fp32 [T, H/2]:
-    the prompt's RoPE angles (`gendist.models.layers.rope_angles`).
+    start [1] int32: the cached length (clamped to [0, S]); layer: an int, or a traced int32
+    scalar (a layer scan's index; clamped to [0, L-1]); cos_Th, sin_Th fp32 [T, H/2]: the
+    prompt's RoPE angles (`gendist.models.layers.rope_angles`).
     """
     check(qkv_TCH, kv_LTKSH, layer, start, cos_Th, sin_Th, num_heads)
+    where = jnp.concatenate([jnp.reshape(start, (1,)), jnp.reshape(layer, (1,))]).astype(jnp.int32)
+    return _prompt_attention(qkv_TCH, kv_LTKSH, where, cos_Th, sin_Th, num_heads=num_heads,
+                             sm_scale=sm_scale, block_k=block_k, num_warps=num_warps,
+                             num_stages=num_stages, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "sm_scale", "block_k", "num_warps",
+                                             "num_stages", "interpret"))
+def _prompt_attention(qkv_TCH, kv_LTKSH, where, cos_Th, sin_Th, *, num_heads: int, sm_scale, block_k: int,
+                      num_warps: int, num_stages: int, interpret):
     T, C, H = qkv_TCH.shape
     _, _, K, S, _ = kv_LTKSH.shape
     tile, rows = tiling(T, num_heads // K)
@@ -180,24 +194,21 @@ def prompt_attention(qkv_TCH, kv_LTKSH, start, cos_Th, sin_Th, *, layer: int, nu
     kernel = functools.partial(_kernel, num_heads=num_heads, kv_heads=K, tokens=T, tile=tile, rows=rows,
                                block_k=block_k, scale_log2=scale * _LOG2E,
                                precision=precision_for(kv_LTKSH.dtype))
-    cache = lambda which: pl.BlockSpec((None, None, None, S, H),  # noqa: E731
-                                       lambda k, q, w=which: (layer, w, k, 0, 0))
     whole = lambda *shape: pl.BlockSpec(shape, lambda k, q: (0,) * len(shape))  # noqa: E731
     o, k_new, v_new = pl.pallas_call(
         kernel, grid=(K, pl.cdiv(T, tile)),
-        in_specs=[whole(1), whole(T * C, H), whole(T, H // 2), whole(T, H // 2), cache(0), cache(1)],
+        in_specs=[whole(2), whole(T * C, H), whole(T, H // 2), whole(T, H // 2), whole(*kv_LTKSH.shape)],
         out_specs=[whole(T_pad * num_heads, H), *[pl.BlockSpec((None, T_pad, H), lambda k, q: (k, 0, 0))] * 2],
         out_shape=[jax.ShapeDtypeStruct((T_pad * num_heads, H), kv_LTKSH.dtype),
                    *[jax.ShapeDtypeStruct((K, T_pad, H), kv_LTKSH.dtype)] * 2],
         interpret=resolve_interpret(interpret),
         name=f"prompt_attention_t{tile}",
         compiler_params=triton_params(num_warps, num_stages),
-    )(start.astype(jnp.int32), qkv_TCH.reshape(T * C, H), cos_Th.astype(jnp.float32),
-      sin_Th.astype(jnp.float32), kv_LTKSH, kv_LTKSH)
+    )(where, qkv_TCH.reshape(T * C, H), cos_Th.astype(jnp.float32), sin_Th.astype(jnp.float32), kv_LTKSH)
     return o.reshape(T_pad, num_heads, H)[:T], jnp.stack([k_new, v_new])[:, :, :T]
 
 
-def prompt_attention_reference(qkv_TCH, kv_LTKSH, start, cos_Th, sin_Th, *, layer: int, num_heads: int,
+def prompt_attention_reference(qkv_TCH, kv_LTKSH, start, cos_Th, sin_Th, *, layer, num_heads: int,
                                sm_scale: float | None = None):
     """The unfused math in jnp: rotate, write the rows at start, softmax over the positions
     each query sees."""

@@ -188,4 +188,11 @@ ENTRY %main (x: (s32[], bf16[4,8,64,64])) -> (s32[], bf16[4,8,64,64]) {
 def test_loop_body_kinds_and_mosaic_kernels_named_by_their_caller():
     from gendist import profiling
     assert profiling.loop_body_kinds(LOOP_HLO) == {"attention": 1, "matmul": 1}
+    # a loop before the decode loop (a prompt's scan over layers) that launches more: the last counts
+    mm2 = '  %mm2 = bf16[4,8,64,64]{3,2,1,0} custom-call(%q), custom_call_target="mosaic_gpu_v2"\n'
+    prompt_body = LOOP_HLO.split("%cond ")[0].replace("%body ", "%prompt_body ").replace("  ROOT %t", mm2 + "  ROOT %t")
+    two = prompt_body + LOOP_HLO.replace("while(%x), condition=%cond, body=%body", "while(%p), condition=%cond, body=%body") \
+        .replace("  ROOT %w", "  %p = (s32[], bf16[4,8,64,64]) while(%x), condition=%cond, body=%prompt_body\n  ROOT %w")
+    assert sum(profiling.loop_body_kinds(prompt_body + LOOP_HLO.replace("body=%body", "body=%prompt_body")).values()) == 3
+    assert profiling.loop_body_kinds(two) == {"attention": 1, "matmul": 1}
     assert profiling.loop_body_kinds("ENTRY %main () -> f32[] {\n}\n") == {}

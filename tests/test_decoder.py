@@ -115,8 +115,8 @@ def test_generate_config_checks_the_path():
 
 def test_a_hopper_plan_holds_the_kernel_and_its_weights():
     """What "auto" builds for the megakernel on a Hopper GPU (laid out here, not run): the
-    Mosaic GPU kernel by default, the stacked norm-folded matrices beside the decode layout,
-    and its cache; `kernel=` replaces the kernel; from 32k tokens the output layer runs inside
+    Mosaic GPU kernel by default, the stacked norm-folded matrices (the layers' only copy: the
+    prompt reads them too), and its cache; `kernel=` replaces the kernel; from 32k tokens the output layer runs inside
     the kernel, and the plan's line says so; greedy decoding's steps a call
     (`megakernel.GREEDY_STEPS`) bring the output layer inside and the kept state at any
     vocabulary, unless the plan asks for one step a call."""
@@ -129,7 +129,9 @@ def test_a_hopper_plan_holds_the_kernel_and_its_weights():
     assert (p.head, p.kernel_state, p.greedy_steps) == ("fused", True, mk.GREEDY_STEPS)
     one = decoder.plan(MHA, params, 1, 100, device=("gpu", H200), greedy_steps=1)
     assert (one.head, one.kernel_state, one.line) == ("xla", False, "decode: megakernel (batch 1, NVIDIA H200)")
-    assert p.params["chain"][0].shape == (2, 3 * 128, 128) and len(p.params["blocks"]) == 2
+    assert p.params["chain"][0].shape == (2, 3 * 128, 128) and "blocks" not in p.params
+    blocks = mk.prompt_params(MHA, p.params)["blocks"]
+    assert blocks["wqkv_CHD"].shape == (2, 3 * MHA.num_heads, MHA.head_dim, 128)
     assert isinstance(p.make_cache(), mk.ChainCache) and p.make_cache().kv.shape[3] == 128
     ref = decoder.plan(MHA, params, 1, 100, "megakernel", mk.chain_reference, device=("cpu", "cpu"))
     assert ref.kernel is mk.chain_reference and ref.line == (
@@ -243,3 +245,24 @@ def test_generate_a_preset_with_random_weights(recorded, capsys):
     assert main(["generate"]) == 2
     err = capsys.readouterr().err
     assert all(flag in err for flag in ("--checkpoint DIR", "--model-dir DIR", "--preset NAME"))
+
+
+def test_a_megakernel_program_compiles_with_the_stacked_prompt_options(monkeypatch):
+    """`decoder.jit_by_path` (what `generate` and `speculative_generate` are): a program
+    that runs a megakernel plan compiles with `STACKED_PROMPT_OPTIONS` (its prompt's layer
+    slices read in place), any other with XLA's defaults; `.lower` picks the same; inside
+    another jit it makes no program of its own, so it takes the outer one's options."""
+    made, real = [], jax.jit
+
+    def recording(fun, **kw):
+        made.append(kw.get("compiler_options"))
+        return real(fun, **kw)
+
+    monkeypatch.setattr(jax, "jit", recording)
+    f = decoder.jit_by_path(lambda path, x: x + 1, ("path",), lambda path, x: (path,))
+    one = jnp.float32(1)
+    assert float(f("megakernel", one)) == 2.0 and float(f("fast", one)) == 2.0
+    assert made == [dict(decoder.STACKED_PROMPT_OPTIONS), None]
+    assert float(f.lower("megakernel", one).compile()(one)) == 2.0
+    assert float(real(lambda x: f("megakernel", x))(one)) == 2.0  # nested: the no-option program
+    assert made == [dict(decoder.STACKED_PROMPT_OPTIONS), None]

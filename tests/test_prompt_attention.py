@@ -47,6 +47,23 @@ def test_prompt_attention_matches_unfused_math(T, N, K, H, start, dtype):
     np.testing.assert_allclose(np.asarray(rows, np.float32), np.asarray(rows_ref, np.float32), atol=tol, rtol=tol)
 
 
+def test_prompt_attention_takes_its_layer_at_run_time():
+    """One kernel for every layer of a scan: the layer a traced index into the cache, each
+    layer's output that of the reference at that layer (the layers' rows differ)."""
+    qkv, kv, st, cos, sin = _case(5, 2, 1, 32, 64, 9, jnp.float32, L=3)
+    clean = jnp.nan_to_num(kv)
+
+    def one(_, layer):
+        return None, prompt_attention(qkv, kv, st, cos, sin, layer=layer, num_heads=2, interpret=True)
+
+    _, (o_L, rows_L) = jax.lax.scan(one, None, jnp.arange(3, dtype=jnp.int32))
+    for layer in range(3):
+        o_ref, rows_ref = prompt_attention_reference(qkv, clean, st, cos, sin, layer=layer, num_heads=2)
+        np.testing.assert_allclose(np.asarray(o_L[layer]), np.asarray(o_ref), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(rows_L[layer]), np.asarray(rows_ref), atol=1e-5, rtol=1e-5)
+    assert not np.allclose(np.asarray(o_L[0]), np.asarray(o_L[2]), atol=1e-3)
+
+
 def test_prompt_attention_tiles_and_errors():
     """A tile holds as many tokens as fit 64 rows with the group's heads (rows a power of two
     of at least 16); bad shapes name the argument."""

@@ -4,7 +4,9 @@
 
 The math is the model's (`models.transformer`), for one process and no mesh: the layers run
 straight-line over their separate weights (no layer loop), each reading and writing its own
-cache buffers in place (`KVCache.layer_states`), and each layer is
+cache buffers in place (`KVCache.layer_states`), or, where the weights come stacked on a
+leading layer axis (the megakernel's prompt, `megakernel.prompt_params`), as one scan over
+them (`scan_layers`); each layer is
 
     h = norm(x);  q|k|v = one matmul;  o = attention over the cache;  x += o @ wo
     h = norm(x);  x += mlp(h)           (mlp: one gate|up matmul, the activation, down)
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 from gendist.config import ModelConfig
@@ -87,7 +90,12 @@ def qkv(h_BTD, p: dict, num_kv_heads: int):
 
 
 def attention_output(o_BTNH, p: dict):
-    """The attention's output projection [B, T, D]."""
+    """The attention's output projection [B, T, D] (from `wo_DC` [D, N*H] where a layer has
+    it: a layer's slice of stacked weights fuses into XLA's matmul only where the product
+    contracts one axis, else it is copied out first)."""
+    if "wo_DC" in p:
+        B, T = o_BTNH.shape[:2]
+        return jnp.einsum("BTC,DC->BTD", o_BTNH.reshape(B, T, -1), p["wo_DC"].astype(o_BTNH.dtype))
     return jnp.einsum("BTNH,DNH->BTD", o_BTNH, p["wo_DNH"].astype(o_BTNH.dtype))
 
 
@@ -100,17 +108,18 @@ def mlp(h_BTD, p: dict, cfg: ModelConfig):
                       p["w_down_DF"].astype(dt))
 
 
-def block(p: dict, x_BTD, pending_BTD, pos_BT, cfg: ModelConfig, cache, layer_state):
+def block(p: dict, x_BTD, pending_BTD, pos_BT, cfg: ModelConfig, cache, layer_state, angles=None):
     """One layer in the decode layout: (x after attention, the MLP's output not yet added,
     the layer's new cache state). `pending_BTD` is the previous layer's MLP output (None for
-    the first layer), added here before the first norm."""
+    the first layer), added here before the first norm; angles: RoPE's (cos, sin) at pos_BT
+    (`layers.rope_angles`), made here when not given."""
     B, T = pos_BT.shape
     norm_k, attn_k = cache.decode_kernels(B, T) if cache is not None else (False, False)
     if pending_BTD is None:
         h_BTD = rms_norm(x_BTD, p["attn_norm"], cfg.norm_eps, norm_k)
     else:
         x_BTD, h_BTD = add_rms_norm(x_BTD, pending_BTD, p["attn_norm"], cfg.norm_eps, norm_k)
-    cos, sin = layers.rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
+    cos, sin = angles or layers.rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     if attn_k:  # RoPE, the cache write and attention in one kernel, from q|k|v unsplit
         o_BTNH, layer_state = cache.attend_qkv(layer_state, qkv_fused(h_BTD, p), cfg.num_heads,
@@ -140,17 +149,41 @@ def run_layers(blocks, x_BTD, pos_BT, cfg: ModelConfig, cache=None):
     return x_BTD, None if cache is None else cache.with_layer_states(new_states)
 
 
+def scan_layers(blocks: dict, x_BTD, pos_BT, cfg: ModelConfig, cache):
+    """The layers as one scan over weights stacked on a leading layer axis (`blocks`: the
+    decode layout's keys, [L, ...] each): one layer body, compiled once. Layer l reads the
+    cache through `cache.scan_state(l)` (the whole cache and the layer's index: nothing is
+    copied a layer), its new rows come out of the scan and `cache.with_scanned_states`
+    writes them all at once: (x, cache)."""
+    num = jax.tree.leaves(blocks)[0].shape[0]
+    angles = layers.rope_angles(pos_BT, cfg.head_dim, cfg.rope_theta, cfg.rope_llama3)  # once
+
+    def body(carry, xs):
+        x_BTD, pending_BTD = carry
+        p, layer = xs
+        x_BTD, pending_BTD, rows = block(p, x_BTD, pending_BTD, pos_BT, cfg, cache,
+                                         cache.scan_state(layer), angles)
+        return (x_BTD, pending_BTD), rows
+
+    # the first layer's pending MLP output is zeros: x + 0 is x, so its sums are run_layers'
+    (x_BTD, pending_BTD), rows = jax.lax.scan(body, (x_BTD, jnp.zeros_like(x_BTD)),
+                                              (blocks, jnp.arange(num, dtype=jnp.int32)))
+    return x_BTD + pending_BTD, cache.with_scanned_states(rows, pos_BT)
+
+
 def forward(cfg: ModelConfig, params: dict, tokens_BT, pos_BT=None, cache=None,
             head: bool = False):
     """fp32 logits [B, T, V] of a model in the decode layout (and the cache when one is
     given: reserved by `prepare`, written at `pos_BT`; its lengths are the caller's).
-    `head`: the output layer through its kernel (`head_logits`)."""
+    `head`: the output layer through its kernel (`head_logits`). Layers given as a dict of
+    stacked arrays run as a scan (`scan_layers`; a cache is then needed), as a tuple
+    straight-line (`run_layers`)."""
     B, T = tokens_BT.shape
     if pos_BT is None:
         pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     if cache is not None:
         cache = cache.prepare(pos_BT)
-    x_BTD, cache = run_layers(params["blocks"], embed(params, tokens_BT, cfg), pos_BT, cfg,
-                              cache)
+    layers_ = scan_layers if isinstance(params["blocks"], dict) else run_layers
+    x_BTD, cache = layers_(params["blocks"], embed(params, tokens_BT, cfg), pos_BT, cfg, cache)
     logits_BTV = head_logits(params, x_BTD, cfg, kernel=head)
     return logits_BTV if cache is None else (logits_BTV, cache)

@@ -33,6 +33,7 @@ jitted function takes it as an argument.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 
@@ -135,6 +136,37 @@ def resolve(cfg: ModelConfig, batch: int, path: str = "auto", *, platform: str,
     return path, f"decode: {name} (generate.path={path!r})"
 
 
+# XLA's options for a program that runs a megakernel plan: its prompt is a scan over the
+# kernel's stacked matrices (`megakernel.prompt_params`), and with dynamic-slice fusion each
+# layer's matmuls read their slices in place (cuBLAS at an offset), where XLA 0.11's Triton
+# matmul fusions copy each slice out first (benchmarks/decode.md, "Before the loop").
+STACKED_PROMPT_OPTIONS = (("xla_gpu_enable_dynamic_slice_fusion", True),
+                          ("xla_gpu_enable_triton_gemm", False))
+
+
+def jit_by_path(fun: Callable, static_argnames: tuple, paths: Callable) -> Callable:
+    """`fun` jitted once for each set of XLA options its call needs: those of the decode
+    paths that `paths(*args, **kwargs)` names (a megakernel plan's `STACKED_PROMPT_OPTIONS`,
+    none for the others). The result calls, lowers (`.lower`) and traces (`.trace`) as
+    `jax.jit`'s does; called inside another jit it takes none (XLA compiles the outer
+    program, with that program's options)."""
+    @functools.cache
+    def jitted(options: tuple):
+        return jax.jit(fun, static_argnames=static_argnames, compiler_options=dict(options) or None)
+
+    def pick(*args, **kwargs):
+        nested = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
+        return jitted(STACKED_PROMPT_OPTIONS if not nested and "megakernel" in paths(*args, **kwargs) else ())
+
+    @functools.wraps(fun)
+    def call(*args, **kwargs):
+        return pick(*args, **kwargs)(*args, **kwargs)
+
+    call.lower = lambda *args, **kwargs: pick(*args, **kwargs).lower(*args, **kwargs)
+    call.trace = lambda *args, **kwargs: pick(*args, **kwargs).trace(*args, **kwargs)
+    return call
+
+
 def layout(cfg: ModelConfig, params: dict, path: str, head: str = "xla") -> dict:
     """`params` as `path` reads them (idempotent): cast once; the decode layout for "fast";
     plus the stacked, norm-folded matrices of the kernel for "megakernel" (and its output
@@ -218,9 +250,10 @@ class DecodePlan:
                                                pos_BT[:, 0], cache, self.kernel,
                                                head=self.head, order_only=order_only)
             return logits_BV[:, None], cache
-        else:  # fast, and the megakernel's prompts (the decode layout over its cache)
-            logits_BTV, cache = decode_block.forward(self.cfg, self.params, tokens_BT, pos_BT,
-                                                     cache, head=self.head == "kernel")
+        else:  # fast, and the megakernel's prompts (a scan over the kernel's matrices)
+            params = megakernel.prompt_params(self.cfg, self.params) if self.path == "megakernel" else self.params
+            logits_BTV, cache = decode_block.forward(self.cfg, params, tokens_BT, pos_BT, cache,
+                                                     head=self.head == "kernel")
         return logits_BTV.astype(jnp.float32), cache
 
     def prefill(self, prompt_BT, prompt_len_B, cache):

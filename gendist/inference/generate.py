@@ -8,8 +8,6 @@ plan, `generate_tokens` builds one for its call.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,9 +38,8 @@ def pad_prompts(prompts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return out, np.array([len(p) for p in prompts], np.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "sp", "eos_id"))
-def generate(plan: decoder.DecodePlan, prompt_BT, prompt_len_B, key, *, max_new_tokens: int,
-             sp: SamplingParams, eos_id: int = -1, cache: KVCache | None = None):
+def _generate(plan: decoder.DecodePlan, prompt_BT, prompt_len_B, key, *, max_new_tokens: int,
+              sp: SamplingParams, eos_id: int = -1, cache: KVCache | None = None):
     """New tokens [B, max_new_tokens] (eos-padded after a sequence stops) and counts [B],
     decoded by `plan` (`decoder.plan`) into `cache` (the plan's own by default). Greedy
     decoding with a plan of `greedy_steps` N > 1 takes N tokens a megakernel call, the first
@@ -104,6 +101,10 @@ def generate(plan: decoder.DecodePlan, prompt_BT, prompt_len_B, key, *, max_new_
     if eos_id < 0:
         count_B = jnp.full((B,), max_new_tokens, jnp.int32)
     return out_BN[:, :max_new_tokens], jnp.minimum(count_B, max_new_tokens)
+
+
+# jitted with the XLA options its plan's path needs (`decoder.jit_by_path`)
+generate = decoder.jit_by_path(_generate, ("max_new_tokens", "sp", "eos_id"), lambda plan, *a, **kw: (plan.path,))
 
 
 def generate_tokens(cfg: ModelConfig, params, prompt_BT, prompt_len_B, key, *,

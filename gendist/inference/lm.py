@@ -29,6 +29,7 @@ class LM:
     # greedy(params, tokens_B, cache, n) -> (tokens [B, n], the cache n longer): n greedy tokens
     # after tokens_B (at the cache's length) in one call; None: a call a token only
     greedy: Callable[..., tuple[jax.Array, Any]] | None = None
+    path: str = ""  # the decode path of a transformer's plan (its XLA options: `decoder.jit_by_path`)
 
 
 def transformer_lm(plan, name: str = "transformer", cache_factory=None) -> LM:
@@ -53,7 +54,7 @@ def transformer_lm(plan, name: str = "transformer", cache_factory=None) -> LM:
 
     return LM(apply, make_cache, plan.cfg.vocab_size, name,
               prepare=lambda params: skeleton.with_params(params).params,
-              greedy=greedy if plan.greedy_steps > 1 else None)
+              greedy=greedy if plan.greedy_steps > 1 else None, path=plan.path)
 
 
 def draft_config(target: ModelConfig, width: int, num_layers: int) -> ModelConfig:

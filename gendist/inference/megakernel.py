@@ -161,15 +161,14 @@ def fused_head_supported(cfg: ModelConfig) -> str | None:
 
 
 def chain_params(cfg: ModelConfig, params: dict, head: bool = False) -> dict:
-    """The decode layout (`decode_layout.decode_params`, for the prompt) plus "chain": the
-    matrices the kernel reads, stacked over layers, RMSNorm gains folded into q|k|v's and
-    gate|up's columns: (w_qkv [L, D + 2 K hd, D] (rows q | k | v, K kv heads), w_o [L, D, D],
-    w_gu [L, 2F, D], w_down [L, D, F]). The layers' weights are so held twice: the prompt
-    reading the kernel's stacked matrices instead was timed and left (docs/decisions.md: XLA
-    then compiles each layer's slice into a matmul of its own, about twice the compile). head:
-    also "chain_head", the output layer's table with the final norm's gain folded in
-    (`cx.fold_head`; a second copy of a tied table: V x D bf16 more memory), for the output
-    layer inside the kernel."""
+    """The weights of the megakernel path: the decode layout's embedding, final norm and
+    output layer (`decode_layout.decode_params`) and "chain": the matrices the kernel reads,
+    stacked over layers, RMSNorm gains folded into q|k|v's and gate|up's columns: (w_qkv
+    [L, D + 2 K hd, D] (rows q | k | v, K kv heads), w_o [L, D, D], w_gu [L, 2F, D], w_down
+    [L, D, F]). The layers' weights are held once: a prompt reads the same matrices, as a
+    scan over the layers (`prompt_params`). head: also "chain_head", the output layer's
+    table with the final norm's gain folded in (`cx.fold_head`; a second copy of a tied
+    table: V x D bf16 more memory), for the output layer inside the kernel."""
     if "chain" in params:
         if head and "chain_head" not in params:
             why = fused_head_supported(cfg)
@@ -190,8 +189,22 @@ def chain_params(cfg: ModelConfig, params: dict, head: bool = False) -> dict:
     w_qkv, w_gu = cx.fold_norms(stack("wqkv_CHD", (N1, D)), stack("w_gate_up_GD", (2 * cfg.d_ff, D)),
                                 jnp.stack([b["attn_norm"] for b in blocks]),
                                 jnp.stack([b["mlp_norm"] for b in blocks]))
-    out = {**dp, "chain": (w_qkv, stack("wo_DNH", (D, D)), w_gu, stack("w_down_DF", (D, cfg.d_ff)))}
+    out = {k: v for k, v in dp.items() if k != "blocks"}
+    out["chain"] = (w_qkv, stack("wo_DNH", (D, D)), w_gu, stack("w_down_DF", (D, cfg.d_ff)))
     return chain_params(cfg, out, head) if head else out
+
+
+def prompt_params(cfg: ModelConfig, params: dict) -> dict:
+    """`chain_params`' weights as the decode block's scan over layers reads them for a
+    prompt (`decode_block.scan_layers`): "blocks" the decode layout's keys over the kernel's
+    stacked matrices (reshapes: no copy), the RMSNorms' gains ones since the matrices hold
+    them (the kernel's own products, so that a prompt's rows are those a step would write)."""
+    w_qkv, w_o, w_gu, w_down = params["chain"]
+    L, D = w_o.shape[:2]
+    ones = jnp.ones((L, D), jnp.float32)
+    blocks = {"wqkv_CHD": w_qkv.reshape(L, -1, cfg.head_dim, D), "wo_DC": w_o,
+              "w_gate_up_GD": w_gu, "w_down_DF": w_down, "attn_norm": ones, "mlp_norm": ones}
+    return {**{k: v for k, v in params.items() if k not in ("chain", "chain_head")}, "blocks": blocks}
 
 
 @jax.tree_util.register_dataclass
@@ -252,18 +265,16 @@ class ChainCache(KVCache):
     def with_layer_state(self, state):
         return dataclasses.replace(self, kv=state)
 
-    # A prompt (the decode block's forward over T tokens) reads the cache in its own layout
-    # and writes it once for every layer: each layer's state is (its index, the whole cache),
-    # each layer hands back its new rows [2, K, T, hd] and their positions, and
-    # `with_layer_states` writes them all in one update (no layer's slice copied, moved into
-    # another layout or written back on its own).
-    def layer_states(self) -> list:
-        return [(layer, self.kv) for layer in range(self.kv.shape[0])]
+    # A prompt (the decode block's scan over the layers, `decode_block.scan_layers`) reads
+    # the cache in its own layout and writes it once for every layer: layer l's state is (l,
+    # the whole cache), each layer hands back its new rows [2, K, T, hd], and
+    # `with_scanned_states` writes them all in one update (no layer's slice copied, moved
+    # into another layout or written back on its own).
+    def scan_state(self, layer):
+        return layer, self.kv
 
-    def with_layer_states(self, states: list) -> ChainCache:
-        rows_L2KTH = jnp.stack([rows for rows, _ in states])
-        pos_T = states[0][1]
-        return dataclasses.replace(self, kv=self.kv.at[:, :, :, pos_T].set(rows_L2KTH, mode="drop"))
+    def with_scanned_states(self, rows_L2KTH, pos_BT) -> ChainCache:
+        return dataclasses.replace(self, kv=self.kv.at[:, :, :, pos_BT[0]].set(rows_L2KTH, mode="drop"))
 
     def decode_kernels(self, batch: int, tokens: int) -> tuple[bool, bool]:
         """With `prompt_kernels`: RMSNorm as one kernel for up to 64 rows, and RoPE +
@@ -273,21 +284,22 @@ class ChainCache(KVCache):
         return batch * tokens <= 64, batch == 1 and prompt_attention.supports(self.kv.shape[-1])
 
     def attend_qkv(self, layer_state, qkv_BTCH, num_heads: int, q_pos_BT, cos_BTh, sin_BTh, sm_scale):
-        """The prompt's RoPE and attention in one kernel from q|k|v unsplit; its positions
-        are contiguous from q_pos_BT[0, 0] (a prompt's, a speculative verification's)."""
+        """The prompt's RoPE and attention in one kernel from q|k|v unsplit, its rotated rows
+        [2, K, T, hd] handed back; its positions are contiguous from q_pos_BT[0, 0] (a
+        prompt's, a speculative verification's)."""
         layer, kv = layer_state
         o_TNH, rows_2KTH = prompt_attention.prompt_attention(
             qkv_BTCH[0], kv, q_pos_BT[0, :1], cos_BTh[0], sin_BTh[0], layer=layer, num_heads=num_heads,
             sm_scale=sm_scale)
-        return o_TNH[None], (rows_2KTH, q_pos_BT[0])
+        return o_TNH[None], rows_2KTH
 
     def attend(self, layer_state, q_BTNH, k_BTKH, v_BTKH, q_pos_BT, sm_scale):
-        """The prompt's attention (XLA) over this layer's [2, K, S, hd] slice, its new rows
-        written at q_pos_BT."""
+        """The prompt's attention (XLA) over this layer's [2, K, S, hd] slice with its new rows
+        written at q_pos_BT, and those rows [2, K, T, hd]."""
         layer, kv = layer_state
         rows_2KTH = jnp.stack([k_BTKH[0], v_BTKH[0]]).transpose(0, 2, 1, 3).astype(kv.dtype)
         kv_2KSH = kv[layer].at[:, :, q_pos_BT[0]].set(rows_2KTH, mode="drop")
-        return cache_attention(q_BTNH, kv_2KSH, q_pos_BT, sm_scale), (rows_2KTH, q_pos_BT[0])
+        return cache_attention(q_BTNH, kv_2KSH, q_pos_BT, sm_scale), rows_2KTH
 
 
 def cache_attention(q_BTNH, kv_2KSH, q_pos_BT, sm_scale):

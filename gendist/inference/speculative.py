@@ -17,11 +17,11 @@ later, since attention only sees keys at positions <= the query's.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
+from gendist.inference import decoder
 from gendist.inference.lm import LM
 from gendist.inference.sampling import SamplingParams, probs
 
@@ -146,11 +146,9 @@ def accept(key, d_BG, q_BGV, p_BG1V, g_dyn, sp: SamplingParams):
     return k_B, _sample(k2, resid, sp)
 
 
-@functools.partial(jax.jit, static_argnames=("target", "draft", "max_new_tokens", "sp", "spec",
-                                             "eos_id"))
-def speculative_generate(target: LM, tparams, draft: LM, dparams, prompt_BT, prompt_len_B,
-                         key, *, max_new_tokens: int, sp: SamplingParams, spec: SpecConfig,
-                         eos_id: int = -1, tcache=None, dcache=None):
+def _speculative_generate(target: LM, tparams, draft: LM, dparams, prompt_BT, prompt_len_B,
+                          key, *, max_new_tokens: int, sp: SamplingParams, spec: SpecConfig,
+                          eos_id: int = -1, tcache=None, dcache=None):
     """New tokens [B, max_new_tokens] (eos-padded), counts [B] and acceptance statistics."""
     B, P = prompt_BT.shape
     G = spec.gamma
@@ -227,3 +225,9 @@ def speculative_generate(target: LM, tparams, draft: LM, dparams, prompt_BT, pro
              "proposed": s["proposed"], "steps": s["steps"],
              "final_gamma": s["gamma"], "alpha_ema": s["alpha"]}
     return s["out"], s["count"], stats
+
+
+# jitted with the XLA options the target's and the draft's paths need (`decoder.jit_by_path`)
+speculative_generate = decoder.jit_by_path(
+    _speculative_generate, ("target", "draft", "max_new_tokens", "sp", "spec", "eos_id"),
+    lambda target, tparams, draft, *a, **kw: (target.path, draft.path))

@@ -36,11 +36,12 @@ from gendist.presets import preset
 from gendist.timing import call_times
 
 
-def profile(fn, args, iterations_of, hlo_path: Path | None = None):
+def profile(fn, args, iterations_of, hlo_path: Path | None = None, paths: tuple = ()):
     """Median wall time, per-kind kernel time and launches per loop iteration of `fn(*args)`
-    (array arguments only), compiled once: the program classified is the program run.
-    `hlo_path`: also write its compiled HLO there (gzip), to read what a top op is."""
-    compiled = jax.jit(fn).lower(*args).compile()
+    (array arguments only), compiled once: the program classified is the program run, with
+    the XLA options of the decode `paths` it runs (`decoder.compiler_options`, as `generate`
+    takes them). `hlo_path`: also write its compiled HLO there (gzip), to read what a top op is."""
+    compiled = jax.jit(fn, compiler_options=decoder.compiler_options(*paths)).lower(*args).compile()
     if hlo_path is not None:
         hlo_path.parent.mkdir(parents=True, exist_ok=True)
         hlo_path.write_bytes(gzip.compress(compiled.as_text().encode()))
@@ -130,13 +131,14 @@ def main():
     hlo = out / f"profile_decode_{tag}{suffix}_speculative.hlo.txt.gz" if args.hlo else None
     if not args.calls_only:
         res["plain"] = profile(functools.partial(generate, **common),
-                               (plain_t, prompt, lens, key), plain_steps)
+                               (plain_t, prompt, lens, key), plain_steps, paths=(plain_t.path,))
         res["draft_plain"] = profile(functools.partial(generate, **common),
-                                     (plain_d, prompt, lens, key), plain_steps)
+                                     (plain_d, prompt, lens, key), plain_steps, paths=(plain_d.path,))
         res["speculative"] = profile(
             lambda tp, dp, *a: speculative_generate(target, tp, draft, dp, *a, spec=spec,
                                                     **common),
-            (tp, dp, prompt, lens, key), lambda out: int(out[2]["steps"]), hlo)
+            (tp, dp, prompt, lens, key), lambda out: int(out[2]["steps"]), hlo,
+            paths=(target.path, draft.path))
     # One call's time by tokens per call: what a verification costs against a decode step
     # (Leviathan et al.'s speedup formula assumes the same), and the draft's c.
     res["call_ms"] = {f"{who}_T{t}": call_ms(lm, params, B, t)

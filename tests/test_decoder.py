@@ -263,6 +263,7 @@ def test_a_megakernel_program_compiles_with_the_stacked_prompt_options(monkeypat
     one = jnp.float32(1)
     assert float(f("megakernel", one)) == 2.0 and float(f("fast", one)) == 2.0
     assert made == [dict(decoder.STACKED_PROMPT_OPTIONS), None]
+    assert decoder.compiler_options("fast", "megakernel") == made[0] and decoder.compiler_options("fast") is None
     assert float(f.lower("megakernel", one).compile()(one)) == 2.0
     assert float(real(lambda x: f("megakernel", x))(one)) == 2.0  # nested: the no-option program
     assert made == [dict(decoder.STACKED_PROMPT_OPTIONS), None]

@@ -144,6 +144,12 @@ STACKED_PROMPT_OPTIONS = (("xla_gpu_enable_dynamic_slice_fusion", True),
                           ("xla_gpu_enable_triton_gemm", False))
 
 
+def compiler_options(*paths: str) -> dict | None:
+    """XLA's options for a program that runs plans of these decode paths (`jax.jit`'s
+    `compiler_options`): `STACKED_PROMPT_OPTIONS` where one is the megakernel's, else None."""
+    return dict(STACKED_PROMPT_OPTIONS) if "megakernel" in paths else None
+
+
 def jit_by_path(fun: Callable, static_argnames: tuple, paths: Callable) -> Callable:
     """`fun` jitted once for each set of XLA options its call needs: those of the decode
     paths that `paths(*args, **kwargs)` names (a megakernel plan's `STACKED_PROMPT_OPTIONS`,
@@ -151,12 +157,12 @@ def jit_by_path(fun: Callable, static_argnames: tuple, paths: Callable) -> Calla
     `jax.jit`'s does; called inside another jit it takes none (XLA compiles the outer
     program, with that program's options)."""
     @functools.cache
-    def jitted(options: tuple):
-        return jax.jit(fun, static_argnames=static_argnames, compiler_options=dict(options) or None)
+    def jitted(paths_: tuple):
+        return jax.jit(fun, static_argnames=static_argnames, compiler_options=compiler_options(*paths_))
 
     def pick(*args, **kwargs):
         nested = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
-        return jitted(STACKED_PROMPT_OPTIONS if not nested and "megakernel" in paths(*args, **kwargs) else ())
+        return jitted(() if nested else ("megakernel",) if "megakernel" in paths(*args, **kwargs) else ())
 
     @functools.wraps(fun)
     def call(*args, **kwargs):

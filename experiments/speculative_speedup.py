@@ -127,6 +127,9 @@ def main():
     ap.add_argument("--kernel-state", action="store_true",
                     help="plans on the megakernel path keep the kernel's state between steps "
                          "(decoder.plan(kernel_state=True)): the plain target's and the draft's")
+    ap.add_argument("--xla-defaults-too", action="store_true",
+                    help="also time each row's speculative program compiled with XLA's default "
+                         "options (speedup_xla_defaults), not those its decode paths pick")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
     args = ap.parse_args()
@@ -239,7 +242,7 @@ def main():
                     res["runs"].append(dict(batch=B, temperature=temp, gamma=g,
                                             adaptive=spec.adaptive, skipped="time budget"))
                     continue
-                t_spec, st = 0.0, collections.Counter()
+                t_spec, t_defaults, st = 0.0, 0.0, collections.Counter()
                 gammas_used, alphas = [], []
                 for pb, lb in sets:
                     fn = functools.partial(
@@ -254,8 +257,13 @@ def main():
                         spec=spec,
                         **common,
                     )
-                    seconds, (_, _, stats) = timed(fn)  # same key every call: same stats
+                    seconds, (out_spec, _, stats) = timed(fn)  # same key every call: same stats
                     t_spec += seconds
+                    if args.xla_defaults_too:
+                        seconds, (out_def, _, _) = timed(functools.partial(
+                            speculative_generate.for_paths(), *fn.args, **fn.keywords))
+                        t_defaults += seconds
+                        st["tokens_differ_xla_defaults"] += int(jnp.sum(out_spec != out_def))
                     st.update(
                         {k: int(stats[k]) for k in ("accepted", "trials", "proposed", "steps")}
                     )
@@ -282,6 +290,9 @@ def main():
                     spec_s=t_spec,
                     speedup=t_plain / t_spec,
                     predicted=pred,
+                    **(dict(spec_s_xla_defaults=t_defaults, speedup_xla_defaults=t_plain / t_defaults,
+                            tokens_differ_xla_defaults=st["tokens_differ_xla_defaults"])
+                       if args.xla_defaults_too else {}),
                     target_calls=st["steps"],
                     new_tokens_per_target_call=n_sets * args.new_tokens
                     / max(st["steps"], 1),

@@ -13,6 +13,11 @@ Setup (once; the CUDA plugin of the installed jax version, without its CUDA libr
     PYTHONPATH=.:/tmp/cuda_aot JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 \\
         python experiments/decode_hlo_h200.py --cases 350m:1:fast 350m:1:reference --out benchmarks
 
+Speculative cases, `spec:<target>:<width>x<layers>:<gamma>:<options>`: `speculative_generate` with a
+`draft_config` draft, compiled with the options it picks (`program`), `stacked`
+(`decoder.STACKED_PROMPT_OPTIONS`) or `defaults` (XLA's); `slice_copies_MB_per_step`: what a step
+copies out of stacked weights (the draft's scan over its layers).
+
 Variants: `reference` (stacked weights, one stacked cache, the layer scan unrolled), `fast`
 (the decode layout, per-layer cache, the fused decode kernels: RMSNorm, RoPE + cache write
 + attention), `fast@<tiling>` (fast with the attention kernel tiled as `LayerKVCache.tiling`
@@ -131,7 +136,89 @@ def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep
     return dict(preset=name, batch=batch, variant=variant, compile_s=time.perf_counter() - t0,
                 kernels_per_step=kinds, total=sum(kinds.values()),
                 per_layer=sum(kinds.values()) / preset(name).model.num_layers,
-                written_MB_per_step=written_bytes(text) / 1e6)
+                written_MB_per_step=written_bytes(text) / 1e6,
+                slice_copies_MB_per_step=slice_copy_bytes(text) / 1e6)
+
+
+def compile_speculative_case(target: str, draft: str, gamma: int, options: str, prompt: int,
+                             new: int, rep, hlo_dir: str | None = None):
+    """A speculative program (`speculative_generate`: target `target` verifying gamma + 1
+    tokens on its plan's path, a `draft` = "<width>x<layers>" draft on its own, batch 1,
+    greedy) compiled with `options`: "program" (those `speculative_generate` picks for its
+    paths), "stacked" (`decoder.STACKED_PROMPT_OPTIONS`) or "defaults" (XLA's)."""
+    from gendist import profiling
+    from gendist.inference import decoder, speculative
+    from gendist.inference.lm import draft_config, transformer_lm
+    from gendist.inference.sampling import SamplingParams
+    from gendist.models import transformer
+    from gendist.presets import preset
+
+    S = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep)  # noqa: E731
+    tm = preset(target).model
+    width, layers = (int(v) for v in draft.split("x"))
+    n_max = prompt + new + gamma + 1
+
+    def plan(cfg, **kw):
+        raw = jax.eval_shape(lambda: transformer.init_params(cfg, 0))
+        return jax.eval_shape(lambda p: decoder.plan(cfg, p, 1, n_max, device=("gpu", "NVIDIA H200"),
+                                                     **kw), raw)
+
+    verify, small = plan(tm, step_tokens=gamma + 1), plan(draft_config(tm, width, layers))
+    t_lm, d_lm = transformer_lm(verify, "target"), transformer_lm(small, "draft")
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep)
+    args = (t_lm, jax.tree.map(S, verify.params), d_lm, jax.tree.map(S, small.params),
+            S(jnp.zeros((1, prompt), jnp.int32)), S(jnp.zeros((1,), jnp.int32)), key)
+    fn = {"program": speculative.speculative_generate,
+          "stacked": speculative.speculative_generate.for_paths("megakernel"),
+          "defaults": speculative.speculative_generate.for_paths()}[options]
+    t0 = time.perf_counter()
+    text = fn.lower(*args, max_new_tokens=new, sp=SamplingParams(temperature=0.0),
+                    spec=speculative.SpecConfig(gamma=gamma)).compile().as_text()
+    variant = f"speculative {draft} draft g{gamma} {options}"
+    if hlo_dir:
+        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+        (Path(hlo_dir) / f"{target}_{variant.replace(' ', '_')}.hlo.txt").write_text(text)
+    kinds = profiling.loop_body_kinds(text)
+    return dict(preset=target, batch=1, variant=variant, paths=[verify.path, small.path],
+                options=decoder.compiler_options("megakernel") if options == "stacked" else
+                None if options == "defaults" else
+                decoder.compiler_options(*speculative.program_paths(t_lm, d_lm)),
+                compile_s=time.perf_counter() - t0, kernels_per_step=kinds, total=sum(kinds.values()),
+                slice_copies_MB_per_step=slice_copy_bytes(text) / 1e6)
+
+
+def slice_copy_bytes(text: str) -> int:
+    """Bytes one step of the decode loop (the entry's last loop) copies out of stacked arrays:
+    XLA's dynamic-slice copies (`fused_dynamic_slice` fusions, a kernel or memcpy each) in its
+    body and the loops nested in it, times their known trip counts. cuBLAS reading a slice in
+    place (a `dynamic-slice-fusion` custom fusion) copies nothing."""
+    from gendist import profiling
+    comps = profiling._parse(text)
+    entry = next((m.group(1) for line in text.splitlines()
+                  if line.startswith("ENTRY") and (m := profiling._HEADER.match(line))), None)
+
+    def root_bytes(comp):
+        line = next(ln for _, _, ln in comps[comp] if "ROOT" in ln)
+        m = re.search(r"=\s*(\w+)\[([\d,]*)\]", line)
+        n = 1
+        for d in filter(None, m.group(2).split(",")):
+            n *= int(d)
+        return n * _BYTES.get(m.group(1), 4)
+
+    def per_trip(body):
+        total = 0
+        for _, op, line in comps.get(body, ()):
+            if op in ("fusion", "fusion-start") and (m := re.search(r"calls=%(fused_dynamic_slice[\w.\-]*)", line)):
+                total += root_bytes(m.group(1))
+            elif op == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                total += (int(trips.group(1)) if trips else 1) * per_trip(
+                    re.search(r"body=%([\w.\-]+)", line).group(1))
+        return total
+
+    loops = [re.search(r"body=%([\w.\-]+)", line).group(1)
+             for _, op, line in comps.get(entry, ()) if op == "while"]
+    return per_trip(loops[-1]) if loops else 0
 
 
 _BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
@@ -188,9 +275,14 @@ def main():
     _pretend_h200()
     rows = []
     for spec in args.cases:
-        name, batch, variant = spec.split(":")
-        row = compile_case(name, int(batch), variant, args.prompt, args.new_tokens, rep,
-                           args.hlo_dir)
+        if spec.startswith("spec:"):
+            _, name, draft, gamma, options = spec.split(":")
+            row = compile_speculative_case(name, draft, int(gamma), options, args.prompt,
+                                           args.new_tokens, rep, args.hlo_dir)
+        else:
+            name, batch, variant = spec.split(":")
+            row = compile_case(name, int(batch), variant, args.prompt, args.new_tokens, rep,
+                               args.hlo_dir)
         rows.append(row)
         print(json.dumps(row), flush=True)
     out = Path(args.out)

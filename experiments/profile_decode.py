@@ -30,7 +30,7 @@ from gendist.inference import decoder
 from gendist.inference.generate import generate
 from gendist.inference.lm import draft_config, transformer_lm
 from gendist.inference.sampling import SamplingParams
-from gendist.inference.speculative import SpecConfig, speculative_generate
+from gendist.inference.speculative import SpecConfig, program_paths, speculative_generate
 from gendist.models import transformer
 from gendist.presets import preset
 from gendist.timing import call_times
@@ -138,7 +138,7 @@ def main():
             lambda tp, dp, *a: speculative_generate(target, tp, draft, dp, *a, spec=spec,
                                                     **common),
             (tp, dp, prompt, lens, key), lambda out: int(out[2]["steps"]), hlo,
-            paths=(target.path, draft.path))
+            paths=program_paths(target, draft))
     # One call's time by tokens per call: what a verification costs against a decode step
     # (Leviathan et al.'s speedup formula assumes the same), and the draft's c.
     res["call_ms"] = {f"{who}_T{t}": call_ms(lm, params, B, t)

@@ -34,7 +34,8 @@
 #                   (and the float8 transpose kernel against XLA's transpose)
 #   serving         continuous batching vs static batching on one request trace    benchmarks/serving.md
 #   speculative     speculative decoding, 1b target, batch 1, over the megakernel  benchmarks/speculative.md
-#                   (KERNEL_STATE=1: the megakernel's state kept between steps)
+#                   (KERNEL_STATE=1: the megakernel's state kept between steps;
+#                   ALSO_OPTIONS=stacked: each row also compiled with the megakernel's XLA options)
 #   pipeline        1F1B in phases on two GPUs against one GPU                     benchmarks/pipeline.md
 #   collectives     NCCL collectives' bus bandwidth over all GPUs                  benchmarks/collectives.md
 #   two_gpu         every parallel form on two GPUs beside one GPU                 -
@@ -155,6 +156,7 @@ speculative)
     "$PY" experiments/speculative_speedup.py --target 1b --steps 1100 --seq-len 256 --batch-size 32 \
         --draft-width 1024 --draft-layers 2 --draft-round-steps 300 --draft-rounds 5 --gammas 6 8 10 12 \
         --batches 1 --temperatures 0 1 --prompts-b1 8 --new-tokens 128 --tag _1b ${KERNEL_STATE:+--kernel-state} \
+        ${ALSO_OPTIONS:+--also-options $ALSO_OPTIONS} \
         --out "$OUT" ;;
 pipeline)
     "$PY" experiments/pipeline_speed.py --variants one_gpu pp2_1f1b-phased_m16 \

@@ -127,9 +127,10 @@ def main():
     ap.add_argument("--kernel-state", action="store_true",
                     help="plans on the megakernel path keep the kernel's state between steps "
                          "(decoder.plan(kernel_state=True)): the plain target's and the draft's")
-    ap.add_argument("--xla-defaults-too", action="store_true",
-                    help="also time each row's speculative program compiled with XLA's default "
-                         "options (speedup_xla_defaults), not those its decode paths pick")
+    ap.add_argument("--also-options", choices=("stacked", "defaults"), default=None,
+                    help="also time each row's speculative program compiled with these XLA "
+                         "options (decoder.STACKED_PROMPT_OPTIONS or XLA's defaults) beside the "
+                         "ones it picks: speedup_<options>, tokens_differ_<options>")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks"))
     args = ap.parse_args()
@@ -242,7 +243,7 @@ def main():
                     res["runs"].append(dict(batch=B, temperature=temp, gamma=g,
                                             adaptive=spec.adaptive, skipped="time budget"))
                     continue
-                t_spec, t_defaults, st = 0.0, 0.0, collections.Counter()
+                t_spec, t_other, st = 0.0, 0.0, collections.Counter()
                 gammas_used, alphas = [], []
                 for pb, lb in sets:
                     fn = functools.partial(
@@ -259,11 +260,12 @@ def main():
                     )
                     seconds, (out_spec, _, stats) = timed(fn)  # same key every call: same stats
                     t_spec += seconds
-                    if args.xla_defaults_too:
-                        seconds, (out_def, _, _) = timed(functools.partial(
-                            speculative_generate.for_paths(), *fn.args, **fn.keywords))
-                        t_defaults += seconds
-                        st["tokens_differ_xla_defaults"] += int(jnp.sum(out_spec != out_def))
+                    if args.also_options:
+                        other = speculative_generate.for_paths(
+                            *(("megakernel",) if args.also_options == "stacked" else ()))
+                        seconds, (out_other, _, _) = timed(functools.partial(other, *fn.args, **fn.keywords))
+                        t_other += seconds
+                        st["tokens_differ"] += int(jnp.sum(out_spec != out_other))
                     st.update(
                         {k: int(stats[k]) for k in ("accepted", "trials", "proposed", "steps")}
                     )
@@ -290,9 +292,10 @@ def main():
                     spec_s=t_spec,
                     speedup=t_plain / t_spec,
                     predicted=pred,
-                    **(dict(spec_s_xla_defaults=t_defaults, speedup_xla_defaults=t_plain / t_defaults,
-                            tokens_differ_xla_defaults=st["tokens_differ_xla_defaults"])
-                       if args.xla_defaults_too else {}),
+                    **({f"spec_s_{args.also_options}": t_other,
+                        f"speedup_{args.also_options}": t_plain / t_other,
+                        f"tokens_differ_{args.also_options}": st["tokens_differ"]}
+                       if args.also_options else {}),
                     target_calls=st["steps"],
                     new_tokens_per_target_call=n_sets * args.new_tokens
                     / max(st["steps"], 1),

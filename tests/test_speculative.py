@@ -213,6 +213,25 @@ def test_greedy_with_a_megakernel_draft_equals_plain_greedy(models, gamma, kerne
     assert sorted(launches) == ([] if not kernel_state else list(range(2, gamma)))
 
 
+def test_a_megakernel_draft_leaves_the_verification_with_xla_defaults(models):
+    """A speculative program takes the XLA options of its target's path alone
+    (`speculative.program_paths`): a megakernel draft does not switch the target's
+    verification, which every step repeats, to cuBLAS matmuls; plain megakernel decoding
+    keeps its options."""
+    tp, _, pb, lb = models
+    dp = transformer.init_params(CFG_MK, 4)
+    draft = lm(CFG_MK, dp, "draft-megakernel", "megakernel", kernel=mk.chain_reference)
+    target = lm(CFG_T, tp, "target-fast", "fast")
+    args = (target, tp, draft, dp, pb[:1], lb[:1], jax.random.key(0))
+    kw = dict(max_new_tokens=4, sp=SamplingParams(temperature=0.0), spec=SpecConfig(gamma=3))
+    assert (target.path, draft.path) == ("fast", "megakernel")
+    program = speculative_generate.program(*args, **kw)
+    assert program is speculative_generate.for_paths("fast") is speculative_generate.for_paths()
+    assert program is not speculative_generate.for_paths("megakernel")
+    plan = decoder.plan(CFG_MK, dp, 1, 16, path="megakernel", kernel=mk.chain_reference)
+    assert G.generate.program(plan, pb[:1], lb[:1], jax.random.key(0)) is G.generate.for_paths("megakernel")
+
+
 @pytest.mark.parametrize("gamma,adaptive", [(3, False), (6, False), (6, True)])
 def test_a_megakernel_draft_proposes_in_one_launch_what_it_proposes_a_call_a_token(gamma, adaptive):
     """`_draft` of a greedy megakernel draft (the kernel on an sm90 GPU, its XLA reference

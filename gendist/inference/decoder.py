@@ -155,8 +155,9 @@ def jit_by_path(fun: Callable, static_argnames: tuple, paths: Callable) -> Calla
     paths that `paths(*args, **kwargs)` names (a megakernel plan's `STACKED_PROMPT_OPTIONS`,
     none for the others). The result calls, lowers (`.lower`) and traces (`.trace`) as
     `jax.jit`'s does; called inside another jit it takes none (XLA compiles the outer
-    program, with that program's options). `.for_paths(*paths)`: the program compiled with
-    the options of those paths whatever its arguments (none: XLA's defaults)."""
+    program, with that program's options). `.program(*args, **kwargs)`: the `jax.jit`
+    program such a call runs; `.for_paths(*paths)`: the one of those paths' options, whatever
+    the arguments (no paths: XLA's defaults)."""
     @functools.cache
     def jitted(paths_: tuple):
         return jax.jit(fun, static_argnames=static_argnames, compiler_options=compiler_options(*paths_))
@@ -171,6 +172,7 @@ def jit_by_path(fun: Callable, static_argnames: tuple, paths: Callable) -> Calla
 
     call.lower = lambda *args, **kwargs: pick(*args, **kwargs).lower(*args, **kwargs)
     call.trace = lambda *args, **kwargs: pick(*args, **kwargs).trace(*args, **kwargs)
+    call.program = pick
     call.for_paths = lambda *paths_: jitted(("megakernel",) if "megakernel" in paths_ else ())
     return call
 

@@ -227,7 +227,18 @@ def _speculative_generate(target: LM, tparams, draft: LM, dparams, prompt_BT, pr
     return s["out"], s["count"], stats
 
 
-# jitted with the XLA options the target's and the draft's paths need (`decoder.jit_by_path`)
+def program_paths(target: LM, draft: LM) -> tuple[str, ...]:
+    """The decode paths whose XLA options a speculative program takes
+    (`decoder.compiler_options`): the target's alone. Its verification of γ + 1 tokens is
+    what every step repeats; a megakernel draft's options (cuBLAS matmuls, for its scan over
+    the layers) would compile it without Triton's fused matmuls and with more kernels a step
+    (`benchmarks/speculative.md`), while the draft's scans without them copy at most the
+    draft's few layer slices."""
+    del draft
+    return (target.path,)
+
+
+# jitted with the XLA options of its paths (`program_paths`, `decoder.jit_by_path`)
 speculative_generate = decoder.jit_by_path(
     _speculative_generate, ("target", "draft", "max_new_tokens", "sp", "spec", "eos_id"),
-    lambda target, tparams, draft, *a, **kw: (target.path, draft.path))
+    lambda target, tparams, draft, *a, **kw: program_paths(target, draft))

@@ -159,12 +159,15 @@ def jit_by_path(fun: Callable, static_argnames: tuple, paths: Callable) -> Calla
     program such a call runs; `.for_paths(*paths)`: the one of those paths' options, whatever
     the arguments (no paths: XLA's defaults)."""
     @functools.cache
-    def jitted(paths_: tuple):
-        return jax.jit(fun, static_argnames=static_argnames, compiler_options=compiler_options(*paths_))
+    def jitted(options: tuple):  # one program per set of options (sorted items)
+        return jax.jit(fun, static_argnames=static_argnames, compiler_options=dict(options) or None)
+
+    def for_paths(*paths_):
+        return jitted(tuple(sorted((compiler_options(*paths_) or {}).items())))
 
     def pick(*args, **kwargs):
         nested = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
-        return jitted(() if nested else ("megakernel",) if "megakernel" in paths(*args, **kwargs) else ())
+        return for_paths() if nested else for_paths(*paths(*args, **kwargs))
 
     @functools.wraps(fun)
     def call(*args, **kwargs):
@@ -172,8 +175,7 @@ def jit_by_path(fun: Callable, static_argnames: tuple, paths: Callable) -> Calla
 
     call.lower = lambda *args, **kwargs: pick(*args, **kwargs).lower(*args, **kwargs)
     call.trace = lambda *args, **kwargs: pick(*args, **kwargs).trace(*args, **kwargs)
-    call.program = pick
-    call.for_paths = lambda *paths_: jitted(("megakernel",) if "megakernel" in paths_ else ())
+    call.program, call.for_paths = pick, for_paths
     return call
 
 

@@ -193,9 +193,8 @@ def slice_copy_bytes(text: str) -> int:
     body and the loops nested in it, times their known trip counts. cuBLAS reading a slice in
     place (a `dynamic-slice-fusion` custom fusion) copies nothing."""
     from gendist import profiling
-    comps = profiling._parse(text)
-    entry = next((m.group(1) for line in text.splitlines()
-                  if line.startswith("ENTRY") and (m := profiling._HEADER.match(line))), None)
+    comps = profiling.parse_hlo(text)
+    entry = profiling.entry_computation(text)
 
     def root_bytes(comp):
         line = next(ln for _, _, ln in comps[comp] if "ROOT" in ln)
@@ -227,21 +226,13 @@ _BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "
 def written_bytes(text: str) -> int:
     """Bytes the loop body's kernels write per step (their outputs), not counting in-place
     row updates (dynamic-update-slice and scatter fusions write a row, not their shape)."""
+    from gendist import profiling
     bodies = set(re.findall(r"while\(.*?body=%([\w.\-]+)", text))
-    comps, cur = {}, None
-    for line in text.splitlines():
-        m = re.match(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
-        if m:
-            cur = m.group(1)
-            comps[cur] = []
-        elif line.startswith("}"):
-            cur = None
-        elif cur is not None:
-            comps[cur].append(line)
+    comps = profiling.parse_hlo(text)
     best = 0
     for body in bodies:
         total = 0
-        for line in comps.get(body, ()):
+        for _, _, line in comps.get(body, ()):
             m = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+"
                          r"(fusion|custom-call|copy)\(", line)
             if not m or "dynamic_update_slice" in m.group(1) or "scatter" in m.group(1):

@@ -195,7 +195,7 @@ def run_generate(name: str, prompt: int, new: int, prompt_kernels: bool | None =
 def fused_ops(hlo_text: str, name: str) -> str:
     """What fusion `name` computes: its fused computation's opcodes (parameters, constants and
     reshapes left out), in order, '' if not found: to tell the kernels of a step apart."""
-    comps = profiling._parse(hlo_text)
+    comps = profiling.parse_hlo(hlo_text)
     for ops in comps.values():
         for n, op, line in ops:
             if profiling._sanitize(n) == profiling._sanitize(name) and op == "fusion":

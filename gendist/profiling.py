@@ -52,8 +52,8 @@ _MATMUL_NAME = re.compile(r"gemm|cublas|matmul|matvec|nvjet|cutlass|xmma|wgmma",
 _ATTN_NAME = re.compile(r"fmha|sdpa|flash|attention|attn", re.I)
 
 
-def _parse(text: str):
-    """{computation: [(name, opcode, line)]} of an HLO module's text."""
+def parse_hlo(text: str) -> dict[str, list[tuple[str, str, str]]]:
+    """{computation: [(instruction name, opcode, line)]} of an HLO module's text."""
     comps: dict[str, list[tuple[str, str, str]]] = {}
     current = None
     for line in text.splitlines():
@@ -70,6 +70,12 @@ def _parse(text: str):
             op = _OPCODE.search(m.group(2))
             comps[current].append((m.group(1), op.group(1) if op else "", line))
     return comps
+
+
+def entry_computation(text: str) -> str | None:
+    """The name of an HLO module's ENTRY computation, None if the text has none."""
+    return next((m.group(1) for line in text.splitlines()
+                 if line.startswith("ENTRY") and (m := _HEADER.match(line))), None)
 
 
 def _custom_call_kind(line: str) -> str:
@@ -154,7 +160,7 @@ def _fusion_kind(ops: list[tuple[str, str, str]], comps) -> str:
 
 def classify_hlo(text: str) -> dict[str, str]:
     """{instruction name: kind} for every kernel-launching instruction of a compiled module."""
-    comps = _parse(text)
+    comps = parse_hlo(text)
     # Computations that run inside one kernel: fusion bodies, async wrappers and the scalar
     # functions of reduce/sort/scatter/all-reduce. A `call`'s body launches its own kernels.
     fused = set()
@@ -198,10 +204,9 @@ def loop_body_kinds(text: str) -> dict[str, int]:
     may be a loop over its layers before it), or of a loop nested in that one if it launches
     more: how many kernels one step starts, before any profile. {} when the module has no
     loop."""
-    comps = _parse(text)
+    comps = parse_hlo(text)
     kinds = classify_hlo(text)
-    entry = next((m.group(1) for line in text.splitlines()
-                  if line.startswith("ENTRY") and (m := _HEADER.match(line))), None)
+    entry = entry_computation(text)
 
     def loops(comp: str) -> list[str]:
         return [body for _, op, line in comps.get(comp, ()) if op == "while"

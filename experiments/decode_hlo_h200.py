@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import time
@@ -97,12 +98,24 @@ def _pretend_h200():
     pa_kernels._resolve = lambda sm, hd, interpret: (resolve(sm, hd, interpret)[0], False)
 
 
+def compiled(fn, args, kwargs, hlo_dir: str | None, stem: str) -> tuple[str, float]:
+    """(HLO text, seconds) of `fn` compiled for greedy decoding with these arguments; the text
+    also written to `hlo_dir`/`stem`.hlo.txt when asked."""
+    from gendist.inference.sampling import SamplingParams
+    t0 = time.perf_counter()
+    text = fn.lower(*args, sp=SamplingParams(temperature=0.0), **kwargs).compile().as_text()
+    seconds = time.perf_counter() - t0
+    if hlo_dir:
+        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+        (Path(hlo_dir) / f"{stem}.hlo.txt").write_text(text)
+    return text, seconds
+
+
 def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep,
                  hlo_dir: str | None = None):
     from gendist import profiling
     from gendist.inference import decoder
     from gendist.inference.generate import generate
-    from gendist.inference.sampling import SamplingParams
     from gendist.models import transformer
     from gendist.presets import preset
 
@@ -126,14 +139,10 @@ def compile_case(name: str, batch: int, variant: str, prompt: int, new: int, rep
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep)
     args = (jax.tree.map(S, plan), S(jnp.zeros((batch, prompt), jnp.int32)),
             S(jnp.zeros((batch,), jnp.int32)), key)
-    t0 = time.perf_counter()
-    text = generate.lower(*args, max_new_tokens=new, sp=SamplingParams(temperature=0.0),
-                          cache=cache).compile().as_text()
+    text, seconds = compiled(generate, args, dict(max_new_tokens=new, cache=cache), hlo_dir,
+                             f"{name}_{batch}_{variant}")
     kinds = profiling.loop_body_kinds(text)
-    if hlo_dir:
-        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
-        (Path(hlo_dir) / f"{name}_{batch}_{variant}.hlo.txt").write_text(text)
-    return dict(preset=name, batch=batch, variant=variant, compile_s=time.perf_counter() - t0,
+    return dict(preset=name, batch=batch, variant=variant, compile_s=seconds,
                 kernels_per_step=kinds, total=sum(kinds.values()),
                 per_layer=sum(kinds.values()) / preset(name).model.num_layers,
                 written_MB_per_step=written_bytes(text) / 1e6,
@@ -149,7 +158,6 @@ def compile_speculative_case(target: str, draft: str, gamma: int, options: str, 
     from gendist import profiling
     from gendist.inference import decoder, speculative
     from gendist.inference.lm import draft_config, transformer_lm
-    from gendist.inference.sampling import SamplingParams
     from gendist.models import transformer
     from gendist.presets import preset
 
@@ -168,22 +176,16 @@ def compile_speculative_case(target: str, draft: str, gamma: int, options: str, 
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep)
     args = (t_lm, jax.tree.map(S, verify.params), d_lm, jax.tree.map(S, small.params),
             S(jnp.zeros((1, prompt), jnp.int32)), S(jnp.zeros((1,), jnp.int32)), key)
-    fn = {"program": speculative.speculative_generate,
-          "stacked": speculative.speculative_generate.for_paths("megakernel"),
-          "defaults": speculative.speculative_generate.for_paths()}[options]
-    t0 = time.perf_counter()
-    text = fn.lower(*args, max_new_tokens=new, sp=SamplingParams(temperature=0.0),
-                    spec=speculative.SpecConfig(gamma=gamma)).compile().as_text()
+    paths = {"program": speculative.program_paths(t_lm, d_lm), "stacked": ("megakernel",),
+             "defaults": ()}[options]  # the paths whose XLA options the program compiles with
     variant = f"speculative {draft} draft g{gamma} {options}"
-    if hlo_dir:
-        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
-        (Path(hlo_dir) / f"{target}_{variant.replace(' ', '_')}.hlo.txt").write_text(text)
+    text, seconds = compiled(speculative.speculative_generate.for_paths(*paths), args,
+                             dict(max_new_tokens=new, spec=speculative.SpecConfig(gamma=gamma)),
+                             hlo_dir, f"{target}_{variant.replace(' ', '_')}")
     kinds = profiling.loop_body_kinds(text)
     return dict(preset=target, batch=1, variant=variant, paths=[verify.path, small.path],
-                options=decoder.compiler_options("megakernel") if options == "stacked" else
-                None if options == "defaults" else
-                decoder.compiler_options(*speculative.program_paths(t_lm, d_lm)),
-                compile_s=time.perf_counter() - t0, kernels_per_step=kinds, total=sum(kinds.values()),
+                options=decoder.compiler_options(*paths),
+                compile_s=seconds, kernels_per_step=kinds, total=sum(kinds.values()),
                 slice_copies_MB_per_step=slice_copy_bytes(text) / 1e6)
 
 
@@ -198,11 +200,7 @@ def slice_copy_bytes(text: str) -> int:
 
     def root_bytes(comp):
         line = next(ln for _, _, ln in comps[comp] if "ROOT" in ln)
-        m = re.search(r"=\s*(\w+)\[([\d,]*)\]", line)
-        n = 1
-        for d in filter(None, m.group(2).split(",")):
-            n *= int(d)
-        return n * _BYTES.get(m.group(1), 4)
+        return array_bytes(*re.search(r"=\s*(\w+)\[([\d,]*)\]", line).groups())
 
     def per_trip(body):
         total = 0
@@ -221,6 +219,11 @@ def slice_copy_bytes(text: str) -> int:
 
 
 _BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
+
+
+def array_bytes(dtype: str, dims: str) -> int:
+    """Bytes of an HLO array type `dtype[dims]` ("bf16", "2048,64")."""
+    return math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 4)
 
 
 def written_bytes(text: str) -> int:
@@ -243,10 +246,7 @@ def written_bytes(text: str) -> int:
             for j, (dt, dims) in enumerate(re.findall(r"(\w+)\[([\d,]*)\]", m.group(2))):
                 if j in aliased:
                     continue
-                n = 1
-                for d in filter(None, dims.split(",")):
-                    n *= int(d)
-                total += n * _BYTES.get(dt, 4)
+                total += array_bytes(dt, dims)
         best = max(best, total)
     return best
 
